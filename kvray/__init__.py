@@ -1,0 +1,85 @@
+"""kvray: KV-cache transfer for disaggregated LLM inference, as one-sided writes on Ray.
+
+Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> completion.
+"""
+
+from kvray.config import Settings
+from kvray.errors import (
+    BackpressureError,
+    BlockIdError,
+    BoundsError,
+    ConfigError,
+    GeometryMismatchError,
+    KvrayError,
+    LayoutError,
+    MetadataError,
+    PlanError,
+    RegionError,
+    StaleIncarnationError,
+    TransferTimeoutError,
+    TransportError,
+    TransportUnavailableError,
+    UnknownEngineError,
+    UnknownLayerError,
+    WireDecodeError,
+    WriteFailedError,
+)
+from kvray.layout import (
+    READY_LAYOUTS,
+    BlockOrder,
+    Geometry,
+    KVLayout,
+    LayerPlacement,
+    LayerSpec,
+    deepseek_v3,
+    llama_gqa,
+    mixed,
+)
+from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
+from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
+from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "READY_LAYOUTS",
+    "BackpressureError",
+    "Backing",
+    "BlockIdError",
+    "BlockOrder",
+    "BoundsError",
+    "ConfigError",
+    "EngineInfo",
+    "Geometry",
+    "GeometryMismatchError",
+    "KVLayout",
+    "KvrayError",
+    "LayerPlacement",
+    "LayerSpec",
+    "LayoutError",
+    "MemoryKind",
+    "MemoryRegion",
+    "MetadataError",
+    "OffsetCache",
+    "OpTable",
+    "PlanError",
+    "RegionDescriptor",
+    "RegionError",
+    "RegionSpan",
+    "Role",
+    "Settings",
+    "StaleIncarnationError",
+    "TransferPlan",
+    "TransferTimeoutError",
+    "TransportError",
+    "TransportKind",
+    "TransportUnavailableError",
+    "UnknownEngineError",
+    "UnknownLayerError",
+    "WireDecodeError",
+    "WriteFailedError",
+    "deepseek_v3",
+    "llama_gqa",
+    "mixed",
+    "plan_transfer",
+]

@@ -1,0 +1,75 @@
+"""Settings: one struct passed in explicitly; the only module that reads KVRAY_* variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvray.errors import ConfigError
+
+PAGE_SIZE = 4096
+GPU_PAGE_SIZE = 2 * 1024 * 1024
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every knob kvray has. Build one, or read one from the environment with `from_env`."""
+
+    #: Alignment unit of CPU and shared-memory regions (start and length), in bytes.
+    alignment: int = PAGE_SIZE
+    #: Alignment unit of GPU regions.
+    gpu_alignment: int = GPU_PAGE_SIZE
+    #: Folder of shared-memory backing files.
+    shm_dir: str = "/dev/shm"
+    #: Ray namespace and name of the coordinator actor.
+    namespace: str = "kvray"
+    coordinator_name: str = "kvray-coordinator"
+    #: Seconds to wait for a peer engine to register before a lookup fails.
+    lookup_timeout_s: float = 30.0
+    #: Seconds a single transfer (plan, write, completion) may take.
+    transfer_timeout_s: float = 60.0
+    #: Transfers one agent runs at once; more wait (with their deadline) for a slot.
+    max_concurrent_transfers: int = 8
+    #: Transfers one agent accepts queued beyond the running ones before refusing new pushes.
+    max_queued_transfers: int = 256
+    #: Transport to use: "auto", "shm", "ray" (and later "cuda_ipc", "verbs").
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("alignment", "gpu_alignment"):
+            value = getattr(self, name)
+            if value <= 0 or value & (value - 1):
+                raise ConfigError(
+                    f"{name} must be a positive power of two, got {value}", setting=name, value=value
+                )
+        for name in ("lookup_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
+        for name in ("max_concurrent_transfers", "max_queued_transfers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then KVRAY_<FIELD> variables (e.g. KVRAY_ALIGNMENT=8192), then `overrides`."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in msgspec.structs.fields(cls):
+            raw = environ.get(f"KVRAY_{field.name.upper()}")
+            if raw is None:
+                continue
+            try:
+                values[field.name] = msgspec.convert(raw, field.type, strict=False)
+            except msgspec.ValidationError as error:
+                raise ConfigError(
+                    f"KVRAY_{field.name.upper()}={raw!r} is not a valid {field.name}: {error}",
+                    setting=field.name,
+                    value=raw,
+                ) from None
+        values.update(overrides)
+        try:
+            return msgspec.convert(values, cls)
+        except msgspec.ValidationError as error:
+            raise ConfigError(f"invalid settings: {error}") from None

@@ -1,0 +1,307 @@
+"""Layout: a model's KV cache described in bytes (first step of the data flow).
+
+Pure arithmetic, no devices: `Geometry` says what one layer stores per token, `KVLayout`
+orders the layers and blocks in one backing, and `LayerPlacement` is where a layer's bytes
+sit relative to the start of the region that holds them.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+from kvray.errors import LayoutError, UnknownLayerError
+
+#: Bytes per element of every dtype a geometry may use.
+DTYPE_ITEMSIZE: Mapping[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+#: Every layer slab (layer-major) and every layer segment inside a block (block-major) starts
+#: at a multiple of this many bytes, so typed views are aligned for any dtype above.
+SEGMENT_ALIGNMENT = 64
+
+
+def align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def align_down(value: int, alignment: int) -> int:
+    return (value // alignment) * alignment
+
+
+class BlockOrder(enum.Enum):
+    """How blocks and layers interleave in one backing."""
+
+    #: Each layer is one contiguous slab of all its blocks (the usual paged layout).
+    LAYER_MAJOR = "layer_major"
+    #: Each block holds every layer, so one block of the whole model is one contiguous run.
+    BLOCK_MAJOR = "block_major"
+
+
+class Geometry(msgspec.Struct, frozen=True, kw_only=True):
+    """What one layer caches: `parts` (1 latent, 2 for K and V) × tokens × entry."""
+
+    block_size: int
+    entry_shape: tuple[int, ...]
+    dtype: str
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise LayoutError(
+                f"block_size must be a positive number of tokens, got {self.block_size}",
+                block_size=self.block_size,
+            )
+        if not self.entry_shape or any(dim <= 0 for dim in self.entry_shape):
+            raise LayoutError(
+                f"entry_shape must be non-empty with positive dimensions, got {self.entry_shape}",
+                entry_shape=self.entry_shape,
+            )
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise LayoutError(
+                f"unknown dtype {self.dtype!r}; kvray knows {sorted(DTYPE_ITEMSIZE)}",
+                dtype=self.dtype,
+            )
+        if self.parts not in (1, 2):
+            raise LayoutError(
+                f"parts must be 1 (latent or indexer cache) or 2 (split K/V), got {self.parts}",
+                parts=self.parts,
+            )
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def entry_nbytes(self) -> int:
+        """Bytes of one token's entry in one part."""
+        return math.prod(self.entry_shape) * self.itemsize
+
+    @property
+    def part_nbytes(self) -> int:
+        """Bytes of one part (K, V or the latent) of one block."""
+        return self.block_size * self.entry_nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of this layer, all parts."""
+        return self.parts * self.part_nbytes
+
+
+class LayerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    geometry: Geometry
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise LayoutError("a layer needs a non-empty name")
+
+
+class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a layer's bytes sit: byte of (part, block) = offset + part·part_stride + block·block_stride.
+
+    Offsets are relative to the start of region number `region` of the engine that owns them.
+    """
+
+    region: int
+    offset: int
+    part_stride: int
+    block_stride: int
+    part_nbytes: int
+    parts: int
+
+    def __post_init__(self) -> None:
+        fields = {
+            "region": self.region,
+            "offset": self.offset,
+            "part_stride": self.part_stride,
+            "block_stride": self.block_stride,
+        }
+        negative = {name: value for name, value in fields.items() if value < 0}
+        if negative:
+            raise LayoutError(f"a layer placement cannot be negative: {negative}", **negative)
+        if self.part_nbytes <= 0 or self.parts not in (1, 2):
+            raise LayoutError(
+                f"a layer placement needs part_nbytes > 0 and 1 or 2 parts, "
+                f"got part_nbytes={self.part_nbytes}, parts={self.parts}",
+                part_nbytes=self.part_nbytes,
+                parts=self.parts,
+            )
+
+    def byte_offset(self, part: int, block: int) -> int:
+        return self.offset + part * self.part_stride + block * self.block_stride
+
+    def end(self, num_blocks: int) -> int:
+        """One past the last byte any of the layer's `num_blocks` blocks can touch."""
+        return self.byte_offset(self.parts - 1, num_blocks - 1) + self.part_nbytes
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """An ordered list of layers sharing `num_blocks` block ids, in one block order."""
+
+    layers: tuple[LayerSpec, ...]
+    num_blocks: int
+    block_order: BlockOrder = BlockOrder.LAYER_MAJOR
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise LayoutError("a layout needs at least one layer")
+        if self.num_blocks <= 0:
+            raise LayoutError(
+                f"num_blocks must be positive, got {self.num_blocks}", num_blocks=self.num_blocks
+            )
+        names = [layer.name for layer in self.layers]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise LayoutError(f"layer names must be unique, repeated: {duplicates}", layers=duplicates)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    def layer(self, name: str) -> LayerSpec:
+        for spec in self.layers:
+            if spec.name == name:
+                return spec
+        raise UnknownLayerError(
+            f"layer {name!r} is not in this layout (it has {len(self.layers)} layers, "
+            f"first {self.layer_names[:3]})",
+            layer=name,
+        )
+
+    @property
+    def block_stride(self) -> int:
+        """Block-major: bytes from one block of the whole model to the next."""
+        return _shared_placements(self)[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the whole layout spans in one shared backing."""
+        return _shared_placements(self)[2]
+
+    def placements(self) -> dict[str, LayerPlacement]:
+        """Every layer's placement inside one shared region that starts at the layout's byte 0."""
+        return dict(_shared_placements(self)[0])
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a layer's view: [num_blocks, block_size, *entry] or [2, num_blocks, ...]."""
+        geometry = self.layer(name).geometry
+        block_shape = (self.num_blocks, geometry.block_size, *geometry.entry_shape)
+        return (2, *block_shape) if geometry.parts == 2 else block_shape
+
+    def layer_nbytes(self, name: str) -> int:
+        """Bytes of one layer's own contiguous tensor (the non-shared, per-layer path)."""
+        return self.num_blocks * self.layer(name).geometry.block_nbytes
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_placements(layout: KVLayout) -> tuple[tuple[tuple[str, LayerPlacement], ...], int, int]:
+    """(placements, block_stride, total bytes) of a layout in one shared region."""
+    placements: list[tuple[str, LayerPlacement]] = []
+    cursor = 0
+    if layout.block_order is BlockOrder.LAYER_MAJOR:
+        for spec in layout.layers:
+            geometry = spec.geometry
+            slab_start = align_up(cursor, SEGMENT_ALIGNMENT)
+            placements.append(
+                (
+                    spec.name,
+                    LayerPlacement(
+                        region=0,
+                        offset=slab_start,
+                        part_stride=layout.num_blocks * geometry.part_nbytes,
+                        block_stride=geometry.part_nbytes,
+                        part_nbytes=geometry.part_nbytes,
+                        parts=geometry.parts,
+                    ),
+                )
+            )
+            cursor = slab_start + layout.num_blocks * geometry.block_nbytes
+        return tuple(placements), 0, cursor
+
+    segment_starts: list[int] = []
+    for spec in layout.layers:
+        segment_start = align_up(cursor, SEGMENT_ALIGNMENT)
+        segment_starts.append(segment_start)
+        cursor = segment_start + spec.geometry.block_nbytes
+    block_stride = align_up(cursor, SEGMENT_ALIGNMENT)
+    for spec, segment_start in zip(layout.layers, segment_starts, strict=True):
+        geometry = spec.geometry
+        placements.append(
+            (
+                spec.name,
+                LayerPlacement(
+                    region=0,
+                    offset=segment_start,
+                    part_stride=geometry.part_nbytes,
+                    block_stride=block_stride,
+                    part_nbytes=geometry.part_nbytes,
+                    parts=geometry.parts,
+                ),
+            )
+        )
+    return tuple(placements), block_stride, block_stride * layout.num_blocks
+
+
+def per_layer_placement(layout: KVLayout, name: str, region: int) -> LayerPlacement:
+    """Placement of a layer that owns its region (its own contiguous layer-major tensor)."""
+    geometry = layout.layer(name).geometry
+    return LayerPlacement(
+        region=region,
+        offset=0,
+        part_stride=layout.num_blocks * geometry.part_nbytes,
+        block_stride=geometry.part_nbytes,
+        part_nbytes=geometry.part_nbytes,
+        parts=geometry.parts,
+    )
+
+
+# ---- ready-made layouts -------------------------------------------------------------------
+
+
+def deepseek_v3(num_blocks: int = 64, block_order: BlockOrder = BlockOrder.LAYER_MAJOR) -> KVLayout:
+    """DeepSeek-V3(.2)-style: 61 MLA layers (576 bf16 latent per token) + an indexer cache."""
+    mla = Geometry(block_size=64, entry_shape=(576,), dtype="bfloat16")
+    indexer = Geometry(block_size=64, entry_shape=(132,), dtype="uint8")
+    layers = [LayerSpec(name=f"model.layers.{i}.self_attn.mla", geometry=mla) for i in range(61)]
+    layers.append(LayerSpec(name="model.indexer.k_cache", geometry=indexer))
+    return KVLayout(layers=tuple(layers), num_blocks=num_blocks, block_order=block_order)
+
+
+def llama_gqa(
+    num_blocks: int = 64,
+    block_order: BlockOrder = BlockOrder.LAYER_MAJOR,
+    num_layers: int = 32,
+) -> KVLayout:
+    """Llama-style GQA: split K/V of 8 KV heads × 128, fp16, 16 tokens per block."""
+    kv = Geometry(block_size=16, entry_shape=(8, 128), dtype="float16", parts=2)
+    layers = tuple(LayerSpec(name=f"model.layers.{i}.self_attn.kv", geometry=kv) for i in range(num_layers))
+    return KVLayout(layers=layers, num_blocks=num_blocks, block_order=block_order)
+
+
+def mixed(num_blocks: int = 64, block_order: BlockOrder = BlockOrder.LAYER_MAJOR) -> KVLayout:
+    """A hybrid model: MLA layers, split K/V layers and an indexer, interleaved, 16 tokens a block."""
+    mla = Geometry(block_size=16, entry_shape=(576,), dtype="bfloat16")
+    kv = Geometry(block_size=16, entry_shape=(4, 64), dtype="float16", parts=2)
+    indexer = Geometry(block_size=16, entry_shape=(132,), dtype="uint8")
+    layers: list[LayerSpec] = []
+    for i in range(8):
+        geometry = mla if i % 2 == 0 else kv
+        kind = "mla" if i % 2 == 0 else "kv"
+        layers.append(LayerSpec(name=f"model.layers.{i}.{kind}", geometry=geometry))
+    layers.insert(4, LayerSpec(name="model.indexer.k_cache", geometry=indexer))
+    return KVLayout(layers=tuple(layers), num_blocks=num_blocks, block_order=block_order)
+
+
+READY_LAYOUTS = {"deepseek-v3": deepseek_v3, "llama": llama_gqa, "mixed": mixed}

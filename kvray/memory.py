@@ -1,0 +1,475 @@
+"""Backings and regions: one buffer per worker holding every layer (second step of the data flow).
+
+A backing over-allocates by one alignment unit and places its region, aligned in start and
+length, inside the allocation (invariant 1): the region never reaches a byte the worker does
+not own, and it covers every byte of every layer view, K and V halves alike. Layer views are
+typed torch tensors over that region, which is what the model reads and writes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import os
+import secrets
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvray.config import Settings
+from kvray.errors import LayoutError, RegionError
+from kvray.layout import (
+    BlockOrder,
+    KVLayout,
+    LayerPlacement,
+    align_down,
+    align_up,
+    per_layer_placement,
+)
+from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
+
+TORCH_DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+SHM_PREFIX = "kvray-"
+
+
+class MemoryKind(enum.Enum):
+    CPU = "cpu"
+    SHM = "shm"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class RegionSpan:
+    """An aligned span of addresses and the allocation it lies in."""
+
+    start: int
+    nbytes: int
+    alloc_start: int
+    alloc_nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+    @property
+    def offset_in_allocation(self) -> int:
+        return self.start - self.alloc_start
+
+
+def place_region(alloc_start: int, alloc_nbytes: int, needed_nbytes: int, alignment: int) -> RegionSpan:
+    """Place an aligned region of at least `needed_nbytes` inside an allocation, or refuse.
+
+    The region starts at the first aligned address at or after the allocation's start and its
+    length is `needed_nbytes` rounded up to the alignment. An allocation of
+    `align_up(needed_nbytes) + alignment` bytes always fits one; a smaller one may not, and then this
+    raises rather than reaching outside the allocation.
+    """
+    if needed_nbytes <= 0:
+        raise RegionError(f"a region needs a positive size, got {needed_nbytes}", nbytes=needed_nbytes)
+    region_start = align_up(alloc_start, alignment)
+    region_nbytes = align_up(needed_nbytes, alignment)
+    alloc_end = alloc_start + alloc_nbytes
+    if alloc_start < 0 or region_start + region_nbytes > alloc_end:
+        raise RegionError(
+            f"an aligned region of {region_nbytes} bytes does not fit in the allocation "
+            f"[{alloc_start:#x}, {alloc_end:#x}) (alignment {alignment}); allocate at least "
+            f"{align_up(needed_nbytes, alignment) + alignment} bytes",
+            alloc_start=alloc_start,
+            alloc_nbytes=alloc_nbytes,
+            needed_nbytes=needed_nbytes,
+            alignment=alignment,
+        )
+    return RegionSpan(region_start, region_nbytes, alloc_start, alloc_nbytes)
+
+
+def cover_region(
+    alloc_start: int, alloc_nbytes: int, data_start: int, data_nbytes: int, alignment: int
+) -> RegionSpan:
+    """The aligned region covering `data_nbytes` at `data_start`, if it lies inside the allocation.
+
+    This is the path for caller-owned tensors: the data cannot move, so the region is the
+    data rounded outwards to the alignment, and if that reaches outside the allocation the
+    answer is an error, never a region over someone else's memory.
+    """
+    if data_nbytes <= 0:
+        raise RegionError(f"a region needs a positive size, got {data_nbytes}", nbytes=data_nbytes)
+    region_start = align_down(data_start, alignment)
+    region_end = align_up(data_start + data_nbytes, alignment)
+    alloc_end = alloc_start + alloc_nbytes
+    if data_start < alloc_start or data_start + data_nbytes > alloc_end:
+        raise RegionError(
+            f"data [{data_start:#x}, {data_start + data_nbytes:#x}) is not inside its allocation "
+            f"[{alloc_start:#x}, {alloc_end:#x})",
+            data_start=data_start,
+            alloc_start=alloc_start,
+        )
+    if region_start < alloc_start or region_end > alloc_end:
+        raise RegionError(
+            f"the {alignment}-aligned region [{region_start:#x}, {region_end:#x}) around this tensor "
+            f"would reach outside its allocation [{alloc_start:#x}, {alloc_end:#x}); allocate the "
+            f"tensor with kvray.Backing or pad its storage by {alignment} bytes on each side",
+            region_start=region_start,
+            region_end=region_end,
+            alloc_start=alloc_start,
+            alloc_end=alloc_end,
+            alignment=alignment,
+        )
+    return RegionSpan(region_start, region_end - region_start, alloc_start, alloc_nbytes)
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered-to-be span of a worker's memory, as the worker itself sees it."""
+
+    index: int
+    kind: MemoryKind
+    span: RegionSpan
+    #: uint8 tensor of exactly the region's bytes.
+    tensor: torch.Tensor
+    #: Shared-memory file holding the allocation, and the region's offset inside it.
+    shm_path: str | None = None
+
+    @property
+    def address(self) -> int:
+        return self.span.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+
+class Backing:
+    """One worker's KV memory: its regions, each layer's placement and typed view.
+
+    Build one with `allocate` (kvray owns the memory), `in_buffer` (a region inside a uint8
+    buffer the caller owns) or `adopt` (the caller's per-layer tensors, one region each).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kind: MemoryKind,
+        alignment: int,
+        regions: list[MemoryRegion],
+        placements: dict[str, LayerPlacement],
+        views: dict[str, torch.Tensor],
+    ) -> None:
+        self.layout = layout
+        self.kind = kind
+        self.alignment = alignment
+        self.regions = regions
+        self.placements = placements
+        self.views = views
+        self._closed = False
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def allocate(
+        cls,
+        layout: KVLayout,
+        kind: MemoryKind = MemoryKind.CPU,
+        *,
+        settings: Settings | None = None,
+        alignment: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Backing:
+        """Allocate one shared backing for `layout` (CPU, shared-memory file or CUDA)."""
+        settings = settings or Settings()
+        if alignment is None:
+            alignment = settings.gpu_alignment if kind is MemoryKind.CUDA else settings.alignment
+        # One extra alignment unit guarantees an aligned start inside the allocation.
+        alloc_nbytes = align_up(layout.nbytes, alignment) + alignment
+        shm_path: str | None = None
+        if kind is MemoryKind.CPU:
+            buffer = torch.empty(alloc_nbytes, dtype=torch.uint8)
+        elif kind is MemoryKind.SHM:
+            shm_path, buffer = _create_shm_buffer(settings.shm_dir, alloc_nbytes)
+        else:
+            if not torch.cuda.is_available():
+                raise RegionError("a CUDA backing needs a CUDA device, and torch sees none")
+            buffer = torch.empty(alloc_nbytes, dtype=torch.uint8, device=device or "cuda")
+        backing = cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
+        if shm_path is not None:
+            _SHM_FILES.add(shm_path)
+        return backing
+
+    @classmethod
+    def in_buffer(
+        cls,
+        layout: KVLayout,
+        buffer: torch.Tensor,
+        *,
+        alignment: int,
+        kind: MemoryKind | None = None,
+        shm_path: str | None = None,
+    ) -> Backing:
+        """A shared backing whose region lies inside `buffer`, a 1-D uint8 tensor the caller owns."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise RegionError(
+                f"a backing buffer must be a contiguous 1-D uint8 tensor, got "
+                f"{tuple(buffer.shape)} {buffer.dtype}"
+            )
+        if kind is None:
+            kind = MemoryKind.CUDA if buffer.is_cuda else MemoryKind.CPU
+        span = place_region(buffer.data_ptr(), buffer.numel(), layout.nbytes, alignment)
+        region_tensor = buffer[span.offset_in_allocation : span.offset_in_allocation + span.nbytes]
+        region = MemoryRegion(index=0, kind=kind, span=span, tensor=region_tensor, shm_path=shm_path)
+        placements = layout.placements()
+        views = {
+            name: _layer_view(layout, name, region_tensor, placement)
+            for name, placement in placements.items()
+        }
+        return cls(layout, kind, alignment, [region], placements, views)
+
+    @classmethod
+    def adopt(cls, layout: KVLayout, tensors: Mapping[str, torch.Tensor], *, alignment: int) -> Backing:
+        """The non-shared path: each caller-owned layer tensor becomes a region of its own.
+
+        Every tensor must have its layer's shape and dtype, be contiguous, and sit in its
+        storage so that the aligned region around it stays inside that storage.
+        """
+        if layout.block_order is not BlockOrder.LAYER_MAJOR:
+            raise LayoutError("per-layer tensors can only hold a layer-major layout")
+        missing = [name for name in layout.layer_names if name not in tensors]
+        extra = [name for name in tensors if name not in layout.layer_names]
+        if missing or extra:
+            raise LayoutError(
+                f"adopted tensors must match the layout's layers: missing {missing}, unknown {extra}",
+                missing=missing,
+                unknown=extra,
+            )
+        regions: list[MemoryRegion] = []
+        placements: dict[str, LayerPlacement] = {}
+        views: dict[str, torch.Tensor] = {}
+        kinds = set()
+        for index, name in enumerate(layout.layer_names):
+            tensor = tensors[name]
+            expected_shape = layout.tensor_shape(name)
+            expected_dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
+            if tuple(tensor.shape) != expected_shape or tensor.dtype != expected_dtype:
+                raise LayoutError(
+                    f"layer {name!r} must be {expected_shape} {expected_dtype}, got "
+                    f"{tuple(tensor.shape)} {tensor.dtype}",
+                    layer=name,
+                )
+            if not tensor.is_contiguous():
+                raise LayoutError(f"layer {name!r} must be contiguous", layer=name)
+            storage = tensor.untyped_storage()
+            span = cover_region(
+                storage.data_ptr(),
+                storage.nbytes(),
+                tensor.data_ptr(),
+                layout.layer_nbytes(name),
+                alignment,
+            )
+            region_tensor = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            region_tensor.set_(storage, span.offset_in_allocation, (span.nbytes,), (1,))
+            kind = MemoryKind.CUDA if tensor.is_cuda else MemoryKind.CPU
+            kinds.add(kind)
+            regions.append(MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor))
+            placement = per_layer_placement(layout, name, index)
+            placement_offset = tensor.data_ptr() - span.start
+            placements[name] = LayerPlacement(
+                region=index,
+                offset=placement_offset,
+                part_stride=placement.part_stride,
+                block_stride=placement.block_stride,
+                part_nbytes=placement.part_nbytes,
+                parts=placement.parts,
+            )
+            views[name] = tensor
+        if len(kinds) != 1:
+            raise LayoutError("adopted tensors must all live on the same kind of device")
+        return cls(layout, kinds.pop(), alignment, regions, placements, views)
+
+    # ---- description -------------------------------------------------------------------
+
+    def region_descriptors(
+        self,
+        engine_id: str,
+        incarnation: int,
+        transport: TransportKind,
+        *,
+        remote_writable: bool,
+    ) -> tuple[RegionDescriptor, ...]:
+        """Descriptors of this backing's regions as a transport with no handle of its own
+        (shared memory: the file and the region's offset in it) would publish them."""
+        return tuple(
+            RegionDescriptor(
+                engine_id=engine_id,
+                incarnation=incarnation,
+                transport=transport,
+                index=region.index,
+                address=region.address,
+                length=region.nbytes,
+                handle=(region.shm_path or "").encode(),
+                handle_offset=region.span.offset_in_allocation,
+                remote_writable=remote_writable,
+            )
+            for region in self.regions
+        )
+
+    def engine_info(
+        self,
+        engine_id: str,
+        incarnation: int,
+        role: Role,
+        node_id: str,
+        regions: tuple[RegionDescriptor, ...],
+        endpoints: dict[str, str] | None = None,
+    ) -> EngineInfo:
+        """What an engine owning this backing publishes: layout, regions, per-layer placements."""
+        return EngineInfo(
+            engine_id=engine_id,
+            incarnation=incarnation,
+            role=role,
+            node_id=node_id,
+            layout=self.layout,
+            regions=regions,
+            placements=dict(self.placements),
+            endpoints=dict(endpoints or {}),
+        )
+
+    # ---- use ---------------------------------------------------------------------------
+
+    def view(self, name: str) -> torch.Tensor:
+        """The typed tensor of one layer ([num_blocks, block_size, *entry] or [2, ...])."""
+        self.layout.layer(name)
+        return self.views[name]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release the backing; a shared-memory file is unlinked (mappings die with their tensors)."""
+        if self._closed:
+            return
+        self._closed = True
+        for region in self.regions:
+            if region.shm_path is not None:
+                _unlink_shm(region.shm_path)
+        self.views = {}
+
+    def __enter__(self) -> Backing:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _layer_view(
+    layout: KVLayout, name: str, region_tensor: torch.Tensor, placement: LayerPlacement
+) -> torch.Tensor:
+    geometry = layout.layer(name).geometry
+    itemsize = geometry.itemsize
+    typed = region_tensor.view(TORCH_DTYPES[geometry.dtype])
+    token_elems = geometry.entry_nbytes // itemsize
+    entry_strides: list[int] = []
+    stride = 1
+    for dim in reversed(geometry.entry_shape):
+        entry_strides.insert(0, stride)
+        stride *= dim
+    block_dims = (layout.num_blocks, geometry.block_size, *geometry.entry_shape)
+    block_strides = (placement.block_stride // itemsize, token_elems, *entry_strides)
+    if geometry.parts == 2:
+        shape: tuple[int, ...] = (2, *block_dims)
+        strides: tuple[int, ...] = (placement.part_stride // itemsize, *block_strides)
+    else:
+        shape, strides = block_dims, block_strides
+    return typed.as_strided(shape, strides, typed.storage_offset() + placement.offset // itemsize)
+
+
+# ---- shared-memory files ------------------------------------------------------------------
+
+_SHM_FILES: set[str] = set()
+_SHM_LOCK = threading.Lock()
+
+
+def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
+    """A fresh file `kvray-<pid>-<random>` (mode 0600) in `shm_dir`, mapped shared."""
+    remove_stale_shm_files(shm_dir)
+    path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as error:
+        raise RegionError(
+            f"cannot create a shared-memory file in {shm_dir}: {error}; set KVRAY_SHM_DIR to a "
+            "writable tmpfs",
+            path=path,
+        ) from error
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    try:
+        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except Exception:
+        _unlink_shm(path)
+        raise
+    return path, buffer
+
+
+def _unlink_shm(path: str) -> None:
+    with _SHM_LOCK:
+        _SHM_FILES.discard(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove kvray files left by processes that died without closing; return their paths."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _remove_own_shm_files() -> None:
+    with _SHM_LOCK:
+        paths = list(_SHM_FILES)
+    for path in paths:
+        _unlink_shm(path)

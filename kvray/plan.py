@@ -1,0 +1,476 @@
+"""Plan: which bytes go where (fifth step of the data flow). Pure code: no Ray, no devices.
+
+Given the local and remote `EngineInfo` and a request's block ids, `plan_transfer` produces
+write ops `(local_region, local_offset, remote_region, remote_offset, nbytes)`: one per
+(layer, part, block), then contiguous runs merged. Every op is bounds-checked against both
+regions before the plan exists (invariant 2). Layer offsets come from an `OffsetCache` keyed
+by `(engine, incarnation, layer, geometry)` (invariant 3): two layers of the same geometry
+never share an entry, an unknown layer raises, and a new incarnation misses the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.errors import (
+    BlockIdError,
+    BoundsError,
+    GeometryMismatchError,
+    MetadataError,
+    PlanError,
+    UnknownLayerError,
+)
+from kvray.layout import Geometry, LayerPlacement
+from kvray.wire import EngineInfo
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class OffsetKey(NamedTuple):
+    """Invariant 3's key: a layer's offsets belong to one engine incarnation and one layer."""
+
+    engine_id: str
+    incarnation: int
+    layer: str
+    geometry: Geometry
+
+
+@dataclass(frozen=True)
+class PartRows:
+    """One row per (layer, part) of a list of layers: where block 0 of that part sits and the
+    stride to the next block. Byte of block b = base + b * block_stride, in region `region`."""
+
+    layers: tuple[str, ...]
+    region: Int64Array
+    base: Int64Array
+    block_stride: Int64Array
+    nbytes: Int64Array
+    #: Index of the first row of each layer in `layers` (len(layers) + 1 entries).
+    layer_starts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Write ops as parallel int64 arrays, sorted by local (region, offset)."""
+
+    local_region: Int64Array
+    local_offset: Int64Array
+    remote_region: Int64Array
+    remote_offset: Int64Array
+    nbytes: Int64Array
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def rows(self) -> list[tuple[int, int, int, int, int]]:
+        """The ops as Python tuples (for tests and reports, not for hot paths)."""
+        return list(
+            zip(
+                self.local_region.tolist(),
+                self.local_offset.tolist(),
+                self.remote_region.tolist(),
+                self.remote_offset.tolist(),
+                self.nbytes.tolist(),
+                strict=True,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """The ops that move a request's blocks of `layers` from one engine to another."""
+
+    src_engine: str
+    src_incarnation: int
+    dst_engine: str
+    dst_incarnation: int
+    layers: tuple[str, ...]
+    #: Ops merged across blocks and layers where both sides are contiguous.
+    ops: OpTable
+    #: Ops before merging: one per (layer, part, block).
+    unmerged: OpTable
+    #: Index in `unmerged` of each layer's first op (len(layers) + 1 entries).
+    layer_starts: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ops.total_nbytes
+
+    def layer_ops(self, layer: str) -> OpTable:
+        """One layer's ops, merged within the layer."""
+        try:
+            index = self.layers.index(layer)
+        except ValueError:
+            raise UnknownLayerError(f"layer {layer!r} is not part of this plan", layer=layer) from None
+        start, stop = self.layer_starts[index], self.layer_starts[index + 1]
+        unmerged = self.unmerged
+        return merge_ops(
+            OpTable(
+                unmerged.local_region[start:stop],
+                unmerged.local_offset[start:stop],
+                unmerged.remote_region[start:stop],
+                unmerged.remote_offset[start:stop],
+                unmerged.nbytes[start:stop],
+            )
+        )
+
+
+# ---- validation of an engine's published description --------------------------------------
+
+
+def validate_engine_info(info: EngineInfo) -> None:
+    """Check that `info` describes memory it can honestly be written through.
+
+    Regions belong to this engine incarnation and are numbered 0..n-1; every layer of the
+    layout has a placement consistent with its geometry; every byte any block of any layer
+    can touch lies inside its region; and no two (layer, part, block) segments overlap, which
+    is the shape the seed bug had on the wire (two layers at one address).
+    """
+    engine = info.engine_id
+    for index, region in enumerate(info.regions):
+        if region.index != index or region.engine_id != engine or region.incarnation != info.incarnation:
+            raise MetadataError(
+                f"engine {engine!r}: region {index} is described as region {region.index} of "
+                f"{region.engine_id!r} incarnation {region.incarnation}",
+                engine_id=engine,
+                region=index,
+            )
+        if region.length <= 0:
+            raise MetadataError(
+                f"engine {engine!r}: region {index} has length {region.length}",
+                engine_id=engine,
+                region=index,
+            )
+    layer_names = set(info.layout.layer_names)
+    stray = sorted(set(info.placements) - layer_names)
+    if stray:
+        raise MetadataError(
+            f"engine {engine!r} places layers its layout does not have: {stray[:3]}",
+            engine_id=engine,
+            layers=stray,
+        )
+    num_blocks = info.layout.num_blocks
+    starts: list[Int64Array] = []
+    ends: list[Int64Array] = []
+    regions: list[Int64Array] = []
+    for spec in info.layout.layers:
+        placement = info.placement(spec.name)
+        _check_placement(info, spec.name, spec.geometry, placement)
+        blocks = np.arange(num_blocks, dtype=np.int64)
+        for part in range(placement.parts):
+            start = placement.offset + part * placement.part_stride + blocks * placement.block_stride
+            starts.append(start)
+            ends.append(start + placement.part_nbytes)
+            regions.append(np.full(num_blocks, placement.region, dtype=np.int64))
+    all_starts = np.concatenate(starts)
+    all_ends = np.concatenate(ends)
+    all_regions = np.concatenate(regions)
+    order = np.lexsort((all_starts, all_regions))
+    all_starts, all_ends, all_regions = all_starts[order], all_ends[order], all_regions[order]
+    same_region = all_regions[1:] == all_regions[:-1]
+    overlapping = np.flatnonzero(same_region & (all_starts[1:] < all_ends[:-1]))
+    if overlapping.size:
+        at = int(overlapping[0])
+        raise MetadataError(
+            f"engine {engine!r} places two KV segments over the same bytes: region "
+            f"{int(all_regions[at])} offsets {int(all_starts[at])} and {int(all_starts[at + 1])}",
+            engine_id=engine,
+            region=int(all_regions[at]),
+            offset=int(all_starts[at + 1]),
+        )
+
+
+def _check_placement(info: EngineInfo, layer: str, geometry: Geometry, placement: LayerPlacement) -> None:
+    engine = info.engine_id
+    if placement.parts != geometry.parts or placement.part_nbytes != geometry.part_nbytes:
+        raise MetadataError(
+            f"engine {engine!r} layer {layer!r}: placement has {placement.parts} parts of "
+            f"{placement.part_nbytes} bytes, its geometry {geometry.parts} of {geometry.part_nbytes}",
+            engine_id=engine,
+            layer=layer,
+        )
+    if placement.region >= len(info.regions):
+        raise MetadataError(
+            f"engine {engine!r} layer {layer!r} names region {placement.region}, "
+            f"but the engine has {len(info.regions)}",
+            engine_id=engine,
+            layer=layer,
+        )
+    region_length = info.regions[placement.region].length
+    layer_end = placement.end(info.layout.num_blocks)
+    if layer_end > region_length:
+        raise BoundsError(
+            f"engine {engine!r} layer {layer!r} reaches byte {layer_end} of region "
+            f"{placement.region}, which has {region_length}",
+            engine_id=engine,
+            layer=layer,
+            offset=layer_end,
+            region_length=region_length,
+        )
+
+
+# ---- the offset cache ----------------------------------------------------------------------
+
+
+class OffsetCache:
+    """Validated per-layer offsets of engine incarnations, keyed by invariant 3's `OffsetKey`."""
+
+    def __init__(self) -> None:
+        self._layers: dict[OffsetKey, LayerPlacement] = {}
+        self._rows: dict[tuple[str, int, tuple[str, ...]], PartRows] = {}
+        self._engines: dict[str, tuple[int, EngineInfo]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def key(self, info: EngineInfo, layer: str) -> OffsetKey:
+        return OffsetKey(info.engine_id, info.incarnation, layer, info.layout.layer(layer).geometry)
+
+    def placement(self, info: EngineInfo, layer: str) -> LayerPlacement:
+        self._admit(info)
+        key = self.key(info, layer)
+        cached = self._layers.get(key)
+        if cached is None:
+            cached = info.placement(layer)
+            self._layers[key] = cached
+        return cached
+
+    def rows(self, info: EngineInfo, layers: tuple[str, ...]) -> PartRows:
+        self._admit(info)
+        rows_key = (info.engine_id, info.incarnation, layers)
+        cached = self._rows.get(rows_key)
+        if cached is not None:
+            self.hits += 1
+            return cached
+        self.misses += 1
+        region: list[int] = []
+        base: list[int] = []
+        stride: list[int] = []
+        nbytes: list[int] = []
+        layer_starts = [0]
+        for layer in layers:
+            placement = self.placement(info, layer)
+            for part in range(placement.parts):
+                region.append(placement.region)
+                base.append(placement.offset + part * placement.part_stride)
+                stride.append(placement.block_stride)
+                nbytes.append(placement.part_nbytes)
+            layer_starts.append(len(base))
+        cached = PartRows(
+            layers,
+            np.array(region, dtype=np.int64),
+            np.array(base, dtype=np.int64),
+            np.array(stride, dtype=np.int64),
+            np.array(nbytes, dtype=np.int64),
+            tuple(layer_starts),
+        )
+        self._rows[rows_key] = cached
+        return cached
+
+    def forget(self, engine_id: str) -> None:
+        """Drop every entry of an engine (it deregistered or died)."""
+        self._engines.pop(engine_id, None)
+        self._layers = {k: v for k, v in self._layers.items() if k.engine_id != engine_id}
+        self._rows = {k: v for k, v in self._rows.items() if k[0] != engine_id}
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def _admit(self, info: EngineInfo) -> None:
+        """Validate an engine incarnation once; a new incarnation evicts the old one's entries."""
+        known = self._engines.get(info.engine_id)
+        if known is not None and known[0] == info.incarnation:
+            if known[1] is not info and known[1] != info:
+                raise MetadataError(
+                    f"engine {info.engine_id!r} incarnation {info.incarnation} was published twice "
+                    "with different contents; an engine must take a new incarnation when its memory "
+                    "changes",
+                    engine_id=info.engine_id,
+                    incarnation=info.incarnation,
+                )
+            return
+        validate_engine_info(info)
+        if known is not None:
+            self.forget(info.engine_id)
+        self._engines[info.engine_id] = (info.incarnation, info)
+
+
+# ---- planning ------------------------------------------------------------------------------
+
+
+def check_compatible(
+    local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The layers to move, after checking both sides have each with the same geometry."""
+    names = tuple(local.layout.layer_names if layers is None else layers)
+    if not names:
+        raise PlanError("a transfer needs at least one layer")
+    if len(set(names)) != len(names):
+        raise PlanError(f"layers repeat in the request: {names}", layers=names)
+    for name in names:
+        local_geometry = local.layout.layer(name).geometry
+        try:
+            remote_geometry = remote.layout.layer(name).geometry
+        except UnknownLayerError:
+            raise UnknownLayerError(
+                f"engine {remote.engine_id!r} has no layer {name!r}; both sides of a transfer need "
+                "the same layer names",
+                engine_id=remote.engine_id,
+                layer=name,
+            ) from None
+        if local_geometry != remote_geometry:
+            raise GeometryMismatchError(
+                f"layer {name!r} has geometry {local_geometry} on {local.engine_id!r} but "
+                f"{remote_geometry} on {remote.engine_id!r}",
+                layer=name,
+                local=str(local_geometry),
+                remote=str(remote_geometry),
+            )
+    return names
+
+
+def block_ids(
+    blocks: Sequence[int] | npt.NDArray[np.integer], num_blocks: int, side: str, engine: str
+) -> Int64Array:
+    """Validated block ids of one side: 1-D, non-empty, in [0, num_blocks), no duplicates."""
+    ids = np.asarray(blocks)
+    if ids.ndim != 1 or ids.size == 0:
+        raise BlockIdError(f"{side} block ids must be a non-empty 1-D list", side=side, engine_id=engine)
+    if ids.dtype.kind not in "iu":
+        raise BlockIdError(f"{side} block ids must be integers, got {ids.dtype}", side=side, engine_id=engine)
+    ids = ids.astype(np.int64, copy=False)
+    out_of_range = ids[(ids < 0) | (ids >= num_blocks)]
+    if out_of_range.size:
+        raise BlockIdError(
+            f"{side} block id {int(out_of_range[0])} is outside engine {engine!r}'s pool of "
+            f"{num_blocks} blocks",
+            side=side,
+            engine_id=engine,
+            block=int(out_of_range[0]),
+            num_blocks=num_blocks,
+        )
+    unique = np.unique(ids)
+    if unique.size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        repeated = int(values[counts > 1][0])
+        raise BlockIdError(
+            f"{side} block id {repeated} appears more than once", side=side, engine_id=engine, block=repeated
+        )
+    return ids
+
+
+def plan_transfer(
+    local: EngineInfo,
+    remote: EngineInfo,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+    layers: Sequence[str] | None = None,
+    cache: OffsetCache | None = None,
+) -> TransferPlan:
+    """Write ops moving `local_blocks` of `layers` into the remote's `remote_blocks`."""
+    cache = cache if cache is not None else OffsetCache()
+    names = check_compatible(local, remote, layers)
+    local_ids = block_ids(local_blocks, local.layout.num_blocks, "local", local.engine_id)
+    remote_ids = block_ids(remote_blocks, remote.layout.num_blocks, "remote", remote.engine_id)
+    if local_ids.size != remote_ids.size:
+        raise BlockIdError(
+            f"{local_ids.size} local blocks cannot map onto {remote_ids.size} remote blocks",
+            local_count=int(local_ids.size),
+            remote_count=int(remote_ids.size),
+        )
+    local_rows = cache.rows(local, names)
+    remote_rows = cache.rows(remote, names)
+    # One op per (layer, part) row × block, in that order.
+    local_offset = (local_rows.base[:, None] + local_ids[None, :] * local_rows.block_stride[:, None]).ravel()
+    remote_offset = (
+        remote_rows.base[:, None] + remote_ids[None, :] * remote_rows.block_stride[:, None]
+    ).ravel()
+    count = local_ids.size
+    unmerged = OpTable(
+        np.repeat(local_rows.region, count),
+        local_offset,
+        np.repeat(remote_rows.region, count),
+        remote_offset,
+        np.repeat(local_rows.nbytes, count),
+    )
+    check_bounds(unmerged, local, remote)
+    layer_starts = tuple(start * count for start in local_rows.layer_starts)
+    return TransferPlan(
+        src_engine=local.engine_id,
+        src_incarnation=local.incarnation,
+        dst_engine=remote.engine_id,
+        dst_incarnation=remote.incarnation,
+        layers=names,
+        ops=merge_ops(unmerged),
+        unmerged=unmerged,
+        layer_starts=layer_starts,
+    )
+
+
+def merge_ops(ops: OpTable) -> OpTable:
+    """Sort by local (region, offset) and merge each op into the previous one where both its
+    source and destination continue the previous op's bytes."""
+    if len(ops) == 0:
+        return ops
+    order = np.lexsort((ops.local_offset, ops.local_region))
+    local_region = ops.local_region[order]
+    local_offset = ops.local_offset[order]
+    remote_region = ops.remote_region[order]
+    remote_offset = ops.remote_offset[order]
+    nbytes = ops.nbytes[order]
+    continues = (
+        (local_region[1:] == local_region[:-1])
+        & (remote_region[1:] == remote_region[:-1])
+        & (local_offset[1:] == local_offset[:-1] + nbytes[:-1])
+        & (remote_offset[1:] == remote_offset[:-1] + nbytes[:-1])
+    )
+    run_starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    return OpTable(
+        local_region[run_starts],
+        local_offset[run_starts],
+        remote_region[run_starts],
+        remote_offset[run_starts],
+        np.add.reduceat(nbytes, run_starts),
+    )
+
+
+def check_bounds(ops: OpTable, local: EngineInfo, remote: EngineInfo) -> None:
+    """Invariant 2: every op lies inside its local and its remote region, or nothing is planned."""
+    for side, info, region, offset in (
+        ("local", local, ops.local_region, ops.local_offset),
+        ("remote", remote, ops.remote_region, ops.remote_offset),
+    ):
+        region_lengths = np.array([r.length for r in info.regions], dtype=np.int64)
+        bad_region = (region < 0) | (region >= region_lengths.size)
+        if bad_region.any():
+            at = int(np.flatnonzero(bad_region)[0])
+            raise BoundsError(
+                f"{side} op {at} names region {int(region[at])} of engine {info.engine_id!r}, "
+                f"which has {region_lengths.size}",
+                side=side,
+                engine_id=info.engine_id,
+                op=at,
+            )
+        end = offset + ops.nbytes
+        outside = (offset < 0) | (ops.nbytes <= 0) | (end > region_lengths[region])
+        if outside.any():
+            at = int(np.flatnonzero(outside)[0])
+            raise BoundsError(
+                f"{side} op {at} [{int(offset[at])}, {int(end[at])}) leaves region "
+                f"{int(region[at])} of engine {info.engine_id!r} "
+                f"({int(region_lengths[region[at]])} bytes)",
+                side=side,
+                engine_id=info.engine_id,
+                op=at,
+                offset=int(offset[at]),
+                nbytes=int(ops.nbytes[at]),
+                region_length=int(region_lengths[region[at]]),
+            )

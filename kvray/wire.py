@@ -1,0 +1,164 @@
+"""Wire: the msgspec structs engines and the coordinator exchange (control plane only).
+
+Region descriptors say what a peer may write into; `EngineInfo` is what an engine publishes;
+`Message` is the tagged union of transfer messages. Bytes from a peer are decoded here and
+nowhere else, into these types only (never pickle), and a malformed message is a
+`WireDecodeError` that names the offending field. New fields go last, with defaults.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+import msgspec
+
+from kvray.errors import WireDecodeError
+from kvray.layout import KVLayout, LayerPlacement
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TransportKind(enum.Enum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+    VERBS = "verbs"
+    RAY = "ray"
+
+
+class TransferStatus(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+
+
+class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
+    """One registered region of one engine incarnation: what a peer needs to write into it."""
+
+    engine_id: str
+    incarnation: int
+    transport: TransportKind
+    index: int
+    #: Virtual address of the region's first byte in the owner's process.
+    address: int
+    length: int
+    #: Transport handle: a shared-memory path, a CUDA IPC handle, empty for `ray`.
+    handle: bytes = b""
+    #: Byte offset of the region inside what `handle` names (file or CUDA allocation).
+    handle_offset: int = 0
+    #: Remote key (RDMA rkey); 0 where the transport has none.
+    key: int = 0
+    #: Writable by peers? Only a decode engine's regions are, in push mode (invariant 6).
+    remote_writable: bool = False
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine publishes through the coordinator."""
+
+    engine_id: str
+    incarnation: int
+    role: Role
+    node_id: str
+    layout: KVLayout
+    regions: tuple[RegionDescriptor, ...]
+    #: Per layer: where its bytes sit relative to the start of its region.
+    placements: dict[str, LayerPlacement]
+    #: Transport-specific connection data (e.g. an RDMA queue pair's number and GID).
+    endpoints: dict[str, str] = {}
+
+    def placement(self, layer: str) -> LayerPlacement:
+        from kvray.errors import UnknownLayerError
+
+        try:
+            return self.placements[layer]
+        except KeyError:
+            raise UnknownLayerError(
+                f"engine {self.engine_id!r} (incarnation {self.incarnation}) has no layer {layer!r}",
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                layer=layer,
+            ) from None
+
+
+class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
+    """Sent to the decode engine after every byte of a transfer has been written."""
+
+    transfer_id: str
+    request_id: str
+    src_engine: str
+    src_incarnation: int
+    dst_engine: str
+    dst_incarnation: int
+    nbytes: int
+    #: True when this is the last part of the request (layer-wise pushes send several).
+    final: bool = True
+
+
+class TransferFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
+    """Sent to the decode engine when a transfer it waits for cannot complete."""
+
+    transfer_id: str
+    request_id: str
+    src_engine: str
+    src_incarnation: int
+    dst_engine: str
+    dst_incarnation: int
+    reason: str
+
+
+class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
+    """Header of a `ray`-transport write: the ops whose gathered bytes travel beside it.
+
+    Offsets are relative to the destination's region `region`; the payload holds the ops'
+    bytes back to back in this order.
+    """
+
+    transfer_id: str
+    dst_engine: str
+    dst_incarnation: int
+    regions: list[int]
+    remote_offsets: list[int]
+    nbytes: list[int]
+
+
+Message = TransferDone | TransferFailed | WriteOps
+
+_message_encoder = msgspec.msgpack.Encoder()
+_message_decoder = msgspec.msgpack.Decoder(Message)
+_engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
+
+T = TypeVar("T")
+
+
+def encode(value: Message | EngineInfo | RegionDescriptor) -> bytes:
+    return _message_encoder.encode(value)
+
+
+def decode_message(data: bytes) -> Message:
+    return _decode(_message_decoder, data, "message")
+
+
+def decode_engine_info(data: bytes) -> EngineInfo:
+    return _decode(_engine_decoder, data, "engine info")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireDecodeError(f"a kvray {what} must arrive as bytes, got {type(data).__name__}", what=what)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as error:
+        field = _field_of(str(error))
+        raise WireDecodeError(f"invalid kvray {what}: {error}", what=what, field=field) from None
+    except msgspec.DecodeError as error:
+        raise WireDecodeError(f"malformed kvray {what}: {error}", what=what, field=None) from None
+
+
+def _field_of(message: str) -> str | None:
+    """The `$.path` msgspec puts at the end of a validation message, if any."""
+    marker = "at `"
+    if marker not in message:
+        return None
+    return message.rsplit(marker, 1)[1].rstrip("`")
