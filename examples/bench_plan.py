@@ -1,0 +1,135 @@
+"""Plan-building benchmark: a DeepSeek-V3-style request (61 MLA layers + indexer) of 128 scattered
+blocks, planned cold (fresh offset cache: validation + tables) and cached, against a naive
+per-op Python planner measured in the same run; op counts before/after merging in both orders.
+
+    python examples/bench_plan.py [--pool 1024] [--blocks 128] [--repeat 50] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvray.layout import BlockOrder, KVLayout, deepseek_v3
+from kvray.plan import OffsetCache, plan_transfer
+from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
+
+
+def engine(layout: KVLayout, engine_id: str, role: Role) -> EngineInfo:
+    """An engine description with one region exactly the layout's size (no memory needed)."""
+    length = -(-layout.nbytes // 4096) * 4096
+    region = RegionDescriptor(
+        engine_id=engine_id, incarnation=1, transport=TransportKind.SHM, index=0, address=0, length=length
+    )
+    return EngineInfo(
+        engine_id=engine_id,
+        incarnation=1,
+        role=role,
+        node_id="bench",
+        layout=layout,
+        regions=(region,),
+        placements=layout.placements(),
+    )
+
+
+def naive_plan(
+    local: EngineInfo, remote: EngineInfo, local_blocks: list[int], remote_blocks: list[int]
+) -> int:
+    """One Python tuple per (layer, part, block), bounds-checked, merged in a loop: the baseline."""
+    ops: list[tuple[int, int, int]] = []
+    for spec in local.layout.layers:
+        lp, rp = local.placements[spec.name], remote.placements[spec.name]
+        for part in range(lp.parts):
+            for lb, rb in zip(local_blocks, remote_blocks, strict=True):
+                lo, ro = lp.byte_offset(part, lb), rp.byte_offset(part, rb)
+                assert ro + rp.part_nbytes <= remote.regions[0].length
+                ops.append((lo, ro, lp.part_nbytes))
+    ops.sort()
+    merged = [ops[0]]
+    for lo, ro, n in ops[1:]:
+        plo, pro, pn = merged[-1]
+        if lo == plo + pn and ro == pro + pn:
+            merged[-1] = (plo, pro, pn + n)
+        else:
+            merged.append((lo, ro, n))
+    return len(merged)
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pool", type=int, default=1024, help="blocks per engine pool")
+    parser.add_argument("--blocks", type=int, default=128, help="blocks per request")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    local_blocks = rng.permutation(args.pool)[: args.blocks]
+    remote_blocks = rng.permutation(args.pool)[: args.blocks]
+    results = []
+    print(
+        f"plan: deepseek-v3 (61 MLA + indexer), pool {args.pool} blocks, request {args.blocks} "
+        f"scattered blocks, {args.repeat} runs; microseconds"
+    )
+    print(
+        f"{'order':<12} {'case':<10} {'median':>9} {'min':>9} {'max':>9} {'vs naive':>9} "
+        f"{'ops':>6} {'merged':>6} {'contig':>6}"
+    )
+    for order in BlockOrder:
+        layout = deepseek_v3(args.pool, order)
+        local, remote = engine(layout, "prefill", Role.PREFILL), engine(layout, "decode", Role.DECODE)
+        cache = OffsetCache()
+        plan = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+        contiguous = plan_transfer(local, remote, np.arange(args.blocks), np.arange(args.blocks), cache=cache)
+        lb, rb = local_blocks.tolist(), remote_blocks.tolist()
+        cases = {
+            "naive": timed(lambda: naive_plan(local, remote, lb, rb), max(5, args.repeat // 5)),
+            "cold": timed(
+                lambda: plan_transfer(local, remote, local_blocks, remote_blocks, cache=OffsetCache()),
+                args.repeat,
+            ),
+            "cached": timed(
+                lambda: plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache), args.repeat
+            ),
+        }
+        naive_median = statistics.median(cases["naive"])
+        for case, samples in cases.items():
+            median = statistics.median(samples)
+            row = {
+                "order": order.value,
+                "case": case,
+                "median_us": median,
+                "min_us": min(samples),
+                "max_us": max(samples),
+                "speedup_vs_naive": naive_median / median,
+                "ops_unmerged": len(plan.unmerged),
+                "ops_merged": len(plan.ops),
+                "ops_contiguous": len(contiguous.ops),
+            }
+            results.append(row)
+            print(
+                f"{order.value:<12} {case:<10} {median:>9.0f} {min(samples):>9.0f} {max(samples):>9.0f} "
+                f"{naive_median / median:>8.1f}x {len(plan.unmerged):>6} {len(plan.ops):>6} "
+                f"{len(contiguous.ops):>6}"
+            )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
