@@ -36,6 +36,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_transfers: int = 256
     #: Transport to use: "auto", "shm", "ray" (and later "cuda_ipc", "verbs").
     transport: str = "auto"
+    #: Seconds between an agent's heartbeats to the coordinator (re-registers after a restart).
+    heartbeat_s: float = 2.0
+    #: Seconds a control message to a peer (completion, failure notice) may take.
+    notify_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
@@ -44,7 +48,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(
                     f"{name} must be a positive power of two, got {value}", setting=name, value=value
                 )
-        for name in ("lookup_timeout_s", "transfer_timeout_s"):
+        if self.transport not in ("auto", "shm", "ray", "cuda_ipc", "verbs"):
+            raise ConfigError(
+                f"transport must be auto, shm, ray, cuda_ipc or verbs, got {self.transport!r}",
+                setting="transport",
+                value=self.transport,
+            )
+        for name in ("lookup_timeout_s", "transfer_timeout_s", "heartbeat_s", "notify_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
         for name in ("max_concurrent_transfers", "max_queued_transfers"):

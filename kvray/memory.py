@@ -138,8 +138,10 @@ class MemoryRegion:
     span: RegionSpan
     #: uint8 tensor of exactly the region's bytes.
     tensor: torch.Tensor
-    #: Shared-memory file holding the allocation, and the region's offset inside it.
+    #: Shared-memory file holding the allocation (the region starts span.offset_in_allocation in).
     shm_path: str | None = None
+    #: uint8 tensor of the whole allocation the region lies in (region plus slack).
+    allocation: torch.Tensor | None = None
 
     @property
     def address(self) -> int:
@@ -230,7 +232,9 @@ class Backing:
             kind = MemoryKind.CUDA if buffer.is_cuda else MemoryKind.CPU
         span = place_region(buffer.data_ptr(), buffer.numel(), layout.nbytes, alignment)
         region_tensor = buffer[span.offset_in_allocation : span.offset_in_allocation + span.nbytes]
-        region = MemoryRegion(index=0, kind=kind, span=span, tensor=region_tensor, shm_path=shm_path)
+        region = MemoryRegion(
+            index=0, kind=kind, span=span, tensor=region_tensor, shm_path=shm_path, allocation=buffer
+        )
         placements = layout.placements()
         views = {
             name: _layer_view(layout, name, region_tensor, placement)
@@ -283,7 +287,11 @@ class Backing:
             region_tensor.set_(storage, span.offset_in_allocation, (span.nbytes,), (1,))
             kind = MemoryKind.CUDA if tensor.is_cuda else MemoryKind.CPU
             kinds.add(kind)
-            regions.append(MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor))
+            allocation = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            allocation.set_(storage, 0, (storage.nbytes(),), (1,))
+            regions.append(
+                MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor, allocation=allocation)
+            )
             placement = per_layer_placement(layout, name, index)
             placement_offset = tensor.data_ptr() - span.start
             placements[name] = LayerPlacement(

@@ -1,0 +1,643 @@
+"""Agent: the embeddable engine (steps 3 to 7 of the data flow in one object).
+
+A `KVAgent` lives inside any Ray actor or Serve replica (or a plain process, wired by hand):
+
+    agent = KVAgent("decode-0", Role.DECODE, layout)
+    await agent.start()                          # register regions, publish EngineInfo
+    agent.expect("req-1")                        # decode: a request's blocks are reserved
+    await agent.push("req-1", blocks, "decode-0", remote_blocks)   # prefill: plan + write + done
+    await agent.wait_for_kv("req-1", timeout=5)  # decode: resolves after the bytes are written
+    await agent.close()
+
+Layer-wise: `push_layer` per layer as the forward pass produces it, then `finish`; the decode
+side sees one completion. The actor hosting an agent mixes in `AgentHost`, which gives peers
+and the coordinator the three entry points they call (`kvray_deliver`, `kvray_notify`,
+`kvray_watch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.config import Settings
+from kvray.errors import (
+    BackpressureError,
+    KvrayError,
+    MetadataError,
+    PlanError,
+    StaleIncarnationError,
+    TransferTimeoutError,
+    TransportError,
+    UnknownEngineError,
+    WireDecodeError,
+    WriteFailedError,
+)
+from kvray.layout import KVLayout
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import OffsetCache, TransferPlan, plan_transfer
+from kvray.transport import Peer, Transport, open_transport
+from kvray.transport.ray import apply_write
+from kvray.wire import (
+    EngineInfo,
+    Role,
+    TransferDone,
+    TransferFailed,
+    TransportKind,
+    WriteOps,
+    decode_engine_info,
+    decode_message,
+    encode,
+)
+
+Blocks = Sequence[int] | npt.NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one push (or one finished layer-wise push) moved."""
+
+    request_id: str
+    transfer_id: str
+    dst_engine: str
+    dst_incarnation: int
+    transport: TransportKind
+    nbytes: int
+    ops: int
+    unmerged_ops: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the decode side learns when a request's KV has arrived."""
+
+    request_id: str
+    transfer_id: str
+    src_engine: str
+    nbytes: int
+
+
+@dataclass
+class _Layerwise:
+    dst_engine: str
+    dst_incarnation: int
+    transfer_id: str
+    transport: TransportKind
+    started: float
+    nbytes: int = 0
+    ops: int = 0
+    unmerged_ops: int = 0
+    layers: set[str] = field(default_factory=set)
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # outside a Ray worker: the host name is the node
+        pass
+    return socket.gethostname()
+
+
+def _current_actor() -> Any:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().current_actor
+    except Exception:  # the driver, or no Ray: no host actor
+        pass
+    return None
+
+
+class KVAgent:
+    """One engine's kvray side: its backing, its published info, its transfers."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        role: Role,
+        layout: KVLayout | None = None,
+        *,
+        backing: Backing | None = None,
+        memory: MemoryKind | None = None,
+        settings: Settings | None = None,
+        coordinator: Any = None,
+        use_coordinator: bool = True,
+    ) -> None:
+        if (layout is None) == (backing is None):
+            raise PlanError("give a KVAgent either a layout (kvray allocates) or a backing, not both")
+        self.engine_id = engine_id
+        self.role = role
+        self.settings = settings or Settings.from_env()
+        if backing is None:
+            assert layout is not None
+            default = MemoryKind.SHM if role is Role.DECODE else MemoryKind.CPU
+            backing = Backing.allocate(layout, memory or default, settings=self.settings)
+        self.backing = backing
+        self.layout = backing.layout
+        self.incarnation = 0
+        self.node_id = _node_id()
+        self.stats: Counter[str] = Counter()
+        self._info: EngineInfo | None = None
+        self._coordinator = coordinator
+        self._use_coordinator = use_coordinator
+        self._epoch: int | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._transports: dict[TransportKind, Transport] = {}
+        self._peers: dict[str, Peer] = {}
+        self._cache = OffsetCache()
+        self._slots = asyncio.Semaphore(self.settings.max_concurrent_transfers)
+        self._waiting = 0
+        self._pending: dict[str, asyncio.Future[Completion]] = {}
+        self._layerwise: dict[str, _Layerwise] = {}
+        self._transfer_count = 0
+        self._closed = asyncio.Event()
+        self._started = False
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise KvrayError(f"agent {self.engine_id!r} has not started; await agent.start() first")
+        return self._info
+
+    @property
+    def started(self) -> bool:
+        return self._started and not self._closed.is_set()
+
+    async def start(self) -> EngineInfo:
+        """Take a fresh incarnation, register regions, publish this engine's info."""
+        if self._started:
+            return self.info
+        self.incarnation = secrets.randbits(62) or 1
+        writable = self.role is Role.DECODE
+        kind = TransportKind.SHM if self.backing.kind is MemoryKind.SHM else TransportKind.RAY
+        regions = self._transport(kind).register(
+            self.backing, self.engine_id, self.incarnation, remote_writable=writable
+        )
+        self._info = self.backing.engine_info(
+            self.engine_id, self.incarnation, self.role, self.node_id, regions
+        )
+        if self._use_coordinator and self._coordinator is None:
+            import ray
+
+            if ray.is_initialized():
+                from kvray.coordinator import get_or_create_coordinator
+
+                self._coordinator = get_or_create_coordinator(self.settings)
+        if self._coordinator is not None:
+            await self._register()
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        self._started = True
+        return self._info
+
+    async def close(self) -> None:
+        """Deregister, fail whatever still waits, release transports and memory."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._coordinator is not None and self._info is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.notify_timeout_s):
+                    await self._coordinator.deregister.remote(self.engine_id, self.incarnation)
+        for request_id, future in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(
+                    KvrayError(f"agent {self.engine_id!r} closed while {request_id!r} waited for KV")
+                )
+        self._pending.clear()
+        for transport in self._transports.values():
+            await transport.close()
+        self._transports.clear()
+        self.backing.close()
+
+    async def _register(self) -> None:
+        async with asyncio.timeout(self.settings.lookup_timeout_s):
+            self._epoch = await self._coordinator.register.remote(encode(self.info), _current_actor())
+
+    async def _beat(self) -> None:
+        """Re-register whenever the coordinator no longer knows this incarnation (it restarted)."""
+        while not self._closed.is_set():
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                async with asyncio.timeout(self.settings.heartbeat_s * 5):
+                    epoch = await self._coordinator.heartbeat.remote(self.engine_id, self.incarnation)
+                    if epoch is None:
+                        await self._register()
+                        self.stats["reregistered"] += 1
+                        self._peers.clear()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # coordinator restarting: try again next beat
+                self.stats["heartbeat_failed"] += 1
+
+    # ---- peers ------------------------------------------------------------------------
+
+    def add_peer(self, info: EngineInfo, host: Any = None) -> None:
+        """Wire a peer by hand (no coordinator): its info and the object hosting its agent."""
+        self._peers[info.engine_id] = Peer(info, host)
+
+    async def peer(self, engine_id: str) -> Peer:
+        peer = self._peers.get(engine_id)
+        if peer is not None:
+            return peer
+        if self._coordinator is None:
+            raise UnknownEngineError(
+                f"engine {engine_id!r} is unknown to agent {self.engine_id!r} and there is no "
+                "coordinator to ask (start Ray, or add_peer() it)",
+                engine_id=engine_id,
+            )
+        info_bytes, host = await self._coordinator.lookup.remote(engine_id, self.settings.lookup_timeout_s)
+        peer = Peer(decode_engine_info(info_bytes), host)
+        self._peers[engine_id] = peer
+        return peer
+
+    def forget_peer(self, engine_id: str) -> None:
+        self._peers.pop(engine_id, None)
+        self._cache.forget(engine_id)
+        for transport in self._transports.values():
+            transport.forget(engine_id)
+
+    def _transport(self, kind: TransportKind) -> Transport:
+        transport = self._transports.get(kind)
+        if transport is None:
+            transport = open_transport(kind, self.settings)
+            self._transports[kind] = transport
+        return transport
+
+    def choose_transport(self, peer: Peer) -> TransportKind:
+        """`auto`: shm when the peer is on this node with a shared-memory backing, else ray."""
+        if self.settings.transport != "auto":
+            return TransportKind(self.settings.transport)
+        same_node = peer.info.node_id == self.node_id
+        shm_regions = all(region.handle for region in peer.info.regions)
+        if same_node and shm_regions and self.backing.kind is not MemoryKind.CUDA:
+            return TransportKind.SHM
+        return TransportKind.RAY
+
+    # ---- prefill side -----------------------------------------------------------------
+
+    async def push(
+        self,
+        request_id: str,
+        local_blocks: Blocks,
+        remote_engine: str,
+        remote_blocks: Blocks,
+        layers: Sequence[str] | None = None,
+        *,
+        remote_incarnation: int | None = None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Write the request's blocks into the remote engine's blocks, then tell it they are there."""
+        async with self._transfer(request_id, remote_engine, timeout):
+            started = time.perf_counter()
+            peer, transport, plan = await self._plan(
+                local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
+            )
+            transfer_id = self._next_transfer_id(request_id)
+            await self._write(request_id, transfer_id, peer, transport, plan)
+            await self._send(
+                peer,
+                TransferDone(
+                    transfer_id=transfer_id,
+                    request_id=request_id,
+                    src_engine=self.engine_id,
+                    src_incarnation=self.incarnation,
+                    dst_engine=peer.info.engine_id,
+                    dst_incarnation=peer.info.incarnation,
+                    nbytes=plan.nbytes,
+                ),
+            )
+            self.stats["pushes_ok"] += 1
+            self.stats["bytes_pushed"] += plan.nbytes
+            return PushResult(
+                request_id,
+                transfer_id,
+                peer.info.engine_id,
+                peer.info.incarnation,
+                transport.kind,
+                plan.nbytes,
+                len(plan.ops),
+                len(plan.unmerged),
+                time.perf_counter() - started,
+            )
+
+    async def push_layer(
+        self,
+        request_id: str,
+        layer: str,
+        local_blocks: Blocks,
+        remote_engine: str,
+        remote_blocks: Blocks,
+        *,
+        remote_incarnation: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Write one layer of a request now (as prefill produces it); `finish` completes it."""
+        async with self._transfer(request_id, remote_engine, timeout):
+            peer, transport, plan = await self._plan(
+                local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
+            )
+            state = self._layerwise.get(request_id)
+            if state is None:
+                state = _Layerwise(
+                    peer.info.engine_id,
+                    peer.info.incarnation,
+                    self._next_transfer_id(request_id),
+                    transport.kind,
+                    time.perf_counter(),
+                )
+                self._layerwise[request_id] = state
+            elif (state.dst_engine, state.dst_incarnation) != (peer.info.engine_id, peer.info.incarnation):
+                raise StaleIncarnationError(
+                    f"request {request_id!r} started layer-wise into {state.dst_engine!r} incarnation "
+                    f"{state.dst_incarnation}, which is now {peer.info.engine_id!r} incarnation "
+                    f"{peer.info.incarnation}",
+                    request_id=request_id,
+                    engine_id=remote_engine,
+                )
+            if layer in state.layers:
+                raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
+            await self._write(request_id, state.transfer_id, peer, transport, plan)
+            state.layers.add(layer)
+            state.nbytes += plan.nbytes
+            state.ops += len(plan.ops)
+            state.unmerged_ops += len(plan.unmerged)
+            self.stats["bytes_pushed"] += plan.nbytes
+            return plan.nbytes
+
+    async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
+        """Complete a layer-wise push: the decode side's `wait_for_kv` resolves."""
+        state = self._layerwise.pop(request_id, None)
+        if state is None:
+            raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
+        async with self._transfer(request_id, state.dst_engine, timeout):
+            peer = await self.peer(state.dst_engine)
+            missing = sorted(set(self.layout.layer_names) - state.layers)
+            if missing:
+                self.stats["layerwise_partial"] += 1
+            await self._send(
+                peer,
+                TransferDone(
+                    transfer_id=state.transfer_id,
+                    request_id=request_id,
+                    src_engine=self.engine_id,
+                    src_incarnation=self.incarnation,
+                    dst_engine=state.dst_engine,
+                    dst_incarnation=state.dst_incarnation,
+                    nbytes=state.nbytes,
+                ),
+            )
+            self.stats["pushes_ok"] += 1
+            return PushResult(
+                request_id,
+                state.transfer_id,
+                state.dst_engine,
+                state.dst_incarnation,
+                state.transport,
+                state.nbytes,
+                state.ops,
+                state.unmerged_ops,
+                time.perf_counter() - state.started,
+            )
+
+    async def abort(self, request_id: str, remote_engine: str, reason: str) -> None:
+        """Tell the decode side a request's KV will not come (best effort, bounded)."""
+        state = self._layerwise.pop(request_id, None)
+        with contextlib.suppress(Exception):
+            peer = self._peers.get(remote_engine)
+            if peer is None:
+                async with asyncio.timeout(self.settings.notify_timeout_s):
+                    peer = await self.peer(remote_engine)
+            await self._send(
+                peer,
+                TransferFailed(
+                    transfer_id=state.transfer_id if state else self._next_transfer_id(request_id),
+                    request_id=request_id,
+                    src_engine=self.engine_id,
+                    src_incarnation=self.incarnation,
+                    dst_engine=peer.info.engine_id,
+                    dst_incarnation=peer.info.incarnation,
+                    reason=reason,
+                ),
+            )
+
+    @contextlib.asynccontextmanager
+    async def _transfer(
+        self, request_id: str, remote_engine: str, timeout: float | None
+    ) -> AsyncIterator[None]:
+        """A bounded slot and a deadline for one transfer; failures are kvray errors, and the
+        decode side is told (best effort) so it does not wait for its deadline."""
+        if not self.started:
+            raise KvrayError(f"agent {self.engine_id!r} is not running; await agent.start() first")
+        if self._waiting >= self.settings.max_queued_transfers:
+            self.stats["rejected_backpressure"] += 1
+            raise BackpressureError(
+                f"agent {self.engine_id!r} already has {self._waiting} transfers waiting "
+                f"(max_queued_transfers={self.settings.max_queued_transfers})",
+                request_id=request_id,
+            )
+        deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                self._waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self._waiting -= 1
+                try:
+                    yield
+                finally:
+                    self._slots.release()
+        except TimeoutError as error:
+            self.stats["pushes_timed_out"] += 1
+            await self.abort(request_id, remote_engine, f"transfer passed its {deadline} s deadline")
+            raise TransferTimeoutError(
+                f"transfer of {request_id!r} to {remote_engine!r} passed its {deadline} s deadline",
+                request_id=request_id,
+                engine_id=remote_engine,
+                timeout_s=deadline,
+            ) from error
+        except (TransportError, MetadataError):
+            self.stats["pushes_failed"] += 1
+            self.forget_peer(remote_engine)
+            raise
+        except KvrayError:
+            self.stats["pushes_failed"] += 1
+            raise
+        except Exception as error:
+            self.stats["pushes_failed"] += 1
+            self.forget_peer(remote_engine)
+            await self.abort(request_id, remote_engine, f"{type(error).__name__}: {error}")
+            raise WriteFailedError(
+                f"transfer of {request_id!r} to {remote_engine!r} failed: {type(error).__name__}: {error}",
+                request_id=request_id,
+                engine_id=remote_engine,
+            ) from error
+
+    async def _plan(
+        self,
+        local_blocks: Blocks,
+        remote_engine: str,
+        remote_blocks: Blocks,
+        layers: Sequence[str] | None,
+        remote_incarnation: int | None,
+    ) -> tuple[Peer, Transport, TransferPlan]:
+        peer = await self.peer(remote_engine)
+        if remote_incarnation is not None and peer.info.incarnation != remote_incarnation:
+            # Our directory entry may be old: look again before refusing.
+            self.forget_peer(remote_engine)
+            peer = await self.peer(remote_engine)
+            if peer.info.incarnation != remote_incarnation:
+                raise StaleIncarnationError(
+                    f"engine {remote_engine!r} is incarnation {peer.info.incarnation}, but the blocks "
+                    f"were reserved in incarnation {remote_incarnation}",
+                    engine_id=remote_engine,
+                    incarnation=peer.info.incarnation,
+                    stale_incarnation=remote_incarnation,
+                )
+        if peer.info.role is not Role.DECODE or not all(r.remote_writable for r in peer.info.regions):
+            raise MetadataError(
+                f"engine {remote_engine!r} ({peer.info.role.value}) exposes no writable region; "
+                "push into decode engines only",
+                engine_id=remote_engine,
+            )
+        plan = plan_transfer(self.info, peer.info, local_blocks, remote_blocks, layers, self._cache)
+        transport = self._transport(self.choose_transport(peer))
+        return peer, transport, plan
+
+    async def _write(
+        self, request_id: str, transfer_id: str, peer: Peer, transport: Transport, plan: TransferPlan
+    ) -> None:
+        try:
+            await transport.write(plan, self.backing, peer)
+        except KvrayError:
+            await self.abort(request_id, peer.info.engine_id, f"write {transfer_id} failed")
+            raise
+
+    async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
+        if peer.host is None:
+            raise TransportError(
+                f"engine {peer.info.engine_id!r} has no host to notify; its agent must run in an "
+                "AgentHost actor (or be added with a host)",
+                engine_id=peer.info.engine_id,
+            )
+        async with asyncio.timeout(self.settings.notify_timeout_s):
+            await peer.host.kvray_notify.remote(encode(message))
+
+    def _next_transfer_id(self, request_id: str) -> str:
+        self._transfer_count += 1
+        return f"{request_id}@{self.engine_id}:{self.incarnation:x}:{self._transfer_count}"
+
+    # ---- decode side ------------------------------------------------------------------
+
+    def expect(self, request_id: str) -> None:
+        """Reserve a completion slot: the request's blocks are allocated and a push may come."""
+        if request_id in self._pending:
+            raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
+        self._pending[request_id] = asyncio.get_running_loop().create_future()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop expecting a request; a late completion for it is dropped and counted."""
+        future = self._pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    async def wait_for_kv(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait until the request's KV is written (or failed, or the deadline passes)."""
+        if request_id not in self._pending:
+            self.expect(request_id)
+        future = self._pending[request_id]
+        deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            self.stats["waits_timed_out"] += 1
+            raise TransferTimeoutError(
+                f"KV for request {request_id!r} did not arrive at {self.engine_id!r} within {deadline} s",
+                request_id=request_id,
+                engine_id=self.engine_id,
+                timeout_s=deadline,
+            ) from None
+        finally:
+            if future.done() or self._closed.is_set():
+                self._pending.pop(request_id, None)
+            else:
+                self.cancel(request_id)
+
+    async def deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
+        """A `ray`-transport write arriving: check every op against this engine, then scatter."""
+        if self.role is not Role.DECODE:
+            raise MetadataError(f"engine {self.engine_id!r} is not a decode engine and takes no writes")
+        written = await apply_write(self.backing, self.engine_id, self.incarnation, header, payload)
+        self.stats["bytes_received"] += written
+        return written
+
+    async def notify(self, message_bytes: bytes) -> None:
+        """A completion or failure notice arriving; unknown or stale ones are dropped and counted."""
+        try:
+            message = decode_message(message_bytes)
+        except WireDecodeError:
+            self.stats["messages_malformed"] += 1
+            raise
+        if isinstance(message, WriteOps):
+            self.stats["messages_misrouted"] += 1
+            return
+        if message.dst_engine != self.engine_id or message.dst_incarnation != self.incarnation:
+            self.stats["completions_dropped_stale"] += 1
+            return
+        future = self._pending.get(message.request_id)
+        if future is None or future.done():
+            self.stats["completions_dropped_unknown"] += 1
+            return
+        if isinstance(message, TransferDone):
+            self.stats["completions_ok"] += 1
+            future.set_result(
+                Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
+            )
+        else:
+            self.stats["completions_failed"] += 1
+            future.set_exception(
+                WriteFailedError(
+                    f"engine {message.src_engine!r} could not deliver {message.request_id!r}: "
+                    f"{message.reason}",
+                    request_id=message.request_id,
+                    engine_id=message.src_engine,
+                )
+            )
+            future.exception()  # retrieved here; wait_for_kv re-raises it
+
+
+class AgentHost:
+    """Mix into a Ray actor class whose agent is `self.kvray_agent`: the calls peers and the
+    coordinator make on it. Their methods are async, so the actor is an async actor."""
+
+    kvray_agent: KVAgent
+
+    async def kvray_deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
+        return await self.kvray_agent.deliver(header, payload)
+
+    async def kvray_notify(self, message: bytes) -> None:
+        await self.kvray_agent.notify(message)
+
+    async def kvray_watch(self) -> None:
+        """Returns when the agent closes; fails (in the caller) when this actor dies."""
+        await self.kvray_agent._closed.wait()

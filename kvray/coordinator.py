@@ -1,0 +1,154 @@
+"""Coordinator (fourth step of the data flow): a named async Ray actor that keeps a versioned
+directory of engines. No KV bytes pass through it.
+
+Engines register their `EngineInfo` (msgspec bytes, validated here) and the actor hosting
+them; peers look them up, waiting with a deadline for one that has not registered yet. An
+engine whose actor dies is dropped (the coordinator holds a long-poll call on every host, so
+Ray reports the death at once), and one that deregisters or closes is dropped too. After a
+restart the directory is empty and carries a new epoch: agents notice through their
+heartbeat and register again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from kvray.config import Settings
+from kvray.errors import KvrayError, StaleIncarnationError, TransferTimeoutError, UnknownEngineError
+from kvray.plan import validate_engine_info
+from kvray.wire import EngineInfo, Role, decode_engine_info
+
+
+@dataclass
+class _Entry:
+    info: EngineInfo
+    info_bytes: bytes
+    host: Any
+    watch: asyncio.Task[None] | None
+
+
+class Coordinator:
+    """The directory. Use `get_or_create_coordinator` rather than constructing it."""
+
+    def __init__(self) -> None:
+        self.epoch = secrets.randbits(62)
+        self._engines: dict[str, _Entry] = {}
+        self._changed = asyncio.Condition()
+        self.dropped_dead = 0
+
+    async def register(self, info_bytes: bytes, host: Any = None) -> int:
+        """Add or replace an engine; a newer incarnation replaces the old one. Returns the epoch."""
+        info = decode_engine_info(info_bytes)
+        validate_engine_info(info)
+        old = self._engines.get(info.engine_id)
+        if old is not None and old.watch is not None and old.info.incarnation != info.incarnation:
+            old.watch.cancel()
+        watch = None
+        if host is not None and (
+            old is None or old.info.incarnation != info.incarnation or old.watch is None
+        ):
+            watch = asyncio.get_running_loop().create_task(
+                self._watch(info.engine_id, info.incarnation, host)
+            )
+        elif old is not None:
+            watch = old.watch
+        self._engines[info.engine_id] = _Entry(info, info_bytes, host, watch)
+        async with self._changed:
+            self._changed.notify_all()
+        return self.epoch
+
+    async def deregister(self, engine_id: str, incarnation: int) -> bool:
+        """Drop an engine incarnation; False if it was not (or no longer) registered."""
+        entry = self._engines.get(engine_id)
+        if entry is None or entry.info.incarnation != incarnation:
+            return False
+        self._drop(engine_id)
+        return True
+
+    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
+        """(engine info bytes, host actor) of `engine_id`, waiting up to `timeout_s` for it."""
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(lambda: engine_id in self._engines)
+        except TimeoutError:
+            raise TransferTimeoutError(
+                f"engine {engine_id!r} did not register within {timeout_s} s",
+                engine_id=engine_id,
+                timeout_s=timeout_s,
+            ) from None
+        entry = self._engines[engine_id]
+        return entry.info_bytes, entry.host
+
+    async def heartbeat(self, engine_id: str, incarnation: int) -> int | None:
+        """The epoch if this incarnation is registered, else None (the caller registers again)."""
+        entry = self._engines.get(engine_id)
+        if entry is None or entry.info.incarnation != incarnation:
+            return None
+        return self.epoch
+
+    async def engines(self, role: str | None = None) -> list[bytes]:
+        """Info bytes of every registered engine (of one role, if given)."""
+        wanted = Role(role) if role is not None else None
+        return [e.info_bytes for e in self._engines.values() if wanted is None or e.info.role is wanted]
+
+    async def check(self, engine_id: str, incarnation: int) -> None:
+        """Raise unless `engine_id` is registered with exactly `incarnation` (fencing)."""
+        entry = self._engines.get(engine_id)
+        if entry is None:
+            raise UnknownEngineError(f"engine {engine_id!r} is not registered", engine_id=engine_id)
+        if entry.info.incarnation != incarnation:
+            raise StaleIncarnationError(
+                f"engine {engine_id!r} is now incarnation {entry.info.incarnation}, not {incarnation}",
+                engine_id=engine_id,
+                incarnation=entry.info.incarnation,
+                stale_incarnation=incarnation,
+            )
+
+    async def stats(self) -> dict[str, int]:
+        return {"engines": len(self._engines), "dropped_dead": self.dropped_dead, "epoch": self.epoch}
+
+    async def _watch(self, engine_id: str, incarnation: int, host: Any) -> None:
+        """Hold a call on the engine's host; it returns when the agent closes and fails when the
+        actor dies. Either way the engine incarnation leaves the directory."""
+        died = False
+        try:
+            await host.kvray_watch.remote()
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            died = True
+        entry = self._engines.get(engine_id)
+        if entry is not None and entry.info.incarnation == incarnation:
+            self._drop(engine_id, watching=False)
+            if died:
+                self.dropped_dead += 1
+
+    def _drop(self, engine_id: str, watching: bool = True) -> None:
+        entry = self._engines.pop(engine_id, None)
+        if entry is not None and watching and entry.watch is not None:
+            entry.watch.cancel()
+
+
+def get_or_create_coordinator(settings: Settings | None = None) -> Any:
+    """The coordinator actor named in `settings`, created (detached from no one) if absent."""
+    settings = settings or Settings()
+    actor_class = ray.remote(Coordinator)
+    try:
+        return actor_class.options(
+            name=settings.coordinator_name,
+            namespace=settings.namespace,
+            get_if_exists=True,
+            max_restarts=-1,
+            max_concurrency=10_000,
+            num_cpus=0,
+        ).remote()
+    except ValueError as error:  # a race with another creator: the actor exists now
+        try:
+            return ray.get_actor(settings.coordinator_name, namespace=settings.namespace)
+        except ValueError:
+            raise KvrayError(f"cannot create or find the coordinator: {error}") from error

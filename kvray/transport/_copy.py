@@ -1,0 +1,90 @@
+"""Batched CPU copies shared by the CPU transports: every op of a plan in a few C calls."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+_scatter_copy: Callable[..., Any] | None
+try:
+    from kvray._copy import scatter_copy as _scatter_copy
+except ImportError:  # built by `pip install`; a source checkout without a build falls back
+    _scatter_copy = None
+
+Int64Array = npt.NDArray[np.int64]
+
+#: Ops smaller than this many bytes in total are copied on the calling thread.
+_PARALLEL_THRESHOLD = 4 * 2**20
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def copy_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def native() -> bool:
+    """True when the C batched copy is built (else a slower per-op ctypes loop runs)."""
+    return _scatter_copy is not None
+
+
+def scatter_copy(
+    dst_base: int, src_base: int, dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array
+) -> None:
+    """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i]."""
+    dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
+    src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
+    nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
+    if _scatter_copy is not None:
+        _scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        return
+    for dst, src, count in zip(
+        (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
+    ):
+        ctypes.memmove(dst, src, count)
+
+
+async def scatter_copy_async(
+    dst_base: int, src_base: int, dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array
+) -> None:
+    """`scatter_copy` off the event loop; a large batch is cut into equal byte shares (splitting
+    ops where a share ends) copied by a few threads at once."""
+    global _executor
+    total = int(nbytes.sum())
+    threads = copy_threads()
+    if total < _PARALLEL_THRESHOLD or threads == 1:
+        scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        return
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvray-copy")
+    op_starts = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    cuts = np.array([total * k // threads for k in range(1, threads)], dtype=np.int64)
+    points = np.union1d(op_starts, cuts)
+    op = np.searchsorted(op_starts, points, side="right") - 1
+    delta = points - op_starts[op]
+    segment_nbytes = np.diff(np.append(points, total))
+    share = np.searchsorted(cuts, points, side="right")
+    segment_dst = dst_offsets[op] + delta
+    segment_src = src_offsets[op] + delta
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(
+        *(
+            loop.run_in_executor(
+                _executor,
+                scatter_copy,
+                dst_base,
+                src_base,
+                segment_dst[share == k],
+                segment_src[share == k],
+                segment_nbytes[share == k],
+            )
+            for k in range(threads)
+        )
+    )

@@ -1,0 +1,61 @@
+"""Transport interface (sixth step of the data flow): register regions, write a plan's ops.
+
+A transport is small: `register` turns a backing's regions into descriptors a peer can
+write through, `write` issues a plan's ops into a peer's regions as one-sided writes, and
+`close` releases what it opened. Everything a transport needs to reach a peer arrives in a
+`Peer` (the peer's published `EngineInfo` and, under Ray, the actor hosting its agent).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvray.config import Settings
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import TransferPlan
+from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A remote engine as a transport sees it."""
+
+    info: EngineInfo
+    #: Ray actor hosting the peer's agent (an `AgentHost`), or None outside Ray.
+    host: Any = None
+
+
+class Transport(abc.ABC):
+    """Moves bytes from a local backing into a peer's registered regions."""
+
+    kind: ClassVar[TransportKind]
+    #: True when both ends must share a node (shared memory, CUDA IPC).
+    same_node_only: ClassVar[bool]
+    #: Memory the destination backing may live in.
+    destination_kinds: ClassVar[frozenset[MemoryKind]]
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    @classmethod
+    @abc.abstractmethod
+    def unavailable_reason(cls, settings: Settings) -> str | None:
+        """None when the transport can run here, else one sentence saying why not."""
+
+    def register(
+        self, backing: Backing, engine_id: str, incarnation: int, *, remote_writable: bool
+    ) -> tuple[RegionDescriptor, ...]:
+        """Descriptors of the backing's regions, for the engine's published info."""
+        return backing.region_descriptors(engine_id, incarnation, self.kind, remote_writable=remote_writable)
+
+    @abc.abstractmethod
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        """Issue every op of `plan`; return once the bytes are in the peer's memory."""
+
+    def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop whatever is cached for a peer (it restarted, left or failed)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything the transport opened."""

@@ -1,0 +1,142 @@
+"""`ray` transport: anywhere Ray runs, no special hardware. The writer gathers every op's bytes
+into one numpy buffer (numpy, not torch views, which would pickle their whole storage) and
+hands it with a `WriteOps` header to the actor hosting the peer's agent; the peer checks every
+op against its own region and scatters (`apply_write`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.config import Settings
+from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import TransferPlan
+from kvray.transport._copy import scatter_copy_async
+from kvray.transport.base import Peer, Transport
+from kvray.wire import TransportKind, WriteOps, decode_message, encode
+
+
+class RayTransport(Transport):
+    kind = TransportKind.RAY
+    same_node_only = False
+    destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._transfers = 0
+
+    @classmethod
+    def unavailable_reason(cls, settings: Settings) -> str | None:
+        import ray
+
+        if not ray.is_initialized():
+            return "Ray is not initialized in this process (call ray.init or run inside a Ray actor)"
+        return None
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        if peer.host is None:
+            raise TransportError(
+                f"engine {peer.info.engine_id!r} has no Ray actor to deliver to; the ray transport "
+                "needs the peer's agent inside a Ray actor",
+                engine_id=peer.info.engine_id,
+            )
+        ops = plan.ops
+        payload = np.empty(ops.total_nbytes, dtype=np.uint8)
+        payload_offset = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
+        for index in np.unique(ops.local_region).tolist():
+            source = local.regions[index].tensor
+            if source.is_cuda:
+                raise TransportError("the ray transport copies from CPU memory")
+            select = ops.local_region == index
+            await scatter_copy_async(
+                int(payload.ctypes.data),
+                source.data_ptr(),
+                payload_offset[select],
+                ops.local_offset[select],
+                ops.nbytes[select],
+            )
+        self._transfers += 1
+        header = WriteOps(
+            transfer_id=f"{plan.src_engine}:{plan.src_incarnation}:w{self._transfers}",
+            dst_engine=plan.dst_engine,
+            dst_incarnation=plan.dst_incarnation,
+            regions=ops.remote_region.tolist(),
+            remote_offsets=ops.remote_offset.tolist(),
+            nbytes=ops.nbytes.tolist(),
+        )
+        try:
+            await peer.host.kvray_deliver.remote(encode(header), payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            cause = getattr(error, "cause", None) or error
+            if isinstance(cause, TransportError | StaleIncarnationError | BoundsError):
+                raise cause from error
+            raise WriteFailedError(
+                f"delivering {ops.total_nbytes} bytes to engine {peer.info.engine_id!r} failed: "
+                f"{type(cause).__name__}: {cause}",
+                engine_id=peer.info.engine_id,
+            ) from error
+
+
+async def apply_write(
+    backing: Backing, engine_id: str, incarnation: int, header: bytes, payload: npt.NDArray[np.uint8]
+) -> int:
+    """The receiving half: check a `WriteOps` against this engine and its regions, then scatter.
+
+    Nothing is written unless every op lies inside its region and the payload holds exactly
+    the ops' bytes. Returns the number of bytes written.
+    """
+    message = decode_message(header)
+    if not isinstance(message, WriteOps):
+        raise WireDecodeError(f"expected write_ops, got {type(message).__name__}", field="$.type")
+    if message.dst_engine != engine_id or message.dst_incarnation != incarnation:
+        raise StaleIncarnationError(
+            f"write for engine {message.dst_engine!r} incarnation {message.dst_incarnation} reached "
+            f"engine {engine_id!r} incarnation {incarnation}; the writer must look the engine up again",
+            engine_id=engine_id,
+            incarnation=incarnation,
+            stale_incarnation=message.dst_incarnation,
+        )
+    regions = np.asarray(message.regions, dtype=np.int64)
+    offsets = np.asarray(message.remote_offsets, dtype=np.int64)
+    nbytes = np.asarray(message.nbytes, dtype=np.int64)
+    if not (regions.size == offsets.size == nbytes.size):
+        raise WireDecodeError("write_ops has regions, offsets and sizes of different lengths", field="$")
+    payload = np.asarray(payload)
+    if payload.dtype != np.uint8 or payload.ndim != 1 or not payload.flags.c_contiguous:
+        raise WireDecodeError("write payload must be a contiguous 1-D uint8 array", field="payload")
+    if int(nbytes.sum()) != payload.size:
+        raise BoundsError(
+            f"write_ops names {int(nbytes.sum())} bytes but the payload has {payload.size}",
+            engine_id=engine_id,
+        )
+    lengths = np.array([region.nbytes for region in backing.regions], dtype=np.int64)
+    bad = (regions < 0) | (regions >= lengths.size)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise BoundsError(f"op {at} names region {int(regions[at])}", engine_id=engine_id, op=at)
+    outside = (offsets < 0) | (nbytes <= 0) | (offsets + nbytes > lengths[regions])
+    if outside.any():
+        at = int(np.flatnonzero(outside)[0])
+        raise BoundsError(
+            f"op {at} [{int(offsets[at])}, {int(offsets[at] + nbytes[at])}) leaves region "
+            f"{int(regions[at])} ({int(lengths[regions[at]])} bytes) of engine {engine_id!r}",
+            engine_id=engine_id,
+            op=at,
+            offset=int(offsets[at]),
+        )
+    payload_offset = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    for index in np.unique(regions).tolist():
+        select = regions == index
+        await scatter_copy_async(
+            backing.regions[index].tensor.data_ptr(),
+            int(payload.ctypes.data),
+            offsets[select],
+            payload_offset[select],
+            nbytes[select],
+        )
+    return int(payload.size)

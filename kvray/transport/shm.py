@@ -1,0 +1,165 @@
+"""`shm` transport: same node, CPU. The decode backing lives in a shared-memory file; the
+writer maps only the peer's registered span (never the slack around it) and copies every op
+into it with batched C copies on a few threads."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.config import Settings
+from kvray.errors import BoundsError, RegionError, TransportError, WriteFailedError
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import TransferPlan
+from kvray.transport._copy import scatter_copy_async
+from kvray.transport.base import Peer, Transport
+from kvray.wire import RegionDescriptor, TransportKind
+
+
+@dataclass
+class _Mapping:
+    """A peer region mapped into this process: exactly [handle_offset, handle_offset + length)."""
+
+    mm: mmap.mmap
+    array: np.ndarray
+    length: int
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        del self.array
+        self.mm.close()
+
+
+class ShmTransport(Transport):
+    kind = TransportKind.SHM
+    same_node_only = True
+    destination_kinds = frozenset({MemoryKind.SHM})
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._mappings: dict[tuple[str, int, int], _Mapping] = {}
+
+    @classmethod
+    def unavailable_reason(cls, settings: Settings) -> str | None:
+        if not os.path.isdir(settings.shm_dir) or not os.access(settings.shm_dir, os.W_OK):
+            return f"shared-memory folder {settings.shm_dir} is missing or not writable (KVRAY_SHM_DIR)"
+        return None
+
+    def register(
+        self, backing: Backing, engine_id: str, incarnation: int, *, remote_writable: bool
+    ) -> tuple[RegionDescriptor, ...]:
+        if remote_writable and backing.kind is not MemoryKind.SHM:
+            raise RegionError(
+                f"the shm transport writes into shared-memory backings; engine {engine_id!r} has a "
+                f"{backing.kind.value} backing (allocate it with MemoryKind.SHM)",
+                engine_id=engine_id,
+            )
+        return super().register(backing, engine_id, incarnation, remote_writable=remote_writable)
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        ops = plan.ops
+        for local_index, remote_index in sorted(
+            set(zip(ops.local_region.tolist(), ops.remote_region.tolist(), strict=False))
+        ):
+            mapping = self._map(peer, remote_index)
+            select = (ops.local_region == local_index) & (ops.remote_region == remote_index)
+            remote_offset = ops.remote_offset[select]
+            nbytes = ops.nbytes[select]
+            # Invariant 2 again, against what this process actually mapped.
+            if (remote_offset < 0).any() or (remote_offset + nbytes > mapping.length).any():
+                raise BoundsError(
+                    f"an op leaves the {mapping.length}-byte region {remote_index} of engine "
+                    f"{peer.info.engine_id!r}",
+                    engine_id=peer.info.engine_id,
+                    region=remote_index,
+                )
+            source = local.regions[local_index].tensor
+            if source.is_cuda:
+                raise TransportError("the shm transport copies from CPU memory; use cuda_ipc for GPUs")
+            try:
+                await scatter_copy_async(
+                    mapping.address, source.data_ptr(), remote_offset, ops.local_offset[select], nbytes
+                )
+            except Exception as error:
+                raise WriteFailedError(
+                    f"copy into engine {peer.info.engine_id!r} region {remote_index} failed: {error}",
+                    engine_id=peer.info.engine_id,
+                ) from error
+
+    def _map(self, peer: Peer, index: int) -> _Mapping:
+        info = peer.info
+        key = (info.engine_id, info.incarnation, index)
+        mapping = self._mappings.get(key)
+        if mapping is not None:
+            return mapping
+        self._forget_other_incarnations(info.engine_id, info.incarnation)
+        region = info.regions[index]
+        if not region.remote_writable:
+            raise RegionError(
+                f"region {index} of engine {info.engine_id!r} is not remotely writable "
+                "(only decode engines expose their regions)",
+                engine_id=info.engine_id,
+                region=index,
+            )
+        path = region.handle.decode()
+        if not path:
+            raise TransportError(
+                f"engine {info.engine_id!r} region {index} has no shared-memory file; its backing "
+                "is not in shared memory",
+                engine_id=info.engine_id,
+            )
+        if region.handle_offset % mmap.ALLOCATIONGRANULARITY:
+            raise RegionError(
+                f"engine {info.engine_id!r} region {index} starts {region.handle_offset} bytes into its "
+                f"file, not a multiple of {mmap.ALLOCATIONGRANULARITY}",
+                engine_id=info.engine_id,
+            )
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as error:
+            raise TransportError(
+                f"cannot open engine {info.engine_id!r}'s shared memory {path}: {error}; the shm "
+                "transport needs both engines on one node (use transport='ray' across nodes)",
+                engine_id=info.engine_id,
+                path=path,
+            ) from error
+        try:
+            size = os.fstat(fd).st_size
+            if region.handle_offset + region.length > size:
+                raise RegionError(
+                    f"engine {info.engine_id!r} describes region {index} as "
+                    f"[{region.handle_offset}, {region.handle_offset + region.length}) of {path}, "
+                    f"but the file has {size} bytes",
+                    engine_id=info.engine_id,
+                )
+            mm = mmap.mmap(
+                fd,
+                region.length,
+                mmap.MAP_SHARED,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=region.handle_offset,
+            )
+        finally:
+            os.close(fd)
+        mapping = _Mapping(mm, np.frombuffer(mm, dtype=np.uint8), region.length)
+        self._mappings[key] = mapping
+        return mapping
+
+    def _forget_other_incarnations(self, engine_id: str, incarnation: int) -> None:
+        for key in [k for k in self._mappings if k[0] == engine_id and k[1] != incarnation]:
+            self._mappings.pop(key).close()
+
+    def forget(self, engine_id: str) -> None:
+        for key in [k for k in self._mappings if k[0] == engine_id]:
+            self._mappings.pop(key).close()
+
+    async def close(self) -> None:
+        for mapping in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()
