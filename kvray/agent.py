@@ -229,7 +229,7 @@ class KVAgent:
         self.backing.close()
 
     async def _register(self) -> None:
-        async with asyncio.timeout(self.settings.lookup_timeout_s):
+        async with asyncio.timeout(self.settings.notify_timeout_s):
             self._epoch = await self._coordinator.register.remote(encode(self.info), _current_actor())
 
     async def _beat(self) -> None:

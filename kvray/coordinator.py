@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from kvray.config import Settings
-from kvray.errors import KvrayError, StaleIncarnationError, TransferTimeoutError, UnknownEngineError
+from kvray.errors import KvrayError, StaleIncarnationError, UnknownEngineError
 from kvray.plan import validate_engine_info
 from kvray.wire import EngineInfo, Role, decode_engine_info
 
@@ -76,8 +76,9 @@ class Coordinator:
             async with asyncio.timeout(timeout_s), self._changed:
                 await self._changed.wait_for(lambda: engine_id in self._engines)
         except TimeoutError:
-            raise TransferTimeoutError(
-                f"engine {engine_id!r} did not register within {timeout_s} s",
+            raise UnknownEngineError(
+                f"engine {engine_id!r} is not registered (waited {timeout_s} s for it); check the "
+                "engine id and that its agent has started",
                 engine_id=engine_id,
                 timeout_s=timeout_s,
             ) from None

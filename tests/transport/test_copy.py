@@ -1,0 +1,182 @@
+"""The batched CPU copy under both CPU transports (`kvray.transport._copy`): every op's bytes go
+exactly where they are sent, on the calling thread or cut into shares over a few threads (shares
+split ops where they end), through the C extension or the ctypes fallback alike."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvray.transport import _copy
+
+IMPLEMENTATIONS = [
+    pytest.param("native", id="native"),
+    pytest.param("ctypes", id="ctypes-fallback"),
+]
+
+
+@st.composite
+def copy_problems(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
+    """A source size and ops (dst_offset, src_offset, nbytes) whose destinations do not overlap
+    (so the result does not depend on order), in a random order; sources may overlap."""
+    src_nbytes = draw(st.integers(1, 600))
+    lengths = draw(st.lists(st.integers(0, 80).map(lambda n: min(n, src_nbytes)), min_size=1, max_size=24))
+    gaps = draw(st.lists(st.integers(0, 20), min_size=len(lengths), max_size=len(lengths)))
+    ops = []
+    cursor = 0
+    for length, gap in zip(lengths, gaps, strict=True):
+        cursor += gap
+        src_offset = draw(st.integers(0, src_nbytes - length))
+        ops.append((cursor, src_offset, length))
+        cursor += length
+    order = draw(st.permutations(range(len(ops))))
+    return src_nbytes, [ops[index] for index in order]
+
+
+def reference(dst: np.ndarray, src: np.ndarray, ops: list[tuple[int, int, int]]) -> np.ndarray:
+    expected = dst.copy()
+    for dst_offset, src_offset, nbytes in ops:
+        expected[dst_offset : dst_offset + nbytes] = src[src_offset : src_offset + nbytes]
+    return expected
+
+
+def columns(ops: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    table = np.array(ops, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+
+
+def buffers(src_nbytes: int, ops: list[tuple[int, int, int]], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dst_nbytes = max(dst_offset + nbytes for dst_offset, _, nbytes in ops) + 16
+    dst = rng.integers(0, 256, dst_nbytes, dtype=np.uint8)
+    src = rng.integers(0, 256, src_nbytes, dtype=np.uint8)
+    return dst, src
+
+
+def use(implementation: str) -> mock._patch[object]:
+    if implementation == "native" and not _copy.native():
+        pytest.skip("kvray._copy (the C extension) is not built here")
+    replacement = _copy._scatter_copy if implementation == "native" else None
+    return mock.patch.object(_copy, "_scatter_copy", replacement)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=copy_problems(), seed=st.integers(0, 2**32 - 1))
+def test_scatter_copy(
+    implementation: str, problem: tuple[int, list[tuple[int, int, int]]], seed: int
+) -> None:
+    src_nbytes, ops = problem
+    dst, src = buffers(src_nbytes, ops, seed)
+    expected = reference(dst, src, ops)
+    with use(implementation):
+        _copy.scatter_copy(dst.ctypes.data, src.ctypes.data, *columns(ops))
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    problem=copy_problems(),
+    seed=st.integers(0, 2**32 - 1),
+    threads=st.integers(1, 5),
+    threshold=st.sampled_from([1, 64, 1 << 30]),
+)
+def test_scatter_copy_async_in_shares(
+    implementation: str,
+    problem: tuple[int, list[tuple[int, int, int]]],
+    seed: int,
+    threads: int,
+    threshold: int,
+) -> None:
+    src_nbytes, ops = problem
+    dst, src = buffers(src_nbytes, ops, seed)
+    expected = reference(dst, src, ops)
+    with (
+        use(implementation),
+        mock.patch.object(_copy, "copy_threads", lambda: threads),
+        mock.patch.object(_copy, "_PARALLEL_THRESHOLD", threshold),
+    ):
+        asyncio.run(_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops)))
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+async def test_shares_split_ops_where_they_end(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few large ops of odd sizes: every share boundary falls inside an op, and each share's
+    copies are exactly that share's bytes."""
+    monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
+    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    calls: list[int] = []
+    original = _copy.scatter_copy
+
+    def counting(
+        dst_base: int, src_base: int, dst_offsets: np.ndarray, src_offsets: np.ndarray, nbytes: np.ndarray
+    ) -> None:
+        calls.append(int(np.asarray(nbytes).sum()))
+        original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+
+    monkeypatch.setattr(_copy, "scatter_copy", counting)
+    ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
+    dst, src = buffers(5000, ops, seed=threads)
+    expected = reference(dst, src, ops)
+    total = sum(nbytes for _, _, nbytes in ops)
+
+    await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
+
+    np.testing.assert_array_equal(dst, expected)
+    assert sorted(calls) == sorted(total * (k + 1) // threads - total * k // threads for k in range(threads))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_copy.py scatter_copy(): the ctypes fallback memmoves negative offsets and lengths (a "
+    "negative length is a ~2**64-byte memmove) where the C extension raises ValueError",
+)
+@pytest.mark.parametrize(
+    ("dst_offset", "nbytes"), [(-8, 16), (0, -1)], ids=["negative-offset", "negative-length"]
+)
+def test_ctypes_fallback_refuses_what_the_c_extension_refuses(dst_offset: int, nbytes: int) -> None:
+    """Run in a child process: without the check, the fallback scribbles or crashes."""
+    if _copy.native():
+        dst = np.zeros(64, dtype=np.uint8)
+        with pytest.raises(ValueError):
+            _copy.scatter_copy(
+                dst.ctypes.data + 32,
+                dst.ctypes.data,
+                np.array([dst_offset]),
+                np.array([0]),
+                np.array([nbytes]),
+            )
+    script = textwrap.dedent(
+        f"""
+        import importlib.util, sys
+        import numpy as np
+        sys.modules["kvray._copy"] = None  # no C extension: the fallback path
+        spec = importlib.util.spec_from_file_location("copy_fallback", {_copy.__file__!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert not module.native()
+        buffer = np.zeros(64, dtype=np.uint8)
+        try:
+            module.scatter_copy(buffer.ctypes.data + 32, buffer.ctypes.data,
+                                np.array([{dst_offset}]), np.array([0]), np.array([{nbytes}]))
+        except ValueError:
+            print("refused")
+        else:
+            print("copied")
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, (
+        f"the fallback crashed the process (exit {child.returncode}): {child.stderr[-500:]}"
+    )
+    assert child.stdout.strip() == "refused"

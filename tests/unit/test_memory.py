@@ -1,0 +1,714 @@
+"""Invariant 1: the registered region is aligned, inside the allocation, and covers every view."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvray.config import Settings
+from kvray.errors import LayoutError, RegionError, UnknownLayerError
+from kvray.layout import (
+    DTYPE_ITEMSIZE,
+    READY_LAYOUTS,
+    BlockOrder,
+    Geometry,
+    KVLayout,
+    LayerSpec,
+    align_up,
+    deepseek_v3,
+    llama_gqa,
+    mixed,
+)
+from kvray.memory import (
+    SHM_PREFIX,
+    TORCH_DTYPES,
+    Backing,
+    MemoryKind,
+    cover_region,
+    place_region,
+    remove_stale_shm_files,
+)
+from kvray.plan import validate_engine_info
+from kvray.wire import Role, TransportKind
+
+CANARY = 0xA5
+WRITTEN = 0x5A
+MiB = 1024 * 1024
+
+alignments = st.integers(6, 21).map(lambda shift: 1 << shift)  # 64 B .. 2 MiB
+
+
+def small_layout(num_blocks: int = 3, order: BlockOrder = BlockOrder.LAYER_MAJOR) -> KVLayout:
+    """MLA, split K/V and indexer layers of odd sizes, so nothing lines up with a page by luck."""
+    return KVLayout(
+        layers=(
+            LayerSpec(name="mla0", geometry=Geometry(block_size=4, entry_shape=(72,), dtype="bfloat16")),
+            LayerSpec(
+                name="kv0", geometry=Geometry(block_size=4, entry_shape=(3, 8), dtype="float16", parts=2)
+            ),
+            LayerSpec(name="mla1", geometry=Geometry(block_size=4, entry_shape=(72,), dtype="bfloat16")),
+            LayerSpec(name="idx", geometry=Geometry(block_size=4, entry_shape=(33,), dtype="uint8")),
+            LayerSpec(
+                name="kv1", geometry=Geometry(block_size=4, entry_shape=(5,), dtype="float32", parts=2)
+            ),
+        ),
+        num_blocks=num_blocks,
+        block_order=order,
+    )
+
+
+def view_byte_span(view: torch.Tensor) -> tuple[int, int]:
+    """[first, one past last) byte address any element of a strided view touches."""
+    assert all(stride >= 0 for stride in view.stride())
+    first = view.data_ptr()
+    last_element = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True))
+    return first, first + (last_element + 1) * view.element_size()
+
+
+def as_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8 (the last dimension grows by the itemsize)."""
+    return view.view(torch.uint8)
+
+
+# ---- (a) place_region ----------------------------------------------------------------------
+
+
+def assert_region_inside(span_start: int, span_nbytes: int, alloc_start: int, alloc_nbytes: int) -> None:
+    assert span_start >= alloc_start, "region starts before the allocation (negative offset)"
+    assert span_start + span_nbytes <= alloc_start + alloc_nbytes, "region ends after the allocation"
+
+
+@settings(max_examples=300)
+@given(
+    alloc_start=st.integers(0, 1 << 48),
+    needed=st.integers(1, 1 << 36),
+    alignment=alignments,
+)
+@example(alloc_start=0x7F00_0000_0010, needed=8192, alignment=4096)  # the seed fix's crash case
+@example(alloc_start=0x7F00_0000_0FFF, needed=4096, alignment=4096)
+@example(alloc_start=0x7F00_0000_1000, needed=4096, alignment=4096)  # already aligned
+@example(alloc_start=0x7F00_0000_0001, needed=1, alignment=2 * MiB)
+def test_place_region_in_enough_memory_always_fits(alloc_start: int, needed: int, alignment: int) -> None:
+    alloc_nbytes = align_up(needed, alignment) + alignment
+    span = place_region(alloc_start, alloc_nbytes, needed, alignment)
+    assert span.start % alignment == 0
+    assert span.nbytes % alignment == 0
+    assert span.nbytes >= needed
+    assert span.offset_in_allocation >= 0
+    assert span.offset_in_allocation < alignment
+    assert (span.alloc_start, span.alloc_nbytes) == (alloc_start, alloc_nbytes)
+    assert_region_inside(span.start, span.nbytes, alloc_start, alloc_nbytes)
+
+
+@settings(max_examples=300)
+@given(
+    alloc_start=st.integers(0, 1 << 48),
+    needed=st.integers(1, 1 << 36),
+    alignment=alignments,
+    shortfall=st.integers(1, 1 << 22),
+)
+def test_place_region_in_too_little_memory_fits_or_refuses(
+    alloc_start: int, needed: int, alignment: int, shortfall: int
+) -> None:
+    alloc_nbytes = max(0, align_up(needed, alignment) + alignment - shortfall)
+    try:
+        span = place_region(alloc_start, alloc_nbytes, needed, alignment)
+    except RegionError:
+        return
+    assert span.start % alignment == 0 and span.nbytes % alignment == 0
+    assert span.nbytes >= needed
+    assert_region_inside(span.start, span.nbytes, alloc_start, alloc_nbytes)
+
+
+def test_page_multiple_size_with_misaligned_base_does_not_crash() -> None:
+    # The seed fix crashed at start-up here: 8 pages needed, base 16 bytes past a page.
+    base = 0x7F12_3456_7010
+    span = place_region(base, 8 * 4096 + 4096, 8 * 4096, 4096)
+    assert span.start == 0x7F12_3456_8000
+    assert span.nbytes == 8 * 4096
+    assert span.end <= base + 9 * 4096
+
+
+def test_place_region_never_rounds_the_start_down() -> None:
+    base = 0x10_0000_0040
+    span = place_region(base, 3 * 4096, 4096, 4096)
+    assert span.start == 0x10_0000_1000  # align_down(base) would be 64 bytes before the allocation
+
+
+def test_place_region_with_exactly_aligned_allocation_and_no_slack() -> None:
+    span = place_region(0x4000, 0x2000, 0x2000, 4096)
+    assert (span.start, span.nbytes) == (0x4000, 0x2000)
+    with pytest.raises(RegionError):
+        place_region(0x4001, 0x2000, 0x2000, 4096)
+
+
+@pytest.mark.parametrize(("alloc_start", "needed"), [(0x1000, 0), (0x1000, -4096), (-4096, 4096)])
+def test_place_region_refuses_nonsense(alloc_start: int, needed: int) -> None:
+    with pytest.raises(RegionError):
+        place_region(alloc_start, 1 << 20, needed, 4096)
+
+
+# ---- (b) cover_region -----------------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(
+    alloc_start=st.integers(0, 1 << 40),
+    alloc_nbytes=st.integers(1, 1 << 24),
+    data_offset=st.integers(-(1 << 13), 1 << 24),
+    data_nbytes=st.integers(1, 1 << 24),
+    alignment=st.integers(6, 16).map(lambda shift: 1 << shift),
+)
+def test_cover_region_covers_data_inside_allocation_or_refuses(
+    alloc_start: int, alloc_nbytes: int, data_offset: int, data_nbytes: int, alignment: int
+) -> None:
+    data_start = alloc_start + data_offset
+    try:
+        span = cover_region(alloc_start, alloc_nbytes, data_start, data_nbytes, alignment)
+    except RegionError:
+        aligned_start = data_start - data_start % alignment
+        aligned_end = align_up(data_start + data_nbytes, alignment)
+        fits = alloc_start <= aligned_start and aligned_end <= alloc_start + alloc_nbytes
+        inside = alloc_start <= data_start and data_start + data_nbytes <= alloc_start + alloc_nbytes
+        assert not (fits and inside), "refused a region that fits"
+        return
+    assert span.start % alignment == 0 and span.nbytes % alignment == 0
+    assert span.start <= data_start and data_start + data_nbytes <= span.end
+    assert span.end - span.start < data_nbytes + 2 * alignment
+    assert_region_inside(span.start, span.nbytes, alloc_start, alloc_nbytes)
+
+
+def test_cover_region_refuses_misaligned_data_at_the_allocation_start() -> None:
+    # The seed fix: a region rounded down from a misaligned base reaches before the allocation.
+    with pytest.raises(RegionError) as caught:
+        cover_region(0x7000_0040, 4096 * 4, 0x7000_0040, 4096 * 3, 4096)
+    assert caught.value.region_start < caught.value.alloc_start
+
+
+def test_cover_region_refuses_data_outside_the_allocation() -> None:
+    with pytest.raises(RegionError):
+        cover_region(0x10000, 0x4000, 0xF000, 0x1000, 4096)
+    with pytest.raises(RegionError):
+        cover_region(0x10000, 0x4000, 0x13000, 0x2000, 4096)
+    with pytest.raises(RegionError):
+        cover_region(0x10000, 0x4000, 0x11000, 0, 4096)
+
+
+# ---- (c) in_buffer over a caller's misaligned buffer ----------------------------------------
+
+
+def check_backing_in_buffer(
+    layout: KVLayout, big: torch.Tensor, start: int, stop: int, alignment: int
+) -> None:
+    """Backing in big[start:stop]: aligned, inside, covering, and writes stay inside the region."""
+    big.fill_(CANARY)
+    buffer = big[start:stop]
+    try:
+        backing = Backing.in_buffer(layout, buffer, alignment=alignment)
+    except RegionError:
+        assert stop - start < align_up(layout.nbytes, alignment) + alignment
+        return
+    (region,) = backing.regions
+    buffer_start, buffer_end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    region_start, region_end = region.address, region.address + region.nbytes
+    assert region_start % alignment == 0 and region.nbytes % alignment == 0
+    assert buffer_start <= region_start and region_end <= buffer_end
+    assert region.tensor.data_ptr() == region_start and region.tensor.numel() == region.nbytes
+    assert region.kind is MemoryKind.CPU
+
+    storage_start = big.untyped_storage().data_ptr()
+    for name in layout.layer_names:
+        view = backing.view(name)
+        assert tuple(view.shape) == layout.tensor_shape(name)
+        assert view.dtype == TORCH_DTYPES[layout.layer(name).geometry.dtype]
+        assert view.untyped_storage().data_ptr() == storage_start, "a view must share the buffer"
+        first, last = view_byte_span(view)
+        assert region_start <= first and last <= region_end, name
+        as_bytes(view).fill_(WRITTEN)
+
+    data = big.numpy()
+    region_lo, region_hi = region_start - storage_start, region_end - storage_start
+    assert (data[:region_lo] == CANARY).all(), "a view wrote before the region"
+    assert (data[region_hi:] == CANARY).all(), "a view wrote after the region"
+    written = int((data[region_lo:region_hi] == WRITTEN).sum())
+    # Every view byte was written, and no two views share one (else fewer bytes than this).
+    assert written == sum(layout.layer_nbytes(name) for name in layout.layer_names)
+
+
+@settings(max_examples=100)
+@given(
+    order=st.sampled_from(list(BlockOrder)),
+    num_blocks=st.integers(1, 5),
+    alignment=st.sampled_from([64, 256, 4096, 16384]),
+    misalignment=st.integers(0, 2 * 16384),
+    slack=st.integers(-4096, 4096),
+)
+def test_in_buffer_region_is_aligned_inside_and_covers_every_view(
+    order: BlockOrder, num_blocks: int, alignment: int, misalignment: int, slack: int
+) -> None:
+    layout = small_layout(num_blocks, order)
+    size = max(1, align_up(layout.nbytes, alignment) + alignment + slack)
+    big = torch.empty(misalignment + size + 512, dtype=torch.uint8)
+    check_backing_in_buffer(layout, big, misalignment, misalignment + size, alignment)
+
+
+@pytest.mark.parametrize("order", list(BlockOrder))
+@pytest.mark.parametrize("name", sorted(READY_LAYOUTS))
+@pytest.mark.parametrize("misalignment", [0, 1, 64, 4095, 4097])
+def test_in_buffer_ready_layouts(name: str, order: BlockOrder, misalignment: int) -> None:
+    layout = READY_LAYOUTS[name](num_blocks=2, block_order=order)
+    size = align_up(layout.nbytes, 4096) + 4096
+    big = torch.empty(misalignment + size + 4096, dtype=torch.uint8)
+    check_backing_in_buffer(layout, big, misalignment, misalignment + size, 4096)
+
+
+def test_in_buffer_refuses_a_buffer_too_small_to_align() -> None:
+    layout = small_layout()
+    big = torch.empty(2 * 4096 + align_up(layout.nbytes, 4096), dtype=torch.uint8)
+    misaligned = (-big.data_ptr()) % 4096 + 8
+    buffer = big[misaligned : misaligned + align_up(layout.nbytes, 4096)]
+    with pytest.raises(RegionError):
+        Backing.in_buffer(layout, buffer, alignment=4096)
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [
+        torch.empty(1 << 16, dtype=torch.float16),
+        torch.empty(2, 1 << 15, dtype=torch.uint8),
+        torch.empty(1 << 17, dtype=torch.uint8)[::2],
+    ],
+    ids=["float16", "2-d", "strided"],
+)
+def test_in_buffer_refuses_a_buffer_that_is_not_flat_bytes(buffer: torch.Tensor) -> None:
+    with pytest.raises(RegionError):
+        Backing.in_buffer(small_layout(), buffer, alignment=64)
+
+
+# ---- (d) allocate: CPU and shared memory ----------------------------------------------------
+
+LAYOUT_ORDER_KIND = [
+    pytest.param(name, order, kind, id=f"{name}-{order.value}-{kind.value}")
+    for name in sorted(READY_LAYOUTS)
+    for order in BlockOrder
+    for kind in (MemoryKind.CPU, MemoryKind.SHM)
+]
+
+
+@pytest.mark.parametrize(("name", "order", "kind"), LAYOUT_ORDER_KIND)
+def test_allocate_views_have_layer_shapes_and_do_not_alias(
+    name: str, order: BlockOrder, kind: MemoryKind, closing: Callable[[Backing], Backing]
+) -> None:
+    layout = READY_LAYOUTS[name](num_blocks=3, block_order=order)
+    backing = closing(Backing.allocate(layout, kind))
+    assert backing.kind is kind
+    (region,) = backing.regions
+    assert region.address % 4096 == 0 and region.nbytes % 4096 == 0
+    assert region.nbytes >= layout.nbytes
+    assert_region_inside(region.address, region.nbytes, region.span.alloc_start, region.span.alloc_nbytes)
+    assert region.span.alloc_nbytes == align_up(layout.nbytes, 4096) + 4096
+
+    for spec in layout.layers:
+        view = backing.view(spec.name)
+        geometry = spec.geometry
+        block_shape = (3, geometry.block_size, *geometry.entry_shape)
+        assert tuple(view.shape) == ((2, *block_shape) if geometry.parts == 2 else block_shape)
+        assert view.dtype == TORCH_DTYPES[geometry.dtype]
+        first, last = view_byte_span(view)
+        assert region.address <= first and last <= region.address + region.nbytes
+
+    # Distinct bytes per layer, read back after every layer is written: the seed bug (two
+    # layers at one address) would show the later layer's value in the earlier one.
+    for index, spec in enumerate(layout.layers):
+        as_bytes(backing.view(spec.name)).fill_(index + 1)
+    for index, spec in enumerate(layout.layers):
+        values = torch.unique(as_bytes(backing.view(spec.name)))
+        assert values.tolist() == [index + 1], spec.name
+    region_bytes = region.tensor.numpy()
+    assert int((region_bytes != 0).sum()) >= sum(layout.layer_nbytes(n) for n in layout.layer_names)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "dtype"),
+    [
+        ("model.layers.0.self_attn.mla", (5, 64, 576), torch.bfloat16),
+        ("model.layers.60.self_attn.mla", (5, 64, 576), torch.bfloat16),
+        ("model.indexer.k_cache", (5, 64, 132), torch.uint8),
+    ],
+)
+def test_deepseek_view_shapes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    backing = Backing.allocate(deepseek_v3(num_blocks=5))
+    assert tuple(backing.view(name).shape) == shape
+    assert backing.view(name).dtype == dtype
+
+
+def test_llama_view_is_k_and_v() -> None:
+    backing = Backing.allocate(llama_gqa(num_blocks=5, num_layers=2))
+    view = backing.view("model.layers.1.self_attn.kv")
+    assert tuple(view.shape) == (2, 5, 16, 8, 128)
+    assert view.dtype == torch.float16
+    view[1].fill_(2.0)  # V only
+    view[0].fill_(1.0)
+    assert bool((view[1] == 2.0).all()), "writing K changed V"
+
+
+def test_view_of_unknown_layer_raises() -> None:
+    backing = Backing.allocate(llama_gqa(num_blocks=2, num_layers=1))
+    with pytest.raises(UnknownLayerError):
+        backing.view("model.layers.1.self_attn.kv")
+
+
+@pytest.mark.parametrize("alignment", [8192, 65536])
+def test_allocate_uses_the_configured_alignment(alignment: int) -> None:
+    layout = small_layout()
+    for backing in (
+        Backing.allocate(layout, settings=Settings(alignment=alignment)),
+        Backing.allocate(layout, alignment=alignment),
+    ):
+        (region,) = backing.regions
+        assert backing.alignment == alignment
+        assert region.address % alignment == 0 and region.nbytes % alignment == 0
+        assert region.span.alloc_nbytes == align_up(layout.nbytes, alignment) + alignment
+
+
+def test_cuda_backing_without_cuda_raises_region_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RegionError, match="CUDA"):
+        Backing.allocate(small_layout(), MemoryKind.CUDA)
+
+
+# ---- (e) shared-memory files ----------------------------------------------------------------
+
+
+def test_shm_file_is_private_named_for_this_process_and_removed_on_close() -> None:
+    backing = Backing.allocate(mixed(num_blocks=2), MemoryKind.SHM)
+    (region,) = backing.regions
+    path = region.shm_path
+    assert path is not None
+    assert os.path.dirname(path) == "/dev/shm"
+    assert re.fullmatch(rf"{SHM_PREFIX}{os.getpid()}-[0-9a-f]{{16}}", os.path.basename(path))
+    status = os.stat(path)
+    assert status.st_mode & 0o777 == 0o600
+    assert status.st_size == region.span.alloc_nbytes
+    with Backing.allocate(mixed(num_blocks=2), MemoryKind.SHM) as other:
+        assert other.regions[0].shm_path != path
+        other_path = other.regions[0].shm_path
+    assert other_path is not None and not os.path.exists(other_path)
+
+    backing.close()
+    assert backing.closed
+    assert not os.path.exists(path)
+    backing.close()  # idempotent
+    assert not os.path.exists(path)
+
+
+def test_shm_region_bytes_are_in_the_file_at_the_handle_offset() -> None:
+    layout = small_layout()
+    with Backing.allocate(layout, MemoryKind.SHM) as backing:
+        (region,) = backing.regions
+        (descriptor,) = backing.region_descriptors("decode-0", 7, TransportKind.SHM, remote_writable=True)
+        pattern = np.random.default_rng(0).integers(0, 256, region.nbytes, dtype=np.uint8)
+        region.tensor.copy_(torch.from_numpy(pattern))
+        assert descriptor.handle == region.shm_path.encode()  # type: ignore[union-attr]
+        fd = os.open(descriptor.handle.decode(), os.O_RDONLY)
+        try:
+            from_file = os.pread(fd, descriptor.length, descriptor.handle_offset)
+        finally:
+            os.close(fd)
+        assert from_file == pattern.tobytes()
+
+
+def dead_pid() -> int:
+    pid = 2**22 + 12345
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
+
+
+def test_remove_stale_shm_files_removes_dead_and_keeps_live(tmp_path: os.PathLike[str]) -> None:
+    folder = str(tmp_path)
+    dead = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-0123456789abcdef")
+    live = os.path.join(folder, f"{SHM_PREFIX}{os.getpid()}-0123456789abcdef")
+    parent = os.path.join(folder, f"{SHM_PREFIX}{os.getppid()}-0123456789abcdef")
+    foreign = os.path.join(folder, f"other-{dead_pid()}-0123456789abcdef")
+    not_a_pid = os.path.join(folder, f"{SHM_PREFIX}abc-0123456789abcdef")
+    for path in (dead, live, parent, foreign, not_a_pid):
+        with open(path, "wb") as file:
+            file.write(b"x")
+    assert remove_stale_shm_files(folder) == [dead]
+    assert not os.path.exists(dead)
+    for path in (live, parent, foreign, not_a_pid):
+        assert os.path.exists(path)
+    assert remove_stale_shm_files(folder) == []
+
+
+def test_remove_stale_shm_files_in_dev_shm_keeps_open_backings() -> None:
+    dead = f"/dev/shm/{SHM_PREFIX}{dead_pid()}-unit{secrets.token_hex(6)}"
+    with open(dead, "wb") as file:
+        file.write(b"x")
+    try:
+        with Backing.allocate(small_layout(), MemoryKind.SHM) as backing:
+            live = backing.regions[0].shm_path
+            assert live is not None
+            assert not os.path.exists(dead), "allocating a shared backing should sweep stale files"
+            assert live not in remove_stale_shm_files()
+            assert os.path.exists(live)
+    finally:
+        if os.path.exists(dead):
+            os.unlink(dead)
+
+
+def test_allocate_shm_in_configured_folder(tmp_path: os.PathLike[str]) -> None:
+    stale = os.path.join(str(tmp_path), f"{SHM_PREFIX}{dead_pid()}-feedfacefeedface")
+    with open(stale, "wb") as file:
+        file.write(b"x")
+    with Backing.allocate(
+        small_layout(), MemoryKind.SHM, settings=Settings(shm_dir=str(tmp_path))
+    ) as backing:
+        path = backing.regions[0].shm_path
+        assert path is not None and os.path.dirname(path) == str(tmp_path)
+        assert os.listdir(str(tmp_path)) == [os.path.basename(path)]
+    assert os.listdir(str(tmp_path)) == []
+
+
+def test_allocate_shm_in_missing_folder_raises_region_error(tmp_path: os.PathLike[str]) -> None:
+    missing = os.path.join(str(tmp_path), "nope")
+    with pytest.raises(RegionError, match="KVRAY_SHM_DIR"):
+        Backing.allocate(small_layout(), MemoryKind.SHM, settings=Settings(shm_dir=missing))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="memory.remove_stale_shm_files: a name whose pid part passes str.isdigit() but is not a "
+    "C-int pid (kvray-<20 digits>-x: OverflowError from os.kill; kvray-\\u00b2-x: ValueError from int) "
+    "raises, so one such file in the folder breaks every SHM allocation",
+)
+@pytest.mark.parametrize("pid_text", [str(10**20), "\u00b2"], ids=["huge", "superscript-two"])
+def test_stale_sweep_survives_a_file_named_with_a_bogus_pid(
+    tmp_path: os.PathLike[str], pid_text: str
+) -> None:
+    bogus = os.path.join(str(tmp_path), f"{SHM_PREFIX}{pid_text}-0123456789abcdef")
+    with open(bogus, "wb") as file:
+        file.write(b"x")
+    remove_stale_shm_files(str(tmp_path))
+    with Backing.allocate(small_layout(), MemoryKind.SHM, settings=Settings(shm_dir=str(tmp_path))):
+        pass
+
+
+# ---- (f) adopt: the caller's own per-layer tensors -----------------------------------------
+
+
+def padded_layer_tensors(layout: KVLayout, alignment: int, misalignment: int) -> dict[str, torch.Tensor]:
+    """Per-layer tensors inside storages padded by `alignment` on both sides, starting
+    `misalignment` bytes past an aligned address."""
+    tensors = {}
+    for name in layout.layer_names:
+        nbytes = layout.layer_nbytes(name)
+        storage = torch.full((nbytes + 3 * alignment,), CANARY, dtype=torch.uint8)
+        start = (-storage.data_ptr()) % alignment + alignment + misalignment
+        dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
+        tensors[name] = storage[start : start + nbytes].view(dtype).view(layout.tensor_shape(name))
+    return tensors
+
+
+@pytest.mark.parametrize("misalignment", [0, 64, 2048])
+@pytest.mark.parametrize("name", sorted(READY_LAYOUTS))
+def test_adopt_registers_one_region_per_layer_inside_its_storage(
+    name: str, misalignment: int, make_info: Callable[..., object]
+) -> None:
+    layout = READY_LAYOUTS[name](num_blocks=2)
+    tensors = padded_layer_tensors(layout, 4096, misalignment)
+    backing = Backing.adopt(layout, tensors, alignment=4096)
+    assert len(backing.regions) == len(layout.layers)
+    for index, layer in enumerate(layout.layer_names):
+        region = backing.regions[index]
+        tensor = tensors[layer]
+        assert region.index == index
+        assert backing.view(layer) is tensor
+        storage = tensor.untyped_storage()
+        assert region.address % 4096 == 0 and region.nbytes % 4096 == 0
+        assert_region_inside(region.address, region.nbytes, storage.data_ptr(), storage.nbytes())
+        first, last = view_byte_span(tensor)
+        assert region.address <= first and last <= region.address + region.nbytes
+        assert region.tensor.data_ptr() == region.address
+        assert region.tensor.untyped_storage().data_ptr() == storage.data_ptr()
+        placement = backing.placements[layer]
+        assert placement.region == index
+        assert placement.offset == tensor.data_ptr() - region.address
+        assert placement.offset == misalignment
+    info = make_info(backing, "prefill-0", 1, Role.PREFILL)
+    validate_engine_info(info)  # type: ignore[arg-type]
+
+
+def test_adopt_region_bytes_are_the_tensor_bytes() -> None:
+    layout = small_layout(num_blocks=2)
+    tensors = padded_layer_tensors(layout, 4096, 192)
+    backing = Backing.adopt(layout, tensors, alignment=4096)
+    for name in layout.layer_names:
+        placement = backing.placements[name]
+        region = backing.regions[placement.region]
+        as_bytes(tensors[name]).fill_(WRITTEN)
+        nbytes = layout.layer_nbytes(name)
+        region_bytes = region.tensor.numpy()
+        assert (region_bytes[placement.offset : placement.offset + nbytes] == WRITTEN).all()
+        assert int((region_bytes == WRITTEN).sum()) == nbytes
+        assert int((region_bytes == CANARY).sum()) == region.nbytes - nbytes
+
+
+def misaligned_storage_tensor(layout: KVLayout, name: str, keep: list[np.ndarray], tail: int) -> torch.Tensor:
+    """A layer tensor whose storage starts at its data, 64 bytes past a page boundary."""
+    nbytes = layout.layer_nbytes(name)
+    array = np.empty(nbytes + 3 * 4096, dtype=np.uint8)
+    keep.append(array)
+    start = (-array.ctypes.data) % 4096 + 64
+    flat = torch.from_numpy(array[start : start + nbytes + tail])
+    assert flat.untyped_storage().data_ptr() == flat.data_ptr()
+    assert flat.data_ptr() % 4096 == 64
+    dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
+    return flat[:nbytes].view(dtype).view(layout.tensor_shape(name))
+
+
+@pytest.mark.parametrize("tail", [0, 8192])
+def test_adopt_refuses_a_region_that_would_start_before_the_storage(tail: int) -> None:
+    layout = small_layout(num_blocks=2)
+    keep: list[np.ndarray] = []
+    tensors = padded_layer_tensors(layout, 4096, 0)
+    tensors["kv0"] = misaligned_storage_tensor(layout, "kv0", keep, tail)
+    with pytest.raises(RegionError) as caught:
+        Backing.adopt(layout, tensors, alignment=4096)
+    assert caught.value.region_start < caught.value.alloc_start
+
+
+def test_adopt_refuses_a_region_that_would_end_after_the_storage() -> None:
+    layout = small_layout(num_blocks=2)
+    tensors = padded_layer_tensors(layout, 4096, 0)
+    name = "mla0"
+    nbytes = layout.layer_nbytes(name)
+    assert nbytes % 4096 != 0
+    array = np.empty(nbytes + 2 * 4096, dtype=np.uint8)
+    start = (-array.ctypes.data) % 4096
+    exact = torch.from_numpy(array[start : start + nbytes])  # aligned start, storage ends mid-page
+    assert exact.untyped_storage().nbytes() == nbytes
+    assert exact.data_ptr() % 4096 == 0
+    tensors[name] = exact.view(torch.bfloat16).view(layout.tensor_shape(name))
+    with pytest.raises(RegionError) as caught:
+        Backing.adopt(layout, tensors, alignment=4096)
+    assert caught.value.region_end > caught.value.alloc_end
+    del tensors, exact  # the array must outlive the tensors over it
+
+
+def test_adopt_refuses_wrong_shape_dtype_contiguity_and_layers() -> None:
+    layout = small_layout(num_blocks=2)
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return padded_layer_tensors(layout, 64, 0)
+
+    wrong_shape = fresh()
+    wrong_shape["kv0"] = wrong_shape["kv0"][0]
+    with pytest.raises(LayoutError) as caught:
+        Backing.adopt(layout, wrong_shape, alignment=64)
+    assert caught.value.layer == "kv0"
+
+    wrong_dtype = fresh()
+    wrong_dtype["mla0"] = wrong_dtype["mla0"].view(torch.float16)
+    with pytest.raises(LayoutError) as caught:
+        Backing.adopt(layout, wrong_dtype, alignment=64)
+    assert caught.value.layer == "mla0"
+
+    strided = fresh()
+    shape = layout.tensor_shape("idx")
+    strided["idx"] = torch.empty((shape[1], shape[0], *shape[2:]), dtype=torch.uint8).transpose(0, 1)
+    with pytest.raises(LayoutError, match="contiguous"):
+        Backing.adopt(layout, strided, alignment=64)
+
+    missing = fresh()
+    del missing["kv1"]
+    with pytest.raises(LayoutError) as caught:
+        Backing.adopt(layout, missing, alignment=64)
+    assert caught.value.missing == ["kv1"]
+
+    extra = fresh()
+    extra["ghost"] = torch.empty(1, dtype=torch.uint8)
+    with pytest.raises(LayoutError) as caught:
+        Backing.adopt(layout, extra, alignment=64)
+    assert caught.value.unknown == ["ghost"]
+
+
+def test_adopt_refuses_block_major_layouts() -> None:
+    layout = small_layout(num_blocks=2, order=BlockOrder.BLOCK_MAJOR)
+    tensors = padded_layer_tensors(small_layout(num_blocks=2), 64, 0)
+    with pytest.raises(LayoutError, match="layer-major"):
+        Backing.adopt(layout, tensors, alignment=64)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="memory.Backing.adopt accepts one tensor for two layers (the seed bug: two layers at one "
+    "address), and plan.validate_engine_info only compares segments within one region index",
+)
+def test_adopt_refuses_two_layers_sharing_memory() -> None:
+    layout = llama_gqa(num_blocks=2, num_layers=2)
+    tensors = padded_layer_tensors(layout, 4096, 0)
+    first, second = layout.layer_names
+    tensors[second] = tensors[first]
+    with pytest.raises((LayoutError, RegionError)):
+        Backing.adopt(layout, tensors, alignment=4096)
+
+
+# ---- (g) descriptors and engine info --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [MemoryKind.CPU, MemoryKind.SHM])
+@pytest.mark.parametrize("order", list(BlockOrder))
+def test_descriptors_and_engine_info_match_the_backing(
+    kind: MemoryKind, order: BlockOrder, closing: Callable[[Backing], Backing]
+) -> None:
+    layout = mixed(num_blocks=3, block_order=order)
+    backing = closing(Backing.allocate(layout, kind))
+    (region,) = backing.regions
+    descriptors = backing.region_descriptors("decode-0", 42, TransportKind.SHM, remote_writable=True)
+    (descriptor,) = descriptors
+    assert descriptor.engine_id == "decode-0" and descriptor.incarnation == 42
+    assert descriptor.transport is TransportKind.SHM
+    assert descriptor.index == 0
+    assert descriptor.address == region.address
+    assert descriptor.length == region.nbytes
+    assert descriptor.handle_offset == region.span.offset_in_allocation
+    assert 0 <= descriptor.handle_offset < backing.alignment
+    assert descriptor.remote_writable is True
+    if kind is MemoryKind.SHM:
+        assert descriptor.handle == region.shm_path.encode()  # type: ignore[union-attr]
+        assert descriptor.handle_offset + descriptor.length <= os.stat(region.shm_path).st_size  # type: ignore[arg-type]
+    else:
+        assert descriptor.handle == b""
+    readonly = backing.region_descriptors("prefill-0", 1, TransportKind.RAY, remote_writable=False)
+    assert readonly[0].remote_writable is False
+
+    info = backing.engine_info("decode-0", 42, Role.DECODE, "node-a", descriptors, {"qp": "17"})
+    assert info.regions == descriptors
+    assert info.layout == layout
+    assert info.placements == layout.placements() == backing.placements
+    assert info.endpoints == {"qp": "17"}
+    assert (info.role, info.node_id) == (Role.DECODE, "node-a")
+    validate_engine_info(info)
+
+
+def test_every_dtype_gets_a_view() -> None:
+    layers = tuple(
+        LayerSpec(name=f"l-{dtype}", geometry=Geometry(block_size=3, entry_shape=(5,), dtype=dtype))
+        for dtype in sorted(DTYPE_ITEMSIZE)
+    )
+    layout = KVLayout(layers=layers, num_blocks=2)
+    backing = Backing.allocate(layout)
+    for spec in layout.layers:
+        assert backing.view(spec.name).dtype == TORCH_DTYPES[spec.geometry.dtype]
+        assert backing.view(spec.name).element_size() == spec.geometry.itemsize
