@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -55,8 +56,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 value=self.transport,
             )
         for name in ("lookup_timeout_s", "transfer_timeout_s", "heartbeat_s", "notify_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"{name} must be a positive, finite number of seconds (nothing waits forever), "
+                    f"got {value}",
+                    setting=name,
+                    value=value,
+                )
         for name in ("max_concurrent_transfers", "max_queued_transfers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
@@ -82,4 +89,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         try:
             return msgspec.convert(values, cls)
         except msgspec.ValidationError as error:
+            cause = error.__cause__
+            if isinstance(cause, ConfigError):
+                setting = cause.facts.get("setting")
+                variable = f"KVRAY_{str(setting).upper()}"
+                source = f"{variable}: " if setting not in overrides and variable in environ else ""
+                raise ConfigError(f"{source}{cause.message}", **cause.facts) from None
             raise ConfigError(f"invalid settings: {error}") from None

@@ -11,6 +11,7 @@ import enum
 import functools
 import math
 from collections.abc import Mapping
+from typing import Annotated
 
 import msgspec
 
@@ -26,6 +27,13 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
     "int8": 1,
     "uint8": 1,
 }
+
+#: Largest byte offset or size kvray accepts anywhere (far beyond any memory, far below int64's
+#: limit, so sums of two never overflow).
+MAX_BYTES = 2**62
+
+#: A non-negative byte count or offset as it travels on the wire.
+ByteCount = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BYTES)]
 
 #: Every layer slab (layer-major) and every layer segment inside a block (block-major) starts
 #: at a multiple of this many bytes, so typed views are aligned for any dtype above.
@@ -114,11 +122,11 @@ class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
     Offsets are relative to the start of region number `region` of the engine that owns them.
     """
 
-    region: int
-    offset: int
-    part_stride: int
-    block_stride: int
-    part_nbytes: int
+    region: ByteCount
+    offset: ByteCount
+    part_stride: ByteCount
+    block_stride: ByteCount
+    part_nbytes: ByteCount
     parts: int
 
     def __post_init__(self) -> None:
@@ -128,10 +136,10 @@ class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
             "part_stride": self.part_stride,
             "block_stride": self.block_stride,
         }
-        negative = {name: value for name, value in fields.items() if value < 0}
-        if negative:
-            raise LayoutError(f"a layer placement cannot be negative: {negative}", **negative)
-        if self.part_nbytes <= 0 or self.parts not in (1, 2):
+        out_of_range = {name: value for name, value in fields.items() if not 0 <= value < MAX_BYTES}
+        if out_of_range:
+            raise LayoutError(f"a layer placement needs values in [0, 2**62): {out_of_range}", **out_of_range)
+        if not 0 < self.part_nbytes < MAX_BYTES or self.parts not in (1, 2):
             raise LayoutError(
                 f"a layer placement needs part_nbytes > 0 and 1 or 2 parts, "
                 f"got part_nbytes={self.part_nbytes}, parts={self.parts}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import itertools
 import os
 import secrets
 import threading
@@ -305,6 +306,16 @@ class Backing:
             views[name] = tensor
         if len(kinds) != 1:
             raise LayoutError("adopted tensors must all live on the same kind of device")
+        spans = sorted(
+            (tensors[name].data_ptr(), tensors[name].data_ptr() + layout.layer_nbytes(name), name)
+            for name in layout.layer_names
+        )
+        for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+            if start < end:
+                raise LayoutError(
+                    f"layers {first!r} and {second!r} share memory; every layer needs its own bytes",
+                    layers=[first, second],
+                )
         return cls(layout, kinds.pop(), alignment, regions, placements, views)
 
     # ---- description -------------------------------------------------------------------
@@ -454,7 +465,7 @@ def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
         if not name.startswith(SHM_PREFIX):
             continue
         pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        if not (pid_text.isascii() and pid_text.isdigit()) or _pid_alive(int(pid_text)):
             continue
         path = os.path.join(shm_dir, name)
         try:
@@ -466,6 +477,8 @@ def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
 
 
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid < 2**22:  # above Linux's pid_max limit: no such process, ever
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

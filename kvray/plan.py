@@ -10,6 +10,7 @@ never share an entry, an unknown layer raises, and a new incarnation misses the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -150,6 +151,15 @@ def validate_engine_info(info: EngineInfo) -> None:
                 engine_id=engine,
                 region=index,
             )
+    spans = sorted((region.address, region.address + region.length, region.index) for region in info.regions)
+    for (_, end, first), (next_start, _, second) in itertools.pairwise(spans):
+        if next_start < end:
+            raise MetadataError(
+                f"engine {engine!r}: regions {first} and {second} overlap in memory; one byte must "
+                "belong to one region (two layers at one address is the bug kvray exists to stop)",
+                engine_id=engine,
+                region=second,
+            )
     layer_names = set(info.layout.layer_names)
     stray = sorted(set(info.placements) - layer_names)
     if stray:
@@ -167,7 +177,8 @@ def validate_engine_info(info: EngineInfo) -> None:
         _check_placement(info, spec.name, spec.geometry, placement)
         blocks = np.arange(num_blocks, dtype=np.int64)
         for part in range(placement.parts):
-            start = placement.offset + part * placement.part_stride + blocks * placement.block_stride
+            part_start = placement.offset + part * placement.part_stride
+            start = blocks * placement.block_stride + part_start
             starts.append(start)
             ends.append(start + placement.part_nbytes)
             regions.append(np.full(num_blocks, placement.region, dtype=np.int64))
@@ -341,11 +352,16 @@ def block_ids(
     blocks: Sequence[int] | npt.NDArray[np.integer], num_blocks: int, side: str, engine: str
 ) -> Int64Array:
     """Validated block ids of one side: 1-D, non-empty, in [0, num_blocks), no duplicates."""
-    ids = np.asarray(blocks)
+    try:
+        ids = np.asarray(blocks)
+    except (ValueError, TypeError) as error:
+        raise BlockIdError(f"{side} block ids are not a flat list of integers: {error}", side=side) from None
     if ids.ndim != 1 or ids.size == 0:
         raise BlockIdError(f"{side} block ids must be a non-empty 1-D list", side=side, engine_id=engine)
     if ids.dtype.kind not in "iu":
         raise BlockIdError(f"{side} block ids must be integers, got {ids.dtype}", side=side, engine_id=engine)
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= 2**63:
+        raise BlockIdError(f"{side} block id {int(ids.max())} is out of range", side=side, engine_id=engine)
     ids = ids.astype(np.int64, copy=False)
     out_of_range = ids[(ids < 0) | (ids >= num_blocks)]
     if out_of_range.size:
@@ -357,10 +373,9 @@ def block_ids(
             block=int(out_of_range[0]),
             num_blocks=num_blocks,
         )
-    unique = np.unique(ids)
-    if unique.size != ids.size:
-        values, counts = np.unique(ids, return_counts=True)
-        repeated = int(values[counts > 1][0])
+    counts = np.bincount(ids, minlength=num_blocks)
+    if counts.max() > 1:
+        repeated = int(np.flatnonzero(counts > 1)[0])
         raise BlockIdError(
             f"{side} block id {repeated} appears more than once", side=side, engine_id=engine, block=repeated
         )
@@ -450,35 +465,60 @@ def merge_ops(ops: OpTable) -> OpTable:
     )
 
 
+def check_ops(
+    region: Int64Array,
+    offset: Int64Array,
+    nbytes: Int64Array,
+    region_lengths: Sequence[int],
+    *,
+    side: str,
+    engine_id: str,
+) -> None:
+    """Invariant 2 for one side: every op names an existing region, has a positive size, and
+    lies inside that region. Written so that no sum can overflow int64: the end of an op is
+    never computed, only compared as `offset <= length - nbytes` with `nbytes <= length`."""
+    lengths = np.asarray(region_lengths, dtype=np.int64)
+    bad_region = (region < 0) | (region >= lengths.size)
+    if bad_region.any():
+        at = int(np.flatnonzero(bad_region)[0])
+        raise BoundsError(
+            f"{side} op {at} names region {int(region[at])} of engine {engine_id!r}, "
+            f"which has {lengths.size}",
+            side=side,
+            engine_id=engine_id,
+            op=at,
+        )
+    length = lengths[region]
+    outside = (nbytes <= 0) | (nbytes > length) | (offset < 0) | (offset > length - nbytes)
+    if outside.any():
+        at = int(np.flatnonzero(outside)[0])
+        raise BoundsError(
+            f"{side} op {at} ({int(nbytes[at])} bytes at offset {int(offset[at])}) leaves region "
+            f"{int(region[at])} of engine {engine_id!r} ({int(length[at])} bytes)",
+            side=side,
+            engine_id=engine_id,
+            op=at,
+            offset=int(offset[at]),
+            nbytes=int(nbytes[at]),
+            region_length=int(length[at]),
+        )
+
+
 def check_bounds(ops: OpTable, local: EngineInfo, remote: EngineInfo) -> None:
     """Invariant 2: every op lies inside its local and its remote region, or nothing is planned."""
-    for side, info, region, offset in (
-        ("local", local, ops.local_region, ops.local_offset),
-        ("remote", remote, ops.remote_region, ops.remote_offset),
-    ):
-        region_lengths = np.array([r.length for r in info.regions], dtype=np.int64)
-        bad_region = (region < 0) | (region >= region_lengths.size)
-        if bad_region.any():
-            at = int(np.flatnonzero(bad_region)[0])
-            raise BoundsError(
-                f"{side} op {at} names region {int(region[at])} of engine {info.engine_id!r}, "
-                f"which has {region_lengths.size}",
-                side=side,
-                engine_id=info.engine_id,
-                op=at,
-            )
-        end = offset + ops.nbytes
-        outside = (offset < 0) | (ops.nbytes <= 0) | (end > region_lengths[region])
-        if outside.any():
-            at = int(np.flatnonzero(outside)[0])
-            raise BoundsError(
-                f"{side} op {at} [{int(offset[at])}, {int(end[at])}) leaves region "
-                f"{int(region[at])} of engine {info.engine_id!r} "
-                f"({int(region_lengths[region[at]])} bytes)",
-                side=side,
-                engine_id=info.engine_id,
-                op=at,
-                offset=int(offset[at]),
-                nbytes=int(ops.nbytes[at]),
-                region_length=int(region_lengths[region[at]]),
-            )
+    check_ops(
+        ops.local_region,
+        ops.local_offset,
+        ops.nbytes,
+        [r.length for r in local.regions],
+        side="local",
+        engine_id=local.engine_id,
+    )
+    check_ops(
+        ops.remote_region,
+        ops.remote_offset,
+        ops.nbytes,
+        [r.length for r in remote.regions],
+        side="remote",
+        engine_id=remote.engine_id,
+    )

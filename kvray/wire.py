@@ -9,12 +9,13 @@ nowhere else, into these types only (never pickle), and a malformed message is a
 from __future__ import annotations
 
 import enum
+import re
 from typing import TypeVar
 
 import msgspec
 
-from kvray.errors import WireDecodeError
-from kvray.layout import KVLayout, LayerPlacement
+from kvray.errors import MetadataError, UnknownLayerError, WireDecodeError
+from kvray.layout import MAX_BYTES, ByteCount, KVLayout, LayerPlacement
 
 
 class Role(enum.Enum):
@@ -38,27 +39,44 @@ class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     """One registered region of one engine incarnation: what a peer needs to write into it."""
 
     engine_id: str
-    incarnation: int
+    incarnation: ByteCount
     transport: TransportKind
-    index: int
+    index: ByteCount
     #: Virtual address of the region's first byte in the owner's process.
-    address: int
-    length: int
+    address: ByteCount
+    length: ByteCount
     #: Transport handle: a shared-memory path, a CUDA IPC handle, empty for `ray`.
     handle: bytes = b""
     #: Byte offset of the region inside what `handle` names (file or CUDA allocation).
-    handle_offset: int = 0
+    handle_offset: ByteCount = 0
     #: Remote key (RDMA rkey); 0 where the transport has none.
-    key: int = 0
+    key: ByteCount = 0
     #: Writable by peers? Only a decode engine's regions are, in push mode (invariant 6).
     remote_writable: bool = False
+
+    def __post_init__(self) -> None:
+        values = {
+            "incarnation": self.incarnation,
+            "index": self.index,
+            "address": self.address,
+            "length": self.length,
+            "handle_offset": self.handle_offset,
+            "key": self.key,
+        }
+        out_of_range = {name: value for name, value in values.items() if not 0 <= value < MAX_BYTES}
+        if out_of_range or self.length == 0:
+            raise MetadataError(
+                f"region descriptor of {self.engine_id!r} needs a positive length and values in "
+                f"[0, 2**62): {out_of_range or {'length': self.length}}",
+                engine_id=self.engine_id,
+            )
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine publishes through the coordinator."""
 
     engine_id: str
-    incarnation: int
+    incarnation: ByteCount
     role: Role
     node_id: str
     layout: KVLayout
@@ -69,8 +87,6 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: dict[str, str] = {}
 
     def placement(self, layer: str) -> LayerPlacement:
-        from kvray.errors import UnknownLayerError
-
         try:
             return self.placements[layer]
         except KeyError:
@@ -118,9 +134,9 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     transfer_id: str
     dst_engine: str
     dst_incarnation: int
-    regions: list[int]
-    remote_offsets: list[int]
-    nbytes: list[int]
+    regions: list[ByteCount]
+    remote_offsets: list[ByteCount]
+    nbytes: list[ByteCount]
 
 
 Message = TransferDone | TransferFailed | WriteOps
@@ -156,9 +172,15 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
         raise WireDecodeError(f"malformed kvray {what}: {error}", what=what, field=None) from None
 
 
+_FIELD_PATH = re.compile(r"at (?:`key` in )?`(\$[^`]*)`$")
+
+
 def _field_of(message: str) -> str | None:
-    """The `$.path` msgspec puts at the end of a validation message, if any."""
-    marker = "at `"
-    if marker not in message:
-        return None
-    return message.rsplit(marker, 1)[1].rstrip("`")
+    """The `$.path` msgspec names in a validation message (`$` for a missing top-level field)."""
+    match = _FIELD_PATH.search(message)
+    if match is not None:
+        return match.group(1)
+    missing = re.match(r"Object missing required field `([^`]+)`$", message)
+    if missing is not None:
+        return f"$.{missing.group(1)}"
+    return None

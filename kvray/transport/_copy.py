@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable
@@ -45,6 +46,8 @@ def scatter_copy(
     if _scatter_copy is not None:
         _scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
         return
+    if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
+        raise ValueError("scatter_copy got a negative offset or length")
     for dst, src, count in zip(
         (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
     ):
@@ -74,17 +77,26 @@ async def scatter_copy_async(
     segment_dst = dst_offsets[op] + delta
     segment_src = src_offsets[op] + delta
     loop = asyncio.get_running_loop()
-    await asyncio.gather(
-        *(
-            loop.run_in_executor(
-                _executor,
-                scatter_copy,
-                dst_base,
-                src_base,
-                segment_dst[share == k],
-                segment_src[share == k],
-                segment_nbytes[share == k],
-            )
-            for k in range(threads)
+    copies = [
+        loop.run_in_executor(
+            _executor,
+            scatter_copy,
+            dst_base,
+            src_base,
+            segment_dst[share == k],
+            segment_src[share == k],
+            segment_nbytes[share == k],
         )
-    )
+        for k in range(threads)
+    ]
+    gathered = asyncio.gather(*copies)
+    try:
+        await asyncio.shield(gathered)
+    except asyncio.CancelledError:
+        # A thread cannot be stopped mid-copy: wait until none still writes into memory the
+        # caller is about to release or hand back, then let the cancellation through. The
+        # copies are bounded, so this wait is too.
+        while not gathered.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([gathered])
+        raise

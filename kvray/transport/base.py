@@ -12,9 +12,12 @@ import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from kvray.config import Settings
+from kvray.errors import RegionError, StaleIncarnationError
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan
+from kvray.plan import TransferPlan, check_ops
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 
@@ -59,3 +62,44 @@ class Transport(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything the transport opened."""
+
+
+def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    """What every transport checks before its first byte moves: the plan is for this peer
+    incarnation, its destination regions are remotely writable, and every op lies inside its
+    local and its remote region (invariants 2, 4 and 6)."""
+    info = peer.info
+    if (plan.dst_engine, plan.dst_incarnation) != (info.engine_id, info.incarnation):
+        raise StaleIncarnationError(
+            f"plan for {plan.dst_engine!r} incarnation {plan.dst_incarnation} cannot be written to "
+            f"{info.engine_id!r} incarnation {info.incarnation}; plan again against the peer's "
+            "current info",
+            engine_id=info.engine_id,
+            incarnation=info.incarnation,
+            stale_incarnation=plan.dst_incarnation,
+        )
+    ops = plan.ops
+    check_ops(
+        ops.local_region,
+        ops.local_offset,
+        ops.nbytes,
+        [r.nbytes for r in local.regions],
+        side="local",
+        engine_id=plan.src_engine,
+    )
+    check_ops(
+        ops.remote_region,
+        ops.remote_offset,
+        ops.nbytes,
+        [r.length for r in info.regions],
+        side="remote",
+        engine_id=info.engine_id,
+    )
+    for index in np.unique(ops.remote_region).tolist():
+        if not info.regions[index].remote_writable:
+            raise RegionError(
+                f"region {index} of engine {info.engine_id!r} is not remotely writable "
+                "(only decode engines expose their regions)",
+                engine_id=info.engine_id,
+                region=index,
+            )

@@ -13,9 +13,9 @@ import numpy.typing as npt
 from kvray.config import Settings
 from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan
+from kvray.plan import TransferPlan, check_ops
 from kvray.transport._copy import scatter_copy_async
-from kvray.transport.base import Peer, Transport
+from kvray.transport.base import Peer, Transport, check_write
 from kvray.wire import TransportKind, WriteOps, decode_message, encode
 
 
@@ -43,6 +43,7 @@ class RayTransport(Transport):
                 "needs the peer's agent inside a Ray actor",
                 engine_id=peer.info.engine_id,
             )
+        check_write(plan, local, peer)
         ops = plan.ops
         payload = np.empty(ops.total_nbytes, dtype=np.uint8)
         payload_offset = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
@@ -104,30 +105,26 @@ async def apply_write(
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)
-    if not (regions.size == offsets.size == nbytes.size):
-        raise WireDecodeError("write_ops has regions, offsets and sizes of different lengths", field="$")
+    if not (regions.size == offsets.size == nbytes.size) or regions.size == 0:
+        raise WireDecodeError(
+            "write_ops needs regions, offsets and sizes of one non-zero length", field="$.nbytes"
+        )
     payload = np.asarray(payload)
     if payload.dtype != np.uint8 or payload.ndim != 1 or not payload.flags.c_contiguous:
         raise WireDecodeError("write payload must be a contiguous 1-D uint8 array", field="payload")
+    check_ops(
+        regions,
+        offsets,
+        nbytes,
+        [region.nbytes for region in backing.regions],
+        side="remote",
+        engine_id=engine_id,
+    )
+    # Every size is below 2**62 and there are fewer than 2**32 of them: the sum cannot overflow.
     if int(nbytes.sum()) != payload.size:
         raise BoundsError(
             f"write_ops names {int(nbytes.sum())} bytes but the payload has {payload.size}",
             engine_id=engine_id,
-        )
-    lengths = np.array([region.nbytes for region in backing.regions], dtype=np.int64)
-    bad = (regions < 0) | (regions >= lengths.size)
-    if bad.any():
-        at = int(np.flatnonzero(bad)[0])
-        raise BoundsError(f"op {at} names region {int(regions[at])}", engine_id=engine_id, op=at)
-    outside = (offsets < 0) | (nbytes <= 0) | (offsets + nbytes > lengths[regions])
-    if outside.any():
-        at = int(np.flatnonzero(outside)[0])
-        raise BoundsError(
-            f"op {at} [{int(offsets[at])}, {int(offsets[at] + nbytes[at])}) leaves region "
-            f"{int(regions[at])} ({int(lengths[regions[at]])} bytes) of engine {engine_id!r}",
-            engine_id=engine_id,
-            op=at,
-            offset=int(offsets[at]),
         )
     payload_offset = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
     for index in np.unique(regions).tolist():

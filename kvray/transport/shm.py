@@ -4,6 +4,7 @@ into it with batched C copies on a few threads."""
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 from dataclasses import dataclass
@@ -11,27 +12,44 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.config import Settings
-from kvray.errors import BoundsError, RegionError, TransportError, WriteFailedError
+from kvray.errors import KvrayError, RegionError, TransportError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
-from kvray.transport.base import Peer, Transport
+from kvray.transport.base import Peer, Transport, check_write
 from kvray.wire import RegionDescriptor, TransportKind
 
 
 @dataclass
 class _Mapping:
-    """A peer region mapped into this process: exactly [handle_offset, handle_offset + length)."""
+    """A peer region mapped into this process: exactly [handle_offset, handle_offset + length).
+
+    Copies in flight hold it (`users`); forgetting the peer only retires it, and the last
+    copy out unmaps it, so no thread ever writes into an address that was unmapped (or,
+    worse, mapped again for a newer incarnation).
+    """
 
     mm: mmap.mmap
     array: np.ndarray
     length: int
+    users: int = 0
+    retired: bool = False
 
     @property
     def address(self) -> int:
         return int(self.array.ctypes.data)
 
-    def close(self) -> None:
+    def retire(self) -> None:
+        self.retired = True
+        if self.users == 0:
+            self._unmap()
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.retired and self.users == 0:
+            self._unmap()
+
+    def _unmap(self) -> None:
         del self.array
         self.mm.close()
 
@@ -63,34 +81,32 @@ class ShmTransport(Transport):
         return super().register(backing, engine_id, incarnation, remote_writable=remote_writable)
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        check_write(plan, local, peer)
         ops = plan.ops
-        for local_index, remote_index in sorted(
-            set(zip(ops.local_region.tolist(), ops.remote_region.tolist(), strict=False))
-        ):
-            mapping = self._map(peer, remote_index)
-            select = (ops.local_region == local_index) & (ops.remote_region == remote_index)
-            remote_offset = ops.remote_offset[select]
-            nbytes = ops.nbytes[select]
-            # Invariant 2 again, against what this process actually mapped.
-            if (remote_offset < 0).any() or (remote_offset + nbytes > mapping.length).any():
-                raise BoundsError(
-                    f"an op leaves the {mapping.length}-byte region {remote_index} of engine "
-                    f"{peer.info.engine_id!r}",
-                    engine_id=peer.info.engine_id,
-                    region=remote_index,
-                )
+        pair_key = ops.local_region * (len(peer.info.regions) + 1) + ops.remote_region
+        for key in np.unique(pair_key).tolist():
+            local_index, remote_index = divmod(key, len(peer.info.regions) + 1)
             source = local.regions[local_index].tensor
             if source.is_cuda:
                 raise TransportError("the shm transport copies from CPU memory; use cuda_ipc for GPUs")
+            select = pair_key == key
+            remote_offset = ops.remote_offset[select]
+            nbytes = ops.nbytes[select]
+            mapping = self._map(peer, remote_index)
+            mapping.users += 1
             try:
                 await scatter_copy_async(
                     mapping.address, source.data_ptr(), remote_offset, ops.local_offset[select], nbytes
                 )
+            except (asyncio.CancelledError, KvrayError):
+                raise
             except Exception as error:
                 raise WriteFailedError(
                     f"copy into engine {peer.info.engine_id!r} region {remote_index} failed: {error}",
                     engine_id=peer.info.engine_id,
                 ) from error
+            finally:
+                mapping.release()
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
@@ -100,13 +116,6 @@ class ShmTransport(Transport):
             return mapping
         self._forget_other_incarnations(info.engine_id, info.incarnation)
         region = info.regions[index]
-        if not region.remote_writable:
-            raise RegionError(
-                f"region {index} of engine {info.engine_id!r} is not remotely writable "
-                "(only decode engines expose their regions)",
-                engine_id=info.engine_id,
-                region=index,
-            )
         path = region.handle.decode()
         if not path:
             raise TransportError(
@@ -153,13 +162,13 @@ class ShmTransport(Transport):
 
     def _forget_other_incarnations(self, engine_id: str, incarnation: int) -> None:
         for key in [k for k in self._mappings if k[0] == engine_id and k[1] != incarnation]:
-            self._mappings.pop(key).close()
+            self._mappings.pop(key).retire()
 
     def forget(self, engine_id: str) -> None:
         for key in [k for k in self._mappings if k[0] == engine_id]:
-            self._mappings.pop(key).close()
+            self._mappings.pop(key).retire()
 
     async def close(self) -> None:
         for mapping in self._mappings.values():
-            mapping.close()
+            mapping.retire()
         self._mappings.clear()

@@ -48,8 +48,12 @@ def canary_mask() -> Any:
     return written_mask
 
 
-def written_mask(info: EngineInfo, region_offset: int, allocation_nbytes: int,
-                 requests: list[tuple[list[int], list[str] | None]]) -> np.ndarray:
+def written_mask(
+    info: EngineInfo,
+    region_offset: int,
+    allocation_nbytes: int,
+    requests: list[tuple[list[int], list[str] | None]],
+) -> np.ndarray:
     """Bytes of a decode allocation that the given (blocks, layers) requests may write."""
     mask = np.zeros(allocation_nbytes, dtype=bool)
     for blocks, layers in requests:

@@ -87,7 +87,7 @@ def test_concurrent_requests_land_exactly(
 
     # Canaries: every byte no request could write (other blocks, padding, slack) is untouched.
     after = ray.get([d.snapshot.remote() for d in decodes])
-    for d, decode in enumerate(decodes):
+    for d, _decode in enumerate(decodes):
         engine_id = f"d{d}-{tag}"
         info = _info(engine_id)
         (region_offset, old), (_, new) = before[d][0], after[d][0]
@@ -138,7 +138,9 @@ def test_bad_pushes_are_refused_and_write_nothing(local_ray: None) -> None:
     decode = DecodeActor.remote("d-bad", layout, settings)
     other_geometry = KVLayout(
         layers=tuple(
-            LayerSpec(name=name, geometry=Geometry(block_size=16, entry_shape=(4, 128), dtype="float16", parts=2))
+            LayerSpec(
+                name=name, geometry=Geometry(block_size=16, entry_shape=(4, 128), dtype="float16", parts=2)
+            )
             for name in layout.layer_names
         ),
         num_blocks=8,

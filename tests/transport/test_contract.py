@@ -23,7 +23,6 @@ from kvray.layout import READY_LAYOUTS, BlockOrder, Geometry, KVLayout, LayerSpe
 from kvray.memory import TORCH_DTYPES, Backing, MemoryKind
 from kvray.plan import OffsetCache, OpTable, TransferPlan
 from kvray.transport import _copy
-from kvray.wire import TransportKind
 
 if TYPE_CHECKING:
     from conftest import CopyGuard, Engine, GatedCopies, TransportUnderTest
@@ -38,14 +37,6 @@ LAYOUT_PARAMS = [
 
 def ready_layout(name: str, order: BlockOrder) -> KVLayout:
     return READY_LAYOUTS[name](num_blocks=NUM_BLOCKS[name], block_order=order)
-
-
-def known_bug(
-    request: pytest.FixtureRequest, tut: TransportUnderTest, kinds: set[TransportKind], reason: str
-) -> None:
-    """Mark this run as a known kvray bug (strict: it must fail) when `tut` is one of `kinds`."""
-    if tut.kind in kinds:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def with_ops(plan: TransferPlan, **columns: np.ndarray) -> TransferPlan:
@@ -307,41 +298,12 @@ TAMPERS: dict[str, Callable[[TransferPlan, Engine, Engine], dict[str, np.ndarray
 }
 
 #: Known kvray bugs: transports that do not refuse these plans with a BoundsError.
-TAMPER_BUGS: dict[str, tuple[set[TransportKind], str]] = {
-    "offset-overflow": (
-        {TransportKind.SHM, TransportKind.RAY},
-        "shm.py write() and ray.py apply_write() test remote_offset + nbytes > length in int64: "
-        "an offset near 2**63 wraps negative and passes, and the copy goes to a wild address",
-    ),
-    "negative-nbytes": (
-        {TransportKind.SHM, TransportKind.RAY},
-        "shm.py write() checks offset<0 and offset+nbytes>length but not nbytes<=0 (the C copy's "
-        "ValueError becomes WriteFailedError; the ctypes fallback would memmove a huge size); "
-        "ray.py write() gathers before any check, so the C copy's bare ValueError escapes",
-    ),
-    "region-past-last": (
-        {TransportKind.SHM},
-        "shm.py _map() indexes info.regions[index] unchecked: an IndexError, not a BoundsError",
-    ),
-    "region-negative": (
-        {TransportKind.SHM},
-        "shm.py _map() indexes info.regions[-1]: the op is written into the last region",
-    ),
-    "local-past-region": (
-        {TransportKind.SHM, TransportKind.RAY},
-        "neither transport checks local_offset+nbytes against the local region: bytes of the "
-        "sender's memory outside its region are sent to the peer",
-    ),
-}
 
 
 @pytest.mark.parametrize("tamper", list(TAMPERS))
 async def test_plan_leaving_a_region_is_refused_and_writes_nothing(
     tut: TransportUnderTest, tamper: str, request: pytest.FixtureRequest, guard: CopyGuard
 ) -> None:
-    if tamper in TAMPER_BUGS:
-        kinds, reason = TAMPER_BUGS[tamper]
-        known_bug(request, tut, kinds, reason)
     layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
     source = tut.source(layout)
     destination = tut.destination(layout)
@@ -364,12 +326,6 @@ async def test_plan_leaving_a_region_is_refused_and_writes_nothing(
 async def test_region_not_remotely_writable_is_refused(
     tut: TransportUnderTest, request: pytest.FixtureRequest
 ) -> None:
-    known_bug(
-        request,
-        tut,
-        {TransportKind.RAY},
-        "ray.py write() never looks at RegionDescriptor.remote_writable, and apply_write cannot",
-    )
     layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
     source = tut.source(layout)
     destination = tut.destination(layout, remote_writable=False)
@@ -414,13 +370,6 @@ async def test_restarted_peer_gets_writes_in_its_new_backing(
 async def test_plan_for_an_old_incarnation_is_refused(
     tut: TransportUnderTest, request: pytest.FixtureRequest
 ) -> None:
-    known_bug(
-        request,
-        tut,
-        {TransportKind.SHM},
-        "shm.py write() never compares plan.dst_engine/dst_incarnation with peer.info: a plan made "
-        "for the old incarnation is written into the new one",
-    )
     layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
     source = tut.source(layout)
     old = tut.destination(layout, engine_id="decode-0")
@@ -462,14 +411,6 @@ async def test_stale_peer_info_never_reaches_the_new_incarnation(tut: TransportU
 async def test_cancelled_write_leaves_no_copy_running(
     tut: TransportUnderTest, gated: GatedCopies, request: pytest.FixtureRequest
 ) -> None:
-    known_bug(
-        request,
-        tut,
-        {TransportKind.SHM, TransportKind.RAY},
-        "_copy.py scatter_copy_async: cancelling the await leaves the executor copies running; "
-        "shm keeps writing into blocks the caller has given up on, ray's gather keeps writing into "
-        "a payload array that is freed when write() unwinds",
-    )
     layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
     source = tut.source(layout)
     destination = tut.destination(layout)

@@ -136,11 +136,6 @@ async def test_shares_split_ops_where_they_end(threads: int, monkeypatch: pytest
     assert sorted(calls) == sorted(total * (k + 1) // threads - total * k // threads for k in range(threads))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_copy.py scatter_copy(): the ctypes fallback memmoves negative offsets and lengths (a "
-    "negative length is a ~2**64-byte memmove) where the C extension raises ValueError",
-)
 @pytest.mark.parametrize(
     ("dst_offset", "nbytes"), [(-8, 16), (0, -1)], ids=["negative-offset", "negative-length"]
 )

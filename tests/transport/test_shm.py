@@ -161,11 +161,6 @@ async def test_new_incarnation_releases_the_old_mapping(shm: TransportUnderTest)
 # ---- never unmap under a running copy ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm.py forget()/close()/_forget_other_incarnations() munmap a peer's mapping while a "
-    "threaded copy of an in-flight write() still writes into it (SIGSEGV in the worker)",
-)
 @pytest.mark.parametrize("release", ["forget", "close", "new-incarnation"])
 async def test_mapping_outlives_the_copies_writing_into_it(
     shm: TransportUnderTest, gated: GatedCopies, release: str

@@ -190,12 +190,6 @@ def test_direct_construction_is_validated_with_facts(field: str, value: object) 
     assert caught.value.setting == field
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.Settings.from_env: __post_init__'s ConfigError is wrapped by msgspec.convert into a "
-    "ValidationError and re-raised as a bare ConfigError('invalid settings: ...'), losing its facts "
-    "(setting, value) and never naming the KVRAY_ALIGNMENT variable",
-)
 def test_a_non_power_of_two_alignment_from_the_environment_keeps_its_facts() -> None:
     with pytest.raises(ConfigError) as caught:
         Settings.from_env({"KVRAY_ALIGNMENT": "1000"})
@@ -203,11 +197,6 @@ def test_a_non_power_of_two_alignment_from_the_environment_keeps_its_facts() -> 
     assert "KVRAY_ALIGNMENT" in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.Settings.__post_init__ checks timeouts with `<= 0`, which NaN and infinity pass: "
-    "a NaN deadline, or one that never comes (invariant 5: nothing waits forever)",
-)
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_timeouts_must_be_finite(value: str) -> None:
     with pytest.raises(ConfigError):

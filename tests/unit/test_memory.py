@@ -486,12 +486,6 @@ def test_allocate_shm_in_missing_folder_raises_region_error(tmp_path: os.PathLik
         Backing.allocate(small_layout(), MemoryKind.SHM, settings=Settings(shm_dir=missing))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memory.remove_stale_shm_files: a name whose pid part passes str.isdigit() but is not a "
-    "C-int pid (kvray-<20 digits>-x: OverflowError from os.kill; kvray-\\u00b2-x: ValueError from int) "
-    "raises, so one such file in the folder breaks every SHM allocation",
-)
 @pytest.mark.parametrize("pid_text", [str(10**20), "\u00b2"], ids=["huge", "superscript-two"])
 def test_stale_sweep_survives_a_file_named_with_a_bogus_pid(
     tmp_path: os.PathLike[str], pid_text: str
@@ -650,11 +644,6 @@ def test_adopt_refuses_block_major_layouts() -> None:
         Backing.adopt(layout, tensors, alignment=64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memory.Backing.adopt accepts one tensor for two layers (the seed bug: two layers at one "
-    "address), and plan.validate_engine_info only compares segments within one region index",
-)
 def test_adopt_refuses_two_layers_sharing_memory() -> None:
     layout = llama_gqa(num_blocks=2, num_layers=2)
     tensors = padded_layer_tensors(layout, 4096, 0)

@@ -20,6 +20,7 @@ from kvray.errors import (
     MetadataError,
     PlanError,
     UnknownLayerError,
+    WireDecodeError,
 )
 from kvray.layout import (
     DTYPE_ITEMSIZE,
@@ -637,7 +638,6 @@ CORRUPTIONS: list[Any] = [
     pytest.param(
         lambda info: corrupt_region(info, index=1), MetadataError, "region", id="wrong-region-index"
     ),
-    pytest.param(lambda info: corrupt_region(info, length=0), MetadataError, "region", id="empty-region"),
     pytest.param(
         lambda info: corrupt_placement(info, layer_name(info, 1), region=1),
         MetadataError,
@@ -711,23 +711,29 @@ def test_published_backings_are_valid(name: str, order: BlockOrder, make_info: M
     validate_engine_info(make_info(Backing.allocate(layout), "decode-0"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan.check_bounds / validate_engine_info put wire ints into int64 numpy arrays: a region "
-    "length or placement offset >= 2**63 (valid msgpack uint64) raises OverflowError, not a KvrayError",
-)
+def test_an_empty_region_is_refused_when_described(make_info: MakeInfo) -> None:
+    layout = llama_gqa(num_blocks=4, num_layers=3)
+    _, _, _, remote_info = pair(make_info, layout, layout)
+    with pytest.raises(MetadataError, match="positive length"):
+        corrupt_region(remote_info, length=0)
+
+
 @pytest.mark.parametrize("huge", ["region-length", "placement-offset"])
-def test_absurd_wire_sizes_are_metadata_errors_not_crashes(huge: str, make_info: MakeInfo) -> None:
+def test_absurd_wire_sizes_are_kvray_errors_not_crashes(huge: str, make_info: MakeInfo) -> None:
+    """Sizes past 2**62 are refused where they enter: on construction, or on decoding."""
     layout = llama_gqa(num_blocks=4, num_layers=2)
     _, _, local_info, remote_info = pair(make_info, layout, layout)
-    if huge == "region-length":
-        bad = corrupt_region(remote_info, length=2**64 - 1)
-    else:
-        bad = corrupt_region(remote_info, length=2**64 - 1)
-        bad = corrupt_placement(bad, layer_name(bad, 1), offset=2**63 + 4096)
-    bad = decode_engine_info(encode(bad))  # it is valid on the wire
     with pytest.raises(KvrayError):
+        if huge == "region-length":
+            bad = corrupt_region(remote_info, length=2**64 - 1)
+        else:
+            bad = corrupt_placement(remote_info, layer_name(remote_info, 1), offset=2**63 + 4096)
+        bad = decode_engine_info(encode(bad))
         plan_transfer(local_info, bad, [0], [1])
+    raw = msgspec.msgpack.decode(encode(remote_info))
+    raw["regions"][0]["length"] = 2**64 - 1
+    with pytest.raises(WireDecodeError, match="regions"):
+        decode_engine_info(msgspec.msgpack.encode(raw))
 
 
 # ---- (h) bounds of hand-made op tables ------------------------------------------------------
