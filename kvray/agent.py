@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
+from kvray.completion import CompletionInbox, CompletionOutbox
 from kvray.config import Settings
 from kvray.errors import (
     BackpressureError,
@@ -46,7 +48,7 @@ from kvray.errors import (
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
-from kvray.transport import Peer, Transport, open_transport
+from kvray.transport import Peer, Transport, open_transport, transport_class
 from kvray.transport.ray import apply_write
 from kvray.wire import (
     EngineInfo,
@@ -167,6 +169,8 @@ class KVAgent:
         self._transfer_count = 0
         self._closed = asyncio.Event()
         self._started = False
+        self._inbox: CompletionInbox | None = None
+        self._outbox: CompletionOutbox | None = None
 
     # ---- life cycle -------------------------------------------------------------------
 
@@ -187,11 +191,17 @@ class KVAgent:
         self.incarnation = secrets.randbits(62) or 1
         writable = self.role is Role.DECODE
         kind = TransportKind.SHM if self.backing.kind is MemoryKind.SHM else TransportKind.RAY
-        regions = self._transport(kind).register(
-            self.backing, self.engine_id, self.incarnation, remote_writable=writable
-        )
+        # Registering only describes memory; whether the transport can also write from this
+        # process (e.g. Ray is up) is checked when a write needs it.
+        registrar = self._transports.get(kind) or transport_class(kind)(self.settings)
+        self._transports[kind] = registrar
+        regions = registrar.register(self.backing, self.engine_id, self.incarnation, remote_writable=writable)
+        endpoints: dict[str, str] = {}
+        if self.role is Role.DECODE:
+            self._inbox = CompletionInbox(self.settings.shm_dir, self._receive)
+            endpoints[COMPLETION_ENDPOINT] = self._inbox.path
         self._info = self.backing.engine_info(
-            self.engine_id, self.incarnation, self.role, self.node_id, regions
+            self.engine_id, self.incarnation, self.role, self.node_id, regions, endpoints
         )
         if self._use_coordinator and self._coordinator is None:
             import ray
@@ -226,6 +236,10 @@ class KVAgent:
         for transport in self._transports.values():
             await transport.close()
         self._transports.clear()
+        if self._inbox is not None:
+            self._inbox.close()
+        if self._outbox is not None:
+            self._outbox.close()
         self.backing.close()
 
     async def _register(self) -> None:
@@ -533,6 +547,13 @@ class KVAgent:
             raise
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
+        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
+        if inbox and peer.info.node_id == self.node_id:
+            if self._outbox is None:
+                self._outbox = CompletionOutbox()
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await self._outbox.send(inbox, encode(message))
+            return
         if peer.host is None:
             raise TransportError(
                 f"engine {peer.info.engine_id!r} has no host to notify; its agent must run in an "
@@ -592,12 +613,19 @@ class KVAgent:
         return written
 
     async def notify(self, message_bytes: bytes) -> None:
-        """A completion or failure notice arriving; unknown or stale ones are dropped and counted."""
+        """A completion or failure notice arriving through Ray (see `_receive`)."""
+        self._receive(message_bytes, strict=True)
+
+    def _receive(self, message_bytes: bytes, strict: bool = False) -> None:
+        """A completion or failure notice; unknown, stale or malformed ones are dropped and counted
+        (`strict`: a malformed one also raises, for a caller that can be told)."""
         try:
             message = decode_message(message_bytes)
         except WireDecodeError:
             self.stats["messages_malformed"] += 1
-            raise
+            if strict:
+                raise
+            return
         if isinstance(message, WriteOps):
             self.stats["messages_misrouted"] += 1
             return

@@ -14,6 +14,7 @@ import enum
 import itertools
 import os
 import secrets
+import shutil
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -469,7 +470,10 @@ def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
             continue
         path = os.path.join(shm_dir, name)
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # a dead decode engine's completion inbox
+            else:
+                os.unlink(path)
             removed.append(path)
         except OSError:
             pass

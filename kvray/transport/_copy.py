@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,8 @@ def scatter_copy(
 async def scatter_copy_async(
     dst_base: int, src_base: int, dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array
 ) -> None:
-    """`scatter_copy` off the event loop; a large batch is cut into equal byte shares (splitting
-    ops where a share ends) copied by a few threads at once."""
+    """`scatter_copy` off the event loop; a large batch is cut into about equal byte shares
+    copied by a few threads at once (ops larger than a share are split first)."""
     global _executor
     total = int(nbytes.sum())
     threads = copy_threads()
@@ -67,15 +68,13 @@ async def scatter_copy_async(
         return
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvray-copy")
-    op_starts = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
-    cuts = np.array([total * k // threads for k in range(1, threads)], dtype=np.int64)
-    points = np.union1d(op_starts, cuts)
-    op = np.searchsorted(op_starts, points, side="right") - 1
-    delta = points - op_starts[op]
-    segment_nbytes = np.diff(np.append(points, total))
-    share = np.searchsorted(cuts, points, side="right")
-    segment_dst = dst_offsets[op] + delta
-    segment_src = src_offsets[op] + delta
+    share_nbytes = -(-total // threads)
+    if int(nbytes.max()) > share_nbytes:
+        dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
+    # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
+    ends = np.cumsum(nbytes)
+    cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
+    bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
     loop = asyncio.get_running_loop()
     copies = [
         loop.run_in_executor(
@@ -83,11 +82,12 @@ async def scatter_copy_async(
             scatter_copy,
             dst_base,
             src_base,
-            segment_dst[share == k],
-            segment_src[share == k],
-            segment_nbytes[share == k],
+            dst_offsets[start:stop],
+            src_offsets[start:stop],
+            nbytes[start:stop],
         )
-        for k in range(threads)
+        for start, stop in itertools.pairwise(bounds)
+        if stop > start
     ]
     gathered = asyncio.gather(*copies)
     try:
@@ -100,3 +100,18 @@ async def scatter_copy_async(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([gathered])
         raise
+
+
+def _split_large(
+    dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, piece: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The same copies with every op longer than `piece` bytes cut into pieces of at most `piece`."""
+    pieces = -(-nbytes // piece)
+    op = np.repeat(np.arange(nbytes.size), pieces)
+    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+    delta = (np.arange(op.size) - first_piece[op]) * piece
+    return (
+        dst_offsets[op] + delta,
+        src_offsets[op] + delta,
+        np.minimum(nbytes[op] - delta, piece),
+    )

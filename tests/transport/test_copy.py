@@ -110,9 +110,11 @@ def test_scatter_copy_async_in_shares(
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
-async def test_shares_split_ops_where_they_end(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Few large ops of odd sizes: every share boundary falls inside an op, and each share's
-    copies are exactly that share's bytes."""
+async def test_large_ops_are_split_into_balanced_shares(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Few large ops of odd sizes: ops longer than a share are split, at most one call per
+    thread, and no thread gets more than two shares' worth of bytes."""
     monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
     monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
     calls: list[int] = []
@@ -133,7 +135,10 @@ async def test_shares_split_ops_where_they_end(threads: int, monkeypatch: pytest
     await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
 
     np.testing.assert_array_equal(dst, expected)
-    assert sorted(calls) == sorted(total * (k + 1) // threads - total * k // threads for k in range(threads))
+    share = -(-total // threads)
+    assert sum(calls) == total
+    assert len(calls) <= threads
+    assert max(calls) <= 2 * share
 
 
 @pytest.mark.parametrize(

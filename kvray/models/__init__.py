@@ -1,0 +1,19 @@
+"""Models that read and write their KV cache through kvray backings (the model-level proof)."""
+
+from kvray.models.reference import (
+    INDEXER_LAYER,
+    LayerKind,
+    ModelConfig,
+    ReferenceModel,
+    decode_text,
+    encode_text,
+)
+
+__all__ = [
+    "INDEXER_LAYER",
+    "LayerKind",
+    "ModelConfig",
+    "ReferenceModel",
+    "decode_text",
+    "encode_text",
+]
