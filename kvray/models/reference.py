@@ -13,7 +13,13 @@ Three cache kinds, each a kvray layer of its own geometry, all `block_size` toke
 - One indexer cache (uint8): a lightning-indexer key per token, int8-quantized with its float32
   scale packed beside it. Its scores pick the `index_topk` tokens every MLA layer attends to.
 
-Weights are seeded random numbers (no downloads); compute is float32 on the CPU.
+Weights are seeded random numbers (no downloads); compute is float32 on the CPU, built only
+from correctly rounded elementwise operations (+, ×, ÷, sqrt, max, round) in a fixed order:
+no BLAS, no torch.exp or erf, no reductions whose order depends on threads or SIMD width. The
+same tokens and cache bytes therefore come out on any thread count and any CPU, so a prefill
+worker and a decode worker need not share OMP_NUM_THREADS (torch's own matmul does differ in
+the last bit between 1 and 2 threads). The price is a softmax whose exp is (1 + x/256)^256 and
+a ReLU MLP.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ INDEXER_LAYER = "model.indexer.k_cache"
 _SCALE_NBYTES = 4
 _INT8_MAX = 127.0
 _NORM_EPS = 1e-6
+#: Queries per attention chunk: bounds the [queries, keys, heads, dim] products of long prompts.
+_QUERY_CHUNK = 64
+#: Random weights are k / 2**23 for integers k in [-2**23, 2**23): exact floats in [-1, 1).
+_WEIGHT_BITS = 23
 
 
 class LayerKind(enum.Enum):
@@ -158,14 +168,21 @@ class ReferenceModel:
         self.config = config
         generator = torch.Generator().manual_seed(config.seed)
 
+        def uniform(rows: int, cols: int, scale: float) -> torch.Tensor:
+            # Integer draws, unlike torch.randn, give the same floats on every CPU.
+            limit = 1 << _WEIGHT_BITS
+            draws = torch.randint(-limit, limit, (rows, cols), generator=generator, dtype=torch.int64)
+            return draws.to(torch.float32) * (scale / limit)
+
         def weight(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
-            return torch.randn(rows, cols, generator=generator) * (gain / math.sqrt(rows))
+            # Uniform on ±sqrt(3/rows): unit-variance inputs give unit-variance outputs.
+            return uniform(rows, cols, gain * math.sqrt(3.0 / rows))
 
         c = config
         attention_width = c.num_heads * c.head_dim
         kv_width = c.num_kv_heads * c.head_dim
-        self._embed = torch.randn(c.vocab_size, c.hidden, generator=generator)
-        self._positions = torch.randn(c.max_positions, c.hidden, generator=generator) * 0.5
+        self._embed = uniform(c.vocab_size, c.hidden, math.sqrt(3.0))
+        self._positions = uniform(c.max_positions, c.hidden, 0.5 * math.sqrt(3.0))
         self._unembed = weight(c.hidden, c.vocab_size)
         layers: list[_Layer] = []
         for index, kind in enumerate(c.layer_kinds):
@@ -382,15 +399,15 @@ class ReferenceModel:
                 if selected is None:
                     selected = self._select_tokens(x, start, end, causal, views, table)
                     _notify(on_layer, INDEXER_LAYER)
-                latent = _rms_norm(x @ layer.w_a)
+                latent = _rms_norm(_linear(x, layer.w_a))
                 self._write(views[layer.cache_name], latent, start, end, table, part=None)
                 _notify(on_layer, layer.cache_name)
                 cached = self._read(views[layer.cache_name], end, table, part=None)
-                keys, values = (cached @ layer.w_b).view(end, 2, c.num_heads, c.head_dim).unbind(1)
+                keys, values = _linear(cached, layer.w_b).view(end, 2, c.num_heads, c.head_dim).unbind(1)
                 mask = selected
             else:
-                new_keys = (x @ layer.w_a).view(-1, c.num_kv_heads, c.head_dim)
-                new_values = (x @ layer.w_b).view(-1, c.num_kv_heads, c.head_dim)
+                new_keys = _linear(x, layer.w_a).view(-1, c.num_kv_heads, c.head_dim)
+                new_values = _linear(x, layer.w_b).view(-1, c.num_kv_heads, c.head_dim)
                 self._write(views[layer.cache_name], new_keys, start, end, table, part=0)
                 self._write(views[layer.cache_name], new_values, start, end, table, part=1)
                 _notify(on_layer, layer.cache_name)
@@ -400,10 +417,10 @@ class ReferenceModel:
                 keys = self._read(cache, end, table, part=0).repeat_interleave(group, dim=1)
                 values = self._read(cache, end, table, part=1).repeat_interleave(group, dim=1)
                 mask = causal
-            queries = (x @ layer.w_q).view(-1, c.num_heads, c.head_dim)
-            hidden = hidden + _attention(queries, keys, values, mask) @ layer.w_o
-            hidden = hidden + torch.nn.functional.gelu(_rms_norm(hidden) @ layer.w_up) @ layer.w_down
-        return _rms_norm(hidden[-1]) @ self._unembed
+            queries = _linear(x, layer.w_q).view(-1, c.num_heads, c.head_dim)
+            hidden = hidden + _linear(_attention(queries, keys, values, mask), layer.w_o)
+            hidden = hidden + _linear(torch.relu(_linear(_rms_norm(hidden), layer.w_up)), layer.w_down)
+        return _linear(_rms_norm(hidden[-1:]), self._unembed)[0]
 
     def _select_tokens(
         self,
@@ -417,14 +434,17 @@ class ReferenceModel:
         """The lightning indexer: which cached tokens each query may attend to ([queries, end])."""
         c = self.config
         view = views[INDEXER_LAYER]
-        self._write(view, _quantize(x @ self._indexer.w_k), start, end, table, part=None)
+        self._write(view, _quantize(_linear(x, self._indexer.w_k)), start, end, table, part=None)
         keys = _dequantize(self._gather(view, end, table, part=None), c.indexer_dim)
-        queries = (x @ self._indexer.w_q).view(-1, c.indexer_heads, c.indexer_dim)
-        head_weights = x @ self._indexer.w_weights
+        queries = _linear(x, self._indexer.w_q).view(-1, c.indexer_heads, c.indexer_dim)
+        head_weights = _linear(x, self._indexer.w_weights)
         # score(t, s) = sum over heads h of w[t, h] * relu(q[t, h] . k[s]), as in DeepSeek-V3.2.
-        per_head = torch.relu(torch.einsum("qhd,sd->qhs", queries, keys))
-        scores = (per_head * head_weights[:, :, None]).sum(dim=1)
-        scores = scores.masked_fill(~causal, -math.inf)
+        chunks: list[torch.Tensor] = []
+        for first in range(0, queries.shape[0], _QUERY_CHUNK):
+            chunk = slice(first, first + _QUERY_CHUNK)
+            dots = _sum_exact(queries[chunk, None, :, :] * keys[None, :, None, :], dim=-1)
+            chunks.append(_sum_exact(torch.relu(dots) * head_weights[chunk, None, :], dim=-1))
+        scores = torch.cat(chunks).masked_fill(~causal, -math.inf)
         # A stable sort keeps ties in position order, so the choice is the same every run.
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : c.index_topk]
         chosen = torch.zeros_like(causal).scatter_(1, order, True)
@@ -460,8 +480,36 @@ def _notify(on_layer: Callable[[str], None] | None, name: str) -> None:
         on_layer(name)
 
 
+def _sum_exact(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` as a fixed tree of elementwise adds: neighbours pair up, level by level.
+
+    The same bits on any thread count or CPU, and zeros appended at the end (masked keys)
+    leave the sum of the others unchanged to the last bit.
+    """
+    x = x.movedim(dim, 0)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = torch.cat([x, torch.zeros_like(x[:1])])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., k] times weight [k, n], as products and an exact sum (matmul's bits vary with threads)."""
+    return _sum_exact(x[..., :, None] * weight, dim=-2)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0 as (1 + x/256)^256: eight squarings, correctly rounded on every CPU."""
+    result = torch.clamp(1.0 + x / 256.0, min=0.0)
+    for _ in range(8):
+        result = result * result
+    return result
+
+
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + _NORM_EPS)
+    mean_square = _sum_exact(x * x, dim=-1) / x.shape[-1]
+    return x / torch.sqrt(mean_square + _NORM_EPS)[..., None]
 
 
 def _attention(
@@ -469,9 +517,15 @@ def _attention(
 ) -> torch.Tensor:
     """queries [q, heads, d], keys and values [s, heads, d], mask [q, s] -> [q, heads·d]."""
     scale = 1.0 / math.sqrt(queries.shape[-1])
-    scores = torch.einsum("qhd,shd->hqs", queries, keys) * scale
-    weights = torch.softmax(scores.masked_fill(~mask[None], -math.inf), dim=-1)
-    return torch.einsum("hqs,shd->qhd", weights, values).reshape(queries.shape[0], -1)
+    outputs: list[torch.Tensor] = []
+    for first in range(0, queries.shape[0], _QUERY_CHUNK):
+        chunk = slice(first, first + _QUERY_CHUNK)
+        scores = _sum_exact(queries[chunk, None] * keys[None], dim=-1) * scale  # [q, s, heads]
+        scores = scores.masked_fill(~mask[chunk, :, None], -math.inf)
+        weights = _exp(scores - scores.amax(dim=1, keepdim=True))
+        weights = weights / _sum_exact(weights, dim=1)[:, None]
+        outputs.append(_sum_exact(weights[..., None] * values[None], dim=1))  # [q, heads, d]
+    return torch.cat(outputs).flatten(1)
 
 
 def _quantize(keys: torch.Tensor) -> torch.Tensor:
