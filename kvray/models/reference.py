@@ -211,7 +211,6 @@ class ReferenceModel:
             w_k=weight(c.hidden, c.indexer_dim),
             w_weights=weight(c.hidden, c.indexer_heads),
         )
-        self._has_indexer = LayerKind.MLA in c.layer_kinds
         self._geometries = self._cache_geometries()
 
     # ---- layout ------------------------------------------------------------------------
@@ -263,7 +262,7 @@ class ReferenceModel:
             raise ConfigError("prefill needs at least one token")
         self._check_tokens(tokens)
         self._check_positions(len(tokens))
-        table = self._table(views, block_table, len(tokens))
+        table = self._checked_table(views, block_table, len(tokens))
         with torch.no_grad():
             logits = self._forward(tokens, 0, views, table, on_layer)
         return int(torch.argmax(logits).item())
@@ -293,7 +292,7 @@ class ReferenceModel:
         self._check_tokens([first_token])
         cached_tokens = prompt_len + max_new_tokens - 1
         self._check_positions(cached_tokens)
-        table = self._table(views, block_table, cached_tokens)
+        table = self._checked_table(views, block_table, cached_tokens)
         generated = [first_token]
         with torch.no_grad():
             for position in range(prompt_len, cached_tokens):
@@ -328,7 +327,7 @@ class ReferenceModel:
                 num_tokens=num_tokens,
             )
 
-    def _table(
+    def _checked_table(
         self, views: Mapping[str, torch.Tensor], block_table: Sequence[int], num_tokens: int
     ) -> _Table:
         """Check the views against the layout and the block table against them."""
@@ -347,7 +346,8 @@ class ReferenceModel:
             ):
                 raise LayoutError(
                     f"view of {name!r} is {tuple(view.shape)} {view.dtype}, not "
-                    f"[{'2, ' if leading == 2 else ''}num_blocks, {block_shape}] {geometry.dtype}",
+                    f"[{'2, ' if leading == 2 else ''}num_blocks, {', '.join(map(str, block_shape))}] "
+                    f"{geometry.dtype}",
                     layer=name,
                 )
             layer_blocks = view.shape[leading - 1]
