@@ -139,6 +139,7 @@ class KVAgent:
         settings: Settings | None = None,
         coordinator: Any = None,
         use_coordinator: bool = True,
+        offset_cache: OffsetCache | None = None,
     ) -> None:
         if (layout is None) == (backing is None):
             raise PlanError("give a KVAgent either a layout (kvray allocates) or a backing, not both")
@@ -161,7 +162,7 @@ class KVAgent:
         self._heartbeat: asyncio.Task[None] | None = None
         self._transports: dict[TransportKind, Transport] = {}
         self._peers: dict[str, Peer] = {}
-        self._cache = OffsetCache()
+        self._cache = offset_cache if offset_cache is not None else OffsetCache()
         self._slots = asyncio.Semaphore(self.settings.max_concurrent_transfers)
         self._waiting = 0
         self._pending: dict[str, asyncio.Future[Completion]] = {}

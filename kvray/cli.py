@@ -1,4 +1,4 @@
-"""The `kvray` command line: `report` (layouts, backings, a planned transfer), more as they land."""
+"""The `kvray` command line: `demo` (the main job), `report` (layouts, backings, a planned transfer)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvray import demo
 from kvray.config import Settings
 from kvray.errors import KvrayError
 from kvray.layout import READY_LAYOUTS, BlockOrder
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report_parser.add_argument("--seed", type=int, default=0)
     report_parser.set_defaults(handler=report)
+    demo_parser = commands.add_parser(
+        "demo", help="the main job: disaggregated vs colocated generation on Ray, checked token for token"
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(handler=demo.main)
     return parser
 
 

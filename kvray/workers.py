@@ -8,7 +8,11 @@ the caller releases it after decoding.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,12 +22,43 @@ import torch
 
 from kvray.agent import AgentHost, Completion, KVAgent, PushResult
 from kvray.config import Settings
-from kvray.errors import BackpressureError, BlockIdError, KvrayError, PlanError
+from kvray.errors import BackpressureError, BlockIdError, ConfigError, KvrayError, LayoutError, PlanError
 from kvray.layout import KVLayout
 from kvray.memory import MemoryKind
-from kvray.wire import Role
+from kvray.models.reference import ModelConfig, ReferenceModel
+from kvray.plan import OffsetCache
+from kvray.wire import Role, TransportKind
 
 ByteArray = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill worker reports for one request."""
+
+    first_token: int
+    #: The forward pass over the prompt.
+    compute_s: float
+    #: Transfer time left after the forward pass ended (what layer-wise pushing hides).
+    exposed_transfer_s: float
+    #: The push itself (for layer-wise pushes: first layer written to completion sent).
+    transfer_s: float
+    nbytes: int
+    transport: TransportKind
+    #: Per layer, a hash of the prompt's blocks as prefill wrote them.
+    kv_digest: dict[str, str]
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What a decode worker reports for one request."""
+
+    tokens: list[int]
+    #: From the decode call to the KV's arrival.
+    wait_s: float
+    decode_s: float
+    #: Per layer, a hash of the prompt's blocks as they arrived (compare with the prefill's).
+    kv_digest: dict[str, str]
 
 
 class BlockPool:
@@ -74,8 +109,21 @@ class _Worker(AgentHost):
         settings: Settings | None = None,
         memory: MemoryKind | None = None,
         pool_seed: int | None = None,
+        model: ModelConfig | None = None,
+        offset_cache: OffsetCache | None = None,
     ) -> None:
-        self.kvray_agent = KVAgent(engine_id, self.role, layout, settings=settings, memory=memory)
+        self.model = ReferenceModel(model) if model is not None else None
+        if self.model is not None:
+            expected = self.model.layout(layout.num_blocks, layout.block_order)
+            if expected != layout:
+                raise LayoutError(
+                    f"worker {engine_id!r}: the layout is not the model's (the model caches "
+                    f"{list(expected.layer_names)})",
+                    engine_id=engine_id,
+                )
+        self.kvray_agent = KVAgent(
+            engine_id, self.role, layout, settings=settings, memory=memory, offset_cache=offset_cache
+        )
         self.pool = BlockPool(layout.num_blocks, pool_seed)
         self.requests: dict[str, list[int]] = {}
 
@@ -126,6 +174,31 @@ class _Worker(AgentHost):
             region.allocation.copy_(
                 torch.randint(0, 256, region.allocation.shape, dtype=torch.uint8, generator=generator)
             )
+
+    async def kv_digest(self, blocks: Sequence[int]) -> dict[str, str]:
+        """Per layer, a hash of the bytes of `blocks` in order: equal on both sides of a transfer."""
+        return {
+            layer: hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+            for layer, data in (await self.read_blocks(blocks)).items()
+        }
+
+    async def generate_colocated(self, tokens: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Reference generation: prefill and decode here, on this worker's own blocks."""
+        model = self._model()
+        blocks = self.pool.allocate(model.blocks_needed(len(tokens) + max_new_tokens))
+        try:
+            return await asyncio.to_thread(
+                model.generate, list(tokens), self.kvray_agent.backing.views, blocks, max_new_tokens
+            )
+        finally:
+            self.pool.free(blocks)
+
+    def _model(self) -> ReferenceModel:
+        if self.model is None:
+            raise ConfigError(
+                f"worker {self.kvray_agent.engine_id!r} was started without a model (pass model=...)"
+            )
+        return self.model
 
     async def snapshot(self) -> list[tuple[int, ByteArray]]:
         """(region offset inside its allocation, copy of the whole allocation) per region."""
@@ -223,6 +296,95 @@ class PrefillWorker(_Worker):
     async def release(self, request_id: str) -> None:
         self.pool.free(self.requests.pop(request_id))
 
+    async def prefill(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        decode_engine: str,
+        decode_blocks: Sequence[int],
+        decode_incarnation: int | None = None,
+        *,
+        layerwise: bool = False,
+        timeout: float | None = None,
+    ) -> PrefillResult:
+        """Run the model over the prompt and push its KV into the decode worker's blocks.
+
+        Layer-wise, each layer's push starts as soon as the forward pass has written that
+        layer, while later layers are still being computed; otherwise the whole request is
+        pushed after the pass. The request's blocks here are freed afterwards either way.
+        """
+        model = self._model()
+        agent = self.kvray_agent
+        blocks = await self.allocate(request_id, model.blocks_needed(len(tokens)))
+        if len(decode_blocks) != len(blocks):
+            self.pool.free(self.requests.pop(request_id))
+            raise BlockIdError(
+                f"a {len(tokens)}-token prompt fills {len(blocks)} blocks, but {len(decode_blocks)} "
+                "decode blocks were given",
+                request_id=request_id,
+            )
+        loop = asyncio.get_running_loop()
+        pushes: list[asyncio.Task[int]] = []
+
+        def start_push(layer: str) -> None:
+            pushes.append(
+                loop.create_task(
+                    agent.push_layer(
+                        request_id,
+                        layer,
+                        blocks,
+                        decode_engine,
+                        decode_blocks,
+                        remote_incarnation=decode_incarnation,
+                        timeout=timeout,
+                    )
+                )
+            )
+
+        def on_layer(layer: str) -> None:  # runs on the compute thread, once per cache layer
+            loop.call_soon_threadsafe(start_push, layer)
+
+        try:
+            started = time.perf_counter()
+            try:
+                first_token = await asyncio.to_thread(
+                    model.prefill, list(tokens), agent.backing.views, blocks, on_layer if layerwise else None
+                )
+                computed = time.perf_counter()
+                if layerwise:
+                    await asyncio.gather(*pushes)
+                    pushed = await agent.finish(request_id, timeout=timeout)
+                else:
+                    pushed = await agent.push(
+                        request_id,
+                        blocks,
+                        decode_engine,
+                        decode_blocks,
+                        remote_incarnation=decode_incarnation,
+                        timeout=timeout,
+                    )
+            except BaseException as error:
+                # No push may still read these blocks once they go back to the pool.
+                for push in pushes:
+                    push.cancel()
+                await asyncio.gather(*pushes, return_exceptions=True)
+                if layerwise:
+                    await agent.abort(request_id, decode_engine, f"{type(error).__name__}: {error}")
+                raise
+            finished = time.perf_counter()
+            digest = await self.kv_digest(blocks)
+            return PrefillResult(
+                first_token=first_token,
+                compute_s=computed - started,
+                exposed_transfer_s=finished - computed,
+                transfer_s=pushed.seconds,
+                nbytes=pushed.nbytes,
+                transport=pushed.transport,
+                kv_digest=digest,
+            )
+        finally:
+            self.pool.free(self.requests.pop(request_id))
+
 
 class DecodeWorker(_Worker):
     """Reserves blocks for requests and waits for their KV to arrive."""
@@ -247,6 +409,34 @@ class DecodeWorker(_Worker):
         except BaseException:
             self.pool.free(self.requests.pop(request_id))
             raise
+
+    async def decode(
+        self,
+        request_id: str,
+        first_token: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        timeout: float | None = None,
+    ) -> DecodeResult:
+        """Wait for the request's KV, generate from it, free its blocks."""
+        model = self._model()
+        started = time.perf_counter()
+        await self.wait(request_id, timeout)
+        arrived = time.perf_counter()
+        blocks = self.requests[request_id]
+        try:
+            digest = await self.kv_digest(blocks[: model.blocks_needed(prompt_len)])
+            tokens = await asyncio.to_thread(
+                model.decode, first_token, prompt_len, self.kvray_agent.backing.views, blocks, max_new_tokens
+            )
+        finally:
+            await self.release(request_id)
+        return DecodeResult(
+            tokens=tokens,
+            wait_s=arrived - started,
+            decode_s=time.perf_counter() - arrived,
+            kv_digest=digest,
+        )
 
     async def release(self, request_id: str) -> None:
         """The request is decoded: free its blocks."""

@@ -2,6 +2,7 @@
 
 from kvray.models.reference import (
     INDEXER_LAYER,
+    MODEL_PRESETS,
     LayerKind,
     ModelConfig,
     ReferenceModel,
@@ -11,6 +12,7 @@ from kvray.models.reference import (
 
 __all__ = [
     "INDEXER_LAYER",
+    "MODEL_PRESETS",
     "LayerKind",
     "ModelConfig",
     "ReferenceModel",

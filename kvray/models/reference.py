@@ -541,3 +541,15 @@ def _dequantize(packed: torch.Tensor, dim: int) -> torch.Tensor:
     values = packed[:, :dim].contiguous().view(torch.int8).to(torch.float32)
     scale = packed[:, dim:].contiguous().view(torch.float32)
     return values * scale
+
+
+#: Model configurations shaped like kvray's ready-made layouts (`kvray.layout.READY_LAYOUTS`),
+#: scaled down so a CPU generates quickly: MLA + indexer caches in bf16 (DeepSeek-V3), split
+#: K/V in fp16 (Llama GQA), and all three kinds interleaved (mixed).
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "deepseek-v3": ModelConfig(
+        layer_kinds=(LayerKind.MLA,) * 4, latent_dim=72, latent_dtype="bfloat16", block_size=8
+    ),
+    "llama": ModelConfig(layer_kinds=(LayerKind.KV,) * 4, kv_dtype="float16", block_size=4),
+    "mixed": ModelConfig(),
+}

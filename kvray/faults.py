@@ -1,0 +1,20 @@
+"""Deliberate faults, for demonstrations and for tests that prove kvray's checks can fail.
+
+Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`).
+"""
+
+from __future__ import annotations
+
+from kvray.plan import OffsetCache, OffsetKey
+from kvray.wire import EngineInfo
+
+
+class SeedBugOffsetCache(OffsetCache):
+    """The bug kvray exists to stop: offsets cached per engine by block geometry alone.
+
+    Two layers of one geometry (dense0, dense1) share one cache entry, so the second is written
+    to the first one's address and its own blocks on the decode side are never written.
+    """
+
+    def key(self, info: EngineInfo, layer: str) -> OffsetKey:
+        return OffsetKey(info.engine_id, info.incarnation, "", info.layout.layer(layer).geometry)
