@@ -6,3 +6,66 @@ import os
 # uses the loopback address; otherwise a second node on this machine binds eth0's address and
 # hangs connecting to the head.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from kvray.wire import EngineInfo
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """One local Ray instance for the whole module."""
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvray-tests")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster() -> Iterator[Any]:
+    """Two Ray nodes on this machine (loopback addresses), each with its own custom resource."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "resources": {"node_a": 10},
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
+    cluster.add_node(num_cpus=4, resources={"node_b": 10}, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, namespace="kvray-tests")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def canary_mask() -> Any:
+    """The function below, for tests: which allocation bytes given requests may write."""
+    return written_mask
+
+
+def written_mask(
+    info: EngineInfo,
+    region_offset: int,
+    allocation_nbytes: int,
+    requests: list[tuple[list[int], list[str] | None]],
+) -> np.ndarray:
+    """Bytes of a decode allocation that the given (blocks, layers) requests may write."""
+    mask = np.zeros(allocation_nbytes, dtype=bool)
+    for blocks, layers in requests:
+        for layer in layers or info.layout.layer_names:
+            placement = info.placements[layer]
+            for block in blocks:
+                for part in range(placement.parts):
+                    start = region_offset + placement.byte_offset(part, block)
+                    mask[start : start + placement.part_nbytes] = True
+    return mask

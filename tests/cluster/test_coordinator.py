@@ -43,9 +43,12 @@ def test_lookup_register_deregister_and_death(local_ray: None) -> None:
     started = ray.get([decode.start.remote(), prefill.start.remote()])
     info = decode_engine_info(ray.get(pending)[0])
     assert (info.engine_id, info.incarnation, info.role) == ("dir-d0", started[0]["incarnation"], Role.DECODE)
-    assert info.regions[0].remote_writable and not decode_engine_info(
-        ray.get(coordinator.lookup.remote("dir-p0", 5.0))[0]
-    ).regions[0].remote_writable
+    assert (
+        info.regions[0].remote_writable
+        and not decode_engine_info(ray.get(coordinator.lookup.remote("dir-p0", 5.0))[0])
+        .regions[0]
+        .remote_writable
+    )
     assert len(ray.get(coordinator.engines.remote("decode"))) >= 1
 
     # Closing an agent deregisters it.
