@@ -77,6 +77,7 @@ class PushResult:
     nbytes: int
     ops: int
     unmerged_ops: int
+    #: Planning, writing and notifying (layer-wise: summed over the layers, plus the finish).
     seconds: float
 
 
@@ -96,7 +97,8 @@ class _Layerwise:
     dst_incarnation: int
     transfer_id: str
     transport: TransportKind
-    started: float
+    #: Seconds spent planning and writing, summed over the layers pushed so far.
+    busy_s: float = 0.0
     nbytes: int = 0
     ops: int = 0
     unmerged_ops: int = 0
@@ -367,6 +369,7 @@ class KVAgent:
     ) -> int:
         """Write one layer of a request now (as prefill produces it); `finish` completes it."""
         async with self._transfer(request_id, remote_engine, timeout):
+            started = time.perf_counter()
             peer, transport, plan = await self._plan(
                 local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
             )
@@ -377,7 +380,6 @@ class KVAgent:
                     peer.info.incarnation,
                     self._next_transfer_id(request_id),
                     transport.kind,
-                    time.perf_counter(),
                 )
                 self._layerwise[request_id] = state
             elif (state.dst_engine, state.dst_incarnation) != (peer.info.engine_id, peer.info.incarnation):
@@ -395,6 +397,7 @@ class KVAgent:
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
             state.unmerged_ops += len(plan.unmerged)
+            state.busy_s += time.perf_counter() - started
             self.stats["bytes_pushed"] += plan.nbytes
             return plan.nbytes
 
@@ -404,6 +407,7 @@ class KVAgent:
         if state is None:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
         async with self._transfer(request_id, state.dst_engine, timeout):
+            started = time.perf_counter()
             peer = await self.peer(state.dst_engine)
             missing = sorted(set(self.layout.layer_names) - state.layers)
             if missing:
@@ -430,7 +434,7 @@ class KVAgent:
                 state.nbytes,
                 state.ops,
                 state.unmerged_ops,
-                time.perf_counter() - state.started,
+                state.busy_s + time.perf_counter() - started,
             )
 
     async def abort(self, request_id: str, remote_engine: str, reason: str) -> None:
