@@ -20,7 +20,9 @@ from kvray.wire import EngineInfo
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One local Ray instance for the whole module."""
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvray-tests")
+    ray.init(
+        address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvray-tests"
+    )
     yield
     ray.shutdown()
 
