@@ -1,0 +1,30 @@
+"""The README's minimal example runs as pasted."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_minimal_example_runs() -> None:
+    text = README.read_text()
+    example = re.search(r"## A minimal example.*?```python\n(.*?)```", text, re.S)
+    assert example is not None, "the README lost its minimal example"
+    script = "import ray\nray.init(address='local', include_dashboard=False)\n" + example.group(1).replace(
+        "ray.init()\n", ""
+    )
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Completion(request_id='req-1'" in result.stdout
