@@ -64,6 +64,13 @@ from kvray.wire import (
 
 Blocks = Sequence[int] | npt.NDArray[np.integer]
 
+#: The transport whose descriptors an engine publishes, by where its backing lives.
+_REGISTERING_TRANSPORT = {
+    MemoryKind.SHM: TransportKind.SHM,
+    MemoryKind.CUDA: TransportKind.CUDA_IPC,
+    MemoryKind.CPU: TransportKind.RAY,
+}
+
 
 @dataclass(frozen=True)
 class PushResult:
@@ -193,7 +200,7 @@ class KVAgent:
             return self.info
         self.incarnation = secrets.randbits(62) or 1
         writable = self.role is Role.DECODE
-        kind = TransportKind.SHM if self.backing.kind is MemoryKind.SHM else TransportKind.RAY
+        kind = _REGISTERING_TRANSPORT[self.backing.kind]
         # Registering only describes memory; whether the transport can also write from this
         # process (e.g. Ray is up) is checked when a write needs it.
         registrar = self._transports.get(kind) or transport_class(kind)(self.settings)
@@ -300,12 +307,22 @@ class KVAgent:
         return transport
 
     def choose_transport(self, peer: Peer) -> TransportKind:
-        """`auto`: shm when the peer is on this node with a shared-memory backing, else ray."""
+        """`auto`: on one node, cuda_ipc between GPU backings and shm into a shared-memory
+        backing; ray otherwise."""
         if self.settings.transport != "auto":
             return TransportKind(self.settings.transport)
         same_node = peer.info.node_id == self.node_id
-        shm_regions = all(region.handle for region in peer.info.regions)
-        if same_node and shm_regions and self.backing.kind is not MemoryKind.CUDA:
+        kinds = {region.transport for region in peer.info.regions}
+        handles = all(region.handle for region in peer.info.regions)
+        if same_node and handles and kinds == {TransportKind.CUDA_IPC}:
+            if self.backing.kind is MemoryKind.CUDA:
+                return TransportKind.CUDA_IPC
+        elif (
+            same_node
+            and handles
+            and kinds == {TransportKind.SHM}
+            and self.backing.kind is not MemoryKind.CUDA
+        ):
             return TransportKind.SHM
         return TransportKind.RAY
 

@@ -12,6 +12,7 @@ from kvray.wire import TransportKind
 _BACKENDS: dict[TransportKind, tuple[str, str]] = {
     TransportKind.SHM: ("kvray.transport.shm", "ShmTransport"),
     TransportKind.RAY: ("kvray.transport.ray", "RayTransport"),
+    TransportKind.CUDA_IPC: ("kvray.transport.cuda_ipc", "CudaIpcTransport"),
 }
 
 

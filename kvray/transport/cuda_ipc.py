@@ -1,0 +1,325 @@
+"""`cuda_ipc` transport: same node, GPU. The decode backing's CUDA allocation is exported once
+as a CUDA IPC handle (with the region's offset inside it, in the region descriptor); the
+prefill process opens it once per peer incarnation and writes a plan's ops with ONE Triton
+kernel launch per region pair: every op is cut into chunks on the host, and each program of
+the kernel copies one chunk with wide loads and stores, straight over NVLink (or within the
+GPU when both engines share one). Completion waits for the kernel's event off the event loop.
+
+Both GPUs must be visible to the writing process (the IPC handle is opened on the decode
+engine's device, found by UUID); Ray GPU actors that only see their own GPU need
+`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1` or a placement that shares visibility.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvray.config import Settings
+from kvray.errors import RegionError, TransportError, TransportUnavailableError, WriteFailedError
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import TransferPlan
+from kvray.transport.base import Peer, Transport, check_write
+from kvray.wire import RegionDescriptor, TransportKind
+
+Int64Array = npt.NDArray[np.int64]
+
+#: Bytes one kernel program copies at most (ops are cut into chunks of this size).
+CHUNK_NBYTES = 64 * 1024
+#: Elements one program moves per loop step.
+_BLOCK = 1024
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """What torch needs to open another process's CUDA storage (see torch.multiprocessing)."""
+
+    device_uuid: str
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+_handle_encoder = msgspec.msgpack.Encoder()
+_handle_decoder = msgspec.msgpack.Decoder(CudaIpcHandle)
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_of_uuid(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise TransportError(
+        f"GPU {uuid} is not visible to this process; the cuda_ipc writer must see the decode "
+        "engine's GPU (check CUDA_VISIBLE_DEVICES)",
+        device_uuid=uuid,
+    )
+
+
+def pick_unit(*arrays: Int64Array, bases: tuple[int, ...] = ()) -> int:
+    """The widest element size (16..1 bytes) that divides every offset, size and base address."""
+    combined = 0
+    for array in arrays:
+        if array.size:
+            combined |= int(np.bitwise_or.reduce(array))
+    for base in bases:
+        combined |= base
+    for unit in (16, 8, 4, 2):
+        if combined % unit == 0:
+            return unit
+    return 1
+
+
+def chunk_ops(
+    dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, chunk: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The same copies cut into pieces of at most `chunk` bytes (one kernel program each)."""
+    pieces = -(-nbytes // chunk)
+    op = np.repeat(np.arange(nbytes.size), pieces)
+    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1])).astype(np.int64)
+    delta = (np.arange(op.size, dtype=np.int64) - first_piece[op]) * chunk
+    return dst_offsets[op] + delta, src_offsets[op] + delta, np.minimum(nbytes[op] - delta, chunk)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The copy kernel, compiled on first use (Triton is imported only here)."""
+    import triton
+    import triton.language as tl
+
+    def copy_chunks(  # type: ignore[no-untyped-def]
+        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        piece = tl.program_id(0)
+        source = tl.load(src_off + piece)
+        target = tl.load(dst_off + piece)
+        length = tl.load(count + piece)
+        for start in tl.range(0, CHUNK, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            mask = index < length
+            values = tl.load(src + source + index, mask=mask)
+            tl.store(dst + target + index, values, mask=mask)
+
+    return triton.jit(copy_chunks)
+
+
+_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def launch_copy(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_offsets: Int64Array,
+    src_offsets: Int64Array,
+    nbytes: Int64Array,
+    stream: torch.cuda.Stream,
+) -> None:
+    """One kernel launch copying every (dst_offset, src_offset, nbytes) op between two uint8
+    CUDA tensors (dst may be another GPU's memory, opened through IPC). Bounds are the caller's
+    job (kvray checks every op before it gets here)."""
+    if nbytes.size == 0:
+        return
+    unit = min(8, pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr())))
+    dtype = _UNIT_DTYPES[unit]
+    chunk = CHUNK_NBYTES
+    piece_dst, piece_src, piece_n = chunk_ops(dst_offsets, src_offsets, nbytes, chunk)
+    with torch.cuda.device(src.device), torch.cuda.stream(stream):
+        table = torch.from_numpy(np.stack([piece_src // unit, piece_dst // unit, piece_n // unit])).to(
+            src.device, non_blocking=False
+        )
+        _kernel()[(piece_n.size,)](
+            src.view(dtype),
+            dst.view(dtype),
+            table[0],
+            table[1],
+            table[2],
+            CHUNK=chunk // unit,
+            BLOCK=min(_BLOCK, chunk // unit),
+        )
+
+
+@dataclass
+class _Opened:
+    storage: torch.UntypedStorage
+    region: torch.Tensor
+
+
+class CudaIpcTransport(Transport):
+    kind = TransportKind.CUDA_IPC
+    same_node_only = True
+    destination_kinds = frozenset({MemoryKind.CUDA})
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._opened: dict[tuple[str, int, int], _Opened] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @classmethod
+    def unavailable_reason(cls, settings: Settings) -> str | None:
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "the copy kernel needs Triton, which is not installed"
+        return None
+
+    def register(
+        self, backing: Backing, engine_id: str, incarnation: int, *, remote_writable: bool
+    ) -> tuple[RegionDescriptor, ...]:
+        if backing.kind is not MemoryKind.CUDA:
+            raise RegionError(
+                f"the cuda_ipc transport registers CUDA backings; engine {engine_id!r} has a "
+                f"{backing.kind.value} backing",
+                engine_id=engine_id,
+            )
+        descriptors = []
+        for region in backing.regions:
+            storage = region.tensor.untyped_storage()
+            handle = b""
+            if remote_writable:
+                shared = storage._share_cuda_()  # type: ignore[no-untyped-call]
+                handle = _handle_encoder.encode(
+                    CudaIpcHandle(
+                        device_uuid=device_uuid(region.tensor.device.index or 0),
+                        handle=bytes(shared[1]),
+                        storage_size=int(shared[2]),
+                        storage_offset=int(shared[3]),
+                        ref_counter_handle=bytes(shared[4]),
+                        ref_counter_offset=int(shared[5]),
+                        event_handle=bytes(shared[6] or b""),
+                        event_sync_required=bool(shared[7]),
+                    )
+                )
+            descriptors.append(
+                RegionDescriptor(
+                    engine_id=engine_id,
+                    incarnation=incarnation,
+                    transport=self.kind,
+                    index=region.index,
+                    address=region.address,
+                    length=region.nbytes,
+                    handle=handle,
+                    # The region's byte offset inside the exported storage.
+                    handle_offset=region.address - storage.data_ptr(),
+                    remote_writable=remote_writable,
+                )
+            )
+        return tuple(descriptors)
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        check_write(plan, local, peer)
+        ops = plan.ops
+        events = []
+        for remote_index in np.unique(ops.remote_region).tolist():
+            target = self._open(peer, remote_index).region
+            for local_index in np.unique(ops.local_region[ops.remote_region == remote_index]).tolist():
+                source = local.regions[local_index].tensor
+                if not source.is_cuda:
+                    raise TransportError("the cuda_ipc transport copies from CUDA memory")
+                select = (ops.remote_region == remote_index) & (ops.local_region == local_index)
+                stream = self._stream(source.device.index or 0)
+                try:
+                    launch_copy(
+                        target,
+                        source,
+                        ops.remote_offset[select],
+                        ops.local_offset[select],
+                        ops.nbytes[select],
+                        stream,
+                    )
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
+                except Exception as error:
+                    raise WriteFailedError(
+                        f"copy kernel into engine {peer.info.engine_id!r} region {remote_index} "
+                        f"failed: {error}",
+                        engine_id=peer.info.engine_id,
+                    ) from error
+                events.append(event)
+        # The bytes are in the peer's memory once every kernel's event has completed.
+        for event in events:
+            await asyncio.to_thread(event.synchronize)
+
+    def _stream(self, device: int) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            self._streams[device] = stream
+        return stream
+
+    def _open(self, peer: Peer, index: int) -> _Opened:
+        info = peer.info
+        key = (info.engine_id, info.incarnation, index)
+        opened = self._opened.get(key)
+        if opened is not None:
+            return opened
+        self.forget_others(info.engine_id, info.incarnation)
+        region = info.regions[index]
+        if not region.handle:
+            raise TransportError(
+                f"engine {info.engine_id!r} region {index} has no CUDA IPC handle; its backing is "
+                "not on a GPU, or it was not registered for cuda_ipc",
+                engine_id=info.engine_id,
+            )
+        try:
+            handle = _handle_decoder.decode(region.handle)
+        except msgspec.MsgspecError as error:
+            raise TransportError(
+                f"engine {info.engine_id!r} sent a malformed CUDA IPC handle: {error}"
+            ) from None
+        if region.handle_offset + region.length > handle.storage_size:
+            raise RegionError(
+                f"engine {info.engine_id!r} describes region {index} beyond its exported storage",
+                engine_id=info.engine_id,
+            )
+        device = device_of_uuid(handle.device_uuid)
+        try:
+            torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device,
+                handle.handle,
+                handle.storage_size,
+                handle.storage_offset,
+                handle.ref_counter_handle,
+                handle.ref_counter_offset,
+                handle.event_handle or None,
+                handle.event_sync_required,
+            )
+        except Exception as error:
+            raise TransportUnavailableError(
+                f"cannot open engine {info.engine_id!r}'s CUDA memory: {error}; cuda_ipc needs both "
+                "engines on one node",
+                engine_id=info.engine_id,
+            ) from error
+        tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+        tensor.set_(storage, region.handle_offset, (region.length,), (1,))
+        opened = _Opened(storage, tensor)
+        self._opened[key] = opened
+        return opened
+
+    def forget_others(self, engine_id: str, incarnation: int) -> None:
+        for key in [k for k in self._opened if k[0] == engine_id and k[1] != incarnation]:
+            del self._opened[key]
+
+    def forget(self, engine_id: str) -> None:
+        for key in [k for k in self._opened if k[0] == engine_id]:
+            del self._opened[key]
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            await asyncio.to_thread(stream.synchronize)
+        self._opened.clear()
