@@ -1,0 +1,331 @@
+"""GPU transfer benchmark: kvray's planner + cuda_ipc transport between two processes, one per
+GPU (or both on one GPU), against the NVLink copy ceiling, one copy per block, and NCCL
+send/recv of a gathered buffer. Runs without Ray (the GPU machine has none).
+
+    python examples/bench_gpu.py [--repeat 10] [--quick] [--same-gpu] [--json gpu.json]
+
+Workloads: DeepSeek-V3-style requests (61 MLA layers + indexer, block 64, scattered block ids
+out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB blocks.
+Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory:
+- `ceiling`: one device-to-device copy of the same number of bytes into the peer's memory;
+- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + one copy kernel + event wait;
+- `naive`: one `copy_` per op of the same plan;
+- `nccl`: gather into one buffer, `send`, `recv` on the decode process, scatter, ack.
+The decode buffer is scrubbed before every run; after each contender's runs the decode process
+compares every written op with the prefill's bytes (opened through IPC): a wrong byte fails.
+"""
+
+# The closures timed below are called inside the loop iteration that defines them.
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvray.config import Settings
+from kvray.layout import Geometry, KVLayout, LayerSpec, deepseek_v3
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import OffsetCache, plan_transfer
+from kvray.transport import Peer
+from kvray.transport.cuda_ipc import CudaIpcTransport, launch_copy
+from kvray.wire import Role, decode_engine_info, encode
+
+NCCL_PORT = 29533
+
+
+def workloads(quick: bool) -> dict[str, tuple[KVLayout, int]]:
+    """name -> (layout, blocks per request)."""
+    scattered = KVLayout(
+        layers=(
+            LayerSpec(name="blocks", geometry=Geometry(block_size=64, entry_shape=(1024,), dtype="uint8")),
+        ),
+        num_blocks=8192,
+    )
+    if quick:
+        return {"deepseek-v3 1k tokens": (deepseek_v3(32), 16)}
+    return {
+        "deepseek-v3 4k tokens": (deepseek_v3(128), 64),
+        "deepseek-v3 16k tokens": (deepseek_v3(512), 256),
+        "4096 x 64 KiB scattered": (scattered, 4096),
+    }
+
+
+# ---- the decode process ----------------------------------------------------------------------
+
+
+def decode_main(conn: Connection, device: int, nccl: bool) -> None:
+    torch.cuda.set_device(device)
+    transport = CudaIpcTransport(Settings())
+    group = None
+    if nccl:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{NCCL_PORT}", rank=1, world_size=2)
+        group = dist
+    backing: Backing | None = None
+    source_peer: Peer | None = None
+    while True:
+        message = conn.recv()
+        command = message[0]
+        if command == "layout":
+            if backing is not None:
+                backing.close()
+            backing = Backing.allocate(message[1], MemoryKind.CUDA, device=f"cuda:{device}")
+            info = backing.engine_info(
+                "decode",
+                message[2],
+                Role.DECODE,
+                "node",
+                transport.register(backing, "decode", message[2], remote_writable=True),
+            )
+            conn.send(encode(info))
+        elif command == "source":
+            source_peer = Peer(decode_engine_info(message[1]))
+            conn.send("ok")
+        elif command == "verify":
+            _, remote_offsets, local_offsets, nbytes = message
+            assert backing is not None and source_peer is not None
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
+            source = transport._open(source_peer, 0).region
+            target = backing.regions[0].tensor
+            bad = sum(
+                not torch.equal(target[ro : ro + n], source[lo : lo + n])
+                for ro, lo, n in zip(
+                    remote_offsets.tolist(), local_offsets.tolist(), nbytes.tolist(), strict=True
+                )
+            )
+            conn.send(bad)
+        elif command == "nccl":
+            _, count, remote_offsets, nbytes, repeat = message
+            assert backing is not None and group is not None
+            target = backing.regions[0].tensor
+            staging = torch.empty(count, dtype=torch.uint8, device=f"cuda:{device}")
+            staged_offsets = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+            stream = torch.cuda.current_stream()
+            ack = torch.ones(1, device=f"cuda:{device}")
+            for _ in range(repeat):
+                group.recv(staging, src=0)
+                launch_copy(target, staging, remote_offsets, staged_offsets, nbytes, stream)
+                torch.cuda.synchronize()
+                group.send(ack, dst=0)
+        elif command == "stop":
+            break
+    conn.send("bye")
+
+
+# ---- the prefill process (this one) ----------------------------------------------------------
+
+
+def sync_all() -> None:
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
+
+
+def timed(run: Callable[[], None], scrub: Callable[[], None], repeat: int, warmup: int = 2) -> list[float]:
+    samples = []
+    for index in range(warmup + repeat):
+        scrub()
+        sync_all()
+        start = time.perf_counter()
+        run()
+        sync_all()
+        if index >= warmup:
+            samples.append(time.perf_counter() - start)
+    return samples
+
+
+def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
+    torch.cuda.set_device(0)
+    use_nccl = decode_device != 0 and not args.no_nccl
+    context = mp.get_context("spawn")
+    conn, child = context.Pipe()
+    process = context.Process(target=decode_main, args=(child, decode_device, use_nccl))
+    process.start()
+    dist: Any = None
+    if use_nccl:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{NCCL_PORT}", rank=0, world_size=2)
+    transport = CudaIpcTransport(Settings())
+    loop = asyncio.new_event_loop()
+    rows: list[dict[str, Any]] = []
+    rng = np.random.default_rng(0)
+    for incarnation, (name, (layout, request_blocks)) in enumerate(workloads(args.quick).items(), start=1):
+        conn.send(("layout", layout, incarnation))
+        remote = decode_engine_info(conn.recv())
+        source = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
+        generator = torch.Generator(device="cuda:0").manual_seed(incarnation)
+        source.regions[0].tensor.copy_(
+            torch.randint(
+                0, 256, (source.regions[0].nbytes,), dtype=torch.uint8, device="cuda:0", generator=generator
+            )
+        )
+        local = source.engine_info(
+            "prefill",
+            1,
+            Role.PREFILL,
+            "node",
+            transport.register(source, "prefill", 1, remote_writable=True),  # exported for verification only
+        )
+        conn.send(("source", encode(local)))
+        conn.recv()
+        peer = Peer(remote)
+        local_blocks = rng.permutation(layout.num_blocks)[:request_blocks]
+        remote_blocks = rng.permutation(layout.num_blocks)[:request_blocks]
+        cache = OffsetCache()
+        plan = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+        ops = plan.ops
+        total = ops.total_nbytes
+        target = transport._open(peer, 0).region
+        src = source.regions[0].tensor
+        stream = torch.cuda.current_stream()
+
+        def scrub() -> None:
+            target.fill_(0xA5)
+
+        def verify(label: str) -> int:
+            conn.send(("verify", ops.remote_offset, ops.local_offset, ops.nbytes))
+            bad = int(conn.recv())
+            if bad:
+                print(
+                    f"VERIFICATION FAILED: {name} / {label}: {bad} of {len(ops)} ops differ", file=sys.stderr
+                )
+            return bad
+
+        def kvray_write() -> None:
+            fresh = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+            loop.run_until_complete(transport.write(fresh, source, peer))
+
+        def kvray_kernel() -> None:
+            launch_copy(target, src, ops.remote_offset, ops.local_offset, ops.nbytes, stream)
+
+        def naive() -> None:
+            for ro, lo, n in zip(
+                ops.remote_offset.tolist(), ops.local_offset.tolist(), ops.nbytes.tolist(), strict=True
+            ):
+                target[ro : ro + n].copy_(src[lo : lo + n], non_blocking=True)
+
+        def ceiling() -> None:
+            target[:total].copy_(src[:total], non_blocking=True)
+
+        results: dict[str, tuple[list[float], int]] = {}
+        results["ceiling: one D2D copy"] = (timed(ceiling, scrub, args.repeat), 0)
+        conn.send(("verify", np.array([0]), np.array([0]), np.array([total])))
+        ceiling_bad = int(conn.recv())
+        results["ceiling: one D2D copy"] = (results["ceiling: one D2D copy"][0], ceiling_bad)
+        results["kvray cuda_ipc (plan + kernel)"] = (timed(kvray_write, scrub, args.repeat), 0)
+        results["kvray cuda_ipc (plan + kernel)"] = (
+            results["kvray cuda_ipc (plan + kernel)"][0],
+            verify("kvray"),
+        )
+        naive_repeat = max(2, args.repeat // 4)
+        results["naive: one copy per op"] = (timed(naive, scrub, naive_repeat, warmup=1), verify("naive"))
+        if use_nccl:
+            staging = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+            staged = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
+            ack = torch.zeros(1, device="cuda:0")
+            nccl_repeat = args.repeat + 2
+            conn.send(("nccl", total, ops.remote_offset, ops.nbytes, nccl_repeat))
+
+            def nccl() -> None:
+                launch_copy(staging, src, staged, ops.local_offset, ops.nbytes, stream)
+                dist.send(staging, dst=1)
+                dist.recv(ack, src=1)
+
+            results["nccl send/recv (gather + scatter)"] = (
+                timed(nccl, scrub, args.repeat, warmup=2),
+                verify("nccl"),
+            )
+        ceiling_median = statistics.median(results["ceiling: one D2D copy"][0])
+        for contender, (samples, bad) in results.items():
+            median = statistics.median(samples)
+            rows.append(
+                {
+                    "workload": name,
+                    "contender": contender,
+                    "bytes": total,
+                    "ops": len(ops),
+                    "unmerged_ops": len(plan.unmerged),
+                    "median_ms": median * 1e3,
+                    "min_ms": min(samples) * 1e3,
+                    "max_ms": max(samples) * 1e3,
+                    "gb_per_s": total / median / 1e9,
+                    "vs_ceiling": ceiling_median / median,
+                    "verified": bad == 0,
+                    "bad_ops": bad,
+                    "same_gpu": decode_device == 0,
+                }
+            )
+        source.close()
+    loop.close()
+    conn.send(("stop",))
+    conn.recv()
+    process.join(60)
+    if use_nccl:
+        dist.destroy_process_group()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--same-gpu", action="store_true", help="only prefill and decode on one GPU")
+    parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    setups = [0] if args.same_gpu or gpus < 2 else [1, 0]
+    rows: list[dict[str, Any]] = []
+    for decode_device in setups:
+        rows += bench(args, decode_device)
+    print(
+        f"kvray GPU transfer benchmark: {torch.cuda.get_device_name(0)} x {gpus}, torch {torch.__version__}, "
+        f"{args.repeat} timed runs after warm-up; GB = 1e9 bytes"
+    )
+    print(
+        f"{'setup':<9} {'workload':<24} {'contender':<34} {'MiB':>7} {'ops':>6} {'median ms':>10} "
+        f"{'GB/s':>8} {'min':>8} {'max':>8} {'vs ceiling':>10} ok"
+    )
+    for r in rows:
+        low, high = r["bytes"] / r["max_ms"] / 1e6, r["bytes"] / r["min_ms"] / 1e6
+        print(
+            f"{'same GPU' if r['same_gpu'] else '2 GPUs':<9} {r['workload']:<24} {r['contender']:<34} "
+            f"{r['bytes'] / 2**20:>7.1f} {r['ops']:>6} {r['median_ms']:>10.3f} {r['gb_per_s']:>8.1f} "
+            f"{low:>8.1f} {high:>8.1f} {r['vs_ceiling']:>9.2f}x {'yes' if r['verified'] else 'NO'}"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "gpu": torch.cuda.get_device_name(0),
+                    "gpus": gpus,
+                    "torch": torch.__version__,
+                    "host": platform.node(),
+                    "cpus": os.cpu_count(),
+                    "rows": rows,
+                },
+                out,
+                indent=2,
+            )
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

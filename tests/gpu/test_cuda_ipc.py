@@ -1,0 +1,230 @@
+"""The GPU path on real GPUs: CUDA backings, and the cuda_ipc transport between two processes
+(a decode process exports its backing, a prefill process writes into it), cross-GPU when two
+GPUs are visible and within one GPU always. Skipped without CUDA (CPU CI); run on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvray.errors import BoundsError, StaleIncarnationError
+from kvray.layout import BlockOrder, KVLayout, mixed
+from kvray.memory import Backing, MemoryKind
+from kvray.plan import OpTable, TransferPlan, plan_transfer
+from kvray.wire import Role, decode_engine_info, encode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CANARY_SEED = 1234
+
+
+def _pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=generator)
+
+
+def _decode_process(conn: Connection, layout: KVLayout, device: int, use_agent: bool) -> None:
+    """The decode side: allocate, fill canaries, publish, wait, send back the allocation's bytes."""
+    torch.cuda.set_device(device)
+    if use_agent:
+        asyncio.run(_decode_agent(conn, layout, device))
+        return
+    from kvray.config import Settings
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+
+    backing = Backing.allocate(layout, MemoryKind.CUDA, device=f"cuda:{device}")
+    region = backing.regions[0]
+    assert region.allocation is not None
+    region.allocation.copy_(_pattern(region.allocation.numel(), CANARY_SEED, region.allocation.device))
+    torch.cuda.synchronize()
+    incarnation = 7
+    descriptors = CudaIpcTransport(Settings()).register(backing, "decode", incarnation, remote_writable=True)
+    conn.send(encode(backing.engine_info("decode", incarnation, Role.DECODE, "node", descriptors)))
+    while conn.recv() == "snapshot":
+        torch.cuda.synchronize()
+        conn.send((region.span.offset_in_allocation, region.allocation.cpu().numpy()))
+    backing.close()
+
+
+async def _decode_agent(conn: Connection, layout: KVLayout, device: int) -> None:
+    from kvray.agent import KVAgent
+    from kvray.config import Settings
+
+    backing = Backing.allocate(layout, MemoryKind.CUDA, device=f"cuda:{device}")
+    agent = KVAgent("decode", Role.DECODE, backing=backing, settings=Settings(), use_coordinator=False)
+    info = await agent.start()
+    agent.expect("req")
+    conn.send(encode(info))
+    completion = await agent.wait_for_kv("req", timeout=60)
+    region = backing.regions[0]
+    conn.send((completion.nbytes, region.tensor.cpu().numpy()))
+    conn.recv()
+    await agent.close()
+
+
+@pytest.fixture
+def decode_process(request: pytest.FixtureRequest) -> Any:
+    """Start a decode process; yields (connection, published info)."""
+    layout, device, use_agent = request.param
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_decode_process, args=(child, layout, device, use_agent))
+    process.start()
+    assert parent.poll(120), "the decode process did not publish its engine info"
+    info = decode_engine_info(parent.recv())
+    yield parent, info
+    with contextlib.suppress(BrokenPipeError, OSError):
+        parent.send("done")
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+
+
+def _devices() -> list[int]:
+    return [1, 0] if torch.cuda.device_count() > 1 else [0]
+
+
+def _source(layout: KVLayout) -> Backing:
+    source = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
+    source.regions[0].tensor.copy_(_pattern(source.regions[0].nbytes, 99, torch.device("cuda:0")))
+    return source
+
+
+def _cases() -> list[Any]:
+    return [
+        pytest.param((mixed(32, order), device, False), id=f"{order.value}-to-cuda{device}")
+        for order in BlockOrder
+        for device in _devices()
+    ]
+
+
+@pytest.mark.parametrize("decode_process", _cases(), indirect=True)
+def test_bytes_land_and_canaries_hold(decode_process: Any) -> None:
+    from kvray.config import Settings
+    from kvray.transport import Peer
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+
+    conn, info = decode_process
+    layout = info.layout
+    source = _source(layout)
+    local = source.engine_info(
+        "prefill",
+        1,
+        Role.PREFILL,
+        "node",
+        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
+    )
+    rng = np.random.default_rng(0)
+    plan = plan_transfer(local, info, rng.permutation(32)[:11], rng.permutation(32)[:11])
+    transport = CudaIpcTransport(Settings())
+    asyncio.run(transport.write(plan, source, Peer(info)))
+
+    conn.send("snapshot")
+    region_offset, after = conn.recv()
+    before = _pattern(after.size, CANARY_SEED, torch.device("cuda:0")).cpu().numpy()
+    expected = before.copy()
+    src = source.regions[0].tensor.cpu().numpy()
+    written = np.zeros(after.size, dtype=bool)
+    for _, lo, _, ro, n in plan.ops.rows():
+        expected[region_offset + ro : region_offset + ro + n] = src[lo : lo + n]
+        written[region_offset + ro : region_offset + ro + n] = True
+    assert written.any()
+    assert np.array_equal(after[written], expected[written]), "bytes did not land"
+    assert np.array_equal(after[~written], before[~written]), "bytes outside the written blocks changed"
+
+    # A tampered plan past the region end is refused before any byte moves.
+    ops = plan.ops
+    bad = TransferPlan(
+        plan.src_engine,
+        plan.src_incarnation,
+        plan.dst_engine,
+        plan.dst_incarnation,
+        plan.layers,
+        OpTable(
+            ops.local_region[:1],
+            ops.local_offset[:1],
+            ops.remote_region[:1],
+            np.array([info.regions[0].length - 8], dtype=np.int64),
+            ops.nbytes[:1],
+        ),
+        plan.unmerged,
+        plan.layer_starts,
+    )
+    with pytest.raises(BoundsError):
+        asyncio.run(transport.write(bad, source, Peer(info)))
+    stale = TransferPlan(
+        plan.src_engine,
+        plan.src_incarnation,
+        plan.dst_engine,
+        plan.dst_incarnation + 1,
+        plan.layers,
+        plan.ops,
+        plan.unmerged,
+        plan.layer_starts,
+    )
+    with pytest.raises(StaleIncarnationError):
+        asyncio.run(transport.write(stale, source, Peer(info)))
+    conn.send("snapshot")
+    _, again = conn.recv()
+    assert np.array_equal(again, after), "a refused write changed bytes"
+    asyncio.run(transport.close())
+
+
+@pytest.mark.parametrize(
+    "decode_process", [pytest.param((mixed(32), _devices()[0], True), id="agent")], indirect=True
+)
+def test_agents_push_over_cuda_ipc_and_complete(decode_process: Any) -> None:
+    """Prefill and decode agents in two processes, no Ray: auto picks cuda_ipc, the completion
+    arrives through the decode agent's inbox, the bytes are the prefill's."""
+    from kvray.agent import KVAgent
+    from kvray.wire import TransportKind
+
+    conn, info = decode_process
+    source = _source(info.layout)
+
+    async def push() -> Any:
+        agent = KVAgent("prefill", Role.PREFILL, backing=source, use_coordinator=False)
+        await agent.start()
+        agent.add_peer(info)
+        result = await agent.push("req", [3, 4, 5, 9], "decode", [20, 21, 22, 0])
+        await agent.close()
+        return result
+
+    result = asyncio.run(push())
+    assert result.transport is TransportKind.CUDA_IPC
+    nbytes, region = conn.recv()
+    assert nbytes == result.nbytes
+    src = source.regions[0].tensor.cpu().numpy()
+    local_placements = source.placements
+    for name, remote in info.placements.items():
+        local_placement = local_placements[name]
+        for lb, rb in zip([3, 4, 5, 9], [20, 21, 22, 0], strict=True):
+            for part in range(remote.parts):
+                lo, ro = local_placement.byte_offset(part, lb), remote.byte_offset(part, rb)
+                assert np.array_equal(region[ro : ro + remote.part_nbytes], src[lo : lo + remote.part_nbytes])
+
+
+def test_cuda_backing_region_inside_allocation() -> None:
+    for order in BlockOrder:
+        backing = Backing.allocate(mixed(16, order), MemoryKind.CUDA)
+        region = backing.regions[0]
+        assert region.address % (2 * 1024 * 1024) == 0
+        assert region.nbytes % (2 * 1024 * 1024) == 0
+        assert region.span.alloc_start <= region.address
+        assert region.address + region.nbytes <= region.span.alloc_start + region.span.alloc_nbytes
+        for name, view in backing.views.items():
+            assert view.is_cuda
+            first = view.data_ptr()
+            assert region.address <= first < region.address + region.nbytes, name
+        backing.close()
