@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import ray
 
 from kvray.wire import EngineInfo
 
@@ -20,6 +19,8 @@ from kvray.wire import EngineInfo
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """One local Ray instance for the whole module."""
+    import ray
+
     ray.init(
         address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="kvray-tests"
     )
@@ -30,6 +31,7 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def two_node_cluster() -> Iterator[Any]:
     """Two Ray nodes on this machine (loopback addresses), each with its own custom resource."""
+    import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
