@@ -101,8 +101,8 @@ def decode_main(conn: Connection, device: int, nccl: bool) -> None:
             assert backing is not None and source_peer is not None
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
-            source = transport._open(source_peer, 0).region
             target = backing.regions[0].tensor
+            source = transport._open(source_peer, 0).region.to(target.device)
             bad = sum(
                 not torch.equal(target[ro : ro + n], source[lo : lo + n])
                 for ro, lo, n in zip(

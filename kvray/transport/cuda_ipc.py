@@ -151,6 +151,23 @@ def launch_copy(
         )
 
 
+def _enable_peer_access(writer: int, target: int) -> None:
+    """Let kernels on `writer` address memory on `target` (NVLink peer access). torch turns it
+    on, per pair of devices and once per process, on its first copy between them."""
+    if writer == target:
+        return
+    if not torch.cuda.can_device_access_peer(writer, target):
+        raise TransportUnavailableError(
+            f"GPU {writer} cannot access GPU {target} directly (no peer access); cuda_ipc needs "
+            "NVLink or PCIe peer-to-peer between the two GPUs",
+            writer=writer,
+            target=target,
+        )
+    for source, destination in ((writer, target), (target, writer)):
+        torch.zeros(1, device=f"cuda:{destination}").copy_(torch.zeros(1, device=f"cuda:{source}"))
+    torch.cuda.synchronize(writer)
+
+
 @dataclass
 class _Opened:
     storage: torch.UntypedStorage
@@ -166,6 +183,7 @@ class CudaIpcTransport(Transport):
         super().__init__(settings)
         self._opened: dict[tuple[str, int, int], _Opened] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._peer_pairs: set[tuple[int, int]] = set()
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -231,7 +249,12 @@ class CudaIpcTransport(Transport):
                 if not source.is_cuda:
                     raise TransportError("the cuda_ipc transport copies from CUDA memory")
                 select = (ops.remote_region == remote_index) & (ops.local_region == local_index)
-                stream = self._stream(source.device.index or 0)
+                writer = source.device.index or 0
+                pair = (writer, target.device.index or 0)
+                if pair not in self._peer_pairs:
+                    _enable_peer_access(*pair)
+                    self._peer_pairs.add(pair)
+                stream = self._stream(writer)
                 try:
                     launch_copy(
                         target,
