@@ -13,6 +13,14 @@ Layer-wise: `push_layer` per layer as the forward pass produces it, then `finish
 side sees one completion. The actor hosting an agent mixes in `AgentHost`, which gives peers
 and the coordinator the three entry points they call (`kvray_deliver`, `kvray_notify`,
 `kvray_watch`).
+
+Failures: every push runs under a deadline and a bounded slot (`max_concurrent_transfers`
+running, `max_queued_transfers` waiting, more are refused with `BackpressureError`). A push
+that fails once its peer is known tells the peer in the background (`TransferFailed`, naming
+the incarnation it planned against), after its last byte has stopped moving, so the decode
+side frees the request's blocks at once instead of at its deadline; a failed layer-wise push
+refuses its later layers. A decode agent takes `ray`-transport writes only for requests it
+still expects, and a failed `wait_for_kv` returns only after every write it admitted has ended.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +57,7 @@ from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport, open_transport, transport_class
-from kvray.transport.ray import apply_write
+from kvray.transport.ray import apply_ops, read_header
 from kvray.wire import (
     EngineInfo,
     Role,
@@ -110,6 +118,23 @@ class _Layerwise:
     ops: int = 0
     unmerged_ops: int = 0
     layers: set[str] = field(default_factory=set)
+    #: Layer writes in progress, and an event set whenever there are none.
+    writing: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+@dataclass
+class _Attempt:
+    """How far one push got: the peer it planned against (whose incarnation a failure notice
+    names) and its transfer id, once known."""
+
+    request_id: str
+    layerwise: bool = False
+    peer: Peer | None = None
+    transfer_id: str | None = None
 
 
 def _node_id() -> str:
@@ -121,6 +146,15 @@ def _node_id() -> str:
     except Exception:  # outside a Ray worker: the host name is the node
         pass
     return socket.gethostname()
+
+
+def _actor_died(error: BaseException) -> bool:
+    """True when a Ray call failed because the actor it went to is dead."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # no Ray, no actors
+        return False
+    return isinstance(error, RayActorError)
 
 
 def _current_actor() -> Any:
@@ -176,11 +210,19 @@ class KVAgent:
         self._waiting = 0
         self._pending: dict[str, asyncio.Future[Completion]] = {}
         self._layerwise: dict[str, _Layerwise] = {}
+        #: Layer-wise requests that failed (why), until `finish` or `abort`: later layers are refused.
+        self._failed_layerwise: dict[str, str] = {}
         self._transfer_count = 0
         self._closed = asyncio.Event()
         self._started = False
         self._inbox: CompletionInbox | None = None
         self._outbox: CompletionOutbox | None = None
+        self._coordinator_by_name = False
+        #: Failure notices on their way to peers.
+        self._background: set[asyncio.Task[None]] = set()
+        #: `ray`-transport writes being scattered, per request (a failed wait outlasts them).
+        self._writing: Counter[str] = Counter()
+        self._writes_done = asyncio.Condition()
 
     # ---- life cycle -------------------------------------------------------------------
 
@@ -220,6 +262,7 @@ class KVAgent:
                 from kvray.coordinator import get_or_create_coordinator
 
                 self._coordinator = get_or_create_coordinator(self.settings)
+                self._coordinator_by_name = True
         if self._coordinator is not None:
             await self._register()
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
@@ -233,6 +276,8 @@ class KVAgent:
         self._closed.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        for task in list(self._background):
+            task.cancel()
         if self._coordinator is not None and self._info is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.settings.notify_timeout_s):
@@ -269,8 +314,16 @@ class KVAgent:
                         self._peers.clear()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # coordinator restarting: try again next beat
+            except Exception as error:  # coordinator restarting: try again next beat
                 self.stats["heartbeat_failed"] += 1
+                if self._coordinator_by_name and _actor_died(error):
+                    # Gone for good (killed, or it died with its owner): find or create its
+                    # successor by name; the next beat registers this engine there.
+                    with contextlib.suppress(Exception):
+                        from kvray.coordinator import get_or_create_coordinator
+
+                        self._coordinator = get_or_create_coordinator(self.settings)
+                        self.stats["coordinator_replaced"] += 1
 
     # ---- peers ------------------------------------------------------------------------
 
@@ -278,7 +331,9 @@ class KVAgent:
         """Wire a peer by hand (no coordinator): its info and the object hosting its agent."""
         self._peers[info.engine_id] = Peer(info, host)
 
-    async def peer(self, engine_id: str) -> Peer:
+    async def peer(self, engine_id: str, *, wait_s: float | None = None) -> Peer:
+        """The engine's published info and host: cached, else asked of the coordinator, which
+        waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
         peer = self._peers.get(engine_id)
         if peer is not None:
             return peer
@@ -288,7 +343,25 @@ class KVAgent:
                 "coordinator to ask (start Ray, or add_peer() it)",
                 engine_id=engine_id,
             )
-        info_bytes, host = await self._coordinator.lookup.remote(engine_id, self.settings.lookup_timeout_s)
+        wait = self.settings.lookup_timeout_s if wait_s is None else wait_s
+        # The coordinator bounds its own wait; this bounds a coordinator that does not answer.
+        bound = wait + self.settings.notify_timeout_s
+        try:
+            async with asyncio.timeout(bound):
+                info_bytes, host = await self._coordinator.lookup.remote(engine_id, wait)
+        except KvrayError:
+            raise
+        except TimeoutError as error:
+            raise MetadataError(
+                f"the coordinator did not answer a lookup of engine {engine_id!r} within {bound} s",
+                engine_id=engine_id,
+            ) from error
+        except Exception as error:  # a dead or restarting coordinator
+            raise MetadataError(
+                f"cannot look engine {engine_id!r} up: the coordinator is unreachable "
+                f"({type(error).__name__})",
+                engine_id=engine_id,
+            ) from error
         peer = Peer(decode_engine_info(info_bytes), host)
         self._peers[engine_id] = peer
         return peer
@@ -340,13 +413,13 @@ class KVAgent:
         timeout: float | None = None,
     ) -> PushResult:
         """Write the request's blocks into the remote engine's blocks, then tell it they are there."""
-        async with self._transfer(request_id, remote_engine, timeout):
+        async with self._transfer(request_id, remote_engine, timeout) as attempt:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(
-                local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
+                attempt, local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
             )
-            transfer_id = self._next_transfer_id(request_id)
-            await self._write(request_id, transfer_id, peer, transport, plan)
+            transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
+            await self._write(request_id, peer, transport, plan)
             await self._send(
                 peer,
                 TransferDone(
@@ -384,11 +457,14 @@ class KVAgent:
         remote_incarnation: int | None = None,
         timeout: float | None = None,
     ) -> int:
-        """Write one layer of a request now (as prefill produces it); `finish` completes it."""
-        async with self._transfer(request_id, remote_engine, timeout):
+        """Write one layer of a request now (as prefill produces it); `finish` completes it.
+
+        Once one layer of a request has failed, its later layers are refused (the decode side
+        has been told and may have freed the blocks): `finish` or `abort` the request."""
+        async with self._transfer(request_id, remote_engine, timeout, layerwise=True) as attempt:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(
-                local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
+                attempt, local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
             )
             state = self._layerwise.get(request_id)
             if state is None:
@@ -407,9 +483,25 @@ class KVAgent:
                     request_id=request_id,
                     engine_id=remote_engine,
                 )
+            attempt.transfer_id = state.transfer_id
             if layer in state.layers:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
-            await self._write(request_id, state.transfer_id, peer, transport, plan)
+            failed = self._failed_layerwise.get(request_id)
+            if failed is not None:
+                raise WriteFailedError(
+                    f"request {request_id!r} already failed ({failed}); its layers are no longer written",
+                    request_id=request_id,
+                    engine_id=remote_engine,
+                )
+            # From here to the write's start nothing awaits: a failure recorded meanwhile is seen.
+            state.writing += 1
+            state.idle.clear()
+            try:
+                await self._write(request_id, peer, transport, plan)
+            finally:
+                state.writing -= 1
+                if state.writing == 0:
+                    state.idle.set()
             state.layers.add(layer)
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
@@ -421,11 +513,27 @@ class KVAgent:
     async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
         """Complete a layer-wise push: the decode side's `wait_for_kv` resolves."""
         state = self._layerwise.pop(request_id, None)
+        failed = self._failed_layerwise.pop(request_id, None)
+        if failed is not None:
+            raise WriteFailedError(
+                f"layer-wise push of {request_id!r} failed: {failed}", request_id=request_id
+            )
         if state is None:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
-        async with self._transfer(request_id, state.dst_engine, timeout):
+        async with self._transfer(request_id, state.dst_engine, timeout) as attempt:
+            attempt.transfer_id = state.transfer_id
             started = time.perf_counter()
             peer = await self.peer(state.dst_engine)
+            if peer.info.incarnation != state.dst_incarnation:
+                raise StaleIncarnationError(
+                    f"engine {state.dst_engine!r} restarted (incarnation {peer.info.incarnation}) while "
+                    f"request {request_id!r} was pushed layer-wise into incarnation {state.dst_incarnation}",
+                    request_id=request_id,
+                    engine_id=state.dst_engine,
+                    incarnation=peer.info.incarnation,
+                    stale_incarnation=state.dst_incarnation,
+                )
+            attempt.peer = peer
             missing = sorted(set(self.layout.layer_names) - state.layers)
             if missing:
                 self.stats["layerwise_partial"] += 1
@@ -454,18 +562,58 @@ class KVAgent:
                 state.busy_s + time.perf_counter() - started,
             )
 
-    async def abort(self, request_id: str, remote_engine: str, reason: str) -> None:
-        """Tell the decode side a request's KV will not come (best effort, bounded)."""
+    async def abort(
+        self, request_id: str, remote_engine: str, reason: str, *, remote_incarnation: int | None = None
+    ) -> None:
+        """Tell the decode side a request's KV will not come (best effort, bounded).
+
+        The notice names the incarnation the request's blocks belong to (`remote_incarnation`,
+        else the layer-wise push's, else the engine's current one); an engine that has since
+        restarted is not told about its old life. It never waits for an engine to register."""
         state = self._layerwise.pop(request_id, None)
+        self._failed_layerwise.pop(request_id, None)
+        if state is not None and remote_incarnation is None:
+            remote_incarnation = state.dst_incarnation
         with contextlib.suppress(Exception):
-            peer = self._peers.get(remote_engine)
-            if peer is None:
-                async with asyncio.timeout(self.settings.notify_timeout_s):
-                    peer = await self.peer(remote_engine)
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                peer = await self.peer(remote_engine, wait_s=0.0)
+            if remote_incarnation is not None and peer.info.incarnation != remote_incarnation:
+                self.stats["failure_notices_stale"] += 1
+                return
+            transfer_id = state.transfer_id if state else self._next_transfer_id(request_id)
+            await self._notify_failure(peer, request_id, transfer_id, reason, state)
+
+    def _abort_soon(self, attempt: _Attempt, reason: str) -> None:
+        """`abort` for a push that failed, in the background, so the caller's error is not held
+        up by a peer that does not answer (the notice has its own deadline)."""
+        state = self._layerwise.get(attempt.request_id)
+        if attempt.layerwise or state is not None:
+            self._failed_layerwise.setdefault(attempt.request_id, reason)
+        peer = attempt.peer
+        if peer is None or self._closed.is_set():
+            return
+        transfer_id = attempt.transfer_id or (
+            state.transfer_id if state is not None else self._next_transfer_id(attempt.request_id)
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._notify_failure(peer, attempt.request_id, transfer_id, reason, state)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _notify_failure(
+        self, peer: Peer, request_id: str, transfer_id: str, reason: str, state: _Layerwise | None
+    ) -> None:
+        """Send `TransferFailed` once no layer of the request is still being written: the peer
+        frees the blocks when it reads it, so no byte may arrive after."""
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                if state is not None:
+                    await state.idle.wait()
             await self._send(
                 peer,
                 TransferFailed(
-                    transfer_id=state.transfer_id if state else self._next_transfer_id(request_id),
+                    transfer_id=transfer_id,
                     request_id=request_id,
                     src_engine=self.engine_id,
                     src_incarnation=self.incarnation,
@@ -474,13 +622,16 @@ class KVAgent:
                     reason=reason,
                 ),
             )
+            self.stats["failure_notices_sent"] += 1
+        except Exception:  # best effort: a peer that is gone has nobody waiting
+            self.stats["failure_notices_lost"] += 1
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, request_id: str, remote_engine: str, timeout: float | None
-    ) -> AsyncIterator[None]:
-        """A bounded slot and a deadline for one transfer; failures are kvray errors, and the
-        decode side is told (best effort) so it does not wait for its deadline."""
+        self, request_id: str, remote_engine: str, timeout: float | None, *, layerwise: bool = False
+    ) -> AsyncIterator[_Attempt]:
+        """A bounded slot and a deadline for one transfer; failures are kvray errors, and once
+        the peer is known it is told (in the background) so it does not wait for its deadline."""
         if not self.started:
             raise KvrayError(f"agent {self.engine_id!r} is not running; await agent.start() first")
         if self._waiting >= self.settings.max_queued_transfers:
@@ -491,6 +642,7 @@ class KVAgent:
                 request_id=request_id,
             )
         deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
+        attempt = _Attempt(request_id, layerwise)
         try:
             async with asyncio.timeout(deadline):
                 self._waiting += 1
@@ -499,37 +651,64 @@ class KVAgent:
                 finally:
                     self._waiting -= 1
                 try:
-                    yield
+                    yield attempt
+                except TransportError as error:
+                    await self._raise_if_restarted(attempt, error)
+                    raise
                 finally:
                     self._slots.release()
+        except KvrayError as error:
+            self.stats["pushes_failed"] += 1
+            if isinstance(error, TransportError | MetadataError):
+                self.forget_peer(remote_engine)
+            self._abort_soon(attempt, f"{type(error).__name__}: {error}")
+            raise
         except TimeoutError as error:
             self.stats["pushes_timed_out"] += 1
-            await self.abort(request_id, remote_engine, f"transfer passed its {deadline} s deadline")
+            self._abort_soon(attempt, f"transfer passed its {deadline} s deadline")
             raise TransferTimeoutError(
                 f"transfer of {request_id!r} to {remote_engine!r} passed its {deadline} s deadline",
                 request_id=request_id,
                 engine_id=remote_engine,
                 timeout_s=deadline,
             ) from error
-        except (TransportError, MetadataError):
-            self.stats["pushes_failed"] += 1
-            self.forget_peer(remote_engine)
-            raise
-        except KvrayError:
-            self.stats["pushes_failed"] += 1
+        except asyncio.CancelledError:
+            self._abort_soon(attempt, "the push was cancelled")
             raise
         except Exception as error:
             self.stats["pushes_failed"] += 1
             self.forget_peer(remote_engine)
-            await self.abort(request_id, remote_engine, f"{type(error).__name__}: {error}")
+            self._abort_soon(attempt, f"{type(error).__name__}: {error}")
             raise WriteFailedError(
                 f"transfer of {request_id!r} to {remote_engine!r} failed: {type(error).__name__}: {error}",
                 request_id=request_id,
                 engine_id=remote_engine,
             ) from error
 
+    async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:
+        """After a transport failure, ask the directory whether the peer has a new incarnation
+        by now: then the push was aimed at a life that is over, and that is the error to report."""
+        peer = attempt.peer
+        if peer is None or self._coordinator is None or isinstance(error, BackpressureError):
+            return
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await self._coordinator.check.remote(peer.info.engine_id, peer.info.incarnation)
+        except StaleIncarnationError as stale:
+            current = getattr(stale, "cause", stale).facts.get("incarnation")
+            raise StaleIncarnationError(
+                f"engine {peer.info.engine_id!r} restarted: this push was aimed at incarnation "
+                f"{peer.info.incarnation}, the engine is now incarnation {current} ({error})",
+                engine_id=peer.info.engine_id,
+                incarnation=current,
+                stale_incarnation=peer.info.incarnation,
+            ) from error
+        except Exception:  # gone, or the coordinator is away: the transport's error stands
+            return
+
     async def _plan(
         self,
+        attempt: _Attempt,
         local_blocks: Blocks,
         remote_engine: str,
         remote_blocks: Blocks,
@@ -555,35 +734,47 @@ class KVAgent:
                 "push into decode engines only",
                 engine_id=remote_engine,
             )
+        attempt.peer = peer
         plan = plan_transfer(self.info, peer.info, local_blocks, remote_blocks, layers, self._cache)
         transport = self._transport(self.choose_transport(peer))
         return peer, transport, plan
 
-    async def _write(
-        self, request_id: str, transfer_id: str, peer: Peer, transport: Transport, plan: TransferPlan
-    ) -> None:
-        try:
-            await transport.write(plan, self.backing, peer)
-        except KvrayError:
-            await self.abort(request_id, peer.info.engine_id, f"write {transfer_id} failed")
-            raise
+    async def _write(self, request_id: str, peer: Peer, transport: Transport, plan: TransferPlan) -> None:
+        # The request id travels with `ray`-transport writes: the receiver takes writes only
+        # for requests it still expects.
+        await transport.write(replace(plan, request_id=request_id), self.backing, peer)
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
-        if inbox and peer.info.node_id == self.node_id:
-            if self._outbox is None:
-                self._outbox = CompletionOutbox()
-            async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self._outbox.send(inbox, encode(message))
-            return
-        if peer.host is None:
+        same_node = peer.info.node_id == self.node_id
+        if not (inbox and same_node) and peer.host is None:
             raise TransportError(
                 f"engine {peer.info.engine_id!r} has no host to notify; its agent must run in an "
                 "AgentHost actor (or be added with a host)",
                 engine_id=peer.info.engine_id,
             )
-        async with asyncio.timeout(self.settings.notify_timeout_s):
-            await peer.host.kvray_notify.remote(encode(message))
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                if inbox and same_node:
+                    if self._outbox is None:
+                        self._outbox = CompletionOutbox()
+                    await self._outbox.send(inbox, encode(message))
+                else:
+                    await peer.host.kvray_notify.remote(encode(message))
+        except KvrayError:
+            raise
+        except TimeoutError as error:
+            raise TransferTimeoutError(
+                f"engine {peer.info.engine_id!r} did not take a {type(message).__name__} notice "
+                f"within {self.settings.notify_timeout_s} s",
+                engine_id=peer.info.engine_id,
+                timeout_s=self.settings.notify_timeout_s,
+            ) from error
+        except Exception as error:  # e.g. the peer's actor died
+            raise TransportError(
+                f"could not notify engine {peer.info.engine_id!r}: {type(error).__name__}",
+                engine_id=peer.info.engine_id,
+            ) from error
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1
@@ -625,12 +816,39 @@ class KVAgent:
                 self._pending.pop(request_id, None)
             else:
                 self.cancel(request_id)
+            # No write admitted for this request may still be landing when the caller frees
+            # its blocks (new ones are refused: the request is no longer expected).
+            if self._writing[request_id]:
+                async with self._writes_done:
+                    await self._writes_done.wait_for(lambda: not self._writing[request_id])
 
     async def deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
-        """A `ray`-transport write arriving: check every op against this engine, then scatter."""
+        """A `ray`-transport write arriving: check it names this engine incarnation and a request
+        it still expects, and that every op lies inside its region; then scatter."""
         if self.role is not Role.DECODE:
             raise MetadataError(f"engine {self.engine_id!r} is not a decode engine and takes no writes")
-        written = await apply_write(self.backing, self.engine_id, self.incarnation, header, payload)
+        message = read_header(header, self.engine_id, self.incarnation)
+        request_id = message.request_id
+        future = self._pending.get(request_id)
+        if future is None or future.done():
+            # Its wait ended (done, failed, timed out) or it was never reserved: its blocks may
+            # belong to another request by now.
+            self.stats["writes_refused_unexpected"] += 1
+            raise WriteFailedError(
+                f"engine {self.engine_id!r} does not expect KV for request {request_id!r} (never "
+                "reserved, or its wait has ended); nothing was written",
+                request_id=request_id,
+                engine_id=self.engine_id,
+            )
+        self._writing[request_id] += 1
+        try:
+            written = await apply_ops(self.backing, self.engine_id, message, payload)
+        finally:
+            self._writing[request_id] -= 1
+            if not self._writing[request_id]:
+                del self._writing[request_id]
+                async with self._writes_done:
+                    self._writes_done.notify_all()
         self.stats["bytes_received"] += written
         return written
 

@@ -136,7 +136,11 @@ class Coordinator:
 
 
 def get_or_create_coordinator(settings: Settings | None = None) -> Any:
-    """The coordinator actor named in `settings`, created (detached from no one) if absent."""
+    """The coordinator actor named in `settings`, created if absent.
+
+    It is detached: its life does not hang on the process that happened to create it (an
+    engine's actor, which may be killed), and Ray restarts it if it crashes.
+    """
     settings = settings or Settings()
     actor_class = ray.remote(Coordinator)
     try:
@@ -144,6 +148,7 @@ def get_or_create_coordinator(settings: Settings | None = None) -> Any:
             name=settings.coordinator_name,
             namespace=settings.namespace,
             get_if_exists=True,
+            lifetime="detached",
             max_restarts=-1,
             max_concurrency=10_000,
             num_cpus=0,

@@ -101,6 +101,8 @@ class TransferPlan:
     unmerged: OpTable
     #: Index in `unmerged` of each layer's first op (len(layers) + 1 entries).
     layer_starts: tuple[int, ...]
+    #: The request the plan moves, when the caller names it (the receiver may fence on it).
+    request_id: str = ""
 
     @property
     def nbytes(self) -> int:

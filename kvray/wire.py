@@ -137,6 +137,8 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     regions: list[ByteCount]
     remote_offsets: list[ByteCount]
     nbytes: list[ByteCount]
+    #: The request the bytes belong to: the receiver takes writes only for requests it expects.
+    request_id: str = ""
 
 
 Message = TransferDone | TransferFailed | WriteOps

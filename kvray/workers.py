@@ -287,7 +287,9 @@ class PrefillWorker(_Worker):
                     )
                 return await agent.finish(request_id, timeout=timeout)
             except KvrayError as error:
-                await agent.abort(request_id, decode_engine, str(error))
+                await agent.abort(
+                    request_id, decode_engine, str(error), remote_incarnation=decode_incarnation
+                )
                 raise
         finally:
             if not keep_blocks:
@@ -369,7 +371,12 @@ class PrefillWorker(_Worker):
                     push.cancel()
                 await asyncio.gather(*pushes, return_exceptions=True)
                 if layerwise:
-                    await agent.abort(request_id, decode_engine, f"{type(error).__name__}: {error}")
+                    await agent.abort(
+                        request_id,
+                        decode_engine,
+                        f"{type(error).__name__}: {error}",
+                        remote_incarnation=decode_incarnation,
+                    )
                 raise
             finished = time.perf_counter()
             digest = await self.kv_digest(blocks)

@@ -67,6 +67,7 @@ class RayTransport(Transport):
             regions=ops.remote_region.tolist(),
             remote_offsets=ops.remote_offset.tolist(),
             nbytes=ops.nbytes.tolist(),
+            request_id=plan.request_id,
         )
         try:
             await peer.host.kvray_deliver.remote(encode(header), payload)
@@ -91,6 +92,11 @@ async def apply_write(
     Nothing is written unless every op lies inside its region and the payload holds exactly
     the ops' bytes. Returns the number of bytes written.
     """
+    return await apply_ops(backing, engine_id, read_header(header, engine_id, incarnation), payload)
+
+
+def read_header(header: bytes, engine_id: str, incarnation: int) -> WriteOps:
+    """A write's header, decoded (msgspec, never pickle) and checked to name this engine incarnation."""
     message = decode_message(header)
     if not isinstance(message, WriteOps):
         raise WireDecodeError(f"expected write_ops, got {type(message).__name__}", field="$.type")
@@ -102,6 +108,13 @@ async def apply_write(
             incarnation=incarnation,
             stale_incarnation=message.dst_incarnation,
         )
+    return message
+
+
+async def apply_ops(
+    backing: Backing, engine_id: str, message: WriteOps, payload: npt.NDArray[np.uint8]
+) -> int:
+    """`apply_write` after `read_header`: check every op and the payload, then scatter."""
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvray.config import Settings
-from kvray.errors import KvrayError, RegionError, TransportError, WriteFailedError
+from kvray.errors import KvrayError, RegionError, StaleIncarnationError, TransportError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
@@ -32,12 +32,24 @@ class _Mapping:
     mm: mmap.mmap
     array: np.ndarray
     length: int
+    path: str
+    #: (device, inode) of the file when it was mapped.
+    file_id: tuple[int, int]
     users: int = 0
     retired: bool = False
 
     @property
     def address(self) -> int:
         return int(self.array.ctypes.data)
+
+    def file_is_current(self) -> bool:
+        """False once the owner removed the file (it closed, or a restart on this node swept
+        the dead life's files): writing into the mapping would reach memory nobody reads."""
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return False
+        return (status.st_dev, status.st_ino) == self.file_id
 
     def retire(self) -> None:
         self.retired = True
@@ -113,6 +125,15 @@ class ShmTransport(Transport):
         key = (info.engine_id, info.incarnation, index)
         mapping = self._mappings.get(key)
         if mapping is not None:
+            if not mapping.file_is_current():
+                self._mappings.pop(key).retire()
+                raise StaleIncarnationError(
+                    f"incarnation {info.incarnation} of engine {info.engine_id!r} is over: its "
+                    f"shared memory {mapping.path} was removed (the engine closed or restarted); "
+                    "look the engine up again",
+                    engine_id=info.engine_id,
+                    stale_incarnation=info.incarnation,
+                )
             return mapping
         self._forget_other_incarnations(info.engine_id, info.incarnation)
         region = info.regions[index]
@@ -139,7 +160,8 @@ class ShmTransport(Transport):
                 path=path,
             ) from error
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            size = status.st_size
             if region.handle_offset + region.length > size:
                 raise RegionError(
                     f"engine {info.engine_id!r} describes region {index} as "
@@ -156,7 +178,9 @@ class ShmTransport(Transport):
             )
         finally:
             os.close(fd)
-        mapping = _Mapping(mm, np.frombuffer(mm, dtype=np.uint8), region.length)
+        mapping = _Mapping(
+            mm, np.frombuffer(mm, dtype=np.uint8), region.length, path, (status.st_dev, status.st_ino)
+        )
         self._mappings[key] = mapping
         return mapping
 
