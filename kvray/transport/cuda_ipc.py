@@ -96,13 +96,36 @@ def chunk_ops(
 
 @functools.cache
 def _kernel() -> Any:
-    """The copy kernel, compiled on first use (Triton is imported only here)."""
+    """The copy kernel, compiled on first use (Triton is imported only here).
+
+    The two base addresses arrive as plain 64-bit integers and become pointers inside the
+    kernel: the destination may be another GPU's memory opened through CUDA IPC, which
+    Triton's launcher refuses as a tensor argument although the kernel can reach it over
+    NVLink once peer access is on.
+    """
     import triton
     import triton.language as tl
 
     def copy_chunks(  # type: ignore[no-untyped-def]
-        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+        src_addr,
+        dst_addr,
+        src_off,
+        dst_off,
+        count,
+        UNIT: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
+        if UNIT == 8:
+            element = tl.int64
+        elif UNIT == 4:
+            element = tl.int32
+        elif UNIT == 2:
+            element = tl.int16
+        else:
+            element = tl.uint8
+        src = src_addr.to(tl.pointer_type(element), bitcast=True)
+        dst = dst_addr.to(tl.pointer_type(element), bitcast=True)
         piece = tl.program_id(0)
         source = tl.load(src_off + piece)
         target = tl.load(dst_off + piece)
@@ -116,9 +139,6 @@ def _kernel() -> Any:
     return triton.jit(copy_chunks)
 
 
-_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def launch_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -127,13 +147,12 @@ def launch_copy(
     nbytes: Int64Array,
     stream: torch.cuda.Stream,
 ) -> None:
-    """One kernel launch copying every (dst_offset, src_offset, nbytes) op between two uint8
-    CUDA tensors (dst may be another GPU's memory, opened through IPC). Bounds are the caller's
-    job (kvray checks every op before it gets here)."""
+    """One kernel launch, on `src`'s GPU, copying every (dst_offset, src_offset, nbytes) op between
+    two uint8 CUDA tensors (dst may be another GPU's memory, opened through IPC). Bounds are the
+    caller's job (kvray checks every op before it gets here)."""
     if nbytes.size == 0:
         return
     unit = min(8, pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr())))
-    dtype = _UNIT_DTYPES[unit]
     chunk = CHUNK_NBYTES
     piece_dst, piece_src, piece_n = chunk_ops(dst_offsets, src_offsets, nbytes, chunk)
     with torch.cuda.device(src.device), torch.cuda.stream(stream):
@@ -141,11 +160,12 @@ def launch_copy(
             src.device, non_blocking=False
         )
         _kernel()[(piece_n.size,)](
-            src.view(dtype),
-            dst.view(dtype),
+            src.data_ptr(),
+            dst.data_ptr(),
             table[0],
             table[1],
             table[2],
+            UNIT=unit,
             CHUNK=chunk // unit,
             BLOCK=min(_BLOCK, chunk // unit),
         )
