@@ -758,7 +758,14 @@ class KVAgent:
                 if inbox and same_node:
                     if self._outbox is None:
                         self._outbox = CompletionOutbox()
-                    await self._outbox.send(inbox, encode(message))
+                    try:
+                        await self._outbox.send(inbox, encode(message))
+                    except TransportError as error:
+                        raise TransportError(
+                            f"could not notify engine {peer.info.engine_id!r}: {error}",
+                            engine_id=peer.info.engine_id,
+                            path=inbox,
+                        ) from error
                 else:
                     await peer.host.kvray_notify.remote(encode(message))
         except KvrayError:
