@@ -1,4 +1,5 @@
-"""The `kvray` command line: `demo` (the main job), `report` (layouts, backings, a planned transfer)."""
+"""The `kvray` command line: `demo` (the main job), `bench` (transfers against the alternatives),
+`report` (layouts, backings, a planned transfer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvray import demo
+from kvray import bench, demo
 from kvray.config import Settings
 from kvray.errors import KvrayError
 from kvray.layout import READY_LAYOUTS, BlockOrder
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(handler=demo.main)
+    bench_parser = commands.add_parser(
+        "bench", help="kvray's transfers against memcpy, Ray's object store, RDT gloo and NIXL, verified"
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(handler=bench.main)
     return parser
 
 

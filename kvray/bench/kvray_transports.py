@@ -1,0 +1,223 @@
+"""kvray's own contenders: the `shm` and `ray` transports between two Ray actors.
+
+A decode actor hosts a `KVAgent` with a shared-memory backing (an `AgentHost`, so `ray`
+writes can reach it); a prefill actor hosts two prefill agents over one CPU backing, one agent
+pinned to each transport. One run: the decode agent expects the request; the prefill actor
+stamps the clock and pushes (plan + write + completion notice); the decode actor stamps the
+clock when its `wait_for_kv` returns. Both stamps come from `time.perf_counter`
+(CLOCK_MONOTONIC: one clock for every process of the machine), so a run is timed from the
+writer's first step to the moment the reader may use the KV.
+
+Completion latency is measured on the same actors: the prefill side pushes layer by layer
+(`push_layer`: the bytes only), stamps the clock after the last byte, then `finish`es (the
+completion notice alone); the decode side stamps when `wait_for_kv` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import ray
+
+from kvray.agent import AgentHost, KVAgent
+from kvray.bench.harness import Contender, Run
+from kvray.bench.verify import Verdict, fill_source, scrub, verify_destination
+from kvray.bench.workload import Workload
+from kvray.config import Settings
+from kvray.memory import Backing, MemoryKind
+from kvray.wire import Role, TransferDone, encode
+
+SHM = "kvray shm"
+RAY = "kvray ray transport"
+_TRANSPORT = {SHM: "shm", RAY: "ray"}
+DEADLINE_S = 60.0
+TIMED = "writer's first step -> reader's wait_for_kv returns (two actors)"
+
+#: Completion-latency paths, as the table names them.
+COMPLETION_SHM = "shm: Unix datagram socket (same node)"
+COMPLETION_RAY = "ray transport, same node: Unix datagram socket"
+COMPLETION_RAY_CALL = "Ray actor call (the path across nodes)"
+
+
+class KvrayDecode(AgentHost):
+    """The receiving engine: one decode agent per case, shared-memory backing."""
+
+    async def setup(self, workload: Workload) -> tuple[str, int]:
+        self.workload = workload
+        self.kvray_agent = KVAgent(
+            f"bench-decode-{workload.key}", Role.DECODE, workload.layout, memory=MemoryKind.SHM
+        )
+        info = await self.kvray_agent.start()
+        self.pool = self.kvray_agent.backing.regions[0].tensor.numpy()
+        return info.engine_id, info.incarnation
+
+    async def prepare(self, run: int, request_id: str) -> None:
+        """Scrub the destination and expect the run's request."""
+        scrub(self.pool, run)
+        self.kvray_agent.expect(request_id)
+
+    async def expect(self, request_id: str) -> None:
+        self.kvray_agent.expect(request_id)
+
+    async def wait(self, request_id: str) -> float:
+        """Returns the clock when the request's KV is there."""
+        await self.kvray_agent.wait_for_kv(request_id, DEADLINE_S)
+        return time.perf_counter()
+
+    async def verify(self) -> Verdict:
+        return verify_destination(self.pool, self.workload)
+
+    async def teardown(self) -> None:
+        await self.kvray_agent.close()
+        del self.pool
+
+
+class KvrayPrefill:
+    """The sending engine: one prefill agent per transport over one CPU backing."""
+
+    async def setup(self, workload: Workload) -> None:
+        self.workload = workload
+        backing = Backing.allocate(workload.layout, MemoryKind.CPU)
+        fill_source(backing.regions[0].tensor.numpy(), workload)
+        self.agents: dict[str, KVAgent] = {}
+        for name, transport in _TRANSPORT.items():
+            agent = KVAgent(
+                f"bench-prefill-{transport}-{workload.key}",
+                Role.PREFILL,
+                backing=backing,
+                settings=Settings.from_env(transport=transport),
+            )
+            await agent.start()
+            self.agents[name] = agent
+
+    async def push(self, name: str, request_id: str, dst_engine: str, incarnation: int) -> dict[str, Any]:
+        agent = self.agents[name]
+        started = time.perf_counter()
+        result = await agent.push(
+            request_id,
+            self.workload.src_ids(),
+            dst_engine,
+            self.workload.dst_ids(),
+            remote_incarnation=incarnation,
+            timeout=DEADLINE_S,
+        )
+        if result.transport.value != _TRANSPORT[name]:
+            raise RuntimeError(f"{name}: the push used {result.transport.value}")
+        return {
+            "started": started,
+            "push_s": result.seconds,
+            "ops": result.ops,
+            "unmerged_ops": result.unmerged_ops,
+        }
+
+    async def push_layerwise(self, name: str, request_id: str, dst_engine: str, incarnation: int) -> float:
+        """Every layer's bytes, then the completion notice alone; returns the clock between."""
+        agent = self.agents[name]
+        for layer in self.workload.layout.layer_names:
+            await agent.push_layer(
+                request_id,
+                layer,
+                self.workload.src_ids(),
+                dst_engine,
+                self.workload.dst_ids(),
+                remote_incarnation=incarnation,
+                timeout=DEADLINE_S,
+            )
+        written = time.perf_counter()
+        await agent.finish(request_id, timeout=DEADLINE_S)
+        return written
+
+    async def notify_by_ray_call(
+        self, request_id: str, decode: Any, dst_engine: str, incarnation: int
+    ) -> float:
+        """A completion notice through the decode actor's `kvray_notify`, the way a writer on
+        another node sends it; returns the clock just before the call."""
+        agent = self.agents[SHM]
+        message = TransferDone(
+            transfer_id=f"{request_id}@bench",
+            request_id=request_id,
+            src_engine=agent.engine_id,
+            src_incarnation=agent.incarnation,
+            dst_engine=dst_engine,
+            dst_incarnation=incarnation,
+            nbytes=0,
+        )
+        started = time.perf_counter()
+        await decode.kvray_notify.remote(encode(message))
+        return started
+
+    async def teardown(self) -> None:
+        for agent in self.agents.values():
+            await agent.close()
+        self.agents.clear()
+
+
+DecodeActor = ray.remote(KvrayDecode)
+PrefillActor = ray.remote(KvrayPrefill)
+
+
+class KvrayTransports(Contender):
+    family = "kvray"
+    names = (SHM, RAY)
+    timed: ClassVar[Mapping[str, str]] = {SHM: TIMED, RAY: TIMED}
+
+    def __init__(self, completion_runs: int) -> None:
+        self.completion_runs = completion_runs
+        self.latency: dict[str, list[float]] = {
+            COMPLETION_SHM: [],
+            COMPLETION_RAY: [],
+            COMPLETION_RAY_CALL: [],
+        }
+
+    def start(self) -> str | None:
+        self.decode: Any = DecodeActor.remote()
+        self.prefill: Any = PrefillActor.remote()
+        return None
+
+    def setup(self, workload: Workload) -> None:
+        self.workload = workload
+        self.dst_engine, self.incarnation = ray.get(self.decode.setup.remote(workload))
+        ray.get(self.prefill.setup.remote(workload))
+
+    def run(self, name: str, run: int) -> Run:
+        request_id = f"{self.workload.key}-{_TRANSPORT[name]}-{run}"
+        ray.get(self.decode.prepare.remote(run, request_id))
+        seen = self.decode.wait.remote(request_id)
+        pushed = self.prefill.push.remote(name, request_id, self.dst_engine, self.incarnation)
+        facts, seen_at = ray.get([pushed, seen])
+        verdict = ray.get(self.decode.verify.remote())
+        return Run(
+            seen_at - facts["started"],
+            verdict,
+            {"ops_merged": facts["ops"], "ops_unmerged": facts["unmerged_ops"]},
+            {"push_s": facts["push_s"]},
+        )
+
+    def teardown(self) -> None:
+        if self.workload.family == "a" and self.completion_runs:
+            self._completion_latency()
+        ray.get([self.prefill.teardown.remote(), self.decode.teardown.remote()])
+
+    def _completion_latency(self) -> None:
+        for path, name in ((COMPLETION_SHM, SHM), (COMPLETION_RAY, RAY), (COMPLETION_RAY_CALL, None)):
+            for run in range(self.completion_runs + 1):  # the first is a warm-up
+                request_id = f"{self.workload.key}-completion-{len(self.latency[path])}-{run}-{name}"
+                ray.get(self.decode.expect.remote(request_id))
+                seen = self.decode.wait.remote(request_id)
+                if name is None:
+                    sent = self.prefill.notify_by_ray_call.remote(
+                        request_id, self.decode, self.dst_engine, self.incarnation
+                    )
+                else:
+                    sent = self.prefill.push_layerwise.remote(
+                        name, request_id, self.dst_engine, self.incarnation
+                    )
+                written_at, seen_at = ray.get([sent, seen])
+                if run:
+                    self.latency[path].append(seen_at - written_at)
+
+    def close(self) -> None:
+        ray.kill(self.prefill)
+        ray.kill(self.decode)

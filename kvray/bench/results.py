@@ -1,0 +1,205 @@
+"""Results: what each contender measured on each case, summarized into the table, the JSON and
+the plot the command writes."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvray.bench.verify import Verdict
+from kvray.bench.workload import Workload
+
+#: GB/s figures use GB = 1e9 bytes.
+GB = 1e9
+
+
+@dataclass
+class CaseResult:
+    """One contender on one case: its timed runs and the verdict of every run."""
+
+    contender: str
+    #: The contender family (the module that measured it): memcpy, kvray, ray, nixl.
+    family: str
+    case: str
+    nbytes: int
+    #: Seconds of each timed run (warm-up runs are not here).
+    seconds: list[float] = field(default_factory=list)
+    #: One verdict per run, warm-up runs included.
+    verdicts: list[Verdict] = field(default_factory=list)
+    #: Where the clock ran.
+    timed: str = ""
+    #: Facts a reader may want (ops, the push time on the sending side, ...).
+    facts: dict[str, Any] = field(default_factory=dict)
+    #: Set when the contender raised: the run is FAILED, like a wrong byte.
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.seconds) and all(v.ok for v in self.verdicts)
+
+    @property
+    def failure(self) -> str | None:
+        if self.error is not None:
+            return self.error
+        for run, verdict in enumerate(self.verdicts):
+            if not verdict.ok:
+                return f"run {run}: {verdict.detail}"
+        if not self.seconds:
+            return "no timed run"
+        return None
+
+    def gb_per_s(self) -> tuple[float, float, float]:
+        """(median, slowest, fastest) GB/s over the timed runs."""
+        if not self.seconds:
+            return (0.0, 0.0, 0.0)
+        median = statistics.median(self.seconds)
+        return (
+            self.nbytes / median / GB,
+            self.nbytes / max(self.seconds) / GB,
+            self.nbytes / min(self.seconds) / GB,
+        )
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A contender that could not run here, and the one-sentence reason."""
+
+    family: str
+    contenders: tuple[str, ...]
+    reason: str
+
+
+def describe(error: BaseException) -> str:
+    """One line for a contender that raised (a Ray task error is described by its cause)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+class Progress:
+    """One progress bar on stderr, relabelled per contender and case (a line per tenth when
+    stderr is not a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.label = ""
+        self.tty = sys.stderr.isatty()
+        self._last_tenth = -1
+
+    def step(self, label: str) -> None:
+        self.done = min(self.total, self.done + 1)
+        self.label = label
+        width = 30
+        filled = width * self.done // self.total
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {100 * self.done // self.total:3d}% {label}"
+        if self.tty:
+            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
+        elif 10 * self.done // self.total != self._last_tenth:
+            self._last_tenth = 10 * self.done // self.total
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+BASELINE = "memcpy, 1 thread"
+
+
+def summary_rows(results: Sequence[CaseResult], workload: Workload) -> list[dict[str, Any]]:
+    """Table rows for one case: GB/s median, min, max and the ratio to one-thread memcpy."""
+    baseline = next((r for r in results if r.contender == BASELINE and r.ok), None)
+    baseline_median = statistics.median(baseline.seconds) if baseline else None
+    rows = []
+    for result in results:
+        median_gb, min_gb, max_gb = result.gb_per_s()
+        median_s = statistics.median(result.seconds) if result.seconds else None
+        rows.append(
+            {
+                "case": workload.key,
+                "contender": result.contender,
+                "family": result.family,
+                "status": "ok" if result.ok else "FAILED",
+                "failure": result.failure,
+                "timed": result.timed,
+                "runs": len(result.seconds),
+                "median_ms": median_s * 1e3 if median_s else None,
+                "median_gb_s": median_gb,
+                "min_gb_s": min_gb,
+                "max_gb_s": max_gb,
+                "vs_memcpy": baseline_median / median_s if baseline_median and median_s else None,
+                "seconds": result.seconds,
+                "verified_runs": sum(1 for v in result.verdicts if v.ok),
+                "checked_runs": len(result.verdicts),
+                "facts": result.facts,
+            }
+        )
+    return rows
+
+
+def format_case(rows: Sequence[dict[str, Any]], workload: Workload, warmup: int, repeat: int) -> str:
+    lines = [
+        f"\n({workload.family}) {workload.title}: {workload.nbytes / 2**20:.1f} MiB, "
+        f"{workload.descriptors} block copies, {warmup} warm-up + {repeat} timed runs",
+    ]
+    header = (
+        f"  {'contender':<46} {'median ms':>9} {'GB/s':>7} {'min':>7} {'max':>7} {'vs memcpy':>9}  verified"
+    )
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"  {row['contender']:<46} FAILED: {row['failure']}")
+            continue
+        ratio = f"{row['vs_memcpy']:.2f}x" if row["vs_memcpy"] is not None else "-"
+        lines.append(
+            f"  {row['contender']:<46} {row['median_ms']:>9.2f} {row['median_gb_s']:>7.2f} "
+            f"{row['min_gb_s']:>7.2f} {row['max_gb_s']:>7.2f} {ratio:>9}  "
+            f"{row['verified_runs']}/{row['checked_runs']} runs"
+        )
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: Sequence[dict[str, Any]], workloads: Sequence[Workload], title: str) -> str | None:
+    """GB/s against block size per contender (workloads a and c); None when written, else why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvray[bench]')"
+    sizes = {w.key: w.block_nbytes for w in workloads if w.family in ("a", "c")}
+    by_contender: dict[str, list[tuple[int, float, float, float]]] = {}
+    for row in rows:
+        if row["case"] in sizes and row["status"] == "ok":
+            by_contender.setdefault(row["contender"], []).append(
+                (sizes[row["case"]], row["median_gb_s"], row["min_gb_s"], row["max_gb_s"])
+            )
+    if not by_contender:
+        return "no contender finished a sweep case"
+    figure, axes = plt.subplots(figsize=(9, 5.5))
+    for contender, points in by_contender.items():
+        points.sort()
+        x = [p[0] / 1024 for p in points]
+        y = [p[1] for p in points]
+        low = [p[1] - p[2] for p in points]
+        high = [p[3] - p[1] for p in points]
+        style = "-" if contender.startswith("kvray") else "--" if contender.startswith("memcpy") else ":"
+        axes.errorbar(x, y, yerr=[low, high], label=contender, linestyle=style, marker="o", capsize=3)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("block size (KiB)")
+    axes.set_ylabel("GB/s (median, bars: min-max)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return None
