@@ -6,6 +6,7 @@ op against its own region and scatters (`apply_write`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import numpy.typing as npt
@@ -14,7 +15,7 @@ from kvray.config import Settings
 from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, check_ops
-from kvray.transport._copy import scatter_copy_async
+from kvray.transport._copy import StagingBuffers, scatter_copy_async
 from kvray.transport.base import Peer, Transport, check_write
 from kvray.wire import TransportKind, WriteOps, decode_message, encode
 
@@ -27,6 +28,7 @@ class RayTransport(Transport):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._transfers = 0
+        self._staging = StagingBuffers()
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -45,7 +47,7 @@ class RayTransport(Transport):
             )
         check_write(plan, local, peer)
         ops = plan.ops
-        payload = np.empty(ops.total_nbytes, dtype=np.uint8)
+        payload = self._staging.take(ops.total_nbytes)
         payload_offset = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
         for index in np.unique(ops.local_region).tolist():
             source = local.regions[index].tensor
@@ -69,9 +71,16 @@ class RayTransport(Transport):
             nbytes=ops.nbytes.tolist(),
             request_id=plan.request_id,
         )
+        delivery = peer.host.kvray_deliver.remote(encode(header), payload)
+        # Submitting the call copied the payload into Ray's object store: the buffer is free.
+        self._staging.give_back(payload)
         try:
-            await peer.host.kvray_deliver.remote(encode(header), payload)
+            await delivery
         except asyncio.CancelledError:
+            # Past its deadline (or cancelled): the write must not land later, and its payload
+            # must not stay queued at a slow peer. Best effort; the peer also refuses writes for
+            # requests it no longer expects.
+            _cancel(delivery)
             raise
         except Exception as error:
             cause = getattr(error, "cause", None) or error
@@ -82,6 +91,14 @@ class RayTransport(Transport):
                 f"{type(cause).__name__}: {cause}",
                 engine_id=peer.info.engine_id,
             ) from error
+
+
+def _cancel(delivery: object) -> None:
+    import ray
+
+    if isinstance(delivery, ray.ObjectRef):
+        with contextlib.suppress(Exception):
+            ray.cancel(delivery)
 
 
 async def apply_write(

@@ -71,12 +71,17 @@ class SlowDecode(DecodeWorker):
         super().__init__(*args, **kwargs)
         self._open = asyncio.Event()
         self._open.set()
+        self._stubborn = False
         self.arrived = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        self.cancelled = 0
 
-    async def close_gate(self) -> None:
+    async def close_gate(self, stubborn: bool = False) -> None:
+        """Hold deliveries; `stubborn`: held ones ignore cancellation (as one already past the
+        point where a cancel reaches it would)."""
         self._open.clear()
+        self._stubborn = stubborn
 
     async def open_gate(self) -> None:
         self._open.set()
@@ -86,13 +91,24 @@ class SlowDecode(DecodeWorker):
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
-            await self._open.wait()
+            while not self._open.is_set():
+                try:
+                    await self._open.wait()
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    if not self._stubborn:
+                        raise
             return await super().kvray_deliver(header, payload)
         finally:
             self.in_flight -= 1
 
     async def deliveries(self) -> dict[str, int]:
-        return {"arrived": self.arrived, "in_flight": self.in_flight, "peak_in_flight": self.peak_in_flight}
+        return {
+            "arrived": self.arrived,
+            "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
+            "cancelled": self.cancelled,
+        }
 
     async def pid(self) -> int:
         return os.getpid()
