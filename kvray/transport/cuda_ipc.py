@@ -13,6 +13,7 @@ engine's device, found by UUID); Ray GPU actors that only see their own GPU need
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -172,8 +173,8 @@ def launch_copy(
 
 
 def _enable_peer_access(writer: int, target: int) -> None:
-    """Let kernels on `writer` address memory on `target` (NVLink peer access). torch turns it
-    on, per pair of devices and once per process, on its first copy between them."""
+    """Let kernels on GPU `writer` load and store memory of GPU `target` (NVLink peer access),
+    through the driver API on both primary contexts; already enabled is fine."""
     if writer == target:
         return
     if not torch.cuda.can_device_access_peer(writer, target):
@@ -183,9 +184,35 @@ def _enable_peer_access(writer: int, target: int) -> None:
             writer=writer,
             target=target,
         )
-    for source, destination in ((writer, target), (target, writer)):
-        torch.zeros(1, device=f"cuda:{destination}").copy_(torch.zeros(1, device=f"cuda:{source}"))
-    torch.cuda.synchronize(writer)
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    driver = ctypes.CDLL("libcuda.so.1")
+    already_enabled = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+
+    def check(result: int, call: str) -> None:
+        if result not in (0, already_enabled):
+            raise TransportUnavailableError(
+                f"{call} failed with CUDA driver error {result} enabling GPU {writer} -> {target} "
+                "peer access",
+                writer=writer,
+                target=target,
+            )
+
+    devices = [ctypes.c_int(), ctypes.c_int()]
+    contexts = [ctypes.c_void_p(), ctypes.c_void_p()]
+    for slot, index in enumerate((writer, target)):
+        check(driver.cuDeviceGet(ctypes.byref(devices[slot]), index), "cuDeviceGet")
+        check(
+            driver.cuDevicePrimaryCtxRetain(ctypes.byref(contexts[slot]), devices[slot]),
+            "cuDevicePrimaryCtxRetain",
+        )
+    check(driver.cuCtxPushCurrent_v2(contexts[0]), "cuCtxPushCurrent")
+    try:
+        check(driver.cuCtxEnablePeerAccess(contexts[1], ctypes.c_uint(0)), "cuCtxEnablePeerAccess")
+    finally:
+        popped = ctypes.c_void_p()
+        driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
+        for device in devices:
+            driver.cuDevicePrimaryCtxRelease_v2(device)
 
 
 @dataclass
