@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default="kvray-bench.json", metavar="PATH", help="results for machines")
     parser.add_argument("--plot", default="kvray-bench.png", metavar="PATH", help="GB/s vs block size (PNG)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.02,
+        metavar="SECONDS",
+        help="quiet time before each run, so one contender's clean-up does not land in the next's timing",
+    )
     parser.add_argument("--address", help="join this Ray cluster instead of starting a local one")
 
 
@@ -171,6 +178,7 @@ def _run_transfers(
     else:
         # "local": a fresh cluster even where another one on this machine would be picked up.
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    settle_s = 0.01 if args.quick else args.settle
     kvray_contender = KvrayTransports(completion_runs=5 if args.quick else 30)
     candidates: list[Contender] = [InProcessCopies(), kvray_contender, ObjectStore(), RdtGloo(), NixlUcx()]
     if "control" in families and "kvray" not in families:
@@ -193,11 +201,11 @@ def _run_transfers(
                 skipped.append(Skipped(contender.family, contender.names, reason))
         if cases_for_kvray_only is not None:
             progress = Progress(sum(warmup + repeats[w.key] for w in cases_for_kvray_only) * 2)
-            run_cases([kvray_contender], cases_for_kvray_only, warmup, repeats, progress)
+            run_cases([kvray_contender], cases_for_kvray_only, warmup, repeats, progress, settle_s)
         else:
             turns = sum(len(c.names) for c in contenders)
             progress = Progress(sum(warmup + repeats[w.key] for w in cases) * turns)
-            results = run_cases(contenders, cases, warmup, repeats, progress)
+            results = run_cases(contenders, cases, warmup, repeats, progress, settle_s)
         progress.close()
     finally:
         for contender in contenders:

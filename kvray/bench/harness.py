@@ -11,6 +11,7 @@ remaining runs of that row are skipped), like a wrong byte does.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -67,7 +68,11 @@ def run_cases(
     warmup: int,
     repeats: dict[str, int],
     progress: Progress,
+    settle_s: float = 0.0,
 ) -> list[CaseResult]:
+    """Every case, every contender, run by run; `settle_s` of quiet before each run lets the
+    previous run's asynchronous clean-up (freed object-store buffers, actor replies) finish
+    instead of landing in the next contender's timing."""
     results: list[CaseResult] = []
     for workload in cases:
         rows: dict[tuple[int, str], CaseResult] = {}
@@ -91,6 +96,7 @@ def run_cases(
                 progress.step(f"{name} / {workload.key} run {run + 1}")
                 if row.error is not None:
                     continue
+                time.sleep(settle_s)
                 try:
                     outcome = contenders[index].run(name, run)
                 except Exception as error:

@@ -15,6 +15,7 @@ completion notice alone); the decode side stamps when `wait_for_kv` returns.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -50,21 +51,27 @@ class KvrayDecode(AgentHost):
             f"bench-decode-{workload.key}", Role.DECODE, workload.layout, memory=MemoryKind.SHM
         )
         info = await self.kvray_agent.start()
+        self.waits: dict[str, asyncio.Task[float]] = {}
         self.pool = self.kvray_agent.backing.regions[0].tensor.numpy()
         return info.engine_id, info.incarnation
 
     async def prepare(self, run: int, request_id: str) -> None:
-        """Scrub the destination and expect the run's request."""
+        """Scrub the destination, expect the run's request and start waiting for it, so the
+        wait is in place (as a decode engine's is) before the writer starts."""
         scrub(self.pool, run)
-        self.kvray_agent.expect(request_id)
+        self.expect(request_id)
 
-    async def expect(self, request_id: str) -> None:
+    def expect(self, request_id: str) -> None:
         self.kvray_agent.expect(request_id)
+        self.waits[request_id] = asyncio.get_running_loop().create_task(self._wait(request_id))
 
-    async def wait(self, request_id: str) -> float:
-        """Returns the clock when the request's KV is there."""
+    async def _wait(self, request_id: str) -> float:
         await self.kvray_agent.wait_for_kv(request_id, DEADLINE_S)
         return time.perf_counter()
+
+    async def seen(self, request_id: str) -> float:
+        """The clock when the request's KV was there (`wait_for_kv` returned)."""
+        return await self.waits.pop(request_id)
 
     async def verify(self) -> Verdict:
         return verify_destination(self.pool, self.workload)
@@ -184,9 +191,8 @@ class KvrayTransports(Contender):
     def run(self, name: str, run: int) -> Run:
         request_id = f"{self.workload.key}-{_TRANSPORT[name]}-{run}"
         ray.get(self.decode.prepare.remote(run, request_id))
-        seen = self.decode.wait.remote(request_id)
-        pushed = self.prefill.push.remote(name, request_id, self.dst_engine, self.incarnation)
-        facts, seen_at = ray.get([pushed, seen])
+        facts = ray.get(self.prefill.push.remote(name, request_id, self.dst_engine, self.incarnation))
+        seen_at = ray.get(self.decode.seen.remote(request_id))
         verdict = ray.get(self.decode.verify.remote())
         return Run(
             seen_at - facts["started"],
@@ -204,8 +210,7 @@ class KvrayTransports(Contender):
         for path, name in ((COMPLETION_SHM, SHM), (COMPLETION_RAY, RAY), (COMPLETION_RAY_CALL, None)):
             for run in range(self.completion_runs + 1):  # the first is a warm-up
                 request_id = f"{self.workload.key}-completion-{len(self.latency[path])}-{run}-{name}"
-                ray.get(self.decode.expect.remote(request_id))
-                seen = self.decode.wait.remote(request_id)
+                ray.get(self.decode.prepare.remote(run, request_id))
                 if name is None:
                     sent = self.prefill.notify_by_ray_call.remote(
                         request_id, self.decode, self.dst_engine, self.incarnation
@@ -214,7 +219,8 @@ class KvrayTransports(Contender):
                     sent = self.prefill.push_layerwise.remote(
                         name, request_id, self.dst_engine, self.incarnation
                     )
-                written_at, seen_at = ray.get([sent, seen])
+                written_at = ray.get(sent)
+                seen_at = ray.get(self.decode.seen.remote(request_id))
                 if run:
                     self.latency[path].append(seen_at - written_at)
 

@@ -24,6 +24,8 @@ Int64Array = npt.NDArray[np.int64]
 
 #: Ops smaller than this many bytes in total are copied on the calling thread.
 _PARALLEL_THRESHOLD = 4 * 2**20
+#: Threads sharing a batch claim at most this many bytes at a time (longer ops are split).
+_CLAIM_NBYTES = 2**20
 
 _executor: ThreadPoolExecutor | None = None
 
@@ -58,8 +60,12 @@ def scatter_copy(
 async def scatter_copy_async(
     dst_base: int, src_base: int, dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array
 ) -> None:
-    """`scatter_copy` off the event loop; a large batch is cut into about equal byte shares
-    copied by a few threads at once (ops larger than a share are split first)."""
+    """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
+
+    With the C copy, the threads share the op list and each claims the next op as it goes
+    (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks on a
+    busy machine does not hold the copy back; without it, the ops are cut into equal shares.
+    """
     global _executor
     total = int(nbytes.sum())
     threads = copy_threads()
@@ -68,27 +74,43 @@ async def scatter_copy_async(
         return
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvray-copy")
-    share_nbytes = -(-total // threads)
-    if int(nbytes.max()) > share_nbytes:
-        dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
-    # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
-    ends = np.cumsum(nbytes)
-    cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
-    bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
     loop = asyncio.get_running_loop()
-    copies = [
-        loop.run_in_executor(
-            _executor,
-            scatter_copy,
-            dst_base,
-            src_base,
-            dst_offsets[start:stop],
-            src_offsets[start:stop],
-            nbytes[start:stop],
-        )
-        for start, stop in itertools.pairwise(bounds)
-        if stop > start
-    ]
+    if _scatter_copy is not None:
+        if int(nbytes.max()) > _CLAIM_NBYTES:
+            dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, _CLAIM_NBYTES)
+        dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
+        src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
+        nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
+        if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
+            raise ValueError("scatter_copy got a negative offset or length")
+        cursor = np.zeros(1, dtype=np.int64)
+        copies = [
+            loop.run_in_executor(
+                _executor, _scatter_copy, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
+            )
+            for _ in range(threads)
+        ]
+    else:
+        share_nbytes = -(-total // threads)
+        if int(nbytes.max()) > share_nbytes:
+            dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
+        # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
+        ends = np.cumsum(nbytes)
+        cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
+        bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
+        copies = [
+            loop.run_in_executor(
+                _executor,
+                scatter_copy,
+                dst_base,
+                src_base,
+                dst_offsets[start:stop],
+                src_offsets[start:stop],
+                nbytes[start:stop],
+            )
+            for start, stop in itertools.pairwise(bounds)
+            if stop > start
+        ]
     gathered = asyncio.gather(*copies)
     try:
         await asyncio.shield(gathered)
@@ -100,6 +122,40 @@ async def scatter_copy_async(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([gathered])
         raise
+
+
+class StagingBuffers:
+    """Reusable byte buffers for gathers whose bytes are copied out before the buffer is given
+    back (the ray transport's payload: Ray copies a call's array arguments into its object
+    store when the call is submitted). A fresh 64 MiB buffer costs 16k page faults, and on a
+    small machine those cost as much as the gather itself; a reused one is already mapped.
+
+    A buffer that is never given back (its push failed) is simply dropped; at most `keep`
+    buffers of at most `max_nbytes` each are kept.
+    """
+
+    def __init__(self, keep: int = 2, max_nbytes: int = 2**30) -> None:
+        self._free: list[npt.NDArray[np.uint8]] = []
+        self._keep = keep
+        self._max_nbytes = max_nbytes
+
+    def take(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A buffer of exactly `nbytes` bytes (a view of a kept one when one is large enough)."""
+        fitting = [buffer for buffer in self._free if buffer.size >= nbytes]
+        if not fitting:
+            return np.empty(nbytes, dtype=np.uint8)
+        buffer = min(fitting, key=lambda candidate: candidate.size)
+        self._free.remove(buffer)
+        return buffer[:nbytes]
+
+    def give_back(self, view: npt.NDArray[np.uint8]) -> None:
+        """`view` (from `take`) is no longer read or written by anyone: keep it for reuse."""
+        buffer = view.base if isinstance(view.base, np.ndarray) else view
+        if buffer.size > self._max_nbytes:
+            return
+        self._free.append(buffer)
+        if len(self._free) > self._keep:
+            self._free.remove(min(self._free, key=lambda candidate: candidate.size))
 
 
 def _split_large(

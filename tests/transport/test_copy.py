@@ -1,6 +1,7 @@
 """The batched CPU copy under both CPU transports (`kvray.transport._copy`): every op's bytes go
-exactly where they are sent, on the calling thread or cut into shares over a few threads (shares
-split ops where they end), through the C extension or the ctypes fallback alike."""
+exactly where they are sent, on the calling thread or over a few threads (claiming ops from a
+shared cursor with the C extension, cut into shares with the ctypes fallback), through either
+implementation alike."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ def test_scatter_copy(
     seed=st.integers(0, 2**32 - 1),
     threads=st.integers(1, 5),
     threshold=st.sampled_from([1, 64, 1 << 30]),
+    claim=st.sampled_from([1, 7, 64, 1 << 20]),
 )
 def test_scatter_copy_async_in_shares(
     implementation: str,
@@ -96,6 +98,7 @@ def test_scatter_copy_async_in_shares(
     seed: int,
     threads: int,
     threshold: int,
+    claim: int,
 ) -> None:
     src_nbytes, ops = problem
     dst, src = buffers(src_nbytes, ops, seed)
@@ -104,6 +107,7 @@ def test_scatter_copy_async_in_shares(
         use(implementation),
         mock.patch.object(_copy, "copy_threads", lambda: threads),
         mock.patch.object(_copy, "_PARALLEL_THRESHOLD", threshold),
+        mock.patch.object(_copy, "_CLAIM_NBYTES", claim),
     ):
         asyncio.run(_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops)))
     np.testing.assert_array_equal(dst, expected)
@@ -113,8 +117,9 @@ def test_scatter_copy_async_in_shares(
 async def test_large_ops_are_split_into_balanced_shares(
     threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Few large ops of odd sizes: ops longer than a share are split, at most one call per
-    thread, and no thread gets more than two shares' worth of bytes."""
+    """The fallback (no C extension): few large ops of odd sizes; ops longer than a share are
+    split, at most one call per thread, and no thread gets more than two shares' worth of bytes."""
+    monkeypatch.setattr(_copy, "_scatter_copy", None)
     monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
     monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
     calls: list[int] = []
@@ -139,6 +144,39 @@ async def test_large_ops_are_split_into_balanced_shares(
     assert sum(calls) == total
     assert len(calls) <= threads
     assert max(calls) <= 2 * share
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+async def test_threads_claim_ops_from_one_cursor(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C copy on several threads: one call per thread, all on the same split ops and the same
+    cursor, which ends past the last op (every op claimed once); the bytes are right."""
+    if not _copy.native():
+        pytest.skip("kvray._copy (the C extension) is not built here")
+    monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
+    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    monkeypatch.setattr(_copy, "_CLAIM_NBYTES", 100)
+    calls: list[tuple[int, np.ndarray]] = []
+    native = _copy._scatter_copy
+    assert native is not None
+
+    def recording(*args: object) -> None:
+        calls.append((int(np.asarray(args[4]).size), args[5]))  # type: ignore[arg-type]
+        native(*args)
+
+    monkeypatch.setattr(_copy, "_scatter_copy", recording)
+    ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
+    dst, src = buffers(5000, ops, seed=threads)
+    expected = reference(dst, src, ops)
+
+    await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
+
+    np.testing.assert_array_equal(dst, expected)
+    assert len(calls) == threads
+    pieces = sum(-(-nbytes // 100) for _, _, nbytes in ops)
+    assert {count for count, _ in calls} == {pieces}
+    cursor = calls[0][1]
+    assert all(other is cursor for _, other in calls)
+    assert int(cursor[0]) >= pieces
 
 
 @pytest.mark.parametrize(
