@@ -145,7 +145,7 @@ class StagingBuffers:
         if not fitting:
             return np.empty(nbytes, dtype=np.uint8)
         buffer = min(fitting, key=lambda candidate: candidate.size)
-        self._free.remove(buffer)
+        self._drop(buffer)
         return buffer[:nbytes]
 
     def give_back(self, view: npt.NDArray[np.uint8]) -> None:
@@ -155,7 +155,11 @@ class StagingBuffers:
             return
         self._free.append(buffer)
         if len(self._free) > self._keep:
-            self._free.remove(min(self._free, key=lambda candidate: candidate.size))
+            self._drop(min(self._free, key=lambda candidate: candidate.size))
+
+    def _drop(self, buffer: npt.NDArray[np.uint8]) -> None:
+        # By identity: `list.remove` compares arrays with ==, element by element.
+        self._free = [candidate for candidate in self._free if candidate is not buffer]
 
 
 def _split_large(
