@@ -15,27 +15,30 @@ from kvray.workers import DecodeWorker, PrefillWorker
 
 
 class CopyGate:
-    """Stands in for `kvray.transport._copy.scatter_copy` (what the copy threads run): the first
-    `pass_calls` copies run, later ones wait at a gate, in the copy threads, so the actor's
-    event loop still answers while a transfer is stuck halfway."""
+    """Stands in for the batched copies the copy threads run (`kvray.transport._copy`'s
+    `scatter_copy` and, where built, the C `_scatter_copy` they may call directly): the first
+    `pass_calls` copies run, later ones wait at a gate, in the copy threads, so the actor's event
+    loop still answers while a transfer is stuck halfway."""
 
-    def __init__(self, original: Any, pass_calls: int) -> None:
-        self.original = original
+    def __init__(self, pass_calls: int) -> None:
         self.pass_calls = pass_calls
         self.calls = 0
         self.held = 0
         self.gate = threading.Event()
         self.lock = threading.Lock()
 
-    def __call__(self, *args: Any) -> None:
-        with self.lock:
-            self.calls += 1
-            hold = self.calls > self.pass_calls
+    def wrap(self, original: Any) -> Any:
+        def copy(*args: Any) -> Any:
+            with self.lock:
+                self.calls += 1
+                hold = self.calls > self.pass_calls
+                if hold:
+                    self.held += 1
             if hold:
-                self.held += 1
-        if hold:
-            self.gate.wait(120)  # the test opens it, or kills this process
-        self.original(*args)
+                self.gate.wait(120)  # the test opens it, or kills this process
+            return original(*args)
+
+        return copy
 
 
 class HoldingPrefill(PrefillWorker):
@@ -47,10 +50,12 @@ class HoldingPrefill(PrefillWorker):
         """From now on every batch is copied by two threads; after `pass_calls` copies, hold."""
         from kvray.transport import _copy
 
-        self._gate = CopyGate(_copy.scatter_copy, pass_calls)
+        self._gate = CopyGate(pass_calls)
         _copy._PARALLEL_THRESHOLD = 1
         _copy.copy_threads = lambda: 2
-        _copy.scatter_copy = self._gate
+        _copy.scatter_copy = self._gate.wrap(_copy.scatter_copy)
+        if getattr(_copy, "_scatter_copy", None) is not None:
+            _copy._scatter_copy = self._gate.wrap(_copy._scatter_copy)
 
     async def held(self) -> int:
         return self._gate.held if self._gate is not None else 0
