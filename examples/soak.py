@@ -39,6 +39,7 @@ import numpy.typing as npt
 import ray
 
 from kvray.config import Settings
+from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import BackpressureError, KvrayError
 from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, mixed
 from kvray.workers import DecodeWorker, PrefillWorker
@@ -240,6 +241,7 @@ async def run_soak(
         )
     actors = [actor for group in built for actor in (group.decode, *group.prefills)]
     try:
+        await get_or_create_coordinator(shm).stats.remote()  # up before a dozen engines register
         await asyncio.gather(*(actor.start.remote() for actor in actors))
         await asyncio.gather(*(group.decode.arm.remote(seed + 1000 + g) for g, group in enumerate(built)))
         slots = asyncio.Semaphore(concurrency)

@@ -298,8 +298,17 @@ class KVAgent:
         self.backing.close()
 
     async def _register(self) -> None:
-        async with asyncio.timeout(self.settings.notify_timeout_s):
-            self._epoch = await self._coordinator.register.remote(encode(self.info), _current_actor())
+        # A coordinator that was just created is a fresh process still starting: allow it as long
+        # as a lookup may wait.
+        try:
+            async with asyncio.timeout(self.settings.lookup_timeout_s):
+                self._epoch = await self._coordinator.register.remote(encode(self.info), _current_actor())
+        except TimeoutError as error:
+            raise MetadataError(
+                f"the coordinator did not answer the registration of {self.engine_id!r} within "
+                f"{self.settings.lookup_timeout_s} s",
+                engine_id=self.engine_id,
+            ) from error
 
     async def _beat(self) -> None:
         """Re-register whenever the coordinator no longer knows this incarnation (it restarted)."""
