@@ -8,7 +8,8 @@ Workloads: DeepSeek-V3-style requests (61 MLA layers + indexer, block 64, scatte
 out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB blocks.
 Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory:
 - `ceiling`: one device-to-device copy of the same number of bytes into the peer's memory;
-- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + one copy kernel + event wait;
+- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + the transport's batched copies
+  (one GPU: one kernel; two GPUs: gather kernel, one NVLink copy, scatter kernel) + event wait;
 - `naive`: one `copy_` per op of the same plan;
 - `nccl`: gather into one buffer, `send`, `recv` on the decode process, scatter, ack.
 The decode buffer is scrubbed before every run; after each contender's runs the decode process
@@ -41,7 +42,7 @@ from kvray.layout import Geometry, KVLayout, LayerSpec, deepseek_v3
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, plan_transfer
 from kvray.transport import Peer
-from kvray.transport.cuda_ipc import CudaIpcTransport, launch_copy
+from kvray.transport.cuda_ipc import CudaIpcTransport, copy_ops, launch_copy
 from kvray.wire import Role, decode_engine_info, encode
 
 NCCL_PORT = 29533
@@ -116,11 +117,10 @@ def decode_main(conn: Connection, device: int, nccl: bool) -> None:
             target = backing.regions[0].tensor
             staging = torch.empty(count, dtype=torch.uint8, device=f"cuda:{device}")
             staged_offsets = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
-            stream = torch.cuda.current_stream()
             ack = torch.ones(1, device=f"cuda:{device}")
             for _ in range(repeat):
                 group.recv(staging, src=0)
-                launch_copy(target, staging, remote_offsets, staged_offsets, nbytes, stream)
+                launch_copy(target, staging, remote_offsets, staged_offsets, nbytes)
                 torch.cuda.synchronize()
                 group.send(ack, dst=0)
         elif command == "stop":
@@ -193,7 +193,6 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         total = ops.total_nbytes
         target = transport._open(peer, 0).region
         src = source.regions[0].tensor
-        stream = torch.cuda.current_stream()
 
         def scrub() -> None:
             target.fill_(0xA5)
@@ -212,7 +211,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             loop.run_until_complete(transport.write(fresh, source, peer))
 
         def kvray_kernel() -> None:
-            launch_copy(target, src, ops.remote_offset, ops.local_offset, ops.nbytes, stream)
+            copy_ops(target, src, ops.remote_offset, ops.local_offset, ops.nbytes)
 
         def naive() -> None:
             for ro, lo, n in zip(
@@ -243,7 +242,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             conn.send(("nccl", total, ops.remote_offset, ops.nbytes, nccl_repeat))
 
             def nccl() -> None:
-                launch_copy(staging, src, staged, ops.local_offset, ops.nbytes, stream)
+                launch_copy(staging, src, staged, ops.local_offset, ops.nbytes)
                 dist.send(staging, dst=1)
                 dist.recv(ack, src=1)
 

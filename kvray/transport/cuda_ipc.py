@@ -1,9 +1,10 @@
 """`cuda_ipc` transport: same node, GPU. The decode backing's CUDA allocation is exported once
 as a CUDA IPC handle (with the region's offset inside it, in the region descriptor); the
-prefill process opens it once per peer incarnation and writes a plan's ops with ONE Triton
-kernel launch per region pair: every op is cut into chunks on the host, and each program of
-the kernel copies one chunk with wide loads and stores, straight over NVLink (or within the
-GPU when both engines share one). Completion waits for the kernel's event off the event loop.
+prefill process opens it once per peer incarnation and writes a plan's ops with batched copies,
+never one launch per block: within one GPU, ONE Triton kernel launch per region pair (every op
+is cut into chunks on the host, each program copies one chunk with wide loads and stores);
+across two GPUs, a gather kernel into one staging buffer, one NVLink copy, and a scatter
+kernel on the destination GPU. Completion waits for the last event off the event loop.
 
 Both GPUs must be visible to the writing process (the IPC handle is opened on the decode
 engine's device, found by UUID); Ray GPU actors that only see their own GPU need
@@ -13,7 +14,6 @@ engine's device, found by UUID); Ray GPU actors that only see their own GPU need
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -97,36 +97,14 @@ def chunk_ops(
 
 @functools.cache
 def _kernel() -> Any:
-    """The copy kernel, compiled on first use (Triton is imported only here).
-
-    The two base addresses arrive as plain 64-bit integers and become pointers inside the
-    kernel: the destination may be another GPU's memory opened through CUDA IPC, which
-    Triton's launcher refuses as a tensor argument although the kernel can reach it over
-    NVLink once peer access is on.
-    """
+    """The copy kernel, compiled on first use (Triton is imported only here). Both tensors are
+    on the GPU it runs on (one of them may be opened through CUDA IPC)."""
     import triton
     import triton.language as tl
 
     def copy_chunks(  # type: ignore[no-untyped-def]
-        src_addr,
-        dst_addr,
-        src_off,
-        dst_off,
-        count,
-        UNIT: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCK: tl.constexpr,
+        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr
     ):
-        if UNIT == 8:
-            element = tl.int64
-        elif UNIT == 4:
-            element = tl.int32
-        elif UNIT == 2:
-            element = tl.int16
-        else:
-            element = tl.uint8
-        src = src_addr.to(tl.pointer_type(element), bitcast=True)
-        dst = dst_addr.to(tl.pointer_type(element), bitcast=True)
         piece = tl.program_id(0)
         source = tl.load(src_off + piece)
         target = tl.load(dst_off + piece)
@@ -140,79 +118,71 @@ def _kernel() -> Any:
     return triton.jit(copy_chunks)
 
 
+_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
 def launch_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
-    stream: torch.cuda.Stream,
 ) -> None:
-    """One kernel launch, on `src`'s GPU, copying every (dst_offset, src_offset, nbytes) op between
-    two uint8 CUDA tensors (dst may be another GPU's memory, opened through IPC). Bounds are the
-    caller's job (kvray checks every op before it gets here)."""
+    """One kernel launch copying every (dst_offset, src_offset, nbytes) op between two uint8
+    tensors on ONE GPU, on that GPU's current stream. Bounds are the caller's job (kvray
+    checks every op before it gets here)."""
     if nbytes.size == 0:
         return
+    if dst.device != src.device:
+        raise TransportError(f"launch_copy copies within one GPU, not {src.device} -> {dst.device}")
     unit = min(8, pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr())))
+    dtype = _UNIT_DTYPES[unit]
     chunk = CHUNK_NBYTES
     piece_dst, piece_src, piece_n = chunk_ops(dst_offsets, src_offsets, nbytes, chunk)
-    with torch.cuda.device(src.device), torch.cuda.stream(stream):
+    with torch.cuda.device(src.device):
         table = torch.from_numpy(np.stack([piece_src // unit, piece_dst // unit, piece_n // unit])).to(
             src.device, non_blocking=False
         )
         _kernel()[(piece_n.size,)](
-            src.data_ptr(),
-            dst.data_ptr(),
+            src.view(dtype),
+            dst.view(dtype),
             table[0],
             table[1],
             table[2],
-            UNIT=unit,
             CHUNK=chunk // unit,
             BLOCK=min(_BLOCK, chunk // unit),
         )
 
 
-def _enable_peer_access(writer: int, target: int) -> None:
-    """Let kernels on GPU `writer` load and store memory of GPU `target` (NVLink peer access),
-    through the driver API on both primary contexts; already enabled is fine."""
-    if writer == target:
-        return
-    if not torch.cuda.can_device_access_peer(writer, target):
-        raise TransportUnavailableError(
-            f"GPU {writer} cannot access GPU {target} directly (no peer access); cuda_ipc needs "
-            "NVLink or PCIe peer-to-peer between the two GPUs",
-            writer=writer,
-            target=target,
-        )
-    torch.cuda.init()  # type: ignore[no-untyped-call]
-    driver = ctypes.CDLL("libcuda.so.1")
-    already_enabled = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+def copy_ops(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_offsets: Int64Array,
+    src_offsets: Int64Array,
+    nbytes: Int64Array,
+) -> torch.cuda.Event:
+    """Copy the ops from `src` into `dst`, on one GPU or across two, and return an event that
+    completes when every byte is in `dst`.
 
-    def check(result: int, call: str) -> None:
-        if result not in (0, already_enabled):
-            raise TransportUnavailableError(
-                f"{call} failed with CUDA driver error {result} enabling GPU {writer} -> {target} "
-                "peer access",
-                writer=writer,
-                target=target,
-            )
-
-    devices = [ctypes.c_int(), ctypes.c_int()]
-    contexts = [ctypes.c_void_p(), ctypes.c_void_p()]
-    for slot, index in enumerate((writer, target)):
-        check(driver.cuDeviceGet(ctypes.byref(devices[slot]), index), "cuDeviceGet")
-        check(
-            driver.cuDevicePrimaryCtxRetain(ctypes.byref(contexts[slot]), devices[slot]),
-            "cuDevicePrimaryCtxRetain",
-        )
-    check(driver.cuCtxPushCurrent_v2(contexts[0]), "cuCtxPushCurrent")
-    try:
-        check(driver.cuCtxEnablePeerAccess(contexts[1], ctypes.c_uint(0)), "cuCtxEnablePeerAccess")
-    finally:
-        popped = ctypes.c_void_p()
-        driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
-        for device in devices:
-            driver.cuDevicePrimaryCtxRelease_v2(device)
+    One GPU: one kernel. Two GPUs: a kernel gathers the ops into one staging buffer on the
+    source GPU, one device-to-device copy moves it over NVLink (the copy engine), and a kernel
+    on the destination GPU scatters it into place. Each kernel touches only memory of the GPU
+    it runs on; torch orders the three on the two devices' current streams.
+    """
+    if dst.device == src.device:
+        launch_copy(dst, src, dst_offsets, src_offsets, nbytes)
+    else:
+        total = int(nbytes.sum())
+        staged = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+        outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
+        incoming = torch.empty(total, dtype=torch.uint8, device=dst.device)
+        launch_copy(outgoing, src, staged, src_offsets, nbytes)
+        incoming.copy_(outgoing, non_blocking=True)
+        launch_copy(dst, incoming, dst_offsets, staged, nbytes)
+    with torch.cuda.device(dst.device):
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+    return event
 
 
 @dataclass
@@ -229,8 +199,6 @@ class CudaIpcTransport(Transport):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._opened: dict[tuple[str, int, int], _Opened] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._peer_pairs: set[tuple[int, int]] = set()
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -296,40 +264,24 @@ class CudaIpcTransport(Transport):
                 if not source.is_cuda:
                     raise TransportError("the cuda_ipc transport copies from CUDA memory")
                 select = (ops.remote_region == remote_index) & (ops.local_region == local_index)
-                writer = source.device.index or 0
-                pair = (writer, target.device.index or 0)
-                if pair not in self._peer_pairs:
-                    _enable_peer_access(*pair)
-                    self._peer_pairs.add(pair)
-                stream = self._stream(writer)
                 try:
-                    launch_copy(
-                        target,
-                        source,
-                        ops.remote_offset[select],
-                        ops.local_offset[select],
-                        ops.nbytes[select],
-                        stream,
+                    events.append(
+                        copy_ops(
+                            target,
+                            source,
+                            ops.remote_offset[select],
+                            ops.local_offset[select],
+                            ops.nbytes[select],
+                        )
                     )
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(stream)
                 except Exception as error:
                     raise WriteFailedError(
-                        f"copy kernel into engine {peer.info.engine_id!r} region {remote_index} "
-                        f"failed: {error}",
+                        f"copy into engine {peer.info.engine_id!r} region {remote_index} failed: {error}",
                         engine_id=peer.info.engine_id,
                     ) from error
-                events.append(event)
-        # The bytes are in the peer's memory once every kernel's event has completed.
+        # The bytes are in the peer's memory once every copy's event has completed.
         for event in events:
             await asyncio.to_thread(event.synchronize)
-
-    def _stream(self, device: int) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-            self._streams[device] = stream
-        return stream
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info
@@ -390,6 +342,6 @@ class CudaIpcTransport(Transport):
             del self._opened[key]
 
     async def close(self) -> None:
-        for stream in self._streams.values():
-            await asyncio.to_thread(stream.synchronize)
+        for index in range(torch.cuda.device_count()):
+            await asyncio.to_thread(torch.cuda.synchronize, index)
         self._opened.clear()
