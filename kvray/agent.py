@@ -497,7 +497,8 @@ class KVAgent:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
             failed = self._failed_layerwise.get(request_id)
             if failed is not None:
-                raise WriteFailedError(
+                # A PlanError: the peer is fine, the request is not (finish or abort it).
+                raise PlanError(
                     f"request {request_id!r} already failed ({failed}); its layers are no longer written",
                     request_id=request_id,
                     engine_id=remote_engine,

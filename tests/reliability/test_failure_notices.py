@@ -1,0 +1,95 @@
+"""Failure notices, agent to agent in one process (no Ray): a push that fails tells the decode
+side at once, naming the incarnation it planned against; a layer-wise request whose layer failed
+refuses its later layers (the decode side may already have freed the blocks); and a notice
+never reaches a newer incarnation of the engine that has the same request id."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.errors import BlockIdError, PlanError, WriteFailedError
+from kvray.layout import BlockOrder, mixed
+from kvray.wire import Role
+
+LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent, Settings]]:
+    settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0)
+    prefill = KVAgent("notice-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
+    decode = KVAgent("notice-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
+    await prefill.start()
+    await decode.start()
+    prefill.add_peer(decode.info)
+    yield prefill, decode, settings
+    await prefill.close()
+    await decode.close()
+
+
+def _allocation(agent: KVAgent) -> np.ndarray:
+    allocation = agent.backing.regions[0].allocation
+    assert allocation is not None
+    return allocation.numpy()
+
+
+async def test_failed_layer_refuses_later_layers_and_tells_the_decode_side(
+    agents: tuple[KVAgent, KVAgent, Settings], figures: Callable[[str], None]
+) -> None:
+    prefill, decode, _ = agents
+    first, second, third = LAYOUT.layer_names[:3]
+    decode.expect("r")
+    waiting = asyncio.ensure_future(decode.wait_for_kv("r", timeout=30.0))
+    await prefill.push_layer("r", first, [0, 1], "notice-d", [2, 3])
+    with pytest.raises(BlockIdError):
+        await prefill.push_layer("r", second, [0, 1], "notice-d", [3, 3])
+    # The decode side learns now, not at its 30 s deadline.
+    with pytest.raises(WriteFailedError, match="r"):
+        await asyncio.wait_for(waiting, 10.0)
+    before = _allocation(decode).copy()
+    with pytest.raises(PlanError, match="already failed"):
+        await prefill.push_layer("r", third, [0, 1], "notice-d", [2, 3])
+    assert np.array_equal(before, _allocation(decode)), "a layer of a failed request was written"
+    with pytest.raises(WriteFailedError):
+        await prefill.finish("r")
+    # After finish (or abort) the request id is free again.
+    decode.expect("r")
+    await prefill.push_layer("r", first, [0], "notice-d", [5])
+    await prefill.finish("r")
+    completion = await decode.wait_for_kv("r", timeout=10.0)
+    assert completion.nbytes == LAYOUT.layer(first).geometry.block_nbytes
+    figures(
+        "[kvray notices] layer-wise request with a failed layer: decode told at once "
+        f"(failure notices sent {prefill.stats['failure_notices_sent']}), later layers refused, "
+        "0 bytes written after the failure"
+    )
+
+
+async def test_a_failure_notice_never_reaches_a_newer_incarnation(
+    agents: tuple[KVAgent, KVAgent, Settings],
+) -> None:
+    prefill, old, settings = agents
+    old_incarnation = old.incarnation
+    await old.close()
+    new = KVAgent("notice-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
+    await new.start()
+    try:
+        prefill.add_peer(new.info)  # the directory now names the new life
+        new.expect("r")
+        waiting = asyncio.ensure_future(new.wait_for_kv("r", timeout=30.0))
+        await prefill.abort("r", "notice-d", "blocks of the old life", remote_incarnation=old_incarnation)
+        assert prefill.stats["failure_notices_stale"] == 1
+        await prefill.push("r", [1], "notice-d", [4], remote_incarnation=new.incarnation)
+        completion = await asyncio.wait_for(waiting, 10.0)
+        assert completion.request_id == "r"
+        assert new.stats["completions_failed"] == 0
+    finally:
+        await new.close()
