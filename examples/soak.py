@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -178,6 +178,15 @@ class SoakReport:
     by_kind: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     groups: list[str] = field(default_factory=list)
+    #: Resident MiB of all actors after each sweep (the first one is the baseline).
+    rss_mib: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {
+            **{name: dict(value) if isinstance(value, Counter) else value for name, value in fields.items()},
+            "line": self.line(),
+        }
 
     @property
     def ok(self) -> bool:
@@ -284,21 +293,29 @@ async def run_soak(
             report.by_transport[pushed.transport.value] += 1
             report.by_kind["layer-wise" if layerwise else "whole"] += 1
 
-        async def rss() -> float:
-            return float(sum(await asyncio.gather(*(actor.rss_mib.remote() for actor in actors))))
+        async def rss() -> list[float]:
+            """Resident MiB of the decodes, the shm prefills and the ray prefills."""
+            roles = [[group.decode for group in built], [group.prefills[0] for group in built]]
+            roles.append([group.prefills[1] for group in built])
+            return [float(sum(await asyncio.gather(*(a.rss_mib.remote() for a in role)))) for role in roles]
 
         baseline: float | None = None
         for batch_start in range(0, transfers, sweep):
             await asyncio.gather(*(one(i) for i in range(batch_start, min(transfers, batch_start + sweep))))
             report.corrupt_bytes += sum(await asyncio.gather(*(g.decode.sweep.remote() for g in built)))
-            resident = await rss()
+            by_role = await rss()
+            resident = sum(by_role)
             if baseline is None:
                 baseline = resident
             report.peak_rss_growth_mib = max(report.peak_rss_growth_mib, resident - baseline)
+            report.rss_mib.append(round(resident, 1))
             if progress is not None:
+                decodes, shm_prefills, ray_prefills = by_role
                 progress(
                     f"  {report.transfers}/{transfers} transfers, {report.nbytes / 2**20:.0f} MiB, "
-                    f"corrupt {report.corrupt_bytes}, failed {report.failed}, actors' RSS {resident:.0f} MiB"
+                    f"corrupt {report.corrupt_bytes}, failed {report.failed}, actors' RSS {resident:.0f} "
+                    f"MiB (decodes {decodes:.0f}, shm prefills {shm_prefills:.0f}, ray prefills "
+                    f"{ray_prefills:.0f})"
                 )
         stats = await asyncio.gather(*(actor.stats.remote() for actor in actors))
         report.leaked_blocks = sum(s["used_blocks"] for s in stats) + sum(s["requests"] for s in stats)
@@ -342,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  group: {description}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({**asdict(report), "line": report.line()}, out, indent=2)
+            json.dump(report.to_json(), out, indent=2)
     return 0 if report.ok else 1
 
 
