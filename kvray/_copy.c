@@ -1,13 +1,14 @@
 /* Batched memcpy for kvray's CPU transports: one call copies every op of a plan.
  *
- * scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes[, cursor])
+ * scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes[, cursor]) -> None | bool
  *   copies nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i]
  *   for every i, with the GIL released. The three arrays are native int64 buffers of one
  *   length. Bounds are the caller's job (kvray checks every op before it gets here).
- *   With `cursor` (a writable buffer of one int64, zero at the start), several threads call
- *   it on the same ops and each claims the next few ops with an atomic increment until none is
- *   left: a thread the scheduler parks does not hold back the others' share, which a fixed
- *   split would (on a busy 2-core machine the slowest share decides the copy's time).
+ *   With `cursor` (a writable buffer of two int64s, zero at the start: next op, ops done),
+ *   several threads call it on the same ops and each claims the next few ops with an atomic
+ *   increment until none is left: a thread the scheduler parks does not hold back the others'
+ *   share, which a fixed split would (on a busy 2-core machine the slowest share decides the
+ *   copy's time). It returns True in the one call that completed the batch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -100,8 +101,9 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (cursor.buf != NULL && (cursor.len < 8 || ((uintptr_t)cursor.buf & 7) != 0)) {
-        PyErr_SetString(PyExc_ValueError, "scatter_copy's cursor must be one aligned int64");
+    int finished = 0;
+    if (cursor.buf != NULL && (cursor.len < 16 || ((uintptr_t)cursor.buf & 7) != 0)) {
+        PyErr_SetString(PyExc_ValueError, "scatter_copy's cursor must be two aligned int64s");
         goto done;
     }
     if (dst_offsets.len != src_offsets.len || dst_offsets.len != nbytes.len || nbytes.len % 8 != 0) {
@@ -129,9 +131,11 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
         }
     } else {
         /* Claims of a few ops at a time: cheap to count, and the next op's source, usually this
-         * thread's own, can be prefetched. */
+         * thread's own, can be prefetched. After each claim the stores are fenced and counted
+         * done; the call whose count completes the batch returns True. */
         const int64_t claim = 4;
         int64_t *next = (int64_t *)cursor.buf;
+        int64_t *done = next + 1;
         for (int64_t first = __atomic_fetch_add(next, claim, __ATOMIC_RELAXED); first < count;
              first = __atomic_fetch_add(next, claim, __ATOMIC_RELAXED)) {
             int64_t last = first + claim < count ? first + claim : count;
@@ -140,14 +144,24 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
                 copy_block(dst + dst_off[i], src + src_off[i], (size_t)lengths[i],
                            more ? src + src_off[i + 1] : NULL, more ? (size_t)lengths[i + 1] : 0);
             }
+#ifdef KVRAY_STREAMING
+            _mm_sfence();
+#endif
+            if (__atomic_add_fetch(done, last - first, __ATOMIC_RELEASE) == count) {
+                finished = 1;
+            }
         }
     }
 #ifdef KVRAY_STREAMING
     _mm_sfence(); /* streamed stores are visible before anyone is told the copy is done */
 #endif
     Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    if (cursor.buf != NULL) {
+        result = PyBool_FromLong(finished);
+    } else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
 done:
     PyBuffer_Release(&dst_offsets);
     PyBuffer_Release(&src_offsets);

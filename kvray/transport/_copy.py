@@ -40,21 +40,35 @@ def native() -> bool:
 
 
 def scatter_copy(
-    dst_base: int, src_base: int, dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array
-) -> None:
-    """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i]."""
+    dst_base: int,
+    src_base: int,
+    dst_offsets: Int64Array,
+    src_offsets: Int64Array,
+    nbytes: Int64Array,
+    cursor: Int64Array | None = None,
+) -> bool | None:
+    """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i].
+
+    With `cursor` (C copy only), several threads share the ops (see `kvray/_copy.c`); the call
+    returns True in the thread that completed the batch.
+    """
     dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
     src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if _scatter_copy is not None:
+        if cursor is not None:
+            return bool(_scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor))
         _scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
-        return
+        return None
+    if cursor is not None:
+        raise ValueError("a shared cursor needs the C copy (kvray._copy)")
     if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
         raise ValueError("scatter_copy got a negative offset or length")
     for dst, src, count in zip(
         (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
     ):
         ctypes.memmove(dst, src, count)
+    return None
 
 
 async def scatter_copy_async(
@@ -62,9 +76,9 @@ async def scatter_copy_async(
 ) -> None:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
 
-    With the C copy, the threads share the op list and each claims the next op as it goes
+    With the C copy, the threads share the op list and each claims the next ops as it goes
     (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks on a
-    busy machine does not hold the copy back; without it, the ops are cut into equal shares.
+    busy machine does not leave its share undone; without it, the ops are cut into equal shares.
     """
     global _executor
     total = int(nbytes.sum())
@@ -83,10 +97,12 @@ async def scatter_copy_async(
         nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
         if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
             raise ValueError("scatter_copy got a negative offset or length")
-        cursor = np.zeros(1, dtype=np.int64)
+        if nbytes.size == 0:
+            return
+        cursor = np.zeros(2, dtype=np.int64)  # next op to claim, ops done
         copies = [
             loop.run_in_executor(
-                _executor, _scatter_copy, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
+                _executor, scatter_copy, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
             )
             for _ in range(threads)
         ]
@@ -111,6 +127,8 @@ async def scatter_copy_async(
             for start, stop in itertools.pairwise(bounds)
             if stop > start
         ]
+    # Every thread returns before the copy does, even one that starts after the last op was
+    # claimed: whoever releases the memory next never races a thread still holding it.
     gathered = asyncio.gather(*copies)
     try:
         await asyncio.shield(gathered)

@@ -455,7 +455,9 @@ class GatedCopies:
         self.write_task: asyncio.Task[Any] | None = None
         self.where: Callable[[int, int], object] | None = None
 
-    def __call__(self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any) -> None:
+    def __call__(
+        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, *cursor: Any
+    ) -> bool | None:
         with self.lock:
             self.running += 1
         try:
@@ -467,11 +469,11 @@ class GatedCopies:
             total = int(np.asarray(nbytes).sum())
             if self.write_task is not None and self.write_task.done():
                 self.late.append(total)  # the write already returned: its buffers may be gone
-                return
+                return None
             if self.where is not None and (issued_into is None or self.where(low, high) != issued_into):
                 self.unsafe.append(total)
-                return
-            self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+                return None
+            return self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, *cursor)
         finally:
             with self.lock:
                 self.running -= 1

@@ -148,20 +148,22 @@ async def test_large_ops_are_split_into_balanced_shares(
 
 @pytest.mark.parametrize("threads", [2, 3])
 async def test_threads_claim_ops_from_one_cursor(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C copy on several threads: one call per thread, all on the same split ops and the same
-    cursor, which ends past the last op (every op claimed once); the bytes are right."""
+    """The C copy on several threads: every thread on the same split ops and the same cursor,
+    all returned when the copy does; every op is claimed and counted done once, exactly one
+    thread says it completed the batch, and the bytes are right."""
     if not _copy.native():
         pytest.skip("kvray._copy (the C extension) is not built here")
     monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
     monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
     monkeypatch.setattr(_copy, "_CLAIM_NBYTES", 100)
-    calls: list[tuple[int, np.ndarray]] = []
+    calls: list[tuple[int, np.ndarray, bool]] = []
     native = _copy._scatter_copy
     assert native is not None
 
-    def recording(*args: object) -> None:
-        calls.append((int(np.asarray(args[4]).size), args[5]))  # type: ignore[arg-type]
-        native(*args)
+    def recording(*args: object) -> bool | None:
+        finished = native(*args)
+        calls.append((int(np.asarray(args[4]).size), args[5], bool(finished)))  # type: ignore[arg-type]
+        return finished  # type: ignore[no-any-return]
 
     monkeypatch.setattr(_copy, "_scatter_copy", recording)
     ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
@@ -173,10 +175,11 @@ async def test_threads_claim_ops_from_one_cursor(threads: int, monkeypatch: pyte
     np.testing.assert_array_equal(dst, expected)
     assert len(calls) == threads
     pieces = sum(-(-nbytes // 100) for _, _, nbytes in ops)
-    assert {count for count, _ in calls} == {pieces}
+    assert {count for count, _, _ in calls} == {pieces}
     cursor = calls[0][1]
-    assert all(other is cursor for _, other in calls)
-    assert int(cursor[0]) >= pieces
+    assert all(other is cursor for _, other, _ in calls)
+    assert int(cursor[0]) >= pieces and int(cursor[1]) == pieces
+    assert sum(finished for _, _, finished in calls) == 1
 
 
 @pytest.mark.parametrize(
