@@ -183,7 +183,7 @@ def plot(path: str, rows: Sequence[dict[str, Any]], workloads: Sequence[Workload
             )
     if not by_contender:
         return "no contender finished a sweep case"
-    figure, axes = plt.subplots(figsize=(9, 5.5))
+    figure, axes = plt.subplots(figsize=(11, 5.5))
     for contender, points in by_contender.items():
         points.sort()
         x = [p[0] / 1024 for p in points]
@@ -193,12 +193,14 @@ def plot(path: str, rows: Sequence[dict[str, Any]], workloads: Sequence[Workload
         style = "-" if contender.startswith("kvray") else "--" if contender.startswith("memcpy") else ":"
         axes.errorbar(x, y, yerr=[low, high], label=contender, linestyle=style, marker="o", capsize=3)
     axes.set_xscale("log", base=2)
+    ticks = sorted({size / 1024 for size in sizes.values()})
+    axes.set_xticks(ticks, [f"{tick:g}" for tick in ticks])
     axes.set_yscale("log")
     axes.set_xlabel("block size (KiB)")
     axes.set_ylabel("GB/s (median, bars: min-max)")
     axes.set_title(title, fontsize=10)
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8, loc="best")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
