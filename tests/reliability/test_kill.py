@@ -260,7 +260,10 @@ def test_coordinator_killed_mid_workload(
 
     # The agents find the coordinator gone, create its successor and register there again.
     def back() -> bool:
-        successor = ray.get_actor(name, namespace=shm_settings.namespace)
+        try:
+            successor = ray.get_actor(name, namespace=shm_settings.namespace)
+        except ValueError:  # no successor yet
+            return False
         stats = ray.get(successor.stats.remote())
         return bool(stats["epoch"] != epoch and stats["engines"] == 4)
 
