@@ -1,0 +1,113 @@
+"""The parts of the cuda_ipc transport that need no GPU: chunking, element width, handle
+encoding, availability, and when `auto` picks it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.layout import mixed
+from kvray.memory import MemoryKind
+from kvray.transport import Peer, availability
+from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, chunk_ops, pick_unit
+from kvray.wire import RegionDescriptor, Role, TransportKind
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 10**9), st.integers(0, 10**9), st.integers(1, 300_000)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from([4096, 65536, 100_000]),
+)
+def test_chunks_cover_exactly_the_ops(ops: list[tuple[int, int, int]], chunk: int) -> None:
+    dst = np.array([o[0] for o in ops], dtype=np.int64)
+    src = np.array([o[1] for o in ops], dtype=np.int64)
+    nbytes = np.array([o[2] for o in ops], dtype=np.int64)
+    piece_dst, piece_src, piece_n = chunk_ops(dst, src, nbytes, chunk)
+    assert (piece_n > 0).all() and (piece_n <= chunk).all()
+    assert int(piece_n.sum()) == int(nbytes.sum())
+    expected = {(d + k, s + k) for d, s, n in ops for k in range(0, n, chunk)}
+    assert set(zip(piece_dst.tolist(), piece_src.tolist(), strict=True)) == expected
+
+
+def test_pick_unit_is_the_widest_common_divisor() -> None:
+    a = np.array([0, 64, 4096], dtype=np.int64)
+    assert pick_unit(a, a) == 16
+    assert pick_unit(a, np.array([8], dtype=np.int64)) == 8
+    assert pick_unit(a, bases=(2,)) == 2
+    assert pick_unit(np.array([3], dtype=np.int64)) == 1
+
+
+def test_handle_round_trips_through_msgspec() -> None:
+    import msgspec
+
+    handle = CudaIpcHandle(
+        device_uuid="GPU-1",
+        handle=b"\x01" * 64,
+        storage_size=1 << 30,
+        storage_offset=4096,
+        ref_counter_handle=b"ref",
+        ref_counter_offset=8,
+        event_handle=b"",
+        event_sync_required=False,
+    )
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(handle), type=CudaIpcHandle) == handle
+
+
+def test_unavailable_without_a_gpu_says_why() -> None:
+    reason = availability(Settings())[TransportKind.CUDA_IPC]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert reason is not None and "CUDA" in reason
+
+
+async def test_auto_picks_cuda_ipc_only_between_gpu_backings_on_one_node() -> None:
+    agent = KVAgent("p", Role.PREFILL, mixed(8), use_coordinator=False)
+    await agent.start()
+    peer_info = agent.info
+
+    def peer(kind: TransportKind, node: str, handle: bytes = b"h") -> Peer:
+        regions = tuple(
+            RegionDescriptor(
+                engine_id="d",
+                incarnation=1,
+                transport=kind,
+                index=r.index,
+                address=r.address,
+                length=r.length,
+                handle=handle,
+                remote_writable=True,
+            )
+            for r in peer_info.regions
+        )
+        return Peer(
+            type(peer_info)(
+                engine_id="d",
+                incarnation=1,
+                role=Role.DECODE,
+                node_id=node,
+                layout=peer_info.layout,
+                regions=regions,
+                placements=peer_info.placements,
+            )
+        )
+
+    here = agent.node_id
+    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, here)) is TransportKind.RAY  # CPU backing
+    assert agent.choose_transport(peer(TransportKind.SHM, here)) is TransportKind.SHM
+    assert agent.choose_transport(peer(TransportKind.SHM, "elsewhere")) is TransportKind.RAY
+    agent.backing.kind = MemoryKind.CUDA  # as if the backing lived on a GPU
+    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, here)) is TransportKind.CUDA_IPC
+    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, "elsewhere")) is TransportKind.RAY
+    assert agent.choose_transport(peer(TransportKind.SHM, here)) is TransportKind.RAY
+    agent.backing.kind = MemoryKind.CPU
+    await agent.close()
+    assert CudaIpcTransport.kind is TransportKind.CUDA_IPC
