@@ -828,11 +828,22 @@ class KVAgent:
                 engine_id=self.engine_id,
                 timeout_s=deadline,
             ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if future.cancelled() and (task is None or not task.cancelling()):
+                # `cancel(request_id)` (the blocks were released), not a cancelled caller.
+                raise KvrayError(
+                    f"request {request_id!r} was cancelled at {self.engine_id!r} while waiting for its KV",
+                    request_id=request_id,
+                    engine_id=self.engine_id,
+                ) from None
+            raise
         finally:
-            if future.done() or self._closed.is_set():
-                self._pending.pop(request_id, None)
-            else:
-                self.cancel(request_id)
+            if self._pending.get(request_id) is future:  # not a newer expectation of the same id
+                if future.done() or self._closed.is_set():
+                    del self._pending[request_id]
+                else:
+                    self.cancel(request_id)
             # No write admitted for this request may still be landing when the caller frees
             # its blocks (new ones are refused: the request is no longer expected).
             if self._writing[request_id]:

@@ -409,12 +409,14 @@ class DecodeWorker(_Worker):
 
     async def wait(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for the request's KV; on failure or deadline its blocks go back to the pool."""
-        if request_id not in self.requests:
+        blocks = self.requests.get(request_id)
+        if blocks is None:
             raise PlanError(f"request {request_id!r} holds no blocks here", request_id=request_id)
         try:
             return await self.kvray_agent.wait_for_kv(request_id, timeout)
         except BaseException:
-            self.pool.free(self.requests.pop(request_id))
+            if self.requests.get(request_id) is blocks:  # else `release` freed them meanwhile
+                self.pool.free(self.requests.pop(request_id))
             raise
 
     async def decode(

@@ -93,3 +93,23 @@ async def test_a_failure_notice_never_reaches_a_newer_incarnation(
         assert new.stats["completions_failed"] == 0
     finally:
         await new.close()
+
+
+async def test_releasing_a_request_fails_its_wait_with_a_kvray_error(tmp_path: Path) -> None:
+    """A router that gives up on a request releases its blocks while `wait` is pending: the wait
+    ends with a kvray error, and the blocks are freed once."""
+    from kvray.errors import KvrayError
+    from kvray.workers import DecodeWorker
+
+    worker = DecodeWorker("notice-release", LAYOUT, Settings(shm_dir=str(tmp_path)))
+    await worker.start()
+    try:
+        await worker.reserve("r", 3)
+        waiting = asyncio.ensure_future(worker.wait("r", 30.0))
+        await asyncio.sleep(0)
+        await worker.release("r")
+        with pytest.raises(KvrayError, match="cancelled"):
+            await asyncio.wait_for(waiting, 10.0)
+        assert worker.pool.free_count == LAYOUT.num_blocks
+    finally:
+        await worker.close()
