@@ -16,49 +16,11 @@ from functools import partial
 
 import numpy as np
 
-from kvray.layout import BlockOrder, KVLayout, deepseek_v3
+from kvray.bench.control import engine_info as engine
+from kvray.bench.control import naive_plan
+from kvray.layout import BlockOrder, deepseek_v3
 from kvray.plan import OffsetCache, plan_transfer
-from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
-
-
-def engine(layout: KVLayout, engine_id: str, role: Role) -> EngineInfo:
-    """An engine description with one region exactly the layout's size (no memory needed)."""
-    length = -(-layout.nbytes // 4096) * 4096
-    region = RegionDescriptor(
-        engine_id=engine_id, incarnation=1, transport=TransportKind.SHM, index=0, address=0, length=length
-    )
-    return EngineInfo(
-        engine_id=engine_id,
-        incarnation=1,
-        role=role,
-        node_id="bench",
-        layout=layout,
-        regions=(region,),
-        placements=layout.placements(),
-    )
-
-
-def naive_plan(
-    local: EngineInfo, remote: EngineInfo, local_blocks: list[int], remote_blocks: list[int]
-) -> int:
-    """One Python tuple per (layer, part, block), bounds-checked, merged in a loop: the baseline."""
-    ops: list[tuple[int, int, int]] = []
-    for spec in local.layout.layers:
-        lp, rp = local.placements[spec.name], remote.placements[spec.name]
-        for part in range(lp.parts):
-            for lb, rb in zip(local_blocks, remote_blocks, strict=True):
-                lo, ro = lp.byte_offset(part, lb), rp.byte_offset(part, rb)
-                assert ro + rp.part_nbytes <= remote.regions[0].length
-                ops.append((lo, ro, lp.part_nbytes))
-    ops.sort()
-    merged = [ops[0]]
-    for lo, ro, n in ops[1:]:
-        plo, pro, pn = merged[-1]
-        if lo == plo + pn and ro == pro + pn:
-            merged[-1] = (plo, pro, pn + n)
-        else:
-            merged.append((lo, ro, n))
-    return len(merged)
+from kvray.wire import Role
 
 
 def timed(fn: Callable[[], object], repeat: int) -> list[float]:
