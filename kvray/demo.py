@@ -26,6 +26,7 @@ import numpy as np
 from kvray.config import Settings
 from kvray.layout import BlockOrder
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
+from kvray.wire import Role
 
 _TEXTS = (
     "Disaggregated inference splits prefill from decode.",
@@ -104,7 +105,7 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     import ray
 
     from kvray.faults import SeedBugOffsetCache
-    from kvray.workers import DecodeActor, PrefillActor
+    from kvray.workers import DecodeActor, PrefillActor, placement_options
 
     config = MODEL_PRESETS[args.model]
     model = ReferenceModel(config)
@@ -113,11 +114,16 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     settings = Settings.from_env(transport=args.transport)
     fault = SeedBugOffsetCache() if args.inject_seed_bug else None
     prefills: list[Any] = [
-        PrefillActor.remote(f"demo-prefill-{i}", layout, settings, model=config, offset_cache=fault)
+        PrefillActor.options(**placement_options(Role.PREFILL)).remote(
+            f"demo-prefill-{i}", layout, settings, model=config, offset_cache=fault
+        )
         for i in range(args.prefill)
     ]
     decodes: list[Any] = [
-        DecodeActor.remote(f"demo-decode-{j}", layout, settings, model=config) for j in range(args.decode)
+        DecodeActor.options(**placement_options(Role.DECODE)).remote(
+            f"demo-decode-{j}", layout, settings, model=config
+        )
+        for j in range(args.decode)
     ]
     await asyncio.gather(*(actor.start.remote() for actor in prefills + decodes))
 

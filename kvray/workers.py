@@ -453,5 +453,20 @@ class DecodeWorker(_Worker):
         self.pool.free(self.requests.pop(request_id))
 
 
+#: Custom Ray resources of prefill and decode nodes (see ray_cluster.yaml): where a cluster
+#: offers them, workers ask for one unit so they land on their own node types.
+PREFILL_RESOURCE = "prefill"
+DECODE_RESOURCE = "decode"
+
+
+def placement_options(role: Role) -> dict[str, Any]:
+    """Actor options that place a worker of `role` on its node type, if the cluster has one."""
+    resource = PREFILL_RESOURCE if role is Role.PREFILL else DECODE_RESOURCE
+    available: dict[str, float] = ray.cluster_resources() if ray.is_initialized() else {}  # type: ignore[no-untyped-call]
+    if available.get(resource, 0) >= 1:
+        return {"resources": {resource: 1}}
+    return {}
+
+
 PrefillActor = ray.remote(PrefillWorker)
 DecodeActor = ray.remote(DecodeWorker)
