@@ -506,21 +506,34 @@ def check_ops(
         )
 
 
-def check_bounds(ops: OpTable, local: EngineInfo, remote: EngineInfo) -> None:
-    """Invariant 2: every op lies inside its local and its remote region, or nothing is planned."""
+def check_op_table(
+    ops: OpTable,
+    local_lengths: Sequence[int],
+    remote_lengths: Sequence[int],
+    *,
+    local_engine: str,
+    remote_engine: str,
+) -> None:
+    """Invariant 2 for both sides of an op table, given each side's region lengths."""
     check_ops(
-        ops.local_region,
-        ops.local_offset,
-        ops.nbytes,
-        [r.length for r in local.regions],
-        side="local",
-        engine_id=local.engine_id,
+        ops.local_region, ops.local_offset, ops.nbytes, local_lengths, side="local", engine_id=local_engine
     )
     check_ops(
         ops.remote_region,
         ops.remote_offset,
         ops.nbytes,
-        [r.length for r in remote.regions],
+        remote_lengths,
         side="remote",
-        engine_id=remote.engine_id,
+        engine_id=remote_engine,
+    )
+
+
+def check_bounds(ops: OpTable, local: EngineInfo, remote: EngineInfo) -> None:
+    """Invariant 2: every op lies inside its local and its remote region, or nothing is planned."""
+    check_op_table(
+        ops,
+        [r.length for r in local.regions],
+        [r.length for r in remote.regions],
+        local_engine=local.engine_id,
+        remote_engine=remote.engine_id,
     )

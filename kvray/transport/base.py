@@ -17,7 +17,7 @@ import numpy as np
 from kvray.config import Settings
 from kvray.errors import RegionError, StaleIncarnationError
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan, check_ops
+from kvray.plan import TransferPlan, check_op_table
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 
@@ -79,21 +79,12 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
             stale_incarnation=plan.dst_incarnation,
         )
     ops = plan.ops
-    check_ops(
-        ops.local_region,
-        ops.local_offset,
-        ops.nbytes,
+    check_op_table(
+        ops,
         [r.nbytes for r in local.regions],
-        side="local",
-        engine_id=plan.src_engine,
-    )
-    check_ops(
-        ops.remote_region,
-        ops.remote_offset,
-        ops.nbytes,
         [r.length for r in info.regions],
-        side="remote",
-        engine_id=info.engine_id,
+        local_engine=plan.src_engine,
+        remote_engine=info.engine_id,
     )
     for index in np.unique(ops.remote_region).tolist():
         if not info.regions[index].remote_writable:
