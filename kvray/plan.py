@@ -240,6 +240,7 @@ class OffsetCache:
     def __init__(self) -> None:
         self._layers: dict[OffsetKey, LayerPlacement] = {}
         self._rows: dict[tuple[str, int, tuple[str, ...]], PartRows] = {}
+        self._pairs: dict[tuple[str, int, str, int, tuple[str, ...] | None], tuple[str, ...]] = {}
         self._engines: dict[str, tuple[int, EngineInfo]] = {}
         self.hits = 0
         self.misses = 0
@@ -288,11 +289,26 @@ class OffsetCache:
         self._rows[rows_key] = cached
         return cached
 
+    def compatible(
+        self, local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None = None
+    ) -> tuple[str, ...]:
+        """`check_compatible` once per pair of engine incarnations and list of layers."""
+        self._admit(local)
+        self._admit(remote)
+        wanted = None if layers is None else tuple(layers)
+        pair_key = (local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)
+        names = self._pairs.get(pair_key)
+        if names is None:
+            names = check_compatible(local, remote, wanted)
+            self._pairs[pair_key] = names
+        return names
+
     def forget(self, engine_id: str) -> None:
         """Drop every entry of an engine (it deregistered or died)."""
         self._engines.pop(engine_id, None)
         self._layers = {k: v for k, v in self._layers.items() if k.engine_id != engine_id}
         self._rows = {k: v for k, v in self._rows.items() if k[0] != engine_id}
+        self._pairs = {k: v for k, v in self._pairs.items() if engine_id not in (k[0], k[2])}
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -394,7 +410,7 @@ def plan_transfer(
 ) -> TransferPlan:
     """Write ops moving `local_blocks` of `layers` into the remote's `remote_blocks`."""
     cache = cache if cache is not None else OffsetCache()
-    names = check_compatible(local, remote, layers)
+    names = cache.compatible(local, remote, layers)
     local_ids = block_ids(local_blocks, local.layout.num_blocks, "local", local.engine_id)
     remote_ids = block_ids(remote_blocks, remote.layout.num_blocks, "remote", remote.engine_id)
     if local_ids.size != remote_ids.size:

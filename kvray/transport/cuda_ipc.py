@@ -1,10 +1,11 @@
 """`cuda_ipc` transport: same node, GPU. The decode backing's CUDA allocation is exported once
 as a CUDA IPC handle (with the region's offset inside it, in the region descriptor); the
 prefill process opens it once per peer incarnation and writes a plan's ops with batched copies,
-never one launch per block: within one GPU, ONE Triton kernel launch per region pair (every op
-is cut into chunks on the host, each program copies one chunk with wide loads and stores);
-across two GPUs, a gather kernel into one staging buffer, one NVLink copy, and a scatter
-kernel on the destination GPU. Completion waits for the last event off the event loop.
+never one launch per block: ONE Triton kernel launch per region pair, on the decode engine's
+GPU (every op is cut into chunks on the host, each program copies one chunk with wide loads and
+stores). Across two GPUs with peer access (NVLink) that kernel loads the source over the link;
+without peer access, a gather kernel, one device-to-device copy and a scatter kernel stage it.
+Completion waits for the last event off the event loop.
 
 Both GPUs must be visible to the writing process (the IPC handle is opened on the decode
 engine's device, found by UUID); Ray GPU actors that only see their own GPU need
@@ -84,6 +85,20 @@ def pick_unit(*arrays: Int64Array, bases: tuple[int, ...] = ()) -> int:
     return 1
 
 
+def region_pairs(
+    local_region: Int64Array, remote_region: Int64Array
+) -> list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]]:
+    """The (local region, remote region) pairs of an op table, each with the selector of its
+    ops; the usual plan (one region each side) costs no scan."""
+    if local_region.size and not local_region.any() and not remote_region.any():
+        return [((0, 0), slice(None))]
+    pairs: list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]] = []
+    for local_index, remote_index in np.unique(np.stack([local_region, remote_region]), axis=1).T.tolist():
+        select = (local_region == local_index) & (remote_region == remote_index)
+        pairs.append(((int(local_index), int(remote_index)), select))
+    return pairs
+
+
 def chunk_ops(
     dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, chunk: int
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
@@ -97,18 +112,22 @@ def chunk_ops(
 
 @functools.cache
 def _kernel() -> Any:
-    """The copy kernel, compiled on first use (Triton is imported only here). Both tensors are
-    on the GPU it runs on (one of them may be opened through CUDA IPC)."""
+    """The copy kernel, compiled on first use (Triton is imported only here). It runs on the
+    destination's GPU; the source may sit on another GPU, read over NVLink through peer access."""
     import triton
     import triton.language as tl
 
     def copy_chunks(  # type: ignore[no-untyped-def]
-        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
     ):
         piece = tl.program_id(0)
         source = tl.load(src_off + piece)
         target = tl.load(dst_off + piece)
         length = tl.load(count + piece)
+        if VEC > 1:
+            # Every offset is a multiple of VEC elements: lets the compiler use 16-byte accesses.
+            source = tl.multiple_of(source, VEC)
+            target = tl.multiple_of(target, VEC)
         for start in tl.range(0, CHUNK, BLOCK):
             index = start + tl.arange(0, BLOCK)
             mask = index < length
@@ -121,6 +140,27 @@ def _kernel() -> Any:
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+@functools.cache
+def _stream(device: int) -> torch.cuda.Stream:
+    """The stream kvray's copies run on, one per device: apart from the model's streams, and
+    not the legacy default stream (which would serialise with every other stream)."""
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+@functools.cache
+def peer_reads(reader: int, owner: int) -> bool:
+    """Whether kernels on GPU `reader` can load from memory of GPU `owner` (peer access),
+    enabling it if the hardware allows. torch enables peer access from A to B the first time it
+    copies from A to B; a one-byte copy does that once per pair."""
+    if reader == owner:
+        return True
+    if not torch.cuda.can_device_access_peer(reader, owner):
+        return False
+    torch.empty(1, dtype=torch.uint8, device=f"cuda:{reader}").to(f"cuda:{owner}")
+    torch.cuda.synchronize(reader)
+    return True
+
+
 def launch_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -128,20 +168,32 @@ def launch_copy(
     src_offsets: Int64Array,
     nbytes: Int64Array,
 ) -> None:
-    """One kernel launch copying every (dst_offset, src_offset, nbytes) op between two uint8
-    tensors on ONE GPU, on that GPU's current stream. Bounds are the caller's job (kvray
-    checks every op before it gets here)."""
+    """One kernel launch on `dst`'s GPU, on that GPU's current stream, copying every
+    (dst_offset, src_offset, nbytes) op between two uint8 tensors. `src` is on the same GPU or
+    on one whose memory `dst`'s GPU can read (`peer_reads`). Bounds are the caller's job
+    (kvray checks every op before it gets here)."""
     if nbytes.size == 0:
         return
-    if dst.device != src.device:
-        raise TransportError(f"launch_copy copies within one GPU, not {src.device} -> {dst.device}")
-    unit = min(8, pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr())))
+    reader, owner = dst.device.index or 0, src.device.index or 0
+    if not peer_reads(reader, owner):
+        raise TransportError(
+            f"GPU {reader} cannot read GPU {owner}'s memory (no peer access between them)",
+            reader=reader,
+            owner=owner,
+        )
+    unit = pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr()))
+    vector = 2 if unit == 16 else 1
+    unit = min(8, unit)
     dtype = _UNIT_DTYPES[unit]
     chunk = CHUNK_NBYTES
     piece_dst, piece_src, piece_n = chunk_ops(dst_offsets, src_offsets, nbytes, chunk)
-    with torch.cuda.device(src.device):
-        table = torch.from_numpy(np.stack([piece_src // unit, piece_dst // unit, piece_n // unit])).to(
-            src.device, non_blocking=False
+    # Remote loads need more bytes in flight per program than local ones.
+    block, warps = (4096, 16) if reader != owner else (2048, 8)
+    with torch.cuda.device(dst.device):
+        table = (
+            torch.from_numpy(np.stack([piece_src // unit, piece_dst // unit, piece_n // unit]))
+            .pin_memory()
+            .to(dst.device, non_blocking=True)
         )
         _kernel()[(piece_n.size,)](
             src.view(dtype),
@@ -150,7 +202,9 @@ def launch_copy(
             table[1],
             table[2],
             CHUNK=chunk // unit,
-            BLOCK=min(_BLOCK, chunk // unit),
+            BLOCK=min(block, chunk // unit),
+            VEC=vector,
+            num_warps=warps,
         )
 
 
@@ -160,29 +214,44 @@ def copy_ops(
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
+    *,
+    direct: bool = True,
 ) -> torch.cuda.Event:
     """Copy the ops from `src` into `dst`, on one GPU or across two, and return an event that
-    completes when every byte is in `dst`.
+    completes when every byte is in `dst`. The copies wait for the work already queued on the
+    source GPU's current stream (the model that wrote the KV).
 
-    One GPU: one kernel. Two GPUs: a kernel gathers the ops into one staging buffer on the
-    source GPU, one device-to-device copy moves it over NVLink (the copy engine), and a kernel
-    on the destination GPU scatters it into place. Each kernel touches only memory of the GPU
-    it runs on; torch orders the three on the two devices' current streams.
+    One GPU, or two GPUs with peer access (NVLink) and `direct`: one kernel on the destination
+    GPU, loading the source over the link. That is a pull by the writer's own process into
+    memory it opened through IPC; the decode process takes no part. Otherwise: a kernel gathers
+    the ops into one staging buffer on the source GPU, one device-to-device copy moves it, and a
+    kernel on the destination GPU scatters it into place.
     """
-    if dst.device == src.device:
-        launch_copy(dst, src, dst_offsets, src_offsets, nbytes)
+    source_device = src.device.index or 0
+    target_device = dst.device.index or 0
+    produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    produced.record(torch.cuda.current_stream(source_device))
+    target_stream = _stream(target_device)
+    target_stream.wait_event(produced)
+    if direct and peer_reads(target_device, source_device):
+        with torch.cuda.stream(target_stream):
+            launch_copy(dst, src, dst_offsets, src_offsets, nbytes)
     else:
         total = int(nbytes.sum())
         staged = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
-        outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
-        incoming = torch.empty(total, dtype=torch.uint8, device=dst.device)
-        launch_copy(outgoing, src, staged, src_offsets, nbytes)
-        incoming.copy_(outgoing, non_blocking=True)
-        launch_copy(dst, incoming, dst_offsets, staged, nbytes)
-    with torch.cuda.device(dst.device):
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-    return event
+        source_stream = _stream(source_device)
+        source_stream.wait_event(produced)
+        with torch.cuda.stream(source_stream):
+            outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
+            launch_copy(outgoing, src, staged, src_offsets, nbytes)
+        with torch.cuda.stream(source_stream), torch.cuda.stream(target_stream):
+            incoming = torch.empty(total, dtype=torch.uint8, device=dst.device)
+            # torch copies on the source GPU's current stream and orders the target's after it.
+            incoming.copy_(outgoing, non_blocking=True)
+            launch_copy(dst, incoming, dst_offsets, staged, nbytes)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(target_stream)
+    return done
 
 
 @dataclass
@@ -257,31 +326,30 @@ class CudaIpcTransport(Transport):
         check_write(plan, local, peer)
         ops = plan.ops
         events = []
-        for remote_index in np.unique(ops.remote_region).tolist():
+        for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
             target = self._open(peer, remote_index).region
-            for local_index in np.unique(ops.local_region[ops.remote_region == remote_index]).tolist():
-                source = local.regions[local_index].tensor
-                if not source.is_cuda:
-                    raise TransportError("the cuda_ipc transport copies from CUDA memory")
-                select = (ops.remote_region == remote_index) & (ops.local_region == local_index)
-                try:
-                    events.append(
-                        copy_ops(
-                            target,
-                            source,
-                            ops.remote_offset[select],
-                            ops.local_offset[select],
-                            ops.nbytes[select],
-                        )
+            source = local.regions[local_index].tensor
+            if not source.is_cuda:
+                raise TransportError("the cuda_ipc transport copies from CUDA memory")
+            try:
+                events.append(
+                    copy_ops(
+                        target,
+                        source,
+                        ops.remote_offset[select],
+                        ops.local_offset[select],
+                        ops.nbytes[select],
                     )
-                except Exception as error:
-                    raise WriteFailedError(
-                        f"copy into engine {peer.info.engine_id!r} region {remote_index} failed: {error}",
-                        engine_id=peer.info.engine_id,
-                    ) from error
+                )
+            except Exception as error:
+                raise WriteFailedError(
+                    f"copy into engine {peer.info.engine_id!r} region {remote_index} failed: {error}",
+                    engine_id=peer.info.engine_id,
+                ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
         for event in events:
-            await asyncio.to_thread(event.synchronize)
+            if not event.query():  # type: ignore[no-untyped-call]
+                await asyncio.to_thread(event.synchronize)
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info

@@ -102,19 +102,27 @@ def _source(layout: KVLayout) -> Backing:
 
 
 def _cases() -> list[Any]:
-    return [
-        pytest.param((mixed(32, order), device, False), id=f"{order.value}-to-cuda{device}")
+    cases = [
+        pytest.param((mixed(32, order), device, False), True, id=f"{order.value}-to-cuda{device}")
         for order in BlockOrder
         for device in _devices()
     ]
+    if torch.cuda.device_count() > 1:
+        # The path for GPU pairs without peer access: gather, one copy, scatter.
+        cases.append(pytest.param((mixed(32), 1, False), False, id="staged-to-cuda1"))
+    return cases
 
 
-@pytest.mark.parametrize("decode_process", _cases(), indirect=True)
-def test_bytes_land_and_canaries_hold(decode_process: Any) -> None:
+@pytest.mark.parametrize(("decode_process", "peer_reads"), _cases(), indirect=["decode_process"])
+def test_bytes_land_and_canaries_hold(
+    decode_process: Any, peer_reads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvray.config import Settings
-    from kvray.transport import Peer
+    from kvray.transport import Peer, cuda_ipc
     from kvray.transport.cuda_ipc import CudaIpcTransport
 
+    if not peer_reads:
+        monkeypatch.setattr(cuda_ipc, "peer_reads", lambda reader, owner: reader == owner)
     conn, info = decode_process
     layout = info.layout
     source = _source(layout)
