@@ -55,6 +55,7 @@ from kvray.errors import (
 )
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import NO_TRANSPORT, DropReason, EngineMetrics, MetricsSink, Outcome, PushCall
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport, open_transport, transport_class
 from kvray.transport.ray import apply_ops, read_header
@@ -118,6 +119,8 @@ class _Layerwise:
     ops: int = 0
     unmerged_ops: int = 0
     layers: set[str] = field(default_factory=set)
+    #: When the first layer's push call began (`time.perf_counter`).
+    started: float = 0.0
     #: Layer writes in progress, and an event set whenever there are none.
     writing: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -135,6 +138,9 @@ class _Attempt:
     layerwise: bool = False
     peer: Peer | None = None
     transfer_id: str | None = None
+    transport: TransportKind | None = None
+    #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
+    started: float = 0.0
 
 
 def _node_id() -> str:
@@ -183,6 +189,7 @@ class KVAgent:
         coordinator: Any = None,
         use_coordinator: bool = True,
         offset_cache: OffsetCache | None = None,
+        metrics_sink: MetricsSink | None = None,
     ) -> None:
         if (layout is None) == (backing is None):
             raise PlanError("give a KVAgent either a layout (kvray allocates) or a backing, not both")
@@ -198,6 +205,8 @@ class KVAgent:
         self.incarnation = 0
         self.node_id = _node_id()
         self.stats: Counter[str] = Counter()
+        #: Prometheus metrics (through Ray's metrics API when Ray is up; see kvray.metrics).
+        self.metrics = EngineMetrics(engine_id, role.value, metrics_sink)
         self._info: EngineInfo | None = None
         self._coordinator = coordinator
         self._use_coordinator = use_coordinator
@@ -422,7 +431,7 @@ class KVAgent:
         timeout: float | None = None,
     ) -> PushResult:
         """Write the request's blocks into the remote engine's blocks, then tell it they are there."""
-        async with self._transfer(request_id, remote_engine, timeout) as attempt:
+        async with self._transfer(request_id, remote_engine, timeout, call=PushCall.WHOLE) as attempt:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(
                 attempt, local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
@@ -443,6 +452,7 @@ class KVAgent:
             )
             self.stats["pushes_ok"] += 1
             self.stats["bytes_pushed"] += plan.nbytes
+            self.metrics.bytes_pushed(transport.kind.value, peer.info.engine_id, plan.nbytes)
             return PushResult(
                 request_id,
                 transfer_id,
@@ -470,7 +480,7 @@ class KVAgent:
 
         Once one layer of a request has failed, its later layers are refused (the decode side
         has been told and may have freed the blocks): `finish` or `abort` the request."""
-        async with self._transfer(request_id, remote_engine, timeout, layerwise=True) as attempt:
+        async with self._transfer(request_id, remote_engine, timeout, call=PushCall.LAYER) as attempt:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(
                 attempt, local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
@@ -482,6 +492,7 @@ class KVAgent:
                     peer.info.incarnation,
                     self._next_transfer_id(request_id),
                     transport.kind,
+                    started=attempt.started,
                 )
                 self._layerwise[request_id] = state
             elif (state.dst_engine, state.dst_incarnation) != (peer.info.engine_id, peer.info.incarnation):
@@ -518,6 +529,7 @@ class KVAgent:
             state.unmerged_ops += len(plan.unmerged)
             state.busy_s += time.perf_counter() - started
             self.stats["bytes_pushed"] += plan.nbytes
+            self.metrics.bytes_pushed(transport.kind.value, peer.info.engine_id, plan.nbytes)
             return plan.nbytes
 
     async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
@@ -530,8 +542,10 @@ class KVAgent:
             )
         if state is None:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
-        async with self._transfer(request_id, state.dst_engine, timeout) as attempt:
+        async with self._transfer(request_id, state.dst_engine, timeout, call=PushCall.FINISH) as attempt:
             attempt.transfer_id = state.transfer_id
+            attempt.transport = state.transport
+            attempt.started = state.started
             started = time.perf_counter()
             peer = await self.peer(state.dst_engine)
             if peer.info.incarnation != state.dst_incarnation:
@@ -638,21 +652,24 @@ class KVAgent:
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, request_id: str, remote_engine: str, timeout: float | None, *, layerwise: bool = False
+        self, request_id: str, remote_engine: str, timeout: float | None, *, call: PushCall
     ) -> AsyncIterator[_Attempt]:
         """A bounded slot and a deadline for one transfer; failures are kvray errors, and once
-        the peer is known it is told (in the background) so it does not wait for its deadline."""
+        the peer is known it is told (in the background) so it does not wait for its deadline.
+        Every call that gets this far is counted once in the metrics, by outcome."""
         if not self.started:
             raise KvrayError(f"agent {self.engine_id!r} is not running; await agent.start() first")
         if self._waiting >= self.settings.max_queued_transfers:
             self.stats["rejected_backpressure"] += 1
+            self.metrics.transfer(call, Outcome.REJECTED, NO_TRANSPORT, remote_engine)
             raise BackpressureError(
                 f"agent {self.engine_id!r} already has {self._waiting} transfers waiting "
                 f"(max_queued_transfers={self.settings.max_queued_transfers})",
                 request_id=request_id,
             )
         deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
-        attempt = _Attempt(request_id, layerwise)
+        attempt = _Attempt(request_id, call is PushCall.LAYER, started=time.perf_counter())
+        outcome = Outcome.FAILED
         try:
             async with asyncio.timeout(deadline):
                 self._waiting += 1
@@ -667,13 +684,17 @@ class KVAgent:
                     raise
                 finally:
                     self._slots.release()
+            outcome = Outcome.OK
         except KvrayError as error:
+            if isinstance(error, TransferTimeoutError):
+                outcome = Outcome.TIMED_OUT
             self.stats["pushes_failed"] += 1
             if isinstance(error, TransportError | MetadataError):
                 self.forget_peer(remote_engine)
             self._abort_soon(attempt, f"{type(error).__name__}: {error}")
             raise
         except TimeoutError as error:
+            outcome = Outcome.TIMED_OUT
             self.stats["pushes_timed_out"] += 1
             self._abort_soon(attempt, f"transfer passed its {deadline} s deadline")
             raise TransferTimeoutError(
@@ -683,6 +704,7 @@ class KVAgent:
                 timeout_s=deadline,
             ) from error
         except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
             self._abort_soon(attempt, "the push was cancelled")
             raise
         except Exception as error:
@@ -694,6 +716,10 @@ class KVAgent:
                 request_id=request_id,
                 engine_id=remote_engine,
             ) from error
+        finally:
+            transport = attempt.transport.value if attempt.transport is not None else NO_TRANSPORT
+            seconds = time.perf_counter() - attempt.started
+            self.metrics.transfer(call, outcome, transport, remote_engine, seconds)
 
     async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:
         """After a transport failure, ask the directory whether the peer has a new incarnation
@@ -747,6 +773,7 @@ class KVAgent:
         attempt.peer = peer
         plan = plan_transfer(self.info, peer.info, local_blocks, remote_blocks, layers, self._cache)
         transport = self._transport(self.choose_transport(peer))
+        attempt.transport = transport.kind
         return peer, transport, plan
 
     async def _write(self, request_id: str, peer: Peer, transport: Transport, plan: TransferPlan) -> None:
@@ -817,10 +844,15 @@ class KVAgent:
             self.expect(request_id)
         future = self._pending[request_id]
         deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
+        started = time.perf_counter()
+        outcome = Outcome.FAILED
         try:
             async with asyncio.timeout(deadline):
-                return await asyncio.shield(future)
+                completion = await asyncio.shield(future)
+            outcome = Outcome.OK
+            return completion
         except TimeoutError:
+            outcome = Outcome.TIMED_OUT
             self.stats["waits_timed_out"] += 1
             raise TransferTimeoutError(
                 f"KV for request {request_id!r} did not arrive at {self.engine_id!r} within {deadline} s",
@@ -829,6 +861,7 @@ class KVAgent:
                 timeout_s=deadline,
             ) from None
         except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
             task = asyncio.current_task()
             if future.cancelled() and (task is None or not task.cancelling()):
                 # `cancel(request_id)` (the blocks were released), not a cancelled caller.
@@ -839,6 +872,7 @@ class KVAgent:
                 ) from None
             raise
         finally:
+            self.metrics.wait(outcome, time.perf_counter() - started)
             if self._pending.get(request_id) is future:  # not a newer expectation of the same id
                 if future.done() or self._closed.is_set():
                     del self._pending[request_id]
@@ -862,6 +896,7 @@ class KVAgent:
             # Its wait ended (done, failed, timed out) or it was never reserved: its blocks may
             # belong to another request by now.
             self.stats["writes_refused_unexpected"] += 1
+            self.metrics.dropped(DropReason.UNEXPECTED_WRITE)
             raise WriteFailedError(
                 f"engine {self.engine_id!r} does not expect KV for request {request_id!r} (never "
                 "reserved, or its wait has ended); nothing was written",
@@ -891,21 +926,26 @@ class KVAgent:
             message = decode_message(message_bytes)
         except WireDecodeError:
             self.stats["messages_malformed"] += 1
+            self.metrics.dropped(DropReason.MALFORMED)
             if strict:
                 raise
             return
         if isinstance(message, WriteOps):
             self.stats["messages_misrouted"] += 1
+            self.metrics.dropped(DropReason.MISROUTED)
             return
         if message.dst_engine != self.engine_id or message.dst_incarnation != self.incarnation:
             self.stats["completions_dropped_stale"] += 1
+            self.metrics.dropped(DropReason.STALE)
             return
         future = self._pending.get(message.request_id)
         if future is None or future.done():
             self.stats["completions_dropped_unknown"] += 1
+            self.metrics.dropped(DropReason.UNKNOWN)
             return
         if isinstance(message, TransferDone):
             self.stats["completions_ok"] += 1
+            self.metrics.bytes_received(message.src_engine, message.nbytes)
             future.set_result(
                 Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
             )

@@ -25,6 +25,7 @@ from kvray.config import Settings
 from kvray.errors import BackpressureError, BlockIdError, ConfigError, KvrayError, LayoutError, PlanError
 from kvray.layout import KVLayout
 from kvray.memory import MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.models.reference import ModelConfig, ReferenceModel
 from kvray.plan import OffsetCache
 from kvray.wire import Role, TransportKind
@@ -62,13 +63,22 @@ class DecodeResult:
 
 
 class BlockPool:
-    """Free-list of block ids; double frees and foreign ids are errors, not silent."""
+    """Free-list of block ids; double frees and foreign ids are errors, not silent. Its usage
+    is recorded in `metrics` (blocks in use and in the pool), when given."""
 
-    def __init__(self, num_blocks: int, seed: int | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, seed: int | None = None, metrics: EngineMetrics | None = None
+    ) -> None:
         self.num_blocks = num_blocks
         order = np.random.default_rng(seed).permutation(num_blocks) if seed is not None else range(num_blocks)
         self._free: list[int] = [int(block) for block in order]
         self._used: set[int] = set()
+        self._metrics = metrics
+        self._record()
+
+    def _record(self) -> None:
+        if self._metrics is not None:
+            self._metrics.blocks(len(self._used), self.num_blocks)
 
     @property
     def free_count(self) -> int:
@@ -89,6 +99,7 @@ class BlockPool:
             )
         blocks = [self._free.pop() for _ in range(count)]
         self._used.update(blocks)
+        self._record()
         return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -97,6 +108,7 @@ class BlockPool:
             raise BlockIdError(f"blocks {foreign or list(blocks)} are not allocated (double free?)")
         self._used.difference_update(blocks)
         self._free.extend(blocks)
+        self._record()
 
 
 class _Worker(AgentHost):
@@ -111,6 +123,7 @@ class _Worker(AgentHost):
         pool_seed: int | None = None,
         model: ModelConfig | None = None,
         offset_cache: OffsetCache | None = None,
+        coordinator: Any = None,
     ) -> None:
         self.model = ReferenceModel(model) if model is not None else None
         if self.model is not None:
@@ -121,10 +134,18 @@ class _Worker(AgentHost):
                     f"{list(expected.layer_names)})",
                     engine_id=engine_id,
                 )
+        # `coordinator`: the directory the agent registers with (default: the named coordinator
+        # actor). Serve replicas pass one that names their host actor (see kvray.serve).
         self.kvray_agent = KVAgent(
-            engine_id, self.role, layout, settings=settings, memory=memory, offset_cache=offset_cache
+            engine_id,
+            self.role,
+            layout,
+            settings=settings,
+            memory=memory,
+            offset_cache=offset_cache,
+            coordinator=coordinator,
         )
-        self.pool = BlockPool(layout.num_blocks, pool_seed)
+        self.pool = BlockPool(layout.num_blocks, pool_seed, self.kvray_agent.metrics)
         self.requests: dict[str, list[int]] = {}
 
     async def start(self) -> dict[str, Any]:

@@ -1,0 +1,232 @@
+"""The metrics layer: what agents and block pools record (into an in-memory sink, no Ray), how
+the Ray sink maps records onto Ray's metrics API, and that without Ray recording does nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import types
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import pytest_asyncio
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.errors import BlockIdError, TransferTimeoutError
+from kvray.layout import BlockOrder, mixed
+from kvray.metrics import (
+    BLOCKS_IN_USE,
+    BYTES_PUSHED,
+    METRICS,
+    TRANSFER_SECONDS,
+    WAITS,
+    EngineMetrics,
+    MemorySink,
+    MetricKind,
+    RaySink,
+)
+from kvray.wire import Role
+
+LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent, MemorySink]]:
+    sink = MemorySink()
+    settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0)
+    prefill = KVAgent(
+        "m-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False, metrics_sink=sink
+    )
+    decode = KVAgent("m-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False, metrics_sink=sink)
+    await prefill.start()
+    await decode.start()
+    prefill.add_peer(decode.info)
+    yield prefill, decode, sink
+    await prefill.close()
+    await decode.close()
+
+
+def test_metric_names_and_tags() -> None:
+    names = [spec.name for spec in METRICS]
+    assert len(set(names)) == len(names)
+    for spec in METRICS:
+        assert spec.name.startswith("kvray_") and spec.description and "engine" in spec.tag_keys
+        assert (spec.kind is MetricKind.HISTOGRAM) == bool(spec.boundaries)
+        assert list(spec.boundaries) == sorted(set(spec.boundaries))
+
+
+async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAgent, MemorySink]) -> None:
+    prefill, decode, sink = agents
+    first, second = LAYOUT.layer_names[:2]
+
+    decode.expect("whole")
+    whole = await prefill.push("whole", [0, 1], "m-d", [2, 3])
+    await decode.wait_for_kv("whole", timeout=10.0)
+
+    decode.expect("lw")
+    for layer in (first, second):
+        await prefill.push_layer("lw", layer, [4], "m-d", [5])
+    layerwise = await prefill.finish("lw")
+    await decode.wait_for_kv("lw", timeout=10.0)
+
+    with pytest.raises(BlockIdError):  # fails while planning: no transport chosen yet
+        await prefill.push("bad", [0, 1], "m-d", [3, 3])
+    with pytest.raises(TransferTimeoutError):  # nothing is ever pushed for it
+        await decode.wait_for_kv("never", timeout=0.01)
+    decode._receive(b"not a message")
+    await asyncio.sleep(0)
+
+    pushed = whole.nbytes + layerwise.nbytes
+    assert sink.value("kvray_bytes_pushed", engine="m-p", transport="shm", peer="m-d") == pushed
+    assert sink.value("kvray_bytes_received", engine="m-d", peer="m-p") == pushed
+    ok = {"engine": "m-p", "transport": "shm", "peer": "m-d", "outcome": "ok"}
+    assert sink.value("kvray_transfers", push="whole", **ok) == 1
+    assert sink.value("kvray_transfers", push="layer", **ok) == 2
+    assert sink.value("kvray_transfers", push="finish", **ok) == 1
+    failed = sink.value("kvray_transfers", engine="m-p", push="whole", transport="none", outcome="failed")
+    assert failed == 1
+    assert len(sink.observations(TRANSFER_SECONDS.name, engine="m-p")) == 4
+    # The layer-wise request's latency runs from its first layer's call to the finish.
+    finish_seconds = sink.observations(TRANSFER_SECONDS.name, push="finish")
+    layer_seconds = sink.observations(TRANSFER_SECONDS.name, push="layer")
+    assert finish_seconds[0] >= sum(layer_seconds)
+    assert sink.value(WAITS.name, engine="m-d", outcome="ok") == 2
+    assert sink.value(WAITS.name, engine="m-d", outcome="timed_out") == 1
+    assert len(sink.observations("kvray_wait_seconds", engine="m-d")) == 2
+    assert sink.value("kvray_messages_dropped", engine="m-d", reason="malformed") == 1
+
+
+def test_block_pool_records_usage() -> None:
+    from kvray.workers import BlockPool
+
+    sink = MemorySink()
+    pool = BlockPool(10, metrics=EngineMetrics("d", "decode", sink))
+    assert sink.value(BLOCKS_IN_USE.name, engine="d", role="decode") == 0
+    assert sink.value("kvray_blocks_total", engine="d") == 10
+    blocks = pool.allocate(4)
+    more = pool.allocate(2)
+    assert sink.value(BLOCKS_IN_USE.name, engine="d") == 6
+    pool.free(blocks)
+    assert sink.value(BLOCKS_IN_USE.name, engine="d") == 2
+    with pytest.raises(BlockIdError):
+        pool.free(blocks)
+    assert sink.value(BLOCKS_IN_USE.name, engine="d") == 2
+    pool.free(more)
+    assert sink.value(BLOCKS_IN_USE.name, engine="d") == 0
+
+
+def test_memory_sink_refuses_wrong_tags() -> None:
+    with pytest.raises(ValueError, match="missing tags"):
+        MemorySink().record(BYTES_PUSHED, 1, {"engine": "e"})
+
+
+class _FakeMetric:
+    def __init__(self, name: str, description: str = "", *args: Any) -> None:
+        self.name = name
+        self.args = args
+        self.calls: list[tuple[str, float, dict[str, str]]] = []
+        _FakeMetric.made.append(self)
+
+    made: ClassVar[list[_FakeMetric]] = []
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("inc", value, tags))
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("set", value, tags))
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        if value < 0:
+            raise ValueError("negative")
+        self.calls.append(("observe", value, tags))
+
+
+def _fake_ray(monkeypatch: pytest.MonkeyPatch, initialized: bool) -> None:
+    """A `ray` module whose metrics API records calls (Ray's own needs a running node)."""
+    _FakeMetric.made = []
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: initialized  # type: ignore[attr-defined]
+    util = types.ModuleType("ray.util")
+    metrics = types.ModuleType("ray.util.metrics")
+    for name in ("Counter", "Gauge", "Histogram"):
+        setattr(metrics, name, type(name, (_FakeMetric,), {}))
+    util.metrics = metrics  # type: ignore[attr-defined]
+    ray.util = util  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.util", util)
+    monkeypatch.setitem(sys.modules, "ray.util.metrics", metrics)
+
+
+def test_ray_sink_maps_records_onto_rays_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_ray(monkeypatch, initialized=True)
+    metrics = EngineMetrics("p", "prefill", RaySink())
+    metrics.bytes_pushed("ray", "d", 4096)
+    metrics.bytes_pushed("ray", "d", 0)  # Ray's counters refuse zero increments: skipped
+    metrics.blocks(3, 8)
+    metrics.blocks(1, 8)
+    from kvray.metrics import Outcome, PushCall
+
+    metrics.transfer(PushCall.WHOLE, Outcome.OK, "ray", "d", 0.002)
+    made = {metric.name: metric for metric in _FakeMetric.made}
+    assert set(made) == {
+        "kvray_bytes_pushed",
+        "kvray_blocks_in_use",
+        "kvray_blocks_total",
+        "kvray_transfers",
+        "kvray_transfer_seconds",
+    }
+    assert made["kvray_bytes_pushed"].calls == [
+        ("inc", 4096, {"engine": "p", "transport": "ray", "peer": "d"})
+    ]
+    assert [call[:2] for call in made["kvray_blocks_in_use"].calls] == [("set", 3), ("set", 1)]
+    histogram = made["kvray_transfer_seconds"]
+    assert type(histogram).__name__ == "Histogram" and histogram.args[0] == list(TRANSFER_SECONDS.boundaries)
+    assert histogram.calls[0][:2] == ("observe", 0.002)
+    assert made["kvray_transfers"].calls[0][2]["outcome"] == "ok"
+
+
+def test_ray_sink_turns_off_when_rays_api_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _fake_ray(monkeypatch, initialized=True)
+    sink = RaySink()
+    metrics = EngineMetrics("d", "decode", sink)
+    from kvray.metrics import Outcome
+
+    with caplog.at_level(logging.WARNING, logger="kvray.metrics"):
+        metrics.wait(Outcome.OK, -1.0)  # the fake histogram raises, as Ray's does on bad input
+    assert not sink.active
+    assert "metrics are off" in caplog.text
+    metrics.wait(Outcome.OK, 1.0)
+    assert sum(len(metric.calls) for metric in _FakeMetric.made) == 1  # the counter, before the failure
+
+
+def test_ray_sink_is_idle_while_ray_is_not_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_ray(monkeypatch, initialized=False)
+    EngineMetrics("d", "decode", RaySink()).blocks(1, 2)
+    assert _FakeMetric.made == []
+
+
+def test_without_ray_recording_is_a_noop() -> None:
+    """kvray used without Ray: the default sink records nothing, imports neither Ray (where
+    Ray is absent) nor Ray's metrics API (where Ray is installed but not started), and never fails."""
+    script = (
+        "import sys\n"
+        "import kvray\n"
+        "from kvray.metrics import RAY_SINK, DropReason, EngineMetrics\n"
+        "EngineMetrics('solo', 'decode').dropped(DropReason.STALE)\n"
+        "assert 'ray' not in sys.modules, 'recording imported ray'\n"
+        "from kvray.agent import KVAgent\n"
+        "from kvray.wire import Role\n"
+        "agent = KVAgent('solo', Role.PREFILL, kvray.mixed(4), use_coordinator=False)\n"
+        "assert agent.metrics.sink is RAY_SINK and not RAY_SINK.active\n"
+        "agent.metrics.blocks(1, 4)\n"
+        "agent.backing.close()\n"
+        "assert 'ray.util.metrics' not in sys.modules, 'recording imported ray.util.metrics'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
