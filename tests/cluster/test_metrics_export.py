@@ -1,0 +1,124 @@
+"""kvray's metrics as Prometheus sees them: real transfers between worker actors on a local Ray,
+read back from the node's metrics agent (Ray's Prometheus endpoint), where Ray exports them with
+a `ray_` prefix (counters with a `_total` suffix)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import ray
+
+from kvray.config import Settings
+from kvray.layout import mixed
+from kvray.workers import DecodeActor, PrefillActor
+
+pytestmark = pytest.mark.cluster
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def metrics_url() -> Iterator[str]:
+    """A local Ray whose metrics agent serves Prometheus text on a known port, reporting often."""
+    port = _free_port()
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="kvray-tests",
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 500},
+    )
+    yield f"http://127.0.0.1:{port}/metrics"
+    ray.shutdown()
+
+
+def _scrape(url: str) -> list[Sample]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match["name"].startswith("ray_kvray_"):
+            labels = dict(_LABEL.findall(match["labels"] or ""))
+            samples.append(Sample(match["name"], labels, float(match["value"])))
+    return samples
+
+
+def _total(samples: list[Sample], name: str, **labels: str) -> float:
+    return sum(
+        s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_transfers_show_up_in_prometheus(metrics_url: str) -> None:
+    layout = mixed(16)
+    prefill = PrefillActor.remote("metrics-p", layout)
+    ray_prefill = PrefillActor.remote("metrics-p-ray", layout, Settings.from_env(transport="ray"))
+    decode = DecodeActor.remote("metrics-d", layout)
+    ray.get([actor.start.remote() for actor in (prefill, ray_prefill, decode)])
+
+    pushed = {"shm": 0, "ray": 0}
+    for index, (source, transport) in enumerate([(prefill, "shm"), (prefill, "shm"), (ray_prefill, "ray")]):
+        request = f"metrics-{index}"
+        ray.get(source.allocate.remote(request, 2))
+        dst, incarnation = ray.get(decode.reserve.remote(request, 2))
+        waiting = decode.wait.remote(request, 30.0)
+        result = ray.get(source.push.remote(request, "metrics-d", dst, incarnation, timeout=30.0))
+        ray.get(waiting)
+        assert result.transport.value == transport
+        pushed[transport] += result.nbytes
+    # One request keeps its blocks on the decode side; the others are released.
+    ray.get([decode.release.remote(f"metrics-{index}") for index in (0, 1)])
+
+    expected = {
+        ("ray_kvray_bytes_pushed_total", "metrics-p", "shm"): pushed["shm"],
+        ("ray_kvray_bytes_pushed_total", "metrics-p-ray", "ray"): pushed["ray"],
+        ("ray_kvray_transfers_total", "metrics-p", "shm"): 2,
+        ("ray_kvray_transfers_total", "metrics-p-ray", "ray"): 1,
+        ("ray_kvray_transfer_seconds_count", "metrics-p", "shm"): 2,
+    }
+    # Each worker reports every 500 ms: scrape until the figures are in (bounded by a deadline).
+    deadline = time.monotonic() + 90
+    while True:
+        samples = _scrape(metrics_url)
+        seen = {
+            key: _total(samples, key[0], engine=key[1], transport=key[2], peer="metrics-d")
+            for key in expected
+        }
+        received = _total(samples, "ray_kvray_bytes_received_total", engine="metrics-d")
+        in_use = _total(samples, "ray_kvray_blocks_in_use", engine="metrics-d", role="decode")
+        waits = _total(samples, "ray_kvray_waits_total", engine="metrics-d", outcome="ok")
+        complete = seen == expected and received == sum(pushed.values()) and waits == 3 and in_use == 2
+        if complete or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert seen == expected
+    assert received == sum(pushed.values())
+    assert waits == 3
+    assert in_use == 2
+    assert _total(samples, "ray_kvray_blocks_total", engine="metrics-d") == layout.num_blocks
+    assert _total(samples, "ray_kvray_transfers_total", outcome="failed") == 0
+    ok = _total(samples, "ray_kvray_transfers_total", engine="metrics-p", push="whole", outcome="ok")
+    assert ok == 2
