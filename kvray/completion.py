@@ -60,16 +60,37 @@ class CompletionOutbox:
     def __init__(self) -> None:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
+        self._writable: asyncio.Future[None] | None = None
 
     async def send(self, path: str, message: bytes) -> None:
-        """Queue `message` in the peer's inbox (waits while the inbox is full; the caller bounds it)."""
-        try:
-            await asyncio.get_running_loop().sock_sendto(self._socket, message, path)
-        except (FileNotFoundError, ConnectionRefusedError) as error:
-            raise TransportError(
-                f"the completion inbox {path} is gone: the decode engine closed or died",
-                path=path,
-            ) from error
+        """Queue `message` in the peer's inbox (waits while the inbox is full; the caller bounds it).
+
+        A non-blocking `sendto` and a writer callback, not `loop.sock_sendto`: uvloop, the loop
+        Ray gives async actors whenever it is installed (ray[serve] installs it), lacks that."""
+        loop = asyncio.get_running_loop()
+        fileno = self._socket.fileno()
+        while True:
+            try:
+                self._socket.sendto(message, path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError) as error:
+                raise TransportError(
+                    f"the completion inbox {path} is gone: the decode engine closed or died",
+                    path=path,
+                ) from error
+            except (BlockingIOError, InterruptedError):
+                # One writer callback per socket: concurrent senders share its wake-up.
+                writable = self._writable
+                if writable is None or writable.done():
+                    writable = self._writable = loop.create_future()
+                    loop.add_writer(fileno, _resolve, writable)
+                    writable.add_done_callback(lambda _: loop.remove_writer(fileno))
+                await asyncio.shield(writable)
 
     def close(self) -> None:
         self._socket.close()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
