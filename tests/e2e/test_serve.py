@@ -1,0 +1,287 @@
+"""The Ray Serve application over HTTP: concurrent requests equal colocated generation; a decode
+replica killed under load fails its requests with a clear HTTP error and no hang, its engine
+leaves the directory, Serve's replacement registers, and later requests succeed; a replica's
+host forwards `ray`-transport writes (bytes and canaries checked) and its health check follows
+the agent and its registration."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import ray
+import requests
+
+from kvray.config import Settings
+from kvray.coordinator import get_or_create_coordinator
+from kvray.errors import KvrayError, MetadataError, UnknownEngineError, WireDecodeError
+from kvray.memory import Backing, MemoryKind
+from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
+from kvray.wire import Role, TransportKind, decode_engine_info
+from kvray.workers import PrefillActor
+
+serve = pytest.importorskip("ray.serve", reason="the Serve app needs the serve extra")
+kvray_serve = pytest.importorskip("kvray.serve")
+
+pytestmark = pytest.mark.cluster
+
+SETTINGS = Settings(
+    heartbeat_s=0.5,
+    lookup_timeout_s=5.0,
+    transfer_timeout_s=15.0,
+    notify_timeout_s=5.0,
+    coordinator_name="kvray-coordinator-serve-tests",
+)
+OPTIONS = kvray_serve.ServeOptions(
+    model="mixed",
+    num_blocks=128,
+    prefill_replicas=1,
+    decode_replicas=2,
+    replica_cpus=0.5,
+    request_timeout_s=20.0,
+    settings=SETTINGS,
+)
+MODEL = ReferenceModel(MODEL_PRESETS["mixed"])
+#: The client's own bound: far above the app's deadline, so a hang fails the test, not a 504.
+CLIENT_TIMEOUT_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not reached within {seconds} s")
+
+
+def colocated(tokens: Sequence[int], max_tokens: int) -> list[int]:
+    """Reference generation in this process: prefill and decode on one backing."""
+    backing = Backing.allocate(MODEL.layout(OPTIONS.num_blocks), MemoryKind.CPU)
+    try:
+        blocks = list(range(MODEL.blocks_needed(len(tokens) + max_tokens)))
+        return MODEL.generate(list(tokens), backing.views, blocks, max_tokens)
+    finally:
+        backing.close()
+
+
+def _prompts(count: int, seed: int) -> list[tuple[dict[str, Any], list[int]]]:
+    """(request body, prompt tokens): token-id and text prompts of 1 to 40 tokens."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple[dict[str, Any], list[int]]] = []
+    for index in range(count):
+        max_tokens = int(rng.integers(1, 10))
+        if index % 2:
+            text = f"Request {index}: two layers of one geometry are two layers."[: int(rng.integers(1, 40))]
+            out.append(({"text": text, "max_tokens": max_tokens}, encode_text(text)))
+        else:
+            tokens = [int(t) for t in rng.integers(0, 256, int(rng.integers(1, 41)))]
+            out.append(({"prompt": tokens, "max_tokens": max_tokens}, tokens))
+    return out
+
+
+def _engines(role: Role) -> set[str]:
+    coordinator = get_or_create_coordinator(SETTINGS)
+    return {
+        decode_engine_info(info).engine_id
+        for info in ray.get(coordinator.engines.remote(role.value), timeout=30)
+    }
+
+
+def _replica_actor(engine_id: str) -> Any:
+    app, deployment, replica = engine_id.split("-")
+    return ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve")
+
+
+@pytest.fixture(scope="module")
+def app_url(local_ray: None) -> Iterator[str]:
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(kvray_serve.build_app(OPTIONS), name="kvray", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def _post(url: str, body: dict[str, Any]) -> requests.Response:
+    return requests.post(f"{url}/generate", json=body, timeout=CLIENT_TIMEOUT_S)
+
+
+def _check_ok(response: requests.Response, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    reply: dict[str, Any] = response.json()
+    assert reply["tokens"] == colocated(tokens, max_tokens), reply
+    assert reply["prompt_tokens"] == len(tokens)
+    assert reply["transport"] == TransportKind.SHM.value
+    return reply
+
+
+def test_concurrent_requests_equal_colocated_generation(app_url: str) -> None:
+    decodes, prefills = _engines(Role.DECODE), _engines(Role.PREFILL)
+    assert len(decodes) == OPTIONS.decode_replicas and len(prefills) == OPTIONS.prefill_replicas
+    prompts = _prompts(16, seed=1)
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda item: _post(app_url, item[0]), prompts))
+    for (body, tokens), response in zip(prompts, responses, strict=True):
+        reply = _check_ok(response, tokens, body["max_tokens"])
+        assert reply["decode_engine"] in decodes and reply["prefill_engine"] in prefills
+    # Every block went back to its pool on both sides (no leak), on every replica.
+    handle = serve.get_deployment_handle("Decode", app_name="kvray")
+    for stats in handle.broadcast("stats").results(timeout_s=30):
+        assert stats["used_blocks"] == 0 and stats["requests"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"prompt": [], "max_tokens": 3}, 400, "empty"),
+        ({"prompt": [1, 256], "max_tokens": 3}, 400, r"\[0, 256\)"),
+        ({"text": "a", "prompt": [1]}, 400, "not both"),
+        ({"text": "a", "max_tokens": 0}, 400, "max_tokens"),
+        ({"text": "a", "max_tokens": 2, "temperature": 1}, 400, "temperature"),
+        ({"prompt": list(range(200)) * 5, "max_tokens": 100}, 400, "positions"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_reserved(
+    app_url: str, body: dict[str, Any], status: int, message: str
+) -> None:
+    response = _post(app_url, body)
+    assert response.status_code == status
+    assert response.json()["type"] == "BadRequest"
+    assert re.search(message, response.json()["error"]), response.json()
+
+
+def test_other_paths_and_methods_and_malformed_json(app_url: str) -> None:
+    assert requests.get(f"{app_url}/generate", timeout=CLIENT_TIMEOUT_S).status_code == 405
+    assert requests.post(f"{app_url}/other", json={}, timeout=CLIENT_TIMEOUT_S).status_code == 404
+    malformed = requests.post(f"{app_url}/generate", data=b"{", timeout=CLIENT_TIMEOUT_S)
+    assert malformed.status_code == 400 and "invalid request body" in malformed.json()["error"]
+
+
+def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> None:
+    handle = serve.get_deployment_handle("Decode", app_name="kvray")
+    before = _engines(Role.DECODE)
+    # One long request (many new tokens) keeps a decode replica busy; kill that replica while
+    # it holds the request, with other requests in flight.
+    long_tokens = encode_text("a long request")
+    long_body = {"prompt": long_tokens, "max_tokens": 200}
+    prompts = _prompts(12, seed=2)
+    with ThreadPoolExecutor(8) as pool:
+        long_future = pool.submit(_post, app_url, long_body)
+        busy: list[str] = []
+
+        def holds_a_request() -> bool:
+            stats = handle.broadcast("stats").results(timeout_s=30)
+            busy[:] = [s["engine_id"] for s in stats if s["requests"] > 0]
+            return bool(busy)
+
+        _wait_until(holds_a_request, "a decode replica holds the long request")
+        futures = [pool.submit(_post, app_url, body) for body, _ in prompts]
+        victim = busy[0]
+        ray.kill(_replica_actor(victim), no_restart=True)
+        outcomes = [(body, tokens, f.result()) for (body, tokens), f in zip(prompts, futures, strict=True)]
+        outcomes.append((long_body, long_tokens, long_future.result()))
+
+    failed = 0
+    for body, tokens, response in outcomes:
+        if response.status_code == 200:
+            _check_ok(response, tokens, body["max_tokens"])
+            continue
+        failed += 1
+        error = response.json()
+        assert response.status_code in (502, 503, 504), error
+        assert error["type"] and error["error"] and error["request_id"], error
+    # The killed replica held at least the long request: it failed, as a clear error.
+    assert failed >= 1
+
+    # Its engine leaves the directory (its host died with it); Serve's replacement registers.
+    _wait_until(lambda: victim not in _engines(Role.DECODE), "the killed engine is dropped")
+    _wait_until(
+        lambda: len(_engines(Role.DECODE) - before) == 1 and len(_engines(Role.DECODE)) == 2,
+        "a replacement decode engine registers",
+        seconds=120.0,
+    )
+    assert victim not in _engines(Role.DECODE)
+
+    # Later requests succeed again, and none is handed to the dead engine.
+    later = _prompts(6, seed=3)
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda item: _post(app_url, item[0]), later))
+    for (body, tokens), response in zip(later, responses, strict=True):
+        assert _check_ok(response, tokens, body["max_tokens"])["decode_engine"] != victim
+
+
+async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
+    local_ray: None, canary_mask: Any
+) -> None:
+    """A decode engine as a replica runs it (here in the test's process): a prefill worker pushes
+    over the `ray` transport, so the write and its check pass through the engine's host."""
+    settings = msgspec.structs.replace(SETTINGS, transport="ray")
+    options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
+    engine = await kvray_serve.ReplicaEngine.start(Role.DECODE, "serve-host-d0", options)
+    prefill = PrefillActor.remote("serve-host-p0", engine.worker.kvray_agent.layout, settings)
+    try:
+        await engine.check_health()
+        await prefill.start.remote()
+        worker = engine.worker
+        await worker.fill_region(seed=5)
+        before = await worker.snapshot()
+        source = await prefill.allocate.remote("req-1", 3)
+        await prefill.fill_random.remote("req-1", 9)
+        expected = await prefill.read_blocks.remote(source)
+        blocks, incarnation = await worker.reserve("req-1", 3)
+        pushed = await prefill.push.remote("req-1", "serve-host-d0", blocks, incarnation)
+        assert pushed.transport is TransportKind.RAY
+        await worker.wait("req-1", 10.0)
+        landed = await worker.read_blocks(blocks)
+        assert all(np.array_equal(landed[layer], expected[layer]) for layer in expected)
+        after = await worker.snapshot()
+        for (offset, old), (_, new) in zip(before, after, strict=True):
+            mask = canary_mask(worker.kvray_agent.info, offset, old.size, [(blocks, None)])
+            assert np.array_equal(old[~mask], new[~mask])  # canaries: nothing else changed
+            assert not np.array_equal(old[mask], new[mask])
+        await worker.release("req-1")
+        assert worker.pool.used_count == 0
+
+        # A malformed notice forwarded through the host fails its sender, as it would directly.
+        with pytest.raises(WireDecodeError):
+            await engine.host.kvray_notify.remote(b"not a message")
+
+        # Registration lost (e.g. a coordinator restart): unhealthy until the agent re-registers.
+        coordinator = get_or_create_coordinator(SETTINGS)
+        await coordinator.deregister.remote("serve-host-d0", worker.kvray_agent.incarnation)
+        with pytest.raises(MetadataError, match="not registered"):
+            await engine.check_health()
+        await _until_healthy(engine)
+    finally:
+        await engine.close()
+        ray.kill(prefill)
+    with pytest.raises(KvrayError, match="not running"):
+        await engine.check_health()
+    with pytest.raises(UnknownEngineError):
+        await coordinator.lookup.remote("serve-host-d0", 0.1)
+
+
+async def _until_healthy(engine: Any, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            await engine.check_health()
+            return
+        except MetadataError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
