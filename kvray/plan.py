@@ -421,6 +421,13 @@ def plan_transfer(
         )
     local_rows = cache.rows(local, names)
     remote_rows = cache.rows(remote, names)
+    # Blocks in ascending local order: each row's ops then come out sorted by local offset
+    # (a layer's block stride is positive), which usually spares merge_ops its sort.
+    order = np.argsort(local_ids, kind="stable")
+    local_ids = local_ids[order]
+    remote_ids = remote_ids[order]
+    check_row_bounds(local_rows, local_ids, local, "local")
+    check_row_bounds(remote_rows, remote_ids, remote, "remote")
     # One op per (layer, part) row × block, in that order.
     local_offset = (local_rows.base[:, None] + local_ids[None, :] * local_rows.block_stride[:, None]).ravel()
     remote_offset = (
@@ -434,8 +441,7 @@ def plan_transfer(
         remote_offset,
         np.repeat(local_rows.nbytes, count),
     )
-    check_bounds(unmerged, local, remote)
-    layer_starts = tuple(start * count for start in local_rows.layer_starts)
+    layer_starts = tuple((np.asarray(local_rows.layer_starts) * count).tolist())
     return TransferPlan(
         src_engine=local.engine_id,
         src_incarnation=local.incarnation,
@@ -446,6 +452,34 @@ def plan_transfer(
         unmerged=unmerged,
         layer_starts=layer_starts,
     )
+
+
+def check_row_bounds(rows: PartRows, ids: Int64Array, info: EngineInfo, side: str) -> None:
+    """Invariant 2 for every op of one side at once: an op's offset is `base + id * stride`,
+    linear in the block id, so the ops of a row lie between the offsets of its smallest and its
+    largest block id. Checking those two ends of every row covers each op exactly; where one
+    fails, the full per-op check names it."""
+    lengths = [r.length for r in info.regions]
+    first = rows.base + int(ids.min()) * rows.block_stride
+    last = rows.base + int(ids.max()) * rows.block_stride
+    regions = np.concatenate([rows.region, rows.region])
+    nbytes = np.concatenate([rows.nbytes, rows.nbytes])
+    try:
+        check_ops(
+            regions, np.concatenate([first, last]), nbytes, lengths, side=side, engine_id=info.engine_id
+        )
+    except BoundsError:
+        count = ids.size
+        offsets = (rows.base[:, None] + ids[None, :] * rows.block_stride[:, None]).ravel()
+        check_ops(
+            np.repeat(rows.region, count),
+            offsets,
+            np.repeat(rows.nbytes, count),
+            lengths,
+            side=side,
+            engine_id=info.engine_id,
+        )
+        raise
 
 
 def _sort_key(region: Int64Array, offset: Int64Array) -> Int64Array:
@@ -461,12 +495,17 @@ def merge_ops(ops: OpTable) -> OpTable:
     source and destination continue the previous op's bytes."""
     if len(ops) == 0:
         return ops
-    order = np.argsort(_sort_key(ops.local_region, ops.local_offset), kind="stable")
-    local_region = ops.local_region[order]
-    local_offset = ops.local_offset[order]
-    remote_region = ops.remote_region[order]
-    remote_offset = ops.remote_offset[order]
-    nbytes = ops.nbytes[order]
+    key = _sort_key(ops.local_region, ops.local_offset)
+    if bool((key[1:] >= key[:-1]).all()):
+        local_region, local_offset = ops.local_region, ops.local_offset
+        remote_region, remote_offset, nbytes = ops.remote_region, ops.remote_offset, ops.nbytes
+    else:
+        order = np.argsort(key, kind="stable")
+        local_region = ops.local_region[order]
+        local_offset = ops.local_offset[order]
+        remote_region = ops.remote_region[order]
+        remote_offset = ops.remote_offset[order]
+        nbytes = ops.nbytes[order]
     continues = (
         (local_region[1:] == local_region[:-1])
         & (remote_region[1:] == remote_region[:-1])

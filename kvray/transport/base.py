@@ -86,7 +86,10 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
         local_engine=plan.src_engine,
         remote_engine=info.engine_id,
     )
-    for index in np.unique(ops.remote_region).tolist():
+    # The usual plan writes one region: no scan for the distinct ones.
+    single = len(ops) > 0 and not ops.remote_region.any()
+    targets = [0] if single else np.unique(ops.remote_region).tolist()
+    for index in targets:
         if not info.regions[index].remote_writable:
             raise RegionError(
                 f"region {index} of engine {info.engine_id!r} is not remotely writable "

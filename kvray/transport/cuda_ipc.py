@@ -2,9 +2,9 @@
 as a CUDA IPC handle (with the region's offset inside it, in the region descriptor); the
 prefill process opens it once per peer incarnation and writes a plan's ops with batched copies,
 never one launch per block: ONE Triton kernel launch per region pair, on the decode engine's
-GPU (every op is cut into chunks on the host, each program copies one chunk with wide loads and
-stores). Across two GPUs with peer access (NVLink) that kernel loads the source over the link;
-without peer access, a gather kernel, one device-to-device copy and a scatter kernel stage it.
+GPU (each program copies one op, or one piece of a long op, with wide loads and stores).
+Across two GPUs with peer access (NVLink) that kernel loads the source over the link; without
+peer access, a gather kernel, one device-to-device copy and a scatter kernel stage it.
 Completion waits for the last event off the event loop.
 
 Both GPUs must be visible to the writing process (the IPC handle is opened on the decode
@@ -33,10 +33,8 @@ from kvray.wire import RegionDescriptor, TransportKind
 
 Int64Array = npt.NDArray[np.int64]
 
-#: Bytes one kernel program copies at most (ops are cut into chunks of this size).
-CHUNK_NBYTES = 64 * 1024
-#: Elements one program moves per loop step.
-_BLOCK = 1024
+#: Bytes one kernel program copies at most (longer ops are cut into pieces of this size).
+MAX_PIECE_NBYTES = 256 * 1024
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,7 +100,7 @@ def region_pairs(
 def chunk_ops(
     dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, chunk: int
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """The same copies cut into pieces of at most `chunk` bytes (one kernel program each)."""
+    """The same copies cut into pieces of at most `chunk` bytes."""
     pieces = -(-nbytes // chunk)
     op = np.repeat(np.arange(nbytes.size), pieces)
     first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1])).astype(np.int64)
@@ -113,28 +111,31 @@ def chunk_ops(
 @functools.cache
 def _kernel() -> Any:
     """The copy kernel, compiled on first use (Triton is imported only here). It runs on the
-    destination's GPU; the source may sit on another GPU, read over NVLink through peer access."""
+    destination's GPU; the source may sit on another GPU, read over NVLink through peer access.
+    Program i copies op i of `table` (source offsets, then target offsets, then sizes, in
+    bytes; each a multiple of the element width 2**SHIFT)."""
     import triton
     import triton.language as tl
 
-    def copy_chunks(  # type: ignore[no-untyped-def]
-        src, dst, src_off, dst_off, count, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
+    def copy_pieces(  # type: ignore[no-untyped-def]
+        src, dst, table, count, SHIFT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
     ):
         piece = tl.program_id(0)
-        source = tl.load(src_off + piece)
-        target = tl.load(dst_off + piece)
-        length = tl.load(count + piece)
+        source = tl.load(table + piece) >> SHIFT
+        target = tl.load(table + count + piece) >> SHIFT
+        length = tl.load(table + 2 * count + piece) >> SHIFT
         if VEC > 1:
             # Every offset is a multiple of VEC elements: lets the compiler use 16-byte accesses.
             source = tl.multiple_of(source, VEC)
             target = tl.multiple_of(target, VEC)
-        for start in tl.range(0, CHUNK, BLOCK):
+            length = tl.multiple_of(length, VEC)
+        for start in tl.range(0, length, BLOCK):
             index = start + tl.arange(0, BLOCK)
             mask = index < length
             values = tl.load(src + source + index, mask=mask)
             tl.store(dst + target + index, values, mask=mask)
 
-    return triton.jit(copy_chunks)
+    return triton.jit(copy_pieces)
 
 
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -184,25 +185,24 @@ def launch_copy(
     unit = pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr()))
     vector = 2 if unit == 16 else 1
     unit = min(8, unit)
-    dtype = _UNIT_DTYPES[unit]
-    chunk = CHUNK_NBYTES
-    piece_dst, piece_src, piece_n = chunk_ops(dst_offsets, src_offsets, nbytes, chunk)
+    if int(nbytes.max()) > MAX_PIECE_NBYTES:
+        # Long ops are cut so that no program copies much more than the others.
+        dst_offsets, src_offsets, nbytes = chunk_ops(dst_offsets, src_offsets, nbytes, MAX_PIECE_NBYTES)
     # Remote loads need more bytes in flight per program than local ones.
     block, warps = (4096, 16) if reader != owner else (2048, 8)
     with torch.cuda.device(dst.device):
         table = (
-            torch.from_numpy(np.stack([piece_src // unit, piece_dst // unit, piece_n // unit]))
+            torch.from_numpy(np.concatenate([src_offsets, dst_offsets, nbytes]))
             .pin_memory()
             .to(dst.device, non_blocking=True)
         )
-        _kernel()[(piece_n.size,)](
-            src.view(dtype),
-            dst.view(dtype),
-            table[0],
-            table[1],
-            table[2],
-            CHUNK=chunk // unit,
-            BLOCK=min(block, chunk // unit),
+        _kernel()[(nbytes.size,)](
+            src.view(_UNIT_DTYPES[unit]),
+            dst.view(_UNIT_DTYPES[unit]),
+            table,
+            nbytes.size,
+            SHIFT=unit.bit_length() - 1,
+            BLOCK=block,
             VEC=vector,
             num_warps=warps,
         )

@@ -40,10 +40,12 @@ from kvray.plan import (
     TransferPlan,
     check_bounds,
     check_compatible,
+    check_ops,
+    check_row_bounds,
     plan_transfer,
     validate_engine_info,
 )
-from kvray.wire import EngineInfo, Role, decode_engine_info, encode
+from kvray.wire import EngineInfo, Role, TransportKind, decode_engine_info, encode
 
 MakeInfo = Callable[..., EngineInfo]
 
@@ -808,3 +810,63 @@ def test_every_planned_op_is_inside_both_regions(make_info: MakeInfo) -> None:
         assert (ops.local_offset + ops.nbytes).max() <= local_info.regions[0].length
         assert (ops.remote_offset + ops.nbytes).max() <= remote_info.regions[0].length
         assert ops.local_offset.min() >= 0 and ops.remote_offset.min() >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(-(2**20), 2**20), st.integers(-4096, 4096), st.integers(-8, 4096)),
+        min_size=1,
+        max_size=6,
+    ),
+    ids=st.lists(st.integers(0, 300), min_size=1, max_size=20, unique=True),
+    length=st.integers(1, 2**21),
+)
+def test_row_bounds_check_refuses_exactly_what_the_per_op_check_refuses(
+    rows: list[tuple[int, int, int]], ids: list[int], length: int
+) -> None:
+    """The planner checks each row's two extreme blocks instead of every op: it must refuse a
+    plan if and only if some single op leaves its region."""
+    part_rows = PartRows(
+        layers=("x",),
+        region=np.zeros(len(rows), dtype=np.int64),
+        base=np.array([r[0] for r in rows], dtype=np.int64),
+        block_stride=np.array([r[1] for r in rows], dtype=np.int64),
+        nbytes=np.array([r[2] for r in rows], dtype=np.int64),
+        layer_starts=(0, len(rows)),
+    )
+    block_ids = np.array(ids, dtype=np.int64)
+    region = msgspec.structs.replace(_one_region_info(length).regions[0], length=length)
+    info = msgspec.structs.replace(_one_region_info(length), regions=(region,))
+    count = block_ids.size
+    every_op = (part_rows.base[:, None] + block_ids[None, :] * part_rows.block_stride[:, None]).ravel()
+    try:
+        check_ops(
+            np.repeat(part_rows.region, count),
+            every_op,
+            np.repeat(part_rows.nbytes, count),
+            [length],
+            side="remote",
+            engine_id="e",
+        )
+        per_op_ok = True
+    except BoundsError:
+        per_op_ok = False
+    if per_op_ok:
+        check_row_bounds(part_rows, block_ids, info, "remote")
+    else:
+        with pytest.raises(BoundsError):
+            check_row_bounds(part_rows, block_ids, info, "remote")
+
+
+def _one_region_info(length: int) -> EngineInfo:
+    layout = KVLayout(
+        layers=(LayerSpec(name="x", geometry=Geometry(block_size=1, entry_shape=(1,), dtype="uint8")),),
+        num_blocks=1,
+    )
+    backing = Backing.allocate(layout)
+    info = backing.engine_info(
+        "e", 1, Role.DECODE, "n", backing.region_descriptors("e", 1, TransportKind.SHM, remote_writable=True)
+    )
+    backing.close()
+    return info
