@@ -9,8 +9,11 @@ out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB
 Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory:
 - `ceiling`: one device-to-device copy of the same number of bytes between two plain
   allocations on the two GPUs (peer-to-peer over NVLink), or within the GPU;
-- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + the transport's batched copies
-  (one GPU: one kernel; two GPUs: gather kernel, one NVLink copy, scatter kernel) + event wait;
+- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + the transport's write (checks,
+  one kernel on the decode GPU that reads the source over NVLink, event wait); also the write of
+  an already planned request, 4 requests in flight at once, the copy kernel queued 10 times back
+  to back (the GPU-side rate), and the staged path used without peer access (gather kernel, one
+  copy, scatter kernel);
 - `naive`: one `copy_` per op of the same plan;
 - `nccl`: gather into one buffer, `send`, `recv` on the decode process, scatter, ack.
 The decode buffer is scrubbed before every run; after each contender's runs the decode process
@@ -49,6 +52,8 @@ from kvray.wire import Role, decode_engine_info, encode
 NCCL_PORT = 29533
 #: Requests pushed concurrently in the steady-state row (planning overlaps the copies).
 IN_FLIGHT = 4
+#: Copies queued back to back without waiting: the GPU-side rate of the transport's kernel.
+BACK_TO_BACK = 10
 
 
 def workloads(quick: bool) -> dict[str, tuple[KVLayout, int]]:
@@ -227,6 +232,10 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         def kvray_steady() -> None:
             loop.run_until_complete(in_flight())
 
+        def kvray_back_to_back() -> None:
+            for _ in range(BACK_TO_BACK):
+                copy_ops(target, src, ops.remote_offset, ops.local_offset, ops.nbytes)
+
         def kvray_staged() -> None:
             copy_ops(target, src, ops.remote_offset, ops.local_offset, ops.nbytes, direct=False).synchronize()
 
@@ -256,6 +265,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             ("kvray cuda_ipc: plan + write", kvray_write, 1),
             ("kvray cuda_ipc: write (planned)", kvray_transport, 1),
             (f"kvray cuda_ipc: {IN_FLIGHT} requests in flight", kvray_steady, IN_FLIGHT),
+            (f"kvray copy kernel, {BACK_TO_BACK} queued", kvray_back_to_back, BACK_TO_BACK),
             ("kvray kernels, staged (no peer reads)", kvray_staged, 1),
         ):
             samples = [sample / per_run for sample in timed(run, scrub, args.repeat)]
