@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvray.config import Settings
 from kvray.errors import RegionError, StaleIncarnationError
@@ -97,3 +98,17 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
                 engine_id=info.engine_id,
                 region=index,
             )
+
+
+def region_pairs(
+    local_region: npt.NDArray[np.int64], remote_region: npt.NDArray[np.int64]
+) -> list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]]:
+    """The (local region, remote region) pairs of an op table, each with the selector of its
+    ops; the usual plan (one region each side) costs no scan."""
+    if local_region.size and not local_region.any() and not remote_region.any():
+        return [((0, 0), slice(None))]
+    pairs: list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]] = []
+    for local_index, remote_index in np.unique(np.stack([local_region, remote_region]), axis=1).T.tolist():
+        select = (local_region == local_index) & (remote_region == remote_index)
+        pairs.append(((int(local_index), int(remote_index)), select))
+    return pairs

@@ -28,7 +28,7 @@ from kvray.config import Settings
 from kvray.errors import RegionError, TransportError, TransportUnavailableError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
-from kvray.transport.base import Peer, Transport, check_write
+from kvray.transport.base import Peer, Transport, check_write, region_pairs
 from kvray.wire import RegionDescriptor, TransportKind
 
 Int64Array = npt.NDArray[np.int64]
@@ -81,20 +81,6 @@ def pick_unit(*arrays: Int64Array, bases: tuple[int, ...] = ()) -> int:
         if combined % unit == 0:
             return unit
     return 1
-
-
-def region_pairs(
-    local_region: Int64Array, remote_region: Int64Array
-) -> list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]]:
-    """The (local region, remote region) pairs of an op table, each with the selector of its
-    ops; the usual plan (one region each side) costs no scan."""
-    if local_region.size and not local_region.any() and not remote_region.any():
-        return [((0, 0), slice(None))]
-    pairs: list[tuple[tuple[int, int], slice | npt.NDArray[np.bool_]]] = []
-    for local_index, remote_index in np.unique(np.stack([local_region, remote_region]), axis=1).T.tolist():
-        select = (local_region == local_index) & (remote_region == remote_index)
-        pairs.append(((int(local_index), int(remote_index)), select))
-    return pairs
 
 
 def chunk_ops(

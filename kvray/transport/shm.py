@@ -16,7 +16,7 @@ from kvray.errors import KvrayError, RegionError, StaleIncarnationError, Transpo
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
-from kvray.transport.base import Peer, Transport, check_write
+from kvray.transport.base import Peer, Transport, check_write, region_pairs
 from kvray.wire import RegionDescriptor, TransportKind
 
 
@@ -95,13 +95,10 @@ class ShmTransport(Transport):
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         check_write(plan, local, peer)
         ops = plan.ops
-        pair_key = ops.local_region * (len(peer.info.regions) + 1) + ops.remote_region
-        for key in np.unique(pair_key).tolist():
-            local_index, remote_index = divmod(key, len(peer.info.regions) + 1)
+        for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
             source = local.regions[local_index].tensor
             if source.is_cuda:
                 raise TransportError("the shm transport copies from CPU memory; use cuda_ipc for GPUs")
-            select = pair_key == key
             remote_offset = ops.remote_offset[select]
             nbytes = ops.nbytes[select]
             mapping = self._map(peer, remote_index)
