@@ -35,12 +35,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent_transfers: int = 8
     #: Transfers one agent accepts queued beyond the running ones before refusing new pushes.
     max_queued_transfers: int = 256
-    #: Transport to use: "auto", "shm", "ray" (and later "cuda_ipc", "verbs").
+    #: Transport to use: "auto", "shm", "ray", "cuda_ipc" or "verbs".
     transport: str = "auto"
     #: Seconds between an agent's heartbeats to the coordinator (re-registers after a restart).
     heartbeat_s: float = 2.0
     #: Seconds a control message to a peer (completion, failure notice) may take.
     notify_timeout_s: float = 10.0
+    #: RDMA device for the `verbs` transport: a name (e.g. "mlx5_0"), or "auto" for the device
+    #: with an active port nearest this process (same NUMA node), else the first active one.
+    verbs_device: str = "auto"
+    #: Port of that device (ports count from 1).
+    verbs_port: int = 1
+    #: GID table index to address the port by; -1 picks one (IPv4-mapped RoCE v2 first).
+    verbs_gid_index: int = -1
+    #: Every Nth RDMA WRITE asks for a completion (the last of a transfer always does).
+    verbs_signal_every: int = 16
+    #: Work requests one queue pair may have posted and not yet completed.
+    verbs_queue_depth: int = 256
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
@@ -64,9 +75,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                     setting=name,
                     value=value,
                 )
-        for name in ("max_concurrent_transfers", "max_queued_transfers"):
+        for name in (
+            "max_concurrent_transfers",
+            "max_queued_transfers",
+            "verbs_port",
+            "verbs_signal_every",
+            "verbs_queue_depth",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
+        if self.verbs_gid_index < -1:
+            raise ConfigError(
+                f"verbs_gid_index must be a GID table index, or -1 to pick one, got {self.verbs_gid_index}",
+                setting="verbs_gid_index",
+                value=self.verbs_gid_index,
+            )
+        if not self.verbs_device:
+            raise ConfigError(
+                'verbs_device must name an RDMA device (e.g. "mlx5_0") or be "auto"',
+                setting="verbs_device",
+                value=self.verbs_device,
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

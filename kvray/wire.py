@@ -72,6 +72,23 @@ class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
+class VerbsEndpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's RDMA port (`verbs` transport): how a queue pair reaches it. Published in
+    `EngineInfo` (a peer with one has an RDMA device) and repeated in each handshake."""
+
+    device: str
+    port: ByteCount
+    #: The port's GID at `gid_index`, as pyverbs writes it ('xxxx:xxxx:...:xxxx').
+    gid: str
+    gid_index: ByteCount
+    #: The port's LID (InfiniBand; 0 on RoCE, which routes by GID).
+    lid: ByteCount
+    #: The port's active MTU (an IBV_MTU_* value, 1 = 256 bytes ... 5 = 4096 bytes).
+    mtu: ByteCount
+    #: IBV_LINK_LAYER_*: 1 InfiniBand, 2 Ethernet (RoCE).
+    link_layer: ByteCount
+
+
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine publishes through the coordinator."""
 
@@ -85,6 +102,8 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     placements: dict[str, LayerPlacement]
     #: Transport-specific connection data (e.g. an RDMA queue pair's number and GID).
     endpoints: dict[str, str] = {}
+    #: The engine's RDMA port, when it takes `verbs` writes (None: it has no RDMA device).
+    verbs: VerbsEndpoint | None = None
 
     def placement(self, layer: str) -> LayerPlacement:
         try:
@@ -143,14 +162,51 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
 
 Message = TransferDone | TransferFailed | WriteOps
 
+
+class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
+    """One region of a decode engine as its RDMA memory region exposes it."""
+
+    index: ByteCount
+    #: Address of the region's first byte in the memory region's address space.
+    address: ByteCount
+    length: ByteCount
+    rkey: ByteCount
+
+
+class VerbsConnect(msgspec.Struct, frozen=True, kw_only=True, tag="verbs_connect"):
+    """A writer asks a decode engine for a reliable-connected queue pair facing its own."""
+
+    src_engine: str
+    src_incarnation: ByteCount
+    dst_engine: str
+    dst_incarnation: ByteCount
+    endpoint: VerbsEndpoint
+    qp_num: ByteCount
+    psn: ByteCount
+
+
+class VerbsAccept(msgspec.Struct, frozen=True, kw_only=True, tag="verbs_accept"):
+    """The decode engine's answer: its queue pair (ready to receive) and its regions' keys."""
+
+    dst_engine: str
+    dst_incarnation: ByteCount
+    endpoint: VerbsEndpoint
+    qp_num: ByteCount
+    psn: ByteCount
+    regions: tuple[VerbsRegionKey, ...]
+
+
+VerbsHandshake = VerbsConnect | VerbsAccept
+
 _message_encoder = msgspec.msgpack.Encoder()
 _message_decoder = msgspec.msgpack.Decoder(Message)
 _engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
+_handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
 
 T = TypeVar("T")
 
 
-def encode(value: Message | EngineInfo | RegionDescriptor) -> bytes:
+def encode(value: Message | EngineInfo | RegionDescriptor | VerbsHandshake) -> bytes:
     return _message_encoder.encode(value)
 
 
@@ -160,6 +216,10 @@ def decode_message(data: bytes) -> Message:
 
 def decode_engine_info(data: bytes) -> EngineInfo:
     return _decode(_engine_decoder, data, "engine info")
+
+
+def decode_verbs_handshake(data: bytes) -> VerbsHandshake:
+    return _decode(_handshake_decoder, data, "verbs handshake")
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:

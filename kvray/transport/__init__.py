@@ -13,6 +13,7 @@ _BACKENDS: dict[TransportKind, tuple[str, str]] = {
     TransportKind.SHM: ("kvray.transport.shm", "ShmTransport"),
     TransportKind.RAY: ("kvray.transport.ray", "RayTransport"),
     TransportKind.CUDA_IPC: ("kvray.transport.cuda_ipc", "CudaIpcTransport"),
+    TransportKind.VERBS: ("kvray.transport.verbs", "VerbsTransport"),
 }
 
 

@@ -41,7 +41,11 @@ ByteArray = npt.NDArray[np.uint8]
 
 #: How the suite reaches a peer, per transport. A transport kvray builds and this machine can run,
 #: but that has no entry here, fails the suite (it needs a harness) rather than skipping silently.
-HARNESS_KINDS = frozenset({TransportKind.SHM, TransportKind.RAY})
+HARNESS_KINDS = frozenset({TransportKind.SHM, TransportKind.RAY, TransportKind.VERBS})
+
+#: The `verbs` transport on the FAKE device of tests/transport/fake_verbs.py (no hardware needed);
+#: the plain `verbs` parameter runs the same suite through real pyverbs and an RDMA device.
+FAKE_VERBS = "verbs-fake"
 
 #: Transports whose availability check is skipped here, and why.
 BYPASS_AVAILABILITY = {
@@ -64,6 +68,8 @@ def _transport_params() -> list[Any]:
             params.append(pytest.param(kind, id=kind.value, marks=pytest.mark.skip(reason=str(error))))
             continue
         params.append(pytest.param(kind, id=kind.value))
+        if kind is TransportKind.VERBS:
+            params.append(pytest.param(FAKE_VERBS, id=FAKE_VERBS))
     return params
 
 
@@ -112,6 +118,29 @@ class LocalHost:
             raise _as_ray_task_error(error) from None
 
 
+class LocalVerbsHost:
+    """IN-PROCESS STAND-IN for the Ray actor hosting a decode agent, for the `verbs` transport:
+    `kvray_connect.remote(request)` answers the handshake with the transport's own `accept` for
+    this engine (the suite's one transport is both the writer and the decode side, its queue pairs
+    connected to each other). Errors cross back as Ray would carry them."""
+
+    def __init__(self, transport: Transport, engine: Engine) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.connects = 0
+        self.kvray_connect = _RemoteMethod(self._connect)
+
+    async def _connect(self, request: bytes) -> bytes:
+        from kvray.transport.verbs import VerbsTransport
+
+        self.connects += 1
+        assert isinstance(self.transport, VerbsTransport)
+        try:
+            return await self.transport.accept(bytes(request), self.engine.backing, self.engine.info)
+        except Exception as error:
+            raise _as_ray_task_error(error) from None
+
+
 def _as_ray_task_error(error: Exception) -> Exception:
     import ray.exceptions
 
@@ -142,6 +171,10 @@ class TransportUnderTest:
     transport: Transport
     rng: np.random.Generator
     backings: list[Backing] = field(default_factory=list)
+    #: False where a device, not this process, moves the bytes (real RDMA): no copy to gate.
+    in_process_copies: bool = True
+    #: The fake RDMA network, for the `verbs-fake` parameter.
+    fabric: Any = None
     _incarnations: Iterator[int] = field(default_factory=lambda: itertools.count(101))
 
     # ---- engines and plans ----
@@ -180,9 +213,11 @@ class TransportUnderTest:
 
     def peer(self, engine: Engine, info: EngineInfo | None = None) -> Peer:
         """How a writer reaches `engine`, optionally through an older or forged `info`."""
-        host = None
+        host: Any = None
         if self.kind is TransportKind.RAY:
             host = LocalHost(engine.backing, engine.engine_id, engine.incarnation)
+        elif self.kind is TransportKind.VERBS:
+            host = LocalVerbsHost(self.transport, engine)
         return Peer(info or engine.info, host=host)
 
     def plan(
@@ -329,16 +364,26 @@ def _seed(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _open(kind: TransportKind, request: pytest.FixtureRequest) -> TransportUnderTest:
-    cls = transport_class(kind)
+def _open(kind: TransportKind | str, request: pytest.FixtureRequest) -> TransportUnderTest:
     settings = Settings()
+    rng = np.random.default_rng(_seed(request.node.nodeid))
+    if kind == FAKE_VERBS:
+        from fake_verbs import FakeFabric
+
+        from kvray.transport.verbs import VerbsTransport
+
+        fabric = FakeFabric()
+        transport = VerbsTransport(settings, api=fabric.api())
+        return TransportUnderTest(TransportKind.VERBS, transport, rng, fabric=fabric)
+    assert isinstance(kind, TransportKind)
+    cls = transport_class(kind)
     if kind not in BYPASS_AVAILABILITY:
         reason = cls.unavailable_reason(settings)
         if reason is not None:
             pytest.skip(f"transport {kind.value} is unavailable here: {reason}")
     if kind not in HARNESS_KINDS:
         pytest.fail(f"transport {kind.value} runs here but the contract suite has no harness for it yet")
-    return TransportUnderTest(kind, cls(settings), np.random.default_rng(_seed(request.node.nodeid)))
+    return TransportUnderTest(kind, cls(settings), rng, in_process_copies=kind is not TransportKind.VERBS)
 
 
 async def _close(under_test: TransportUnderTest) -> None:
