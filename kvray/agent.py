@@ -264,6 +264,10 @@ class KVAgent:
         self._info = self.backing.engine_info(
             self.engine_id, self.incarnation, self.role, self.node_id, regions, endpoints
         )
+        if writable and self.settings.transport in ("auto", "verbs"):
+            from kvray.transport.verbs import advertise
+
+            self._info = advertise(self._info, self._transport, self.settings)
         if self._use_coordinator and self._coordinator is None:
             import ray
 
@@ -399,7 +403,7 @@ class KVAgent:
 
     def choose_transport(self, peer: Peer) -> TransportKind:
         """`auto`: on one node, cuda_ipc between GPU backings and shm into a shared-memory
-        backing; ray otherwise."""
+        backing; across nodes, verbs where both ends have an RDMA device; ray otherwise."""
         if self.settings.transport != "auto":
             return TransportKind(self.settings.transport)
         same_node = peer.info.node_id == self.node_id
@@ -415,6 +419,9 @@ class KVAgent:
             and self.backing.kind is not MemoryKind.CUDA
         ):
             return TransportKind.SHM
+        verbs = transport_class(TransportKind.VERBS)
+        if not same_node and peer.info.verbs is not None and verbs.unavailable_reason(self.settings) is None:
+            return TransportKind.VERBS
         return TransportKind.RAY
 
     # ---- prefill side -----------------------------------------------------------------
@@ -915,6 +922,14 @@ class KVAgent:
         self.stats["bytes_received"] += written
         return written
 
+    async def accept_connection(self, request: bytes) -> bytes:
+        """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine."""
+        from kvray.transport.verbs import VerbsTransport
+
+        transport = self._transport(TransportKind.VERBS)
+        assert isinstance(transport, VerbsTransport)
+        return await transport.accept(request, self.backing, self.info)
+
     async def notify(self, message_bytes: bytes) -> None:
         """A completion or failure notice arriving through Ray (see `_receive`)."""
         self._receive(message_bytes, strict=True)
@@ -973,6 +988,9 @@ class AgentHost:
 
     async def kvray_notify(self, message: bytes) -> None:
         await self.kvray_agent.notify(message)
+
+    async def kvray_connect(self, request: bytes) -> bytes:
+        return await self.kvray_agent.accept_connection(request)
 
     async def kvray_watch(self) -> None:
         """Returns when the agent closes; fails (in the caller) when this actor dies."""

@@ -1,5 +1,5 @@
 """The `kvray` command line: `demo` (the main job), `bench` (transfers against the alternatives),
-`report` (layouts, backings, a planned transfer)."""
+`report` (layouts, backings, a planned transfer), `doctor` (which transports work here, and why not)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvray import bench, demo
+from kvray import bench, demo, doctor
 from kvray.config import Settings
 from kvray.errors import KvrayError
 from kvray.layout import READY_LAYOUTS, BlockOrder
@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.main)
+    doctor_parser = commands.add_parser(
+        "doctor", help="which transports work here and why not; pyverbs, RDMA devices, CUDA, versions"
+    )
+    doctor_parser.set_defaults(handler=lambda args: doctor.main())
     return parser
 
 

@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvray.config import Settings
 from kvray.errors import (
     KvrayError,
@@ -108,7 +110,7 @@ class VerbsApi:
     SGE: Any
     SendWR: Any
     RecvWR: Any
-    #: pyverbs.enums: IBV_* constants.
+    #: pyverbs.libibverbs_enums: IBV_* constants.
     enums: Any
     #: What pyverbs raises (PyverbsError and its subclasses).
     errors: tuple[type[BaseException], ...]
@@ -116,7 +118,7 @@ class VerbsApi:
 
 def load_pyverbs() -> VerbsApi:
     """pyverbs, imported now; an ImportError or OSError says it is missing or cannot load."""
-    import pyverbs.enums as enums
+    import pyverbs.libibverbs_enums as enums
     from pyverbs.addr import GID, AHAttr, GlobalRoute
     from pyverbs.cq import CQ
     from pyverbs.device import Context, get_device_list
@@ -1115,3 +1117,15 @@ def _status_name(status: int) -> str:
     if 0 <= status < len(_WC_STATUS):
         return f"IBV_WC_{_WC_STATUS[status]}"
     return f"work completion status {status}"
+
+
+def advertise(
+    info: EngineInfo, open_transport: Callable[[TransportKind], Transport], settings: Settings
+) -> EngineInfo:
+    """`info` with this process's RDMA port (`EngineInfo.verbs`) when the verbs transport can
+    run here (it is opened now, to answer connections); `info` unchanged otherwise."""
+    if VerbsTransport.unavailable_reason(settings) is not None:
+        return info
+    transport = open_transport(TransportKind.VERBS)
+    assert isinstance(transport, VerbsTransport)
+    return msgspec.structs.replace(info, verbs=transport.endpoint)

@@ -1,0 +1,248 @@
+"""What only the `verbs` transport has, on the FAKE RDMA device (tests/transport/fake_verbs.py):
+immediates matched against expected transfers, errors the device reports (a write past a memory
+region, a key without REMOTE_WRITE), the handshake refusing engines that expose nothing, device
+choice, and two agents choosing verbs across nodes and moving a request through it.
+
+The contract suite (test_contract.py) runs the shared guarantees on this device too
+(`verbs-fake`), and on a real RDMA device through pyverbs (`verbs`, skipped without one)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from conftest import FAKE_VERBS, _close, _open
+from fake_verbs import ENUMS, FakeFabric
+from test_contract import ready_layout, with_ops
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.errors import RegionError, WriteFailedError
+from kvray.layout import BlockOrder
+from kvray.transport.base import Peer
+from kvray.transport.verbs import VerbsTransport, probe
+from kvray.wire import Role, TransportKind
+
+if TYPE_CHECKING:
+    from conftest import TransportUnderTest
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def fake(request: pytest.FixtureRequest) -> AsyncIterator[TransportUnderTest]:
+    under_test = _open(FAKE_VERBS, request)
+    yield under_test
+    await _close(under_test)
+
+
+def verbs(tut: TransportUnderTest) -> VerbsTransport:
+    assert isinstance(tut.transport, VerbsTransport)
+    return tut.transport
+
+
+async def test_the_last_request_carries_the_immediate_the_decode_side_expects(
+    fake: TransportUnderTest,
+) -> None:
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source, destination = fake.source(layout), fake.destination(layout)
+    local, remote = fake.scattered(layout.num_blocks, 9)
+    plan = dataclasses.replace(fake.plan(source, destination, local, remote), request_id="req-1")
+    before = fake.snapshot(destination)
+    arrival = verbs(fake).expect_transfer("decode-0", destination.incarnation, "req-1")
+
+    await fake.write(plan, source, destination)
+
+    fake.assert_landed(plan, source, destination, before, local, remote)
+    landed = await asyncio.wait_for(arrival, 10)
+    assert (landed.request_id, landed.src_engine, landed.src_incarnation) == (
+        "req-1",
+        "prefill-0",
+        source.incarnation,
+    )
+    opcodes = [opcode for opcode, *_ in fake.fabric.executed]
+    assert opcodes[-1] == ENUMS.IBV_WR_RDMA_WRITE_WITH_IMM
+    assert opcodes.count(ENUMS.IBV_WR_RDMA_WRITE_WITH_IMM) == 1 and len(opcodes) > 1
+    assert max(sges for _, sges, _, _ in fake.fabric.executed) <= fake.fabric.max_sge
+    assert sum(nbytes for _, _, nbytes, _ in fake.fabric.executed) == plan.nbytes
+
+
+async def test_unknown_and_stale_immediates_are_dropped(fake: TransportUnderTest) -> None:
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source = fake.source(layout)
+    old = fake.destination(layout, engine_id="decode-0")
+    new = fake.destination(layout, engine_id="decode-0")
+    local, remote = fake.scattered(layout.num_blocks, 3)
+    transport = verbs(fake)
+    expected = transport.expect_transfer("decode-0", new.incarnation, "req-a")
+
+    def plan(destination: Any, request_id: str) -> Any:
+        return dataclasses.replace(fake.plan(source, destination, local, remote), request_id=request_id)
+
+    await fake.write(plan(old, "req-a"), source, old)  # the right id, for the old life
+    await fake.write(plan(new, "req-b"), source, new)  # the new life, an id nobody expects
+    await fake.write(plan(new, "req-a"), source, new)
+    await asyncio.wait_for(expected, 10)
+
+    assert transport.stats["immediates_dropped_unknown"] == 2
+    assert transport.stats["immediates_matched"] == 1
+
+
+async def test_device_refuses_a_write_past_the_memory_region(fake: TransportUnderTest) -> None:
+    """The transport's own checks are bypassed (forged lengths): the device still refuses."""
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source, destination = fake.source(layout), fake.destination(layout)
+    local, remote = fake.scattered(layout.num_blocks, 4)
+    plan = fake.plan(source, destination, local, remote)
+    await fake.write(plan, source, destination)  # connects
+    connection = verbs(fake)._connections[("decode-0", destination.incarnation)]
+    region = destination.info.regions[0]
+    connection.regions = tuple(
+        msgspec.structs.replace(key, length=key.length + 4096) for key in connection.regions
+    )
+    forged = msgspec.structs.replace(
+        destination.info, regions=(msgspec.structs.replace(region, length=region.length + 4096),)
+    )
+    last = len(plan.ops) - 1
+    one_op = with_ops(
+        plan,
+        **{
+            name: getattr(plan.ops, name)[last:].copy()
+            for name in ("local_region", "local_offset", "remote_region")
+        },
+        remote_offset=np.array([region.length - int(plan.ops.nbytes[last]) + 64], dtype=np.int64),
+        nbytes=plan.ops.nbytes[last:].copy(),
+    )
+    before = fake.snapshot(destination)
+
+    with pytest.raises(WriteFailedError, match="IBV_WC_REM_ACCESS_ERR") as raised:
+        await fake.transport.write(one_op, source.backing, Peer(forged, fake.peer(destination).host))
+
+    assert raised.value.engine_id == "decode-0" and raised.value.op == 0
+    fake.assert_unchanged(destination, before)
+    # The broken connection is dropped; the next write connects again and lands.
+    fake.refill(source)
+    before = fake.snapshot(destination)
+    await fake.write(plan, source, destination)
+    fake.assert_landed(plan, source, destination, before, local, remote)
+
+
+async def test_device_refuses_a_key_without_remote_write(fake: TransportUnderTest) -> None:
+    """A remote key of a prefill engine's local-only region writes nothing there."""
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source, destination = fake.source(layout), fake.destination(layout)
+    local, remote = fake.scattered(layout.num_blocks, 4)
+    plan = fake.plan(source, destination, local, remote)
+    await fake.write(plan, source, destination)
+    transport = verbs(fake)
+    connection = transport._connections[("decode-0", destination.incarnation)]
+    registration = transport._registrations[id(source.backing)]
+    connection.regions = tuple(
+        msgspec.structs.replace(key, address=registration.addresses[0], rkey=int(registration.mrs[0].rkey))
+        for key in connection.regions
+    )
+    source_before, destination_before = fake.snapshot(source), fake.snapshot(destination)
+
+    with pytest.raises(WriteFailedError, match="IBV_WC_REM_ACCESS_ERR"):
+        await fake.write(plan, source, destination)
+
+    fake.assert_unchanged(source, source_before, "source")
+    fake.assert_unchanged(destination, destination_before)
+
+
+async def test_a_prefill_engine_takes_no_rdma_connection(fake: TransportUnderTest) -> None:
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source, other = fake.source(layout), fake.source(layout, engine_id="prefill-1")
+    local, remote = fake.scattered(layout.num_blocks, 2)
+    plan = fake.plan(source, fake.destination(layout), local, remote)
+    # The writer is told the region is writable; the engine itself knows better.
+    forged = msgspec.structs.replace(
+        other.info,
+        engine_id="decode-0",
+        incarnation=plan.dst_incarnation,
+        regions=tuple(msgspec.structs.replace(r, remote_writable=True) for r in other.info.regions),
+    )
+    other.info = msgspec.structs.replace(other.info, engine_id="decode-0", incarnation=plan.dst_incarnation)
+    before = fake.snapshot(other)
+
+    with pytest.raises(RegionError, match="exposes no writable region"):
+        await fake.transport.write(plan, source.backing, Peer(forged, fake.peer(other).host))
+
+    fake.assert_unchanged(other, before, "prefill engine")
+
+
+def test_device_by_name_by_locality_and_none() -> None:
+    fabric = FakeFabric(devices=("fake_rdma0", "fake_rdma1"))
+    chosen = VerbsTransport(Settings(verbs_device="fake_rdma1"), api=fabric.api())
+    assert chosen.endpoint.device == "fake_rdma1"
+    assert chosen.endpoint.gid == fabric.gid("fake_rdma1") and chosen.endpoint.gid_index == 1
+    assert VerbsTransport(Settings(), api=fabric.api()).endpoint.device in fabric.device_names
+    reason = probe(Settings(verbs_device="mlx5_9"), fabric.api())
+    assert reason is not None and "mlx5_9" in reason and "fake_rdma0, fake_rdma1" in reason
+    # With no device, pyverbs' get_device_list raises; that is "no device", not a crash.
+    assert probe(Settings(), FakeFabric(devices=()).api()) == "pyverbs sees no RDMA device on this machine"
+    assert probe(Settings(), fabric.api()) is None
+
+
+# ---- two agents on two "nodes", through the agent's verbs path ----------------------------------
+
+
+class _Method:
+    def __init__(self, function: Any) -> None:
+        self.remote = function
+
+
+class AgentActorStandIn:
+    """IN-PROCESS STAND-IN for the Ray actor hosting an agent (`AgentHost`): its verbs handshake
+    and completion entry points, called directly."""
+
+    def __init__(self, agent: KVAgent) -> None:
+        self.kvray_connect = _Method(agent.accept_connection)
+        self.kvray_notify = _Method(agent.notify)
+
+
+async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    fabric = FakeFabric()
+    monkeypatch.setattr(VerbsTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    settings = Settings()
+    prefill = KVAgent("prefill-0", Role.PREFILL, layout, settings=settings, use_coordinator=False)
+    decode = KVAgent("decode-0", Role.DECODE, layout, settings=settings, use_coordinator=False)
+    for agent, node in ((prefill, "node-a"), (decode, "node-b")):
+        agent.node_id = node
+        agent._transports[TransportKind.VERBS] = VerbsTransport(settings, api=fabric.api())
+    try:
+        await decode.start()
+        await prefill.start()
+        assert decode.info.verbs is not None and prefill.info.verbs is None  # only decode engines publish
+        prefill.add_peer(decode.info, AgentActorStandIn(decode))
+        peer = await prefill.peer("decode-0")
+        assert prefill.choose_transport(peer) is TransportKind.VERBS
+        same_node = Peer(msgspec.structs.replace(decode.info, node_id="node-a"))
+        assert prefill.choose_transport(same_node) is TransportKind.SHM
+        no_device = Peer(msgspec.structs.replace(decode.info, verbs=None))
+        assert prefill.choose_transport(no_device) is TransportKind.RAY
+
+        rng = np.random.default_rng(7)
+        for index in range(len(prefill.backing.regions)):
+            data = prefill.backing.regions[index].tensor.numpy()
+            data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
+        src, dst = np.array([3, 1, 4]), np.array([10, 11, 5])
+        decode.expect("req-1")
+        result = await prefill.push("req-1", src, "decode-0", dst)
+        completion = await decode.wait_for_kv("req-1", timeout=10)
+
+        assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
+        for layer in layout.layer_names:
+            sent, landed = prefill.backing.view(layer), decode.backing.view(layer)
+            parts = layout.layer(layer).geometry.parts
+            sent, landed = (sent[:, src], landed[:, dst]) if parts == 2 else (sent[src], landed[dst])
+            assert torch.equal(sent.contiguous().view(torch.uint8), landed.contiguous().view(torch.uint8))
+    finally:
+        await prefill.close()
+        await decode.close()
