@@ -246,3 +246,28 @@ async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: 
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
+    fake: TransportUnderTest,
+) -> None:
+    import pickle
+
+    from kvray.errors import WireDecodeError
+    from kvray.wire import VerbsAccept, decode_engine_info, decode_verbs_handshake, encode
+
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    destination = fake.destination(layout)
+    transport = verbs(fake)
+    info = msgspec.structs.replace(destination.info, verbs=transport.endpoint)
+    assert decode_engine_info(encode(info)) == info
+    accept = VerbsAccept(
+        dst_engine="decode-0", dst_incarnation=1, endpoint=transport.endpoint, qp_num=5, psn=6, regions=()
+    )
+    assert decode_verbs_handshake(encode(accept)) == accept
+    before = fake.snapshot(destination)
+    for garbage in (b"", b"\x93\x01\x02", pickle.dumps({"qp_num": 1}), encode(accept)):
+        with pytest.raises(WireDecodeError):
+            await transport.accept(garbage, destination.backing, destination.info)
+    assert transport.stats["connections_accepted"] == 0
+    fake.assert_unchanged(destination, before)
