@@ -6,7 +6,6 @@ the agent and its registration."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 import time
@@ -26,7 +25,7 @@ from kvray.errors import KvrayError, MetadataError, UnknownEngineError, WireDeco
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
 from kvray.wire import Role, TransportKind, decode_engine_info
-from kvray.workers import PrefillActor
+from kvray.workers import PrefillWorker
 
 serve = pytest.importorskip("ray.serve", reason="the Serve app needs the serve extra")
 kvray_serve = pytest.importorskip("kvray.serve")
@@ -102,6 +101,19 @@ def _engines(role: Role) -> set[str]:
     }
 
 
+def _decode_stats() -> list[dict[str, Any]]:
+    """`stats()` of every decode replica (a new handle may not know the replicas yet: retry)."""
+    handle = serve.get_deployment_handle("Decode", app_name="kvray")
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            return list(handle.broadcast("stats").results(timeout_s=30))
+        except serve.exceptions.DeploymentUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _replica_actor(engine_id: str) -> Any:
     app, deployment, replica = engine_id.split("-")
     return ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve")
@@ -139,8 +151,7 @@ def test_concurrent_requests_equal_colocated_generation(app_url: str) -> None:
         reply = _check_ok(response, tokens, body["max_tokens"])
         assert reply["decode_engine"] in decodes and reply["prefill_engine"] in prefills
     # Every block went back to its pool on both sides (no leak), on every replica.
-    handle = serve.get_deployment_handle("Decode", app_name="kvray")
-    for stats in handle.broadcast("stats").results(timeout_s=30):
+    for stats in _decode_stats():
         assert stats["used_blocks"] == 0 and stats["requests"] == 0, stats
 
 
@@ -172,20 +183,18 @@ def test_other_paths_and_methods_and_malformed_json(app_url: str) -> None:
 
 
 def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> None:
-    handle = serve.get_deployment_handle("Decode", app_name="kvray")
     before = _engines(Role.DECODE)
     # One long request (many new tokens) keeps a decode replica busy; kill that replica while
     # it holds the request, with other requests in flight.
-    long_tokens = encode_text("a long request")
-    long_body = {"prompt": long_tokens, "max_tokens": 200}
+    long_tokens = [token % 256 for token in range(200)]
+    long_body = {"prompt": long_tokens, "max_tokens": OPTIONS.max_tokens}
     prompts = _prompts(12, seed=2)
     with ThreadPoolExecutor(8) as pool:
         long_future = pool.submit(_post, app_url, long_body)
         busy: list[str] = []
 
         def holds_a_request() -> bool:
-            stats = handle.broadcast("stats").results(timeout_s=30)
-            busy[:] = [s["engine_id"] for s in stats if s["requests"] > 0]
+            busy[:] = [stats["engine_id"] for stats in _decode_stats() if stats["requests"] > 0]
             return bool(busy)
 
         _wait_until(holds_a_request, "a decode replica holds the long request")
@@ -193,7 +202,8 @@ def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> No
         victim = busy[0]
         ray.kill(_replica_actor(victim), no_restart=True)
         outcomes = [(body, tokens, f.result()) for (body, tokens), f in zip(prompts, futures, strict=True)]
-        outcomes.append((long_body, long_tokens, long_future.result()))
+        long_response = long_future.result()
+        outcomes.append((long_body, long_tokens, long_response))
 
     failed = 0
     for body, tokens, response in outcomes:
@@ -204,8 +214,9 @@ def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> No
         error = response.json()
         assert response.status_code in (502, 503, 504), error
         assert error["type"] and error["error"] and error["request_id"], error
-    # The killed replica held at least the long request: it failed, as a clear error.
+    # The killed replica held the long request: it failed, as a clear error, not a hang.
     assert failed >= 1
+    assert long_response.status_code == 503 and long_response.json()["type"] == "ReplicaDied"
 
     # Its engine leaves the directory (its host died with it); Serve's replacement registers.
     _wait_until(lambda: victim not in _engines(Role.DECODE), "the killed engine is dropped")
@@ -228,60 +239,64 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
     local_ray: None, canary_mask: Any
 ) -> None:
     """A decode engine as a replica runs it (here in the test's process): a prefill worker pushes
-    over the `ray` transport, so the write and its check pass through the engine's host."""
-    settings = msgspec.structs.replace(SETTINGS, transport="ray")
+    over the `ray` transport, so the write and its checks pass through the engine's host actor."""
+    # No heartbeat during the test: a lost registration stays lost until looked at.
+    settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=600.0)
     options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
     engine = await kvray_serve.ReplicaEngine.start(Role.DECODE, "serve-host-d0", options)
-    prefill = PrefillActor.remote("serve-host-p0", engine.worker.kvray_agent.layout, settings)
+    decode = engine.worker
+    prefill = PrefillWorker(
+        "serve-host-p0",
+        decode.kvray_agent.layout,
+        settings,
+        coordinator=kvray_serve.ReplicaDirectory(settings, None),
+    )
+    coordinator = get_or_create_coordinator(SETTINGS)
     try:
         await engine.check_health()
-        await prefill.start.remote()
-        worker = engine.worker
-        await worker.fill_region(seed=5)
-        before = await worker.snapshot()
-        source = await prefill.allocate.remote("req-1", 3)
-        await prefill.fill_random.remote("req-1", 9)
-        expected = await prefill.read_blocks.remote(source)
-        blocks, incarnation = await worker.reserve("req-1", 3)
-        pushed = await prefill.push.remote("req-1", "serve-host-d0", blocks, incarnation)
+        await prefill.start()
+        await decode.fill_region(seed=5)
+        before = await decode.snapshot()
+        source = await prefill.allocate("req-1", 3)
+        await prefill.fill_random("req-1", 9)
+        expected = await prefill.read_blocks(source)
+        blocks, incarnation = await decode.reserve("req-1", 3)
+        pushed = await prefill.push("req-1", "serve-host-d0", blocks, incarnation)
         assert pushed.transport is TransportKind.RAY
-        await worker.wait("req-1", 10.0)
-        landed = await worker.read_blocks(blocks)
+        await decode.wait("req-1", 10.0)
+        landed = await decode.read_blocks(blocks)
         assert all(np.array_equal(landed[layer], expected[layer]) for layer in expected)
-        after = await worker.snapshot()
+        after = await decode.snapshot()
         for (offset, old), (_, new) in zip(before, after, strict=True):
-            mask = canary_mask(worker.kvray_agent.info, offset, old.size, [(blocks, None)])
+            mask = canary_mask(decode.kvray_agent.info, offset, old.size, [(blocks, None)])
             assert np.array_equal(old[~mask], new[~mask])  # canaries: nothing else changed
             assert not np.array_equal(old[mask], new[mask])
-        await worker.release("req-1")
-        assert worker.pool.used_count == 0
+        await decode.release("req-1")
+        assert decode.pool.used_count == 0 and prefill.pool.used_count == 0
 
         # A malformed notice forwarded through the host fails its sender, as it would directly.
         with pytest.raises(WireDecodeError):
             await engine.host.kvray_notify.remote(b"not a message")
 
-        # Registration lost (e.g. a coordinator restart): unhealthy until the agent re-registers.
-        coordinator = get_or_create_coordinator(SETTINGS)
-        await coordinator.deregister.remote("serve-host-d0", worker.kvray_agent.incarnation)
+        # Registration lost (e.g. the coordinator restarted and the next heartbeat is not due yet).
+        await coordinator.deregister.remote("serve-host-d0", decode.kvray_agent.incarnation)
         with pytest.raises(MetadataError, match="not registered"):
             await engine.check_health()
-        await _until_healthy(engine)
     finally:
         await engine.close()
-        ray.kill(prefill)
+        await prefill.close()
     with pytest.raises(KvrayError, match="not running"):
         await engine.check_health()
     with pytest.raises(UnknownEngineError):
         await coordinator.lookup.remote("serve-host-d0", 0.1)
 
 
-async def _until_healthy(engine: Any, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            await engine.check_health()
-            return
-        except MetadataError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
+def test_deleting_the_app_deregisters_every_engine(app_url: str) -> None:
+    """Scaling to zero: Serve stops each replica gracefully (`__del__`), which deregisters its
+    engine; none is dropped as dead. (Runs last: it removes the module's app.)"""
+    coordinator = get_or_create_coordinator(SETTINGS)
+    dead_before = ray.get(coordinator.stats.remote(), timeout=30)["dropped_dead"]
+    assert _engines(Role.DECODE) and _engines(Role.PREFILL)
+    serve.delete("kvray")
+    assert not _engines(Role.DECODE) and not _engines(Role.PREFILL)
+    assert ray.get(coordinator.stats.remote(), timeout=30)["dropped_dead"] == dead_before
