@@ -55,7 +55,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -79,7 +79,6 @@ from kvray.errors import (
 )
 from kvray.layout import BlockOrder
 from kvray.models.reference import MODEL_PRESETS, ModelConfig, ReferenceModel, decode_text
-from kvray.wire import Role
 from kvray.workers import DecodeWorker, PrefillWorker
 
 # ---- options and the HTTP body ---------------------------------------------------------------
@@ -349,7 +348,11 @@ class _RemoteMethod:
 # ---- a replica's engine ------------------------------------------------------------------------
 
 
-class ReplicaEngine:
+#: The worker a replica engine runs.
+W = TypeVar("W", PrefillWorker, DecodeWorker)
+
+
+class ReplicaEngine(Generic[W]):
     """A prefill or decode worker (block pool, agent, model) inside a Serve replica, and its host.
 
     `await ReplicaEngine.start(...)` creates the host, starts the agent (fresh incarnation,
@@ -358,10 +361,8 @@ class ReplicaEngine:
     #: Seconds one `take` long-poll waits for forwarded calls before asking again.
     POLL_S = 5.0
 
-    def __init__(
-        self, worker: PrefillWorker | DecodeWorker, host: Any, directory: ReplicaDirectory, settings: Settings
-    ) -> None:
-        self.worker = worker
+    def __init__(self, worker: W, host: Any, directory: ReplicaDirectory, settings: Settings) -> None:
+        self.worker: W = worker
         self.host = host
         self.directory = directory
         self.settings = settings
@@ -370,15 +371,14 @@ class ReplicaEngine:
         self._pump_error: BaseException | None = None
 
     @classmethod
-    async def start(cls, role: Role, engine_id: str, options: ServeOptions) -> ReplicaEngine:
+    async def start(cls, worker_class: type[W], engine_id: str, options: ServeOptions) -> ReplicaEngine[W]:
         settings = options.settings
         # Owned by this replica (not detached): Ray ends it when the replica dies.
         host = _HostActor.options(num_cpus=0).remote(settings)
-        worker_class = PrefillWorker if role is Role.PREFILL else DecodeWorker
         config = options.model_config
         layout = ReferenceModel(config).layout(options.num_blocks, options.block_order)
         directory = ReplicaDirectory(settings, host)
-        worker = worker_class(engine_id, layout, settings, model=config, coordinator=directory)
+        worker: W = worker_class(engine_id, layout, settings, model=config, coordinator=directory)
         engine = cls(worker, host, directory, settings)
         try:
             await worker.start()
@@ -432,19 +432,21 @@ class ReplicaEngine:
         ray.kill(self.host)
 
     async def _serve_host(self) -> None:
-        """Take the calls forwarded by the host and run each on the agent."""
-        try:
-            while True:
+        """Take the calls forwarded by the host and run each on the agent, until the host dies."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
                 async with asyncio.timeout(self.POLL_S + self.settings.notify_timeout_s):
                     calls = await self.host.take.remote(self.POLL_S)
-                for call_id, call, args in calls:
-                    task = asyncio.get_running_loop().create_task(self._serve_call(call_id, call, args))
-                    self._serving.add(task)
-                    task.add_done_callback(self._serving.discard)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:
-            self._pump_error = error
+            except TimeoutError:  # a slow answer: ask again (a dead host raises instead)
+                continue
+            except ray.exceptions.RayActorError as error:
+                self._pump_error = error
+                return
+            for call_id, call, args in calls:
+                task = loop.create_task(self._serve_call(call_id, call, args))
+                self._serving.add(task)
+                task.add_done_callback(self._serving.discard)
 
     async def _serve_call(self, call_id: int, call: HostCall, args: tuple[Any, ...]) -> None:
         agent = self.worker.kvray_agent
@@ -465,7 +467,7 @@ class ReplicaEngine:
 
 
 def _engine_id() -> str:
-    """`<app>-<deployment>-<replica>`: unique per replica, stable across its restarts' names."""
+    """`<app>-<deployment>-<replica id>`: unique per replica (a replacement gets a new id)."""
     context = serve.get_replica_context()
     return f"{context.app_name}-{context.deployment}-{context.replica_id.unique_id}"
 
@@ -479,7 +481,7 @@ class PrefillReplica:
     # Serve awaits an async constructor: the replica is ready once its engine is registered.
     async def __init__(self, options: ServeOptions) -> None:  # type: ignore[misc]
         self.options = options
-        self.engine = await ReplicaEngine.start(Role.PREFILL, _engine_id(), options)
+        self.engine = await ReplicaEngine.start(PrefillWorker, _engine_id(), options)
 
     async def prefill(
         self,
@@ -490,9 +492,7 @@ class PrefillReplica:
         decode_incarnation: int,
         timeout_s: float,
     ) -> PrefillReply:
-        worker = self.engine.worker
-        assert isinstance(worker, PrefillWorker)
-        result = await worker.prefill(
+        result = await self.engine.worker.prefill(
             request_id,
             tokens,
             decode_engine,
@@ -530,13 +530,12 @@ class DecodeReplica:
         self.options = options
         self.prefill = prefill
         self.model = ReferenceModel(options.model_config)
-        self.engine = await ReplicaEngine.start(Role.DECODE, _engine_id(), options)
+        self.engine = await ReplicaEngine.start(DecodeWorker, _engine_id(), options)
 
     async def generate(
         self, request_id: str, tokens: Sequence[int], max_tokens: int, timeout_s: float
     ) -> GenerateReply:
         worker = self.engine.worker
-        assert isinstance(worker, DecodeWorker)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         started = time.perf_counter()

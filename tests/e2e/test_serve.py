@@ -25,7 +25,7 @@ from kvray.errors import KvrayError, MetadataError, UnknownEngineError, WireDeco
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
 from kvray.wire import Role, TransportKind, decode_engine_info
-from kvray.workers import PrefillWorker
+from kvray.workers import DecodeWorker, PrefillWorker
 
 serve = pytest.importorskip("ray.serve", reason="the Serve app needs the serve extra")
 kvray_serve = pytest.importorskip("kvray.serve")
@@ -243,7 +243,7 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
     # No heartbeat during the test: a lost registration stays lost until looked at.
     settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=600.0)
     options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
-    engine = await kvray_serve.ReplicaEngine.start(Role.DECODE, "serve-host-d0", options)
+    engine = await kvray_serve.ReplicaEngine.start(DecodeWorker, "serve-host-d0", options)
     decode = engine.worker
     prefill = PrefillWorker(
         "serve-host-p0",
