@@ -6,9 +6,10 @@
 
 Submit it from the repository, with kvray installed on every node (`pip install -e '.[job]'`);
 no `--working-dir`: that would ship a copy of the sources without the built C copy helper and
-shadow the installed kvray. It joins the cluster the job runs in (RAY_ADDRESS, set by Ray for jobs) or starts a local Ray when
-run directly (`python examples/disagg_job.py`). All of `kvray demo`'s options apply. The job fails
-(exit status 1) unless every disaggregated output equals the colocated one.
+shadow the installed kvray. It joins the cluster the job runs in (RAY_ADDRESS, set by Ray for
+jobs) or starts a local Ray when run directly (`python examples/disagg_job.py`). All of
+`kvray demo`'s options apply. The job fails (exit status 1) unless every disaggregated output
+equals the colocated one.
 """
 
 import sys
