@@ -409,6 +409,14 @@ async def shm(request: pytest.FixtureRequest) -> AsyncIterator[TransportUnderTes
 
 
 @pytest_asyncio.fixture(loop_scope="function")
+async def verbs_fake(request: pytest.FixtureRequest) -> AsyncIterator[TransportUnderTest]:
+    """The verbs transport on the FAKE RDMA device alone, for what only it has."""
+    under_test = _open(FAKE_VERBS, request)
+    yield under_test
+    await _close(under_test)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
 async def ray_side(request: pytest.FixtureRequest) -> AsyncIterator[TransportUnderTest]:
     """The ray transport alone, for its receiving half (`apply_write`)."""
     under_test = _open(TransportKind.RAY, request)

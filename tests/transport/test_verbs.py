@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
-from conftest import FAKE_VERBS, _close, _open
 from fake_verbs import ENUMS, FakeFabric
 from test_contract import ready_layout, with_ops
 
@@ -34,11 +31,9 @@ if TYPE_CHECKING:
     from conftest import TransportUnderTest
 
 
-@pytest_asyncio.fixture(loop_scope="function")
-async def fake(request: pytest.FixtureRequest) -> AsyncIterator[TransportUnderTest]:
-    under_test = _open(FAKE_VERBS, request)
-    yield under_test
-    await _close(under_test)
+@pytest.fixture
+def fake(verbs_fake: TransportUnderTest) -> TransportUnderTest:
+    return verbs_fake
 
 
 def verbs(tut: TransportUnderTest) -> VerbsTransport:
