@@ -41,6 +41,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 2.0
     #: Seconds a control message to a peer (completion, failure notice) may take.
     notify_timeout_s: float = 10.0
+    #: Threads one CPU copy (shm write, ray gather and scatter) uses; 0 picks half the cores
+    #: (1 to 4), leaving the rest to the model and to the peer on the same node.
+    copy_threads: int = 0
     #: RDMA device for the `verbs` transport: a name (e.g. "mlx5_0"), or "auto" for the device
     #: with an active port nearest this process (same NUMA node), else the first active one.
     verbs_device: str = "auto"
@@ -84,6 +87,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
+        if self.copy_threads < 0:
+            raise ConfigError(
+                f"copy_threads must be 0 (pick) or a number of threads, got {self.copy_threads}",
+                setting="copy_threads",
+                value=self.copy_threads,
+            )
         if self.verbs_gid_index < -1:
             raise ConfigError(
                 f"verbs_gid_index must be a GID table index, or -1 to pick one, got {self.verbs_gid_index}",

@@ -60,6 +60,7 @@ class RayTransport(Transport):
                 payload_offset[select],
                 ops.local_offset[select],
                 ops.nbytes[select],
+                self.settings.copy_threads,
             )
         self._transfers += 1
         header = WriteOps(

@@ -105,7 +105,12 @@ class ShmTransport(Transport):
             mapping.users += 1
             try:
                 await scatter_copy_async(
-                    mapping.address, source.data_ptr(), remote_offset, ops.local_offset[select], nbytes
+                    mapping.address,
+                    source.data_ptr(),
+                    remote_offset,
+                    ops.local_offset[select],
+                    nbytes,
+                    self.settings.copy_threads,
                 )
             except (asyncio.CancelledError, KvrayError):
                 raise
