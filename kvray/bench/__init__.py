@@ -235,6 +235,7 @@ def _machine() -> dict[str, Any]:
     import torch
 
     import kvray
+    from kvray.config import Settings
     from kvray.transport._copy import copy_threads, native
 
     try:
@@ -254,6 +255,6 @@ def _machine() -> dict[str, Any]:
         "ray": ray.__version__,
         "nixl": nixl_version,
         "kvray": kvray.__version__,
-        "kvray_copy_threads": copy_threads(),
+        "kvray_copy_threads": Settings.from_env().copy_threads or copy_threads(),
         "kvray_native_copy": native(),
     }

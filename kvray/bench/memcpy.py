@@ -30,12 +30,14 @@ from kvray.bench.verify import (
     verify_destination,
 )
 from kvray.bench.workload import Workload
+from kvray.config import Settings
 from kvray.plan import plan_transfer
 from kvray.transport._copy import copy_threads, scatter_copy_async
 from kvray.wire import Role
 
 ALL_THREADS = f"memcpy, {os.cpu_count()} threads"
-KVRAY_IN_PROCESS = f"kvray batched copy, in-process ({copy_threads()} threads)"
+COPY_THREADS = Settings.from_env().copy_threads or copy_threads()
+KVRAY_IN_PROCESS = f"kvray batched copy, in-process ({COPY_THREADS} thread{'s' if COPY_THREADS > 1 else ''})"
 
 
 class InProcessCopier:
@@ -72,6 +74,7 @@ class InProcessCopier:
                 ops.remote_offset,
                 ops.local_offset,
                 ops.nbytes,
+                COPY_THREADS,
             )
             elapsed = time.perf_counter() - started
             return elapsed, verify_destination(self.dst_pool, self.workload), self.facts
