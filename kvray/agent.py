@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +70,9 @@ from kvray.wire import (
     decode_message,
     encode,
 )
+
+if TYPE_CHECKING:
+    from kvray.transport.verbs import VerbsTransport
 
 Blocks = Sequence[int] | npt.NDArray[np.integer]
 
@@ -118,6 +121,8 @@ class _Layerwise:
     nbytes: int = 0
     ops: int = 0
     unmerged_ops: int = 0
+    #: Layers written over `verbs`, each ending in one WRITE WITH IMMEDIATE.
+    immediates: int = 0
     layers: set[str] = field(default_factory=set)
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
@@ -455,6 +460,7 @@ class KVAgent:
                     dst_engine=peer.info.engine_id,
                     dst_incarnation=peer.info.incarnation,
                     nbytes=plan.nbytes,
+                    immediates=int(transport.kind is TransportKind.VERBS),
                 ),
             )
             self.stats["pushes_ok"] += 1
@@ -531,6 +537,7 @@ class KVAgent:
                 if state.writing == 0:
                     state.idle.set()
             state.layers.add(layer)
+            state.immediates += int(transport.kind is TransportKind.VERBS)
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
             state.unmerged_ops += len(plan.unmerged)
@@ -578,6 +585,7 @@ class KVAgent:
                     dst_engine=state.dst_engine,
                     dst_incarnation=state.dst_incarnation,
                     nbytes=state.nbytes,
+                    immediates=state.immediates,
                 ),
             )
             self.stats["pushes_ok"] += 1
@@ -837,6 +845,9 @@ class KVAgent:
         """Reserve a completion slot: the request's blocks are allocated and a push may come."""
         if request_id in self._pending:
             raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
+        rdma = self._rdma()
+        if rdma is not None:
+            rdma.expect_transfer(self.engine_id, self.incarnation, request_id)
         self._pending[request_id] = asyncio.get_running_loop().create_future()
 
     def cancel(self, request_id: str) -> None:
@@ -844,6 +855,19 @@ class KVAgent:
         future = self._pending.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
+        self._forget_rdma(request_id)
+
+    def _rdma(self) -> VerbsTransport | None:
+        """This decode engine's `verbs` transport, when it published an RDMA port."""
+        transport = self._transports.get(TransportKind.VERBS)
+        if self._info is None or self._info.verbs is None or transport is None:
+            return None
+        return cast("VerbsTransport", transport)
+
+    def _forget_rdma(self, request_id: str) -> None:
+        rdma = self._rdma()
+        if rdma is not None:
+            rdma.cancel_transfer(self.engine_id, self.incarnation, request_id)
 
     async def wait_for_kv(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait until the request's KV is written (or failed, or the deadline passes)."""
@@ -883,6 +907,7 @@ class KVAgent:
             if self._pending.get(request_id) is future:  # not a newer expectation of the same id
                 if future.done() or self._closed.is_set():
                     del self._pending[request_id]
+                    self._forget_rdma(request_id)
                 else:
                     self.cancel(request_id)
             # No write admitted for this request may still be landing when the caller frees
@@ -958,12 +983,14 @@ class KVAgent:
             self.stats["completions_dropped_unknown"] += 1
             self.metrics.dropped(DropReason.UNKNOWN)
             return
-        if isinstance(message, TransferDone):
-            self.stats["completions_ok"] += 1
-            self.metrics.bytes_received(message.src_engine, message.nbytes)
-            future.set_result(
-                Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
-            )
+        if isinstance(message, TransferDone) and message.immediates:
+            # Over RDMA the notice can overtake the writes' own proof of arrival: complete once
+            # the immediates have come too (wait_for_kv's deadline bounds the wait).
+            task = asyncio.get_running_loop().create_task(self._complete_after_immediates(message, future))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif isinstance(message, TransferDone):
+            self._complete(message, future)
         else:
             self.stats["completions_failed"] += 1
             future.set_exception(
@@ -975,6 +1002,43 @@ class KVAgent:
                 )
             )
             future.exception()  # retrieved here; wait_for_kv re-raises it
+
+    def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
+        self.stats["completions_ok"] += 1
+        self.metrics.bytes_received(message.src_engine, message.nbytes)
+        future.set_result(
+            Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
+        )
+
+    async def _complete_after_immediates(
+        self, message: TransferDone, future: asyncio.Future[Completion]
+    ) -> None:
+        rdma = self._rdma()
+        try:
+            if rdma is None:
+                raise MetadataError(
+                    f"engine {message.src_engine!r} wrote {message.request_id!r} over RDMA, but "
+                    f"engine {self.engine_id!r} has no RDMA port",
+                    request_id=message.request_id,
+                    engine_id=self.engine_id,
+                )
+            await rdma.arrivals(
+                self.engine_id,
+                self.incarnation,
+                message.request_id,
+                src_engine=message.src_engine,
+                src_incarnation=message.src_incarnation,
+                count=message.immediates,
+            )
+        except asyncio.CancelledError:
+            return  # the wait ended (deadline, cancel, close): its own path reports it
+        except KvrayError as error:
+            if not future.done():
+                future.set_exception(error)
+                future.exception()
+            return
+        if not future.done():
+            self._complete(message, future)
 
 
 class AgentHost:

@@ -129,6 +129,9 @@ class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     nbytes: int
     #: True when this is the last part of the request (layer-wise pushes send several).
     final: bool = True
+    #: RDMA WRITE WITH IMMEDIATE requests the writer issued for the request (`verbs`): the
+    #: decode side completes it only once that many immediates have arrived.
+    immediates: ByteCount = 0
 
 
 class TransferFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):

@@ -20,8 +20,11 @@
                moves its QP to the error state and returns only once every posted request has
                completed (or been flushed), so no request outlives the call.
     receive    the decode side matches each immediate against the transfers it expects
-               (`expect_transfer`); immediates on unknown or retired queue pairs, for an old
-               incarnation or for a request nobody expects are dropped and counted.
+               (`expect_transfer`) and counts them per writer; a decode agent completes a
+               request only once the writer's completion notice has come AND as many
+               immediates as it names (`arrivals`). Immediates on unknown or retired queue
+               pairs, for an old incarnation or for a request nobody expects are dropped and
+               counted.
 
 pyverbs is reached through `VerbsApi`, one seam the tests fill with a fake device.
 """
@@ -405,6 +408,16 @@ class VerbsArrival:
 
 
 @dataclass
+class _Expected:
+    """A request the decode side expects over RDMA: its immediates counted per writer."""
+
+    request_id: str
+    first: asyncio.Future[VerbsArrival]
+    counts: Counter[tuple[str, int]] = field(default_factory=Counter)
+    waiters: list[tuple[tuple[str, int], int, asyncio.Future[None]]] = field(default_factory=list)
+
+
+@dataclass
 class _Accepted:
     """The decode side's end of a reliable connection from one writer incarnation."""
 
@@ -429,8 +442,8 @@ class VerbsTransport(Transport):
         self._connections: dict[tuple[str, int], _Connection] = {}
         self._connecting: dict[tuple[str, int], asyncio.Future[_Connection]] = {}
         self._accepted: dict[int, _Accepted] = {}
-        #: Expected transfers per (decode engine, incarnation): tag -> (request id, future).
-        self._expected: dict[tuple[str, int], dict[int, tuple[str, asyncio.Future[VerbsArrival]]]] = {}
+        #: Expected transfers per (decode engine, incarnation), by transfer tag.
+        self._expected: dict[tuple[str, int], dict[int, _Expected]] = {}
         self._chunks: dict[int, tuple[_Connection, _Chunk]] = {}
         self._wr_ids = itertools.count(1)
         self.stats: Counter[str] = Counter()
@@ -990,28 +1003,64 @@ class VerbsTransport(Transport):
     def expect_transfer(
         self, engine_id: str, incarnation: int, request_id: str
     ) -> asyncio.Future[VerbsArrival]:
-        """A future that resolves when the immediate of `request_id`'s transfer into this engine
-        incarnation arrives. Two expected requests whose tags collide are refused."""
+        """Start counting the immediates of `request_id`'s transfers into this engine
+        incarnation; the future resolves at the first. Two expected requests whose tags collide
+        are refused."""
         expected = self._expected.setdefault((engine_id, incarnation), {})
         tag = transfer_tag(request_id)
         held = expected.get(tag)
-        if held is not None and not held[1].done():
-            if held[0] == request_id:
-                return held[1]
+        if held is not None:
+            if held.request_id == request_id:
+                return held.first
             raise PlanError(
-                f"requests {held[0]!r} and {request_id!r} share the 32-bit RDMA transfer tag {tag:#x}; "
-                "give one of them another id",
+                f"requests {held.request_id!r} and {request_id!r} share the 32-bit RDMA transfer tag "
+                f"{tag:#x}; give one of them another id",
                 request_id=request_id,
             )
-        future: asyncio.Future[VerbsArrival] = asyncio.get_running_loop().create_future()
-        expected[tag] = (request_id, future)
-        return future
+        held = _Expected(request_id, asyncio.get_running_loop().create_future())
+        expected[tag] = held
+        return held.first
+
+    async def arrivals(
+        self,
+        engine_id: str,
+        incarnation: int,
+        request_id: str,
+        *,
+        src_engine: str,
+        src_incarnation: int,
+        count: int,
+    ) -> None:
+        """Return once `count` immediates of `request_id` from that writer incarnation have
+        arrived. On a reliable connection an immediate completes after every write posted
+        before it has landed, so this is the decode side's own proof that the bytes are there.
+        The caller bounds the wait (its `wait_for_kv` deadline)."""
+        held = self._expected.get((engine_id, incarnation), {}).get(transfer_tag(request_id))
+        if held is None or held.request_id != request_id:
+            raise PlanError(
+                f"engine {engine_id!r} does not expect RDMA writes for request {request_id!r}",
+                request_id=request_id,
+                engine_id=engine_id,
+            )
+        writer = (src_engine, src_incarnation)
+        if held.counts[writer] >= count:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        held.waiters.append((writer, count, waiter))
+        await waiter
 
     def cancel_transfer(self, engine_id: str, incarnation: int, request_id: str) -> None:
         expected = self._expected.get((engine_id, incarnation), {})
-        held = expected.pop(transfer_tag(request_id), None)
-        if held is not None and not held[1].done():
-            held[1].cancel()
+        tag = transfer_tag(request_id)
+        held = expected.get(tag)
+        if held is None or held.request_id != request_id:
+            return
+        del expected[tag]
+        if not held.first.done():
+            held.first.cancel()
+        for _, _, waiter in held.waiters:
+            if not waiter.done():
+                waiter.cancel()
 
     def _on_receive(self, wc: Any) -> None:
         enums = self.api.enums
@@ -1028,12 +1077,24 @@ class VerbsTransport(Transport):
             self.stats["receives_unexpected_opcode"] += 1
             return
         expected = self._expected.get((accepted.dst_engine, accepted.dst_incarnation))
-        held = expected.pop(wc.imm_data, None) if expected is not None else None
-        if held is None or held[1].done():
+        held = expected.get(wc.imm_data) if expected is not None else None
+        if held is None:
             self.stats["immediates_dropped_unknown"] += 1
             return
         self.stats["immediates_matched"] += 1
-        held[1].set_result(VerbsArrival(held[0], accepted.src_engine, accepted.src_incarnation, wc.imm_data))
+        writer = (accepted.src_engine, accepted.src_incarnation)
+        held.counts[writer] += 1
+        if not held.first.done():
+            held.first.set_result(VerbsArrival(held.request_id, *writer, wc.imm_data))
+        waiting = []
+        for entry in held.waiters:
+            entry_writer, needed, waiter = entry
+            if entry_writer == writer and held.counts[writer] >= needed:
+                if not waiter.done():
+                    waiter.set_result(None)
+            else:
+                waiting.append(entry)
+        held.waiters = waiting
 
     # ---- closing ----
 
@@ -1045,8 +1106,10 @@ class VerbsTransport(Transport):
             self._close_qp(accepted.qp)
         self._accepted.clear()
         for expected in self._expected.values():
-            for _, future in expected.values():
-                future.cancel()
+            for held in expected.values():
+                held.first.cancel()
+                for _, _, waiter in held.waiters:
+                    waiter.cancel()
         self._expected.clear()
         self._stop = True
         self._wake.set()

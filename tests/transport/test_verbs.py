@@ -23,6 +23,7 @@ from kvray.agent import KVAgent
 from kvray.config import Settings
 from kvray.errors import RegionError, WriteFailedError
 from kvray.layout import BlockOrder
+from kvray.plan import plan_transfer
 from kvray.transport.base import Peer
 from kvray.transport.verbs import VerbsTransport, probe
 from kvray.wire import Role, TransportKind
@@ -266,3 +267,108 @@ async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
             await transport.accept(garbage, destination.backing, destination.info)
     assert transport.stats["connections_accepted"] == 0
     fake.assert_unchanged(destination, before)
+
+
+async def _two_agents(monkeypatch: pytest.MonkeyPatch) -> tuple[KVAgent, KVAgent]:
+    """A prefill agent on "node-a" and a decode agent on "node-b", both on one fake fabric."""
+    fabric = FakeFabric()
+    monkeypatch.setattr(VerbsTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    prefill = KVAgent("prefill-0", Role.PREFILL, layout, use_coordinator=False)
+    decode = KVAgent("decode-0", Role.DECODE, layout, use_coordinator=False)
+    for agent, node in ((prefill, "node-a"), (decode, "node-b")):
+        agent.node_id = node
+        agent._transports[TransportKind.VERBS] = VerbsTransport(Settings(), api=fabric.api())
+    await decode.start()
+    await prefill.start()
+    prefill.add_peer(decode.info, AgentActorStandIn(decode))
+    rng = np.random.default_rng(11)
+    data = prefill.backing.regions[0].tensor.numpy()
+    data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
+    return prefill, decode
+
+
+def _done(prefill: KVAgent, decode: KVAgent, request_id: str, immediates: int) -> bytes:
+    from kvray.wire import TransferDone, encode
+
+    return encode(
+        TransferDone(
+            transfer_id=f"{request_id}@forged",
+            request_id=request_id,
+            src_engine=prefill.engine_id,
+            src_incarnation=prefill.incarnation,
+            dst_engine=decode.engine_id,
+            dst_incarnation=decode.incarnation,
+            nbytes=1,
+            immediates=immediates,
+        )
+    )
+
+
+async def test_a_notice_alone_does_not_complete_an_rdma_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over verbs the decode side needs its own proof that the bytes landed: the writer's notice
+    names how many WRITE WITH IMMEDIATE requests it issued, and wait_for_kv resolves only once
+    that many have arrived from that writer incarnation."""
+    from kvray.errors import TransferTimeoutError
+
+    prefill, decode = await _two_agents(monkeypatch)
+    try:
+        # A notice that claims an RDMA write nobody made: the request never completes.
+        decode.expect("req-claimed")
+        await decode.notify(_done(prefill, decode, "req-claimed", immediates=1))
+        with pytest.raises(TransferTimeoutError):
+            await decode.wait_for_kv("req-claimed", timeout=0.5)
+
+        # One layer written over RDMA (one immediate), a notice asking for two: no completion.
+        layer = prefill.layout.layer_names[0]
+        src, dst = np.array([1, 2]), np.array([3, 4])
+        decode.expect("req-short")
+        await prefill.push_layer("req-short", layer, src, "decode-0", dst)
+        await decode.notify(_done(prefill, decode, "req-short", immediates=2))
+        with pytest.raises(TransferTimeoutError):
+            await decode.wait_for_kv("req-short", timeout=0.5)
+
+        # The same with a notice asking for the one that came: it completes.
+        decode.expect("req-one")
+        await prefill.push_layer("req-one", layer, src, "decode-0", dst)
+        await decode.notify(_done(prefill, decode, "req-one", immediates=1))
+        assert (await decode.wait_for_kv("req-one", timeout=10)).request_id == "req-one"
+        rdma = decode._transports[TransportKind.VERBS]
+        assert isinstance(rdma, VerbsTransport)
+        assert rdma._expected[(decode.engine_id, decode.incarnation)] == {}  # nothing left behind
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_a_layerwise_rdma_push_completes_after_one_immediate_per_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefill, decode = await _two_agents(monkeypatch)
+    try:
+        src, dst = np.array([5, 0, 7]), np.array([2, 9, 6])
+        before = decode.backing.regions[0].tensor.numpy().copy()
+        decode.expect("req-layers")
+        for layer in prefill.layout.layer_names:
+            await prefill.push_layer("req-layers", layer, src, "decode-0", dst)
+        result = await prefill.finish("req-layers")
+        completion = await decode.wait_for_kv("req-layers", timeout=10)
+        assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
+        rdma = decode._transports[TransportKind.VERBS]
+        assert isinstance(rdma, VerbsTransport)
+        assert rdma.stats["immediates_matched"] == len(prefill.layout.layer_names)
+        for layer in prefill.layout.layer_names:
+            sent, landed = prefill.backing.view(layer), decode.backing.view(layer)
+            parts = prefill.layout.layer(layer).geometry.parts
+            sent, landed = (sent[:, src], landed[:, dst]) if parts == 2 else (sent[src], landed[dst])
+            assert torch.equal(sent.contiguous().view(torch.uint8), landed.contiguous().view(torch.uint8))
+        # Canaries: no byte outside the request's blocks changed.
+        written = np.zeros(before.size, dtype=bool)
+        plan = plan_transfer(prefill.info, decode.info, src, dst)
+        for _, _, _, offset, nbytes in plan.ops.rows():
+            written[offset : offset + nbytes] = True
+        after = decode.backing.regions[0].tensor.numpy()
+        assert np.array_equal(after[~written], before[~written])
+    finally:
+        await prefill.close()
+        await decode.close()
