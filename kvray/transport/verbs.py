@@ -540,19 +540,8 @@ class VerbsTransport(Transport):
         if not remote_writable:
             return descriptors
         return tuple(
-            RegionDescriptor(
-                engine_id=d.engine_id,
-                incarnation=d.incarnation,
-                transport=d.transport,
-                index=d.index,
-                address=d.address,
-                length=d.length,
-                handle=d.handle,
-                handle_offset=d.handle_offset,
-                key=int(mr.rkey),
-                remote_writable=True,
-            )
-            for d, mr in zip(descriptors, registration.mrs, strict=True)
+            msgspec.structs.replace(descriptor, key=int(mr.rkey), remote_writable=True)
+            for descriptor, mr in zip(descriptors, registration.mrs, strict=True)
         )
 
     def _registration(self, backing: Backing, *, remote_writable: bool) -> _Registration:
