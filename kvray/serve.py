@@ -26,9 +26,12 @@ the coordinator registers the engine with the host as its actor, holds its watch
 drops the engine when it returns (the agent closed) or fails (the host died; it is owned by the
 replica, so Ray ends it with the replica). `ray`-transport writes and completion notices that
 reach the host are forwarded into the replica over a long-poll call the replica keeps open
-(on one node, shared-memory writes and completions do not pass through it). Scaling up: a new
-replica starts its engine (fresh incarnation) and registers; scaling down: Serve calls
-`__del__`, which closes the agent (deregisters) and the host.
+(on one node, shared-memory writes and completions do not pass through it).
+
+Scaling in place: `build_app` versions its deployments by `deployment_version`, which only the
+replica counts leave unchanged, so redeploying with another count keeps the running replicas.
+Scaling up, a new replica starts its engine (fresh incarnation) and registers; scaling down,
+Serve calls `__del__`, which closes the agent (deregisters) and the host.
 
 Deadlines: the router bounds the whole request (`request_timeout_s`); the decode replica bounds
 the prefill call and `wait_for_kv` by what is left of it, and the prefill replica's pushes too.
@@ -50,11 +53,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import hashlib
 import itertools
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -714,18 +720,55 @@ def _error_response(status: int, kind: str, message: str, request_id: str | None
 # ---- the application -------------------------------------------------------------------------
 
 
+@functools.cache
+def _source_digest() -> str:
+    """kvray's Python sources as this process first read them. Read once: a process runs the
+    code it imported, and a new deploying process (the script rerun, `serve run`) reads edits."""
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.relative_to(package).as_posix().encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def deployment_version(options: ServeOptions) -> str:
+    """The code version of every deployment of `build_app(options)`: a digest of kvray's
+    sources and of the options less the replica counts. Redeploying with only
+    `prefill_replicas` or `decode_replicas` changed keeps it, so Serve scales in place; any
+    other change (code or options) restarts every replica with it."""
+    fields = msgspec.to_builtins(options)
+    del fields["prefill_replicas"], fields["decode_replicas"]
+    digest = hashlib.sha256(_source_digest().encode())
+    digest.update(msgspec.json.encode(fields))
+    return digest.hexdigest()[:32]
+
+
 def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Any:
     """The Serve application (`serve.Application`) for `args` (see `ServeOptions`)."""
     options = args if isinstance(args, ServeOptions) else ServeOptions.from_args(args)
+    # Without an explicit version `serve.run` gives each deployment a random one, so a redeploy
+    # that only changes a replica count replaces every replica. Ray 2.60 took `version` out of
+    # the public options but still honours it with `_internal=True` (a config deploy, `serve
+    # deploy`, versions by its own digest of the import path and args instead).
+    version = deployment_version(options)
     replica_actor_options = {"num_cpus": options.replica_cpus}
-    prefill = serve.deployment(
-        name="Prefill", num_replicas=options.prefill_replicas, ray_actor_options=replica_actor_options
-    )(PrefillReplica).bind(options)
-    decode = serve.deployment(
-        name="Decode", num_replicas=options.decode_replicas, ray_actor_options=replica_actor_options
-    )(DecodeReplica).bind(options, prefill)
+    prefill = (
+        serve.deployment(
+            name="Prefill", num_replicas=options.prefill_replicas, ray_actor_options=replica_actor_options
+        )(PrefillReplica)
+        .options(version=version, _internal=True)
+        .bind(options)
+    )
+    decode = (
+        serve.deployment(
+            name="Decode", num_replicas=options.decode_replicas, ray_actor_options=replica_actor_options
+        )(DecodeReplica)
+        .options(version=version, _internal=True)
+        .bind(options, prefill)
+    )
     router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})(Router)
-    return router.bind(options, decode)
+    return router.options(version=version, _internal=True).bind(options, decode)
 
 
 __all__ = [
@@ -740,6 +783,7 @@ __all__ = [
     "Router",
     "ServeOptions",
     "build_app",
+    "deployment_version",
     "http_error",
     "prompt_tokens",
     "tokenize",

@@ -1,8 +1,9 @@
 """The Ray Serve application over HTTP: concurrent requests equal colocated generation; a decode
 replica killed under load fails its requests with a clear HTTP error and no hang, its engine
-leaves the directory, Serve's replacement registers, and later requests succeed; a replica's
-host forwards `ray`-transport writes (bytes and canaries checked) and its health check follows
-the agent and its registration."""
+leaves the directory, Serve's replacement registers, and later requests succeed; decode scales
+up and down in place (the other replicas keep running); a replica's host forwards
+`ray`-transport writes (bytes and canaries checked) and its health check follows the agent and
+its registration."""
 
 from __future__ import annotations
 
@@ -289,6 +290,73 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
         await engine.check_health()
     with pytest.raises(UnknownEngineError):
         await coordinator.lookup.remote("serve-host-d0", 0.1)
+
+
+def _directory(role: Role) -> dict[str, int]:
+    """engine id -> incarnation of every engine of `role` in the coordinator's directory."""
+    coordinator = get_or_create_coordinator(SETTINGS)
+    infos = [decode_engine_info(info) for info in ray.get(coordinator.engines.remote(role.value), timeout=30)]
+    return {info.engine_id: info.incarnation for info in infos}
+
+
+def _dropped_dead() -> int:
+    coordinator = get_or_create_coordinator(SETTINGS)
+    return int(ray.get(coordinator.stats.remote(), timeout=30)["dropped_dead"])
+
+
+def _redeploy(decode_replicas: int) -> None:
+    """`serve.run` of the module's app again, with only the decode replica count changed."""
+    options = msgspec.structs.replace(OPTIONS, decode_replicas=decode_replicas)
+    assert kvray_serve.deployment_version(options) == kvray_serve.deployment_version(OPTIONS)
+    other = msgspec.structs.replace(OPTIONS, num_blocks=OPTIONS.num_blocks + 1)
+    assert kvray_serve.deployment_version(other) != kvray_serve.deployment_version(OPTIONS)
+    serve.run(kvray_serve.build_app(options), name="kvray", route_prefix="/")
+
+
+def test_decode_scales_up_and_down_in_place(app_url: str) -> None:
+    """Redeploying with one decode replica more adds one engine and keeps the others (same
+    incarnations: not restarted); the new one serves requests. Back to the old count, one engine
+    deregisters (not dropped as dead), the others stay, and no request names it again."""
+    dead_before = _dropped_dead()
+    before = _directory(Role.DECODE)
+    prefills = _directory(Role.PREFILL)
+    count = len(before)
+    assert count == OPTIONS.decode_replicas
+
+    _redeploy(count + 1)
+    _wait_until(lambda: len(_directory(Role.DECODE)) == count + 1, "a new decode engine registers")
+    scaled_up = _directory(Role.DECODE)
+    assert {engine: scaled_up.get(engine) for engine in before} == before  # not restarted
+    (added,) = set(scaled_up) - set(before)
+    assert _directory(Role.PREFILL) == prefills
+
+    # Serve's router picks replicas at random among the least loaded: send rounds of requests,
+    # each answer checked, until the new engine has served some (bounded rounds, not time).
+    served: set[str] = set()
+    with ThreadPoolExecutor(6) as pool:
+        for round_index in range(10):
+            prompts = _prompts(6, seed=10 + round_index)
+            responses = list(pool.map(lambda item: _post(app_url, item[0]), prompts))
+            for (body, tokens), response in zip(prompts, responses, strict=True):
+                served.add(_check_ok(response, tokens, body["max_tokens"])["decode_engine"])
+            if added in served:
+                break
+    assert added in served, served
+    assert served <= set(scaled_up)
+
+    _redeploy(count)
+    _wait_until(lambda: len(_directory(Role.DECODE)) == count, "one decode engine deregisters")
+    scaled_down = _directory(Role.DECODE)
+    (removed,) = set(scaled_up) - set(scaled_down)
+    assert scaled_down == {engine: scaled_up[engine] for engine in scaled_up if engine != removed}
+    assert _dropped_dead() == dead_before  # it closed and deregistered, it did not die
+    assert _directory(Role.PREFILL) == prefills
+
+    later = _prompts(8, seed=30)
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda item: _post(app_url, item[0]), later))
+    for (body, tokens), response in zip(later, responses, strict=True):
+        assert _check_ok(response, tokens, body["max_tokens"])["decode_engine"] in scaled_down
 
 
 def test_deleting_the_app_deregisters_every_engine(app_url: str) -> None:
