@@ -701,3 +701,19 @@ def test_every_dtype_gets_a_view() -> None:
     for spec in layout.layers:
         assert backing.view(spec.name).dtype == TORCH_DTYPES[spec.geometry.dtype]
         assert backing.view(spec.name).element_size() == spec.geometry.itemsize
+
+
+@given(st.integers(0, 2**47), st.integers(0, 2**34))
+def test_huge_page_advice_stays_inside_the_allocation(address: int, nbytes: int) -> None:
+    from kvray.memory import huge_page_span
+
+    span = huge_page_span(address, nbytes)
+    huge = 2 * 1024 * 1024
+    if span is None:
+        # No whole 2 MiB page fits.
+        first = -(-address // huge) * huge
+        assert first + huge > address + nbytes
+        return
+    start, length = span
+    assert start % huge == 0 and length % huge == 0 and length > 0
+    assert address <= start and start + length <= address + nbytes
