@@ -41,8 +41,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 2.0
     #: Seconds a control message to a peer (completion, failure notice) may take.
     notify_timeout_s: float = 10.0
-    #: Threads one CPU copy (shm write, ray gather and scatter) uses; 0 picks half the cores
-    #: (1 to 4), leaving the rest to the model and to the peer on the same node.
+    #: Threads one CPU copy (shm write, ray gather and scatter) uses; 0 picks every core (1 to
+    #: 4). Fewer leaves cores to a model computing in the same process or on the same node.
     copy_threads: int = 0
     #: RDMA device for the `verbs` transport: a name (e.g. "mlx5_0"), or "auto" for the device
     #: with an active port nearest this process (same NUMA node), else the first active one.

@@ -173,6 +173,7 @@ def test_alignment_must_be_a_power_of_two(value: str) -> None:
         ("KVRAY_TRANSFER_TIMEOUT_S", "-1"),
         ("KVRAY_MAX_CONCURRENT_TRANSFERS", "0"),
         ("KVRAY_MAX_QUEUED_TRANSFERS", "-5"),
+        ("KVRAY_COPY_THREADS", "-1"),
     ],
 )
 def test_non_positive_limits_raise_config_error(variable: str, value: str) -> None:
@@ -182,8 +183,19 @@ def test_non_positive_limits_raise_config_error(variable: str, value: str) -> No
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("alignment", 1000), ("gpu_alignment", 3), ("lookup_timeout_s", 0.0), ("max_queued_transfers", 0)],
+    [
+        ("alignment", 1000),
+        ("gpu_alignment", 3),
+        ("lookup_timeout_s", 0.0),
+        ("max_queued_transfers", 0),
+        ("copy_threads", -2),
+    ],
 )
+def test_copy_threads_come_from_the_environment() -> None:
+    assert Settings().copy_threads == 0  # pick
+    assert Settings.from_env({"KVRAY_COPY_THREADS": "1"}).copy_threads == 1
+
+
 def test_direct_construction_is_validated_with_facts(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as caught:
         Settings(**{field: value})  # type: ignore[arg-type]
