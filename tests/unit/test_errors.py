@@ -181,6 +181,11 @@ def test_non_positive_limits_raise_config_error(variable: str, value: str) -> No
         Settings.from_env({variable: value})
 
 
+def test_copy_threads_come_from_the_environment() -> None:
+    assert Settings().copy_threads == 0  # pick
+    assert Settings.from_env({"KVRAY_COPY_THREADS": "1"}).copy_threads == 1
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -191,11 +196,6 @@ def test_non_positive_limits_raise_config_error(variable: str, value: str) -> No
         ("copy_threads", -2),
     ],
 )
-def test_copy_threads_come_from_the_environment() -> None:
-    assert Settings().copy_threads == 0  # pick
-    assert Settings.from_env({"KVRAY_COPY_THREADS": "1"}).copy_threads == 1
-
-
 def test_direct_construction_is_validated_with_facts(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as caught:
         Settings(**{field: value})  # type: ignore[arg-type]
