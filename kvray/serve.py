@@ -481,7 +481,24 @@ def _engine_id() -> str:
 # ---- the deployments ---------------------------------------------------------------------------
 
 
-class PrefillReplica:
+class _EngineReplica:
+    """What every prefill and decode replica answers besides its own work: Serve's health
+    checks, its stats, and its removal (`__del__`: the engine deregisters)."""
+
+    engine: ReplicaEngine[Any]
+
+    async def stats(self) -> dict[str, Any]:
+        """This replica's engine id, agent counters and block pool (e.g. for `handle.broadcast`)."""
+        return {"engine_id": self.engine.engine_id, **await self.engine.worker.stats()}
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def __del__(self) -> None:
+        await self.engine.close()
+
+
+class PrefillReplica(_EngineReplica):
     """Runs prompts and pushes their KV into the decode replica named in the call."""
 
     # Serve awaits an async constructor: the replica is ready once its engine is registered.
@@ -517,18 +534,8 @@ class PrefillReplica:
             kv_digest=result.kv_digest,
         )
 
-    async def stats(self) -> dict[str, Any]:
-        """This replica's engine id, agent counters and block pool (e.g. for `handle.broadcast`)."""
-        return {"engine_id": self.engine.engine_id, **await self.engine.worker.stats()}
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    async def __del__(self) -> None:
-        await self.engine.close()
-
-
-class DecodeReplica:
+class DecodeReplica(_EngineReplica):
     """The decode side of a request in one call: reserve blocks, have a prefill replica fill
     them, wait for the KV, decode, free the blocks."""
 
@@ -588,16 +595,6 @@ class DecodeReplica:
             ttft_s=first_token_s,
             decode_s=decoded.decode_s,
         )
-
-    async def stats(self) -> dict[str, Any]:
-        """This replica's engine id, agent counters and block pool (e.g. for `handle.broadcast`)."""
-        return {"engine_id": self.engine.engine_id, **await self.engine.worker.stats()}
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    async def __del__(self) -> None:
-        await self.engine.close()
 
 
 class Router:
