@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +20,11 @@ from kvray.transport._copy import StagingBuffers, scatter_copy_async
 from kvray.transport.base import Peer, Transport, check_write
 from kvray.wire import TransportKind, WriteOps, decode_message, encode
 
+if TYPE_CHECKING:
+    import ray
+
+CANCEL_RETRY_S = 0.5
+
 
 class RayTransport(Transport):
     kind = TransportKind.RAY
@@ -29,6 +35,10 @@ class RayTransport(Transport):
         super().__init__(settings)
         self._transfers = 0
         self._staging = StagingBuffers()
+        # Deliveries given up on that may still be parked at their peer, and the task that keeps
+        # cancelling them until each one has ended.
+        self._abandoned: set[ray.ObjectRef[Any]] = set()
+        self._canceller: asyncio.Task[None] | None = None
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -81,7 +91,7 @@ class RayTransport(Transport):
             # Past its deadline (or cancelled): the write must not land later, and its payload
             # must not stay queued at a slow peer. Best effort; the peer also refuses writes for
             # requests it no longer expects.
-            _cancel(delivery)
+            self._abandon(delivery)
             raise
         except Exception as error:
             cause = getattr(error, "cause", None) or error
@@ -93,13 +103,44 @@ class RayTransport(Transport):
                 engine_id=peer.info.engine_id,
             ) from error
 
+    def _abandon(self, delivery: ray.ObjectRef[Any]) -> None:
+        """Cancel a delivery, and keep cancelling it until it has ended.
 
-def _cancel(delivery: object) -> None:
+        Ray drops a cancel that reaches the peer between the call's arrival and the start of its
+        coroutine (measured here: a delivery submitted a few ms before its deadline stayed parked
+        at a stalled peer for over 30 s), so one `ray.cancel` is not enough to guarantee that no
+        payload stays parked at a slow peer."""
+        _cancel(delivery)
+        self._abandoned.add(delivery)
+        loop = asyncio.get_running_loop()
+
+        def ended(_: object) -> None:  # on a Ray thread
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(self._abandoned.discard, delivery)
+
+        delivery.future().add_done_callback(ended)
+        if self._canceller is None or self._canceller.done():
+            self._canceller = asyncio.get_running_loop().create_task(self._keep_cancelling())
+
+    async def _keep_cancelling(self) -> None:
+        while self._abandoned:
+            await asyncio.sleep(CANCEL_RETRY_S)
+            for delivery in list(self._abandoned):
+                _cancel(delivery)
+
+    async def close(self) -> None:
+        if self._canceller is not None:
+            self._canceller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._canceller
+        self._abandoned.clear()
+
+
+def _cancel(delivery: ray.ObjectRef[Any]) -> None:
     import ray
 
-    if isinstance(delivery, ray.ObjectRef):
-        with contextlib.suppress(Exception):
-            ray.cancel(delivery)
+    with contextlib.suppress(Exception):
+        ray.cancel(delivery)
 
 
 async def apply_write(

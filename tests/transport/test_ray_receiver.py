@@ -6,6 +6,8 @@ a byte written. The header is a msgspec struct, never unpickled.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
+from kvray.config import Settings
 from kvray.errors import (
     BoundsError,
     KvrayError,
@@ -22,6 +25,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.layout import BlockOrder, mixed
+from kvray.transport import ray as ray_transport
 from kvray.transport.base import Peer
 from kvray.transport.ray import apply_write
 from kvray.wire import EngineInfo, TransferDone, WriteOps, encode
@@ -259,3 +263,43 @@ async def test_peer_without_an_actor_is_refused(ray_side: TransportUnderTest) ->
         await ray_side.transport.write(plan, source.backing, Peer(destination.info, host=None))
 
     ray_side.assert_unchanged(destination, before)
+
+
+class _ParkedDelivery:
+    """Stands in for the ObjectRef of a delivery parked at a stalled peer: it ends only when a
+    cancel gets through, and Ray loses the first `lost` cancels (as it does for a cancel that
+    reaches the peer before the call's coroutine has started)."""
+
+    def __init__(self, lost: int) -> None:
+        self.lost = lost
+        self.cancels = 0
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def future(self) -> concurrent.futures.Future[None]:
+        return self._future
+
+    def cancel(self) -> None:
+        self.cancels += 1
+        if self.cancels > self.lost:
+            self._future.cancel()
+
+
+async def test_a_lost_cancel_is_sent_again_until_the_delivery_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray_transport, "CANCEL_RETRY_S", 0.01)
+    monkeypatch.setattr(ray_transport, "_cancel", lambda delivery: delivery.cancel())
+    transport = ray_transport.RayTransport(Settings())
+    stubborn, ends_at_third = _ParkedDelivery(lost=10**9), _ParkedDelivery(lost=2)
+    transport._abandon(ends_at_third)  # type: ignore[arg-type]
+    transport._abandon(stubborn)  # type: ignore[arg-type]
+    for _ in range(500):
+        if ends_at_third.future().done() and stubborn.cancels > 5:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert ends_at_third.cancels == 3, "cancelled again after it ended, or never got through"
+    assert ends_at_third not in transport._abandoned
+    assert stubborn in transport._abandoned
+    await transport.close()
+    settled = stubborn.cancels
+    await asyncio.sleep(0.05)
+    assert stubborn.cancels == settled, "close() left the canceller running"
