@@ -110,6 +110,10 @@ class RayTransport(Transport):
         coroutine (measured here: a delivery submitted a few ms before its deadline stayed parked
         at a stalled peer for over 30 s), so one `ray.cancel` is not enough to guarantee that no
         payload stays parked at a slow peer."""
+        import ray
+
+        if not isinstance(delivery, ray.ObjectRef):  # an in-process stand-in: cancelled with us
+            return
         _cancel(delivery)
         self._abandoned.add(delivery)
         loop = asyncio.get_running_loop()

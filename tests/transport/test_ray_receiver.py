@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+import ray
 
 from kvray.config import Settings
 from kvray.errors import (
@@ -287,6 +288,7 @@ class _ParkedDelivery:
 async def test_a_lost_cancel_is_sent_again_until_the_delivery_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray_transport, "CANCEL_RETRY_S", 0.01)
     monkeypatch.setattr(ray_transport, "_cancel", lambda delivery: delivery.cancel())
+    monkeypatch.setattr(ray, "ObjectRef", _ParkedDelivery)
     transport = ray_transport.RayTransport(Settings())
     stubborn, ends_at_third = _ParkedDelivery(lost=10**9), _ParkedDelivery(lost=2)
     transport._abandon(ends_at_third)  # type: ignore[arg-type]
