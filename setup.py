@@ -1,5 +1,11 @@
-"""Builds kvray's one C helper (batched memcpy); everything else lives in pyproject.toml."""
+"""Builds kvray's two C helpers (the batched memcpy and the planner's per-op loops); everything
+else lives in pyproject.toml."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvray._copy", sources=["kvray/_copy.c"], extra_compile_args=["-O2"])])
+setup(
+    ext_modules=[
+        Extension("kvray._copy", sources=["kvray/_copy.c"], extra_compile_args=["-O2"]),
+        Extension("kvray._plan", sources=["kvray/_plan.c"], extra_compile_args=["-O2", "-Wall"]),
+    ]
+)

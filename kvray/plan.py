@@ -6,6 +6,11 @@ write ops `(local_region, local_offset, remote_region, remote_offset, nbytes)`: 
 regions before the plan exists (invariant 2). Layer offsets come from an `OffsetCache` keyed
 by `(engine, incarnation, layer, geometry)` (invariant 3): two layers of the same geometry
 never share an entry, an unknown layer raises, and a new incarnation misses the cache.
+
+The per-op loops run in C where `kvray._plan` is built (`pip install` builds it): sorting and
+checking block ids, expanding rows into ops, merging, and the bounds check. Each has a numpy twin
+here that gives the same answer; the twin runs when the module is missing, and whenever a C
+check fails, so that every error is raised, and worded, by the numpy code alone.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +35,18 @@ from kvray.errors import (
 from kvray.layout import Geometry, LayerPlacement
 from kvray.wire import EngineInfo
 
+_native: ModuleType | None
+try:
+    from kvray import _plan as _native
+except ImportError:  # built by `pip install`; a source checkout without a build uses numpy alone
+    _native = None
+
 Int64Array = npt.NDArray[np.int64]
+
+
+def native() -> bool:
+    """True when the planner's C loops (`kvray._plan`) are built."""
+    return _native is not None
 
 
 class OffsetKey(NamedTuple):
@@ -411,6 +428,65 @@ def plan_transfer(
     """Write ops moving `local_blocks` of `layers` into the remote's `remote_blocks`."""
     cache = cache if cache is not None else OffsetCache()
     names = cache.compatible(local, remote, layers)
+    # Blocks in ascending local order: each row's ops then come out sorted by local offset
+    # (a layer's block stride is positive), which usually spares the merge its sort.
+    local_ids, remote_ids, remote_span = _paired_ids(local, remote, local_blocks, remote_blocks)
+    local_rows = cache.rows(local, names)
+    remote_rows = cache.rows(remote, names)
+    check_row_bounds(local_rows, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
+    check_row_bounds(remote_rows, remote_ids, remote, "remote", remote_span)
+    # One op per (layer, part) row × block, in that order.
+    count = local_ids.size
+    unmerged, in_order = _expand(local_rows, remote_rows, local_ids, remote_ids)
+    layer_starts = tuple((np.asarray(local_rows.layer_starts) * count).tolist())
+    return TransferPlan(
+        src_engine=local.engine_id,
+        src_incarnation=local.incarnation,
+        dst_engine=remote.engine_id,
+        dst_incarnation=remote.incarnation,
+        layers=names,
+        ops=merge_ops(unmerged, in_order),
+        unmerged=unmerged,
+        layer_starts=layer_starts,
+    )
+
+
+def _id_array(blocks: Sequence[int] | npt.NDArray[np.integer]) -> Int64Array | None:
+    """A request's block ids as contiguous int64 if they look like ids at all (the C check takes
+    it from there), else None: `block_ids` then says what is wrong."""
+    try:
+        ids = np.asarray(blocks)
+    except (ValueError, TypeError):
+        return None
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        return None
+    # A uint64 id past int64 wraps negative here, and the range check refuses it.
+    return np.ascontiguousarray(ids.astype(np.int64, copy=False))
+
+
+def _paired_ids(
+    local: EngineInfo,
+    remote: EngineInfo,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+) -> tuple[Int64Array, Int64Array, tuple[int, int]]:
+    """Both sides' validated block ids, paired and in ascending local order, and the smallest
+    and largest remote id."""
+    if _native is not None:
+        local_ids, remote_ids = _id_array(local_blocks), _id_array(remote_blocks)
+        if local_ids is not None and remote_ids is not None and local_ids.size == remote_ids.size:
+            sorted_local, paired_remote = np.empty_like(local_ids), np.empty_like(remote_ids)
+            remote_span = _native.sort_blocks(
+                local_ids,
+                remote_ids,
+                local.layout.num_blocks,
+                remote.layout.num_blocks,
+                sorted_local,
+                paired_remote,
+            )
+            if remote_span is not None:
+                return sorted_local, paired_remote, remote_span
+    # The numpy twin; it also raises the error that says what is wrong with the ids.
     local_ids = block_ids(local_blocks, local.layout.num_blocks, "local", local.engine_id)
     remote_ids = block_ids(remote_blocks, remote.layout.num_blocks, "remote", remote.engine_id)
     if local_ids.size != remote_ids.size:
@@ -419,21 +495,44 @@ def plan_transfer(
             local_count=int(local_ids.size),
             remote_count=int(remote_ids.size),
         )
-    local_rows = cache.rows(local, names)
-    remote_rows = cache.rows(remote, names)
-    # Blocks in ascending local order: each row's ops then come out sorted by local offset
-    # (a layer's block stride is positive), which usually spares merge_ops its sort.
+    if _native is not None:
+        raise PlanError(
+            f"kvray._plan refused block ids that the numpy check accepts: {local_ids}, {remote_ids}"
+        )
     order = np.argsort(local_ids, kind="stable")  # 53 us against 121 for 4096 ids here
-    local_ids = local_ids[order]
     remote_ids = remote_ids[order]
-    check_row_bounds(local_rows, local_ids, local, "local")
-    check_row_bounds(remote_rows, remote_ids, remote, "remote")
-    # One op per (layer, part) row × block, in that order.
+    return local_ids[order], remote_ids, (int(remote_ids.min()), int(remote_ids.max()))
+
+
+def _expand(
+    local_rows: PartRows, remote_rows: PartRows, local_ids: Int64Array, remote_ids: Int64Array
+) -> tuple[OpTable, bool | None]:
+    """One op per (row, block), rows outer; and whether they are sorted by local (region,
+    offset), when that came for free (None: not known)."""
+    count = local_ids.size
+    if _native is not None:
+        unmerged = OpTable(*(np.empty(local_rows.base.size * count, dtype=np.int64) for _ in range(5)))
+        in_order = _native.expand_ops(
+            local_rows.region,
+            local_rows.base,
+            local_rows.block_stride,
+            remote_rows.region,
+            remote_rows.base,
+            remote_rows.block_stride,
+            local_rows.nbytes,
+            local_ids,
+            remote_ids,
+            unmerged.local_region,
+            unmerged.local_offset,
+            unmerged.remote_region,
+            unmerged.remote_offset,
+            unmerged.nbytes,
+        )
+        return unmerged, bool(in_order)
     local_offset = (local_rows.base[:, None] + local_ids[None, :] * local_rows.block_stride[:, None]).ravel()
     remote_offset = (
         remote_rows.base[:, None] + remote_ids[None, :] * remote_rows.block_stride[:, None]
     ).ravel()
-    count = local_ids.size
     unmerged = OpTable(
         np.repeat(local_rows.region, count),
         local_offset,
@@ -441,27 +540,20 @@ def plan_transfer(
         remote_offset,
         np.repeat(local_rows.nbytes, count),
     )
-    layer_starts = tuple((np.asarray(local_rows.layer_starts) * count).tolist())
-    return TransferPlan(
-        src_engine=local.engine_id,
-        src_incarnation=local.incarnation,
-        dst_engine=remote.engine_id,
-        dst_incarnation=remote.incarnation,
-        layers=names,
-        ops=merge_ops(unmerged),
-        unmerged=unmerged,
-        layer_starts=layer_starts,
-    )
+    return unmerged, None
 
 
-def check_row_bounds(rows: PartRows, ids: Int64Array, info: EngineInfo, side: str) -> None:
+def check_row_bounds(
+    rows: PartRows, ids: Int64Array, info: EngineInfo, side: str, span: tuple[int, int] | None = None
+) -> None:
     """Invariant 2 for every op of one side at once: an op's offset is `base + id * stride`,
     linear in the block id, so the ops of a row lie between the offsets of its smallest and its
-    largest block id. Checking those two ends of every row covers each op exactly; where one
-    fails, the full per-op check names it."""
+    largest block id (`span`, when the caller knows them). Checking those two ends of every row
+    covers each op exactly; where one fails, the full per-op check names it."""
     lengths = [r.length for r in info.regions]
-    first = rows.base + int(ids.min()) * rows.block_stride
-    last = rows.base + int(ids.max()) * rows.block_stride
+    low, high = span if span is not None else (int(ids.min()), int(ids.max()))
+    first = rows.base + low * rows.block_stride
+    last = rows.base + high * rows.block_stride
     regions = np.concatenate([rows.region, rows.region])
     nbytes = np.concatenate([rows.nbytes, rows.nbytes])
     try:
@@ -490,17 +582,35 @@ def _sort_key(region: Int64Array, offset: Int64Array) -> Int64Array:
     return region * span + offset
 
 
-def merge_ops(ops: OpTable) -> OpTable:
+def merge_ops(ops: OpTable, in_order: bool | None = None) -> OpTable:
     """Sort by local (region, offset) and merge each op into the previous one where both its
-    source and destination continue the previous op's bytes."""
+    source and destination continue the previous op's bytes. `in_order`: whether the ops are
+    already sorted, when the caller knows (None: look)."""
     if len(ops) == 0:
         return ops
-    key = _sort_key(ops.local_region, ops.local_offset)
-    if bool((key[1:] >= key[:-1]).all()):
+    if in_order is None:
+        key = _sort_key(ops.local_region, ops.local_offset)
+        in_order = bool((key[1:] >= key[:-1]).all())
+    order = None if in_order else np.argsort(_sort_key(ops.local_region, ops.local_offset), kind="stable")
+    if _native is not None:
+        columns = (ops.local_region, ops.local_offset, ops.remote_region, ops.remote_offset, ops.nbytes)
+        merged = [np.empty(len(ops), dtype=np.int64) for _ in range(5)]
+        try:
+            count = _native.merge_ops(
+                *(np.ascontiguousarray(c, dtype=np.int64) for c in columns), order, *merged
+            )
+        except (TypeError, ValueError):  # not int64 columns: the numpy twin copes
+            pass
+        else:
+            return OpTable(*(column[:count] for column in merged))
+    return _merge_numpy(ops, order)
+
+
+def _merge_numpy(ops: OpTable, order: Int64Array | None) -> OpTable:
+    if order is None:
         local_region, local_offset = ops.local_region, ops.local_offset
         remote_region, remote_offset, nbytes = ops.remote_region, ops.remote_offset, ops.nbytes
     else:
-        order = np.argsort(key, kind="stable")
         local_region = ops.local_region[order]
         local_offset = ops.local_offset[order]
         remote_region = ops.remote_region[order]
@@ -535,6 +645,12 @@ def check_ops(
     lies inside that region. Written so that no sum can overflow int64: the end of an op is
     never computed, only compared as `offset <= length - nbytes` with `nbytes <= length`."""
     lengths = np.asarray(region_lengths, dtype=np.int64)
+    if _native is not None:
+        try:
+            if _native.first_outside(region, offset, nbytes, lengths) < 0:
+                return
+        except (TypeError, ValueError):  # not int64 arrays of one length: the numpy twin decides
+            pass
     bad_region = (region < 0) | (region >= lengths.size)
     if bad_region.any():
         at = int(np.flatnonzero(bad_region)[0])

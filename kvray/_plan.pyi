@@ -1,0 +1,40 @@
+"""The planner's C loops (kvray/_plan.c); each array is C-contiguous native int64."""
+
+def sort_blocks(
+    local_ids: object,
+    remote_ids: object,
+    local_pool: int,
+    remote_pool: int,
+    out_local: object,
+    out_remote: object,
+) -> tuple[int, int] | None: ...
+def expand_ops(
+    local_region: object,
+    local_base: object,
+    local_stride: object,
+    remote_region: object,
+    remote_base: object,
+    remote_stride: object,
+    row_nbytes: object,
+    local_ids: object,
+    remote_ids: object,
+    out_local_region: object,
+    out_local_offset: object,
+    out_remote_region: object,
+    out_remote_offset: object,
+    out_nbytes: object,
+) -> bool: ...
+def merge_ops(
+    local_region: object,
+    local_offset: object,
+    remote_region: object,
+    remote_offset: object,
+    nbytes: object,
+    order: object | None,
+    out_local_region: object,
+    out_local_offset: object,
+    out_remote_region: object,
+    out_remote_offset: object,
+    out_nbytes: object,
+) -> int: ...
+def first_outside(region: object, offset: object, nbytes: object, region_lengths: object) -> int: ...

@@ -1,0 +1,223 @@
+"""The planner's C loops (`kvray._plan`) against their numpy twins in kvray/plan.py.
+
+Both must give the same plan, op for op, and the same error, word for word: the twin runs
+where the C module is not built, and whenever a C check fails (so that the numpy code alone
+raises and words every error). The twin is forced here by setting `kvray.plan._native` to None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvray.plan as plan_module
+from kvray.layout import DTYPE_ITEMSIZE, BlockOrder, Geometry, KVLayout, LayerSpec
+from kvray.memory import Backing
+from kvray.plan import OpTable, check_ops, merge_ops, plan_transfer
+from kvray.wire import EngineInfo, Role
+
+pytestmark = pytest.mark.skipif(not plan_module.native(), reason="kvray._plan (the C extension) is not built")
+
+NATIVE = plan_module._native
+COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
+
+
+def both_ways(call: Callable[[], Any]) -> tuple[Any, Any]:
+    """`call()` with the C loops, then with the numpy twin: each a result or the exception."""
+    outcomes = []
+    for native in (NATIVE, None):
+        saved, plan_module._native = plan_module._native, native
+        try:
+            outcomes.append(call())
+        except Exception as error:
+            outcomes.append(error)
+        finally:
+            plan_module._native = saved
+    return outcomes[0], outcomes[1]
+
+
+def same_table(a: OpTable, b: OpTable) -> None:
+    for column in COLUMNS:
+        left, right = getattr(a, column), getattr(b, column)
+        assert left.dtype == right.dtype == np.int64, column
+        assert np.array_equal(left, right), column
+
+
+def same_error(a: object, b: object) -> None:
+    assert isinstance(a, Exception) and isinstance(b, Exception), (a, b)
+    assert (type(a), str(a)) == (type(b), str(b))
+
+
+geometries = st.builds(
+    Geometry,
+    block_size=st.integers(1, 4),
+    entry_shape=st.lists(st.integers(1, 8), min_size=1, max_size=2).map(tuple),
+    dtype=st.sampled_from(sorted(DTYPE_ITEMSIZE)),
+    parts=st.sampled_from([1, 2]),
+)
+
+
+def infos(data: st.DataObject, make_info: Callable[..., EngineInfo]) -> tuple[EngineInfo, EngineInfo]:
+    layer_geometries = data.draw(st.lists(geometries, min_size=1, max_size=4), label="geometries")
+    layers = tuple(LayerSpec(name=f"layer{index}", geometry=g) for index, g in enumerate(layer_geometries))
+    sides = []
+    for role in (Role.PREFILL, Role.DECODE):
+        layout = KVLayout(
+            layers=layers,
+            num_blocks=data.draw(st.integers(1, 24), label=f"{role.value} blocks"),
+            block_order=data.draw(st.sampled_from(list(BlockOrder)), label=f"{role.value} order"),
+        )
+        backing = Backing.allocate(layout, alignment=64)
+        sides.append(make_info(backing, f"{role.value}-0", 1, role))
+        backing.close()
+    return sides[0], sides[1]
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_same_plan_both_ways(data: st.DataObject, make_info: Callable[..., EngineInfo]) -> None:
+    local, remote = infos(data, make_info)
+    count = data.draw(st.integers(1, min(local.layout.num_blocks, remote.layout.num_blocks)))
+    local_ids = data.draw(st.permutations(range(local.layout.num_blocks)))[:count]
+    remote_ids = data.draw(st.permutations(range(remote.layout.num_blocks)))[:count]
+    names = list(local.layout.layer_names)
+    layers = data.draw(st.sampled_from([None, names[: data.draw(st.integers(1, len(names)))]]))
+    as_array = data.draw(st.sampled_from([list, lambda ids: np.asarray(ids, dtype=np.int32)]))
+    native, twin = both_ways(
+        lambda: plan_transfer(local, remote, as_array(local_ids), as_array(remote_ids), layers)
+    )
+    same_table(native.ops, twin.ops)
+    same_table(native.unmerged, twin.unmerged)
+    assert native.layer_starts == twin.layer_starts
+    for layer in native.layers:
+        same_table(native.layer_ops(layer), twin.layer_ops(layer))
+
+
+def _bad_ids(pool: int) -> st.SearchStrategy[Any]:
+    ids = st.integers(-3, pool + 3)
+    return st.one_of(
+        st.lists(ids, min_size=0, max_size=pool + 2),
+        st.lists(ids, min_size=1, max_size=4).map(lambda values: [values, values]),  # 2-D
+        st.just([1.5, 2.0]),
+        st.just(np.array([2**63 + 1, 0], dtype=np.uint64)),
+        st.just(np.array([0, 1], dtype=np.uint8)),
+        st.just(["a", "b"]),
+    )
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_same_error_both_ways(data: st.DataObject, make_info: Callable[..., EngineInfo]) -> None:
+    local, remote = infos(data, make_info)
+    local_ids = data.draw(_bad_ids(local.layout.num_blocks), label="local ids")
+    remote_ids = data.draw(_bad_ids(remote.layout.num_blocks), label="remote ids")
+    native, twin = both_ways(lambda: plan_transfer(local, remote, local_ids, remote_ids))
+    if isinstance(twin, Exception):
+        same_error(native, twin)
+    else:
+        same_table(native.ops, twin.ops)
+
+
+def _ops(draw: Callable[..., Any], size: int) -> OpTable:
+    """Ops that often continue each other on one side or both (so some merge), in any order."""
+    ints = lambda low, high: st.lists(st.integers(low, high), min_size=size, max_size=size)  # noqa: E731
+    local_region, remote_region = draw(ints(0, 1)), draw(ints(0, 1))
+    nbytes, start, shift = draw(ints(1, 4)), draw(ints(0, 12)), draw(ints(0, 1))
+    remote_start = [offset + 16 * moved for offset, moved in zip(start, shift, strict=True)]
+    order = draw(st.permutations(range(size)))
+    columns = (local_region, start, remote_region, remote_start, nbytes)
+    return OpTable(*(np.asarray(values, dtype=np.int64)[order] for values in columns))
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_same_merge_both_ways(data: st.DataObject) -> None:
+    ops = _ops(data.draw, data.draw(st.integers(0, 40)))
+    in_order = data.draw(st.sampled_from([None, False]))
+    native, twin = both_ways(lambda: merge_ops(ops, in_order))
+    same_table(native, twin)
+    assert native.total_nbytes == ops.total_nbytes
+
+
+big = st.integers(-(2**63), 2**63 - 1)
+edgy = st.sampled_from([-(2**63), -1, 0, 1, 7, 8, 2**62, 2**63 - 1])
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_the_same_bounds_check_both_ways(data: st.DataObject) -> None:
+    """No op outside its region passes either way, even with offsets and sizes near int64's
+    ends (an end computed as offset + nbytes would overflow there)."""
+    size = data.draw(st.integers(1, 6))
+    values = st.one_of(edgy, big, st.integers(-2, 20))
+    region, offset, nbytes = (
+        np.asarray(data.draw(st.lists(st.one_of(st.integers(-1, 2), edgy), min_size=size, max_size=size)))
+        if column == "region"
+        else np.asarray(data.draw(st.lists(values, min_size=size, max_size=size)), dtype=np.int64)
+        for column in ("region", "offset", "nbytes")
+    )
+    region = region.astype(np.int64)
+    lengths = data.draw(st.lists(st.one_of(st.integers(0, 24), edgy.filter(lambda v: v >= 0)), max_size=3))
+    native, twin = both_ways(lambda: check_ops(region, offset, nbytes, lengths, side="remote", engine_id="d"))
+    if isinstance(twin, Exception):
+        same_error(native, twin)
+    else:
+        assert native is None
+    inside = [
+        0 <= r < len(lengths) and 0 < n <= lengths[r] and 0 <= o <= lengths[r] - n
+        for r, o, n in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True)
+    ]
+    assert (twin is None) == all(inside)
+
+
+def test_sort_blocks_orders_by_local_id_and_refuses_bad_ids() -> None:
+    local, remote = np.array([5, 0, 3], dtype=np.int64), np.array([1, 7, 2], dtype=np.int64)
+    out_local, out_remote = np.empty(3, dtype=np.int64), np.empty(3, dtype=np.int64)
+    assert NATIVE.sort_blocks(local, remote, 6, 8, out_local, out_remote) == (1, 7)
+    assert out_local.tolist() == [0, 3, 5] and out_remote.tolist() == [7, 2, 1]
+    for bad_local, bad_remote, pools in (
+        ([5, 0, 5], [1, 7, 2], (6, 8)),  # a repeated local id
+        ([5, 0, 3], [1, 2, 2], (6, 8)),  # a repeated remote id
+        ([5, 0, 6], [1, 7, 2], (6, 8)),  # past the local pool
+        ([5, 0, 3], [1, 7, 2], (6, 7)),  # past the remote pool
+        ([5, -1, 3], [1, 7, 2], (6, 8)),
+        ([5, 0, 3], [1, -7, 2], (6, 8)),
+    ):
+        refused = NATIVE.sort_blocks(
+            np.array(bad_local, dtype=np.int64),
+            np.array(bad_remote, dtype=np.int64),
+            *pools,
+            out_local,
+            out_remote,
+        )
+        assert refused is None, (bad_local, bad_remote, pools)
+
+
+def test_the_c_loops_take_only_int64_arrays_of_one_length() -> None:
+    int64 = np.zeros(4, dtype=np.int64)
+    with pytest.raises(TypeError, match="int64"):
+        NATIVE.first_outside(np.zeros(4, dtype=np.int32), int64, int64, int64)
+    with pytest.raises(ValueError, match="lengths"):
+        NATIVE.first_outside(int64, int64, np.zeros(3, dtype=np.int64), int64)
+    with pytest.raises(ValueError, match="permutation"):
+        NATIVE.merge_ops(*[int64] * 5, np.array([0, 1, 2, 9], dtype=np.int64), *[np.empty(4, np.int64)] * 5)
+    read_only = np.zeros(4, dtype=np.int64)
+    read_only.flags.writeable = False
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        NATIVE.merge_ops(*[int64] * 5, None, read_only, *[np.empty(4, np.int64)] * 4)
+
+
+def test_columns_of_other_integer_types_are_merged_and_checked_by_the_twin() -> None:
+    columns: Sequence[np.ndarray] = [
+        np.asarray(v, dtype=np.int32) for v in ([0, 0], [0, 4], [0, 0], [8, 12], [4, 4])
+    ]
+    merged = merge_ops(OpTable(*columns))
+    assert merged.rows() == [(0, 0, 0, 8, 8)]
+    check_ops(columns[0], columns[1], columns[4], [16], side="local", engine_id="p")
+    with pytest.raises(Exception, match="leaves region"):
+        check_ops(columns[0], columns[1], columns[4], [6], side="local", engine_id="p")
