@@ -878,8 +878,12 @@ class KVAgent:
         started = time.perf_counter()
         outcome = Outcome.FAILED
         try:
+            # The future itself, not a shield around it: a shield puts one more hop through the
+            # loop between the completion and this task, behind whatever the completion queued
+            # (a metric write). A timed-out or cancelled wait cancels the future, which is what
+            # `cancel(request_id)` below would do to it anyway.
             async with asyncio.timeout(deadline):
-                completion = await asyncio.shield(future)
+                completion = await future
             outcome = Outcome.OK
             return completion
         except TimeoutError:
