@@ -31,7 +31,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -146,6 +146,21 @@ class _Attempt:
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
+
+
+class _EarlyNotice:
+    """A push's completion notice, encoded before the write, for the transport to send from its
+    copy thread once the last byte has landed (`send` never raises; `sent` says whether it went,
+    else the push sends it the usual way)."""
+
+    def __init__(self, outbox: CompletionOutbox, path: str, message: bytes) -> None:
+        self._outbox = outbox
+        self._path = path
+        self._message = message
+        self.sent = False
+
+    def send(self) -> None:
+        self.sent = self._outbox.try_send(self._path, self._message)
 
 
 def _node_id() -> str:
@@ -449,20 +464,20 @@ class KVAgent:
                 attempt, local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
             )
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
-            await self._write(request_id, peer, transport, plan)
-            await self._send(
-                peer,
-                TransferDone(
-                    transfer_id=transfer_id,
-                    request_id=request_id,
-                    src_engine=self.engine_id,
-                    src_incarnation=self.incarnation,
-                    dst_engine=peer.info.engine_id,
-                    dst_incarnation=peer.info.incarnation,
-                    nbytes=plan.nbytes,
-                    immediates=int(transport.kind is TransportKind.VERBS),
-                ),
+            notice = TransferDone(
+                transfer_id=transfer_id,
+                request_id=request_id,
+                src_engine=self.engine_id,
+                src_incarnation=self.incarnation,
+                dst_engine=peer.info.engine_id,
+                dst_incarnation=peer.info.incarnation,
+                nbytes=plan.nbytes,
+                immediates=int(transport.kind is TransportKind.VERBS),
             )
+            early = self._early_notice(peer, notice)
+            await self._write(request_id, peer, transport, plan, then=None if early is None else early.send)
+            if early is None or not early.sent:
+                await self._send(peer, notice)
             self.stats["pushes_ok"] += 1
             self.stats["bytes_pushed"] += plan.nbytes
             self.metrics.bytes_pushed(transport.kind.value, peer.info.engine_id, plan.nbytes)
@@ -791,10 +806,31 @@ class KVAgent:
         attempt.transport = transport.kind
         return peer, transport, plan
 
-    async def _write(self, request_id: str, peer: Peer, transport: Transport, plan: TransferPlan) -> None:
+    async def _write(
+        self,
+        request_id: str,
+        peer: Peer,
+        transport: Transport,
+        plan: TransferPlan,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         # The request id travels with `ray`-transport writes: the receiver takes writes only
         # for requests it still expects.
-        await transport.write(replace(plan, request_id=request_id), self.backing, peer)
+        plan = replace(plan, request_id=request_id)
+        if then is None:
+            await transport.write(plan, self.backing, peer)
+        else:
+            await transport.write_then(plan, self.backing, peer, then)
+
+    def _early_notice(self, peer: Peer, notice: TransferDone) -> _EarlyNotice | None:
+        """A completion notice the transport may send from its copy thread the moment the last
+        byte lands (same node, through the peer's inbox; see `Transport.write_then`)."""
+        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
+        if not inbox or peer.info.node_id != self.node_id:
+            return None
+        if self._outbox is None:
+            self._outbox = CompletionOutbox()
+        return _EarlyNotice(self._outbox, inbox, encode(notice))
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)

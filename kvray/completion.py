@@ -87,6 +87,16 @@ class CompletionOutbox:
                     writable.add_done_callback(lambda _: loop.remove_writer(fileno))
                 await asyncio.shield(writable)
 
+    def try_send(self, path: str, message: bytes) -> bool:
+        """One non-blocking `sendto`, from any thread: True if the message is in the peer's
+        inbox, False if it could not be queued right now (full, gone, closed) - the caller then
+        sends it with `send`, which waits or raises as the case may be."""
+        try:
+            self._socket.sendto(message, path)
+        except OSError:
+            return False
+        return True
+
     def close(self) -> None:
         self._socket.close()
 

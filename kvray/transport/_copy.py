@@ -7,7 +7,7 @@ import contextlib
 import ctypes
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,8 +84,11 @@ async def scatter_copy_async(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     threads: int = 0,
+    then: Callable[[], None] | None = None,
 ) -> None:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
+    `then()`, if given, is called once every byte is copied, on the thread that copied the last
+    one (see `Transport.write_then`).
 
     With the C copy, the threads share the op list and each claims the next ops as it goes
     (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks on a
@@ -97,6 +100,8 @@ async def scatter_copy_async(
     threads = threads or copy_threads()
     if total < _PARALLEL_THRESHOLD:
         scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        if then is not None:
+            then()
         return
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="kvray-copy")
@@ -105,7 +110,7 @@ async def scatter_copy_async(
     if threads == 1:
         # One thread, but off the event loop: a 64 MiB copy takes milliseconds.
         await loop.run_in_executor(
-            _executor, scatter_copy, dst_base, src_base, dst_offsets, src_offsets, nbytes
+            _executor, _copy_then, then, dst_base, src_base, dst_offsets, src_offsets, nbytes
         )
         return
     if _scatter_copy is not None:
@@ -119,9 +124,9 @@ async def scatter_copy_async(
         if nbytes.size == 0:
             return
         cursor = np.zeros(2, dtype=np.int64)  # next op to claim, ops done
-        copies = [
+        copies: list[Awaitable[None]] = [
             loop.run_in_executor(
-                _executor, scatter_copy, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
+                _executor, _copy_then, then, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
             )
             for _ in range(threads)
         ]
@@ -133,7 +138,7 @@ async def scatter_copy_async(
         ends = np.cumsum(nbytes)
         cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
         bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
-        copies = [
+        shares: list[Awaitable[bool | None]] = [
             loop.run_in_executor(
                 _executor,
                 scatter_copy,
@@ -146,6 +151,8 @@ async def scatter_copy_async(
             for start, stop in itertools.pairwise(bounds)
             if stop > start
         ]
+        # Equal shares: no thread knows it copied the last byte.
+        copies = [_then_after(asyncio.gather(*shares), then)]
     # Every thread returns before the copy does, even one that starts after the last op was
     # claimed: whoever releases the memory next never races a thread still holding it.
     gathered = asyncio.gather(*copies)
@@ -159,6 +166,28 @@ async def scatter_copy_async(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([gathered])
         raise
+
+
+def _copy_then(
+    then: Callable[[], None] | None,
+    dst_base: int,
+    src_base: int,
+    dst_offsets: Int64Array,
+    src_offsets: Int64Array,
+    nbytes: Int64Array,
+    cursor: Int64Array | None = None,
+) -> None:
+    """`scatter_copy` on a pool thread, then `then()` there if this call copied the last byte
+    (without a cursor, the call copies every op)."""
+    finished = scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor)
+    if then is not None and (cursor is None or finished):
+        then()
+
+
+async def _then_after(copies: Awaitable[object], then: Callable[[], None] | None) -> None:
+    await copies
+    if then is not None:
+        then()
 
 
 class StagingBuffers:

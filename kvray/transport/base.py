@@ -9,6 +9,7 @@ write through, `write` issues a plan's ops into a peer's regions as one-sided wr
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,6 +58,17 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         """Issue every op of `plan`; return once the bytes are in the peer's memory."""
+
+    async def write_then(
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None]
+    ) -> None:
+        """`write`, calling `then()` once, as soon as every byte is in the peer's memory: a
+        transport whose copy finishes on a thread of its own calls it there, before this
+        coroutine resumes (the agent sends the completion notice from it, sparing the decode
+        side a trip through this event loop). `then` must be quick, thread-safe and must not
+        raise. Here: after `write` returns, on the loop."""
+        await self.write(plan, local, peer)
+        then()
 
     def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """Drop whatever is cached for a peer (it restarted, left or failed)."""

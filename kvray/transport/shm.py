@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,9 +94,20 @@ class ShmTransport(Transport):
         return super().register(backing, engine_id, incarnation, remote_writable=remote_writable)
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        await self._copy(plan, local, peer, None)
+
+    async def write_then(
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None]
+    ) -> None:
+        await self._copy(plan, local, peer, then)
+
+    async def _copy(
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None] | None
+    ) -> None:
         check_write(plan, local, peer)
         ops = plan.ops
-        for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
+        pairs = region_pairs(ops.local_region, ops.remote_region)
+        for number, ((local_index, remote_index), select) in enumerate(pairs, start=1):
             source = local.regions[local_index].tensor
             if source.is_cuda:
                 raise TransportError("the shm transport copies from CPU memory; use cuda_ipc for GPUs")
@@ -111,6 +123,8 @@ class ShmTransport(Transport):
                     ops.local_offset[select],
                     nbytes,
                     self.settings.copy_threads,
+                    # On the copy thread that wrote the plan's last byte.
+                    then=then if number == len(pairs) else None,
                 )
             except (asyncio.CancelledError, KvrayError):
                 raise

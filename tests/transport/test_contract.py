@@ -431,3 +431,36 @@ async def test_cancelled_write_leaves_no_copy_running(
     assert gated.late == [], (
         f"{len(gated.late)} copies ({sum(gated.late)} bytes) ran after write() was cancelled"
     )
+
+
+# ---- write_then: the hook runs once, after the last byte ----------------------------------------
+
+
+@pytest.mark.parametrize("size", ["small", "threaded"])
+async def test_write_then_calls_its_hook_once_after_the_last_byte(tut: TransportUnderTest, size: str) -> None:
+    """`then` (the agent's early completion notice) runs exactly once, and only when every
+    planned byte is in the peer's memory: at that moment the destination already reads as it
+    does once the write has returned."""
+    if size == "small":
+        layout = ready_layout("mixed", BlockOrder.BLOCK_MAJOR)
+        count = 8
+    else:  # above the size copied by pool threads, which call the hook themselves
+        geometry = Geometry(block_size=16, entry_shape=(1024,), dtype="uint8")
+        layout = KVLayout(layers=(LayerSpec(name="kv", geometry=geometry),), num_blocks=1024)
+        count = 512
+    source = tut.source(layout)
+    destination = tut.destination(layout)
+    local, remote = tut.scattered(layout.num_blocks, count)
+    plan = tut.plan(source, destination, local, remote)
+    if size == "threaded":
+        assert plan.nbytes > _copy._PARALLEL_THRESHOLD
+    before = tut.snapshot(destination)
+    seen: list[list[np.ndarray]] = []
+
+    await tut.transport.write_then(
+        plan, source.backing, tut.peer(destination), lambda: seen.append(tut.snapshot(destination))
+    )
+
+    assert len(seen) == 1, f"the hook ran {len(seen)} times"
+    tut.assert_landed(plan, source, destination, before, local, remote)
+    tut.assert_unchanged(destination, seen[0], "destination between the hook and the write's return")

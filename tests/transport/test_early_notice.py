@@ -1,0 +1,113 @@
+"""The completion notice sent from the copy thread: on one node, a push's notice goes out from
+the thread that wrote its last byte (`Transport.write_then`), not after a trip back through the
+writer's event loop. It must never go before the last byte, go exactly once, and fall back to
+the usual send (which waits, or raises a kvray error) when it cannot be queued at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from kvray.agent import KVAgent
+from kvray.completion import CompletionOutbox
+from kvray.config import Settings
+from kvray.errors import TransportError
+from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.transport import _copy
+from kvray.wire import Role
+
+# 16 KiB blocks: a 512-block request is 8 MiB, above the size that is copied by pool threads.
+LAYOUT = KVLayout(
+    layers=(LayerSpec(name="kv", geometry=Geometry(block_size=16, entry_shape=(1024,), dtype="uint8")),),
+    num_blocks=1024,
+)
+BLOCK = LAYOUT.layer("kv").geometry.block_nbytes
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
+    settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=2.0, copy_threads=2)
+    prefill = KVAgent("e-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
+    decode = KVAgent("e-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
+    await prefill.start()
+    await decode.start()
+    prefill.add_peer(decode.info)
+    source = prefill.backing.regions[0].tensor.numpy()
+    source[:] = np.random.default_rng(5).integers(0, 256, source.size, dtype=np.uint8)
+    decode.backing.regions[0].tensor.numpy()[:] = 0xA5
+    yield prefill, decode
+    await prefill.close()
+    await decode.close()
+
+
+def blocks(pool: Any, ids: np.ndarray) -> np.ndarray:
+    return np.stack([pool[i * BLOCK : (i + 1) * BLOCK] for i in ids.tolist()])
+
+
+def request(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(LAYOUT.num_blocks)[:count], rng.permutation(LAYOUT.num_blocks)[:count]
+
+
+async def test_the_notice_leaves_from_the_copy_thread_after_the_last_byte(
+    agents: tuple[KVAgent, KVAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, decode = agents
+    local, remote = request(512, seed=1)
+    assert local.size * BLOCK > _copy._PARALLEL_THRESHOLD
+    source = prefill.backing.regions[0].tensor.numpy()
+    target = decode.backing.regions[0].tensor.numpy()
+    untouched = np.setdiff1d(np.arange(LAYOUT.num_blocks), remote)
+    sends: list[tuple[int, bool, bool]] = []
+    real = CompletionOutbox.try_send
+
+    def spying(outbox: CompletionOutbox, path: str, message: bytes) -> bool:
+        landed = np.array_equal(blocks(target, remote), blocks(source, local))
+        canaries = bool((blocks(target, untouched) == 0xA5).all())
+        sends.append((threading.get_ident(), landed, canaries))
+        return real(outbox, path, message)
+
+    monkeypatch.setattr(CompletionOutbox, "try_send", spying)
+    decode.expect("big")
+    await prefill.push("big", local, "e-d", remote)
+    await decode.wait_for_kv("big", timeout=5.0)
+
+    assert len(sends) == 1
+    thread, landed, canaries = sends[0]
+    if _copy.native():  # the C copy tells which pool thread wrote the last byte
+        assert thread != threading.get_ident(), "the notice went from the event loop's thread"
+    assert landed and canaries, "the notice went before every byte had landed, or a canary moved"
+    assert decode.stats["completions_ok"] == 1
+    assert decode.stats["completions_dropped_unknown"] == 0
+
+
+async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
+    agents: tuple[KVAgent, KVAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefill, decode = agents
+    monkeypatch.setattr(CompletionOutbox, "try_send", lambda *_: False)
+    for count, request_id in ((512, "big"), (4, "small")):
+        local, remote = request(count, seed=count)
+        decode.expect(request_id)
+        await prefill.push(request_id, local, "e-d", remote)
+        await decode.wait_for_kv(request_id, timeout=5.0)
+        target = decode.backing.regions[0].tensor.numpy()
+        assert np.array_equal(
+            blocks(target, remote), blocks(prefill.backing.regions[0].tensor.numpy(), local)
+        )
+    assert decode.stats["completions_ok"] == 2
+    assert decode.stats["completions_dropped_unknown"] == 0
+
+
+async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KVAgent]) -> None:
+    prefill, decode = agents
+    local, remote = request(512, seed=3)
+    decode._inbox.close()  # type: ignore[union-attr]
+    with pytest.raises(TransportError, match="could not notify"):
+        await prefill.push("orphan", local, "e-d", remote)
