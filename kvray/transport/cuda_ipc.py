@@ -15,7 +15,9 @@ engine's device, found by UUID); Ray GPU actors that only see their own GPU need
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,10 @@ Int64Array = npt.NDArray[np.int64]
 
 #: Bytes one kernel program copies at most (longer ops are cut into pieces of this size).
 MAX_PIECE_NBYTES = 256 * 1024
+#: How long a write polls its copies' event from the event loop before a thread waits for it:
+#: this much, plus the time the bytes take at `POLL_BYTES_PER_S` (a third of NVLink's rate).
+POLL_FLOOR_S = 200e-6
+POLL_BYTES_PER_S = 120e9
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +246,34 @@ def copy_ops(
     return done
 
 
+async def wait_for_events(events: list[torch.cuda.Event], nbytes: int) -> None:
+    """Return once every event has completed. The loop polls them between its other work for
+    about as long as `nbytes` should take to copy, so the write resumes within one loop turn of
+    the copy's end; a copy that runs past that (a busy or slow link) is waited for on a thread.
+    A thread alone costs a wake-up on the way back: a pool thread, then the loop."""
+    deadline = time.perf_counter() + POLL_FLOOR_S + nbytes / POLL_BYTES_PER_S
+    try:
+        pending = [event for event in events if not event.query()]  # type: ignore[no-untyped-call]
+        while pending and time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+            pending = [event for event in pending if not event.query()]  # type: ignore[no-untyped-call]
+        for event in pending:
+            await asyncio.to_thread(event.synchronize)
+    except asyncio.CancelledError:
+        # The GPU cannot be stopped mid-copy: let the cancellation through only once nothing
+        # writes into the peer's memory any more (the copies are bounded, so this wait is too).
+        finishing = asyncio.ensure_future(asyncio.to_thread(_synchronize_all, events))
+        while not finishing.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([finishing])
+        raise
+
+
+def _synchronize_all(events: list[torch.cuda.Event]) -> None:
+    for event in events:
+        event.synchronize()
+
+
 @dataclass
 class _Opened:
     storage: torch.UntypedStorage
@@ -333,9 +367,7 @@ class CudaIpcTransport(Transport):
                     engine_id=peer.info.engine_id,
                 ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
-        for event in events:
-            if not event.query():  # type: ignore[no-untyped-call]
-                await asyncio.to_thread(event.synchronize)
+        await wait_for_events(events, ops.total_nbytes)
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info

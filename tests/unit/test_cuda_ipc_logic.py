@@ -3,6 +3,9 @@ encoding, availability, and when `auto` picks it."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -12,8 +15,8 @@ from kvray.agent import KVAgent
 from kvray.config import Settings
 from kvray.layout import mixed
 from kvray.memory import MemoryKind
-from kvray.transport import Peer, availability
-from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, chunk_ops, pick_unit
+from kvray.transport import Peer, availability, cuda_ipc
+from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, chunk_ops, pick_unit, wait_for_events
 from kvray.wire import RegionDescriptor, Role, TransportKind
 
 
@@ -111,3 +114,49 @@ async def test_auto_picks_cuda_ipc_only_between_gpu_backings_on_one_node() -> No
     agent.backing.kind = MemoryKind.CPU
     await agent.close()
     assert CudaIpcTransport.kind is TransportKind.CUDA_IPC
+
+
+class _Event:
+    """Stands in for a torch.cuda.Event: done after `polls` queries, or when synchronized."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.queries = 0
+        self.synchronized_on: list[int] = []
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.polls
+
+    def synchronize(self) -> None:
+        self.synchronized_on.append(threading.get_ident())
+        self.polls = 0
+
+
+async def test_a_write_polls_its_copy_events_from_the_loop() -> None:
+    events = [_Event(polls=3), _Event(polls=0)]
+    await wait_for_events(events, nbytes=2**20)  # type: ignore[arg-type]
+    assert [e.synchronized_on for e in events] == [[], []], "a thread waited for a copy that was quick"
+    assert events[0].queries == 4
+
+
+async def test_a_copy_running_past_the_poll_window_is_waited_for_on_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cuda_ipc, "POLL_FLOOR_S", 0.0)
+    slow = _Event(polls=10**9)
+    await wait_for_events([slow], nbytes=0)  # type: ignore[list-item]
+    assert len(slow.synchronized_on) == 1 and slow.synchronized_on[0] != threading.get_ident()
+
+
+async def test_a_cancelled_write_returns_only_once_its_copies_are_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cuda_ipc, "POLL_FLOOR_S", 60.0)  # would poll for a minute
+    running = _Event(polls=10**9)
+    task = asyncio.create_task(wait_for_events([running], nbytes=0))  # type: ignore[list-item]
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(running.synchronized_on) == 1, "the write was cancelled with its copy still running"
