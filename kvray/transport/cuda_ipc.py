@@ -154,6 +154,36 @@ def peer_reads(reader: int, owner: int) -> bool:
     return True
 
 
+#: Pinned host buffers kept per device for op tables (each reused once its upload is done).
+_KEPT_TABLE_BUFFERS = 8
+_table_buffers: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+
+
+def _upload_table(device: torch.device, *columns: Int64Array) -> torch.Tensor:
+    """The op table (the columns one after the other) on `device`, copied on the current stream
+    from a pinned host buffer: a reused one whose last upload has finished, else a new one.
+    Pinning a fresh buffer per launch cost 60-230 us of host time for 4k-16k ops."""
+    count = sum(column.size for column in columns)
+    kept = _table_buffers.setdefault(device.index or 0, [])
+    buffer = None
+    for index, (candidate, uploaded) in enumerate(kept):
+        if candidate.numel() >= count and uploaded.query():  # type: ignore[no-untyped-call]
+            buffer = candidate
+            del kept[index]
+            break
+    if buffer is None:
+        buffer = torch.empty(max(count, 1 << 16), dtype=torch.int64, pin_memory=True)
+    np.concatenate(columns, out=buffer.numpy()[:count])
+    table = torch.empty(count, dtype=torch.int64, device=device)
+    table.copy_(buffer[:count], non_blocking=True)
+    uploaded = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    uploaded.record()
+    kept.append((buffer, uploaded))
+    if len(kept) > _KEPT_TABLE_BUFFERS:
+        kept.pop(0)  # the oldest; the caching host allocator holds it until its copy is done
+    return table
+
+
 def launch_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -183,11 +213,7 @@ def launch_copy(
     # Remote loads need more bytes in flight per program than local ones.
     block, warps = (4096, 16) if reader != owner else (2048, 8)
     with torch.cuda.device(dst.device):
-        table = (
-            torch.from_numpy(np.concatenate([src_offsets, dst_offsets, nbytes]))
-            .pin_memory()
-            .to(dst.device, non_blocking=True)
-        )
+        table = _upload_table(dst.device, src_offsets, dst_offsets, nbytes)
         _kernel()[(nbytes.size,)](
             src.view(_UNIT_DTYPES[unit]),
             dst.view(_UNIT_DTYPES[unit]),
