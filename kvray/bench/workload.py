@@ -41,7 +41,7 @@ class Workload:
 
     #: Short key for JSON and the command line ("a", "b-2k", "c-4KiB").
     key: str
-    #: Which workload of the issue: "a" (64 MiB in 16 KiB blocks), "b" (DeepSeek-V3), "c" (sweep).
+    #: Which workload family: "a" (64 MiB in 16 KiB blocks), "b" (DeepSeek-V3), "c" (sweep).
     family: str
     title: str
     layout: KVLayout
