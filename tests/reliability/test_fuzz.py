@@ -409,7 +409,7 @@ def test_actors_fed_garbage_stay_up_and_write_nothing_unnamed(
     from kvray.coordinator import get_or_create_coordinator
     from kvray.workers import DecodeActor, PrefillActor
 
-    settings_ = Settings(coordinator_name="kvray-coordinator-fuzz", lookup_timeout_s=2.0)
+    settings_ = Settings(coordinator_name="kvray-coordinator-fuzz", lookup_timeout_s=20.0)
     layout = mixed(8, BlockOrder.BLOCK_MAJOR)
     prefill = PrefillActor.remote("fuzz-p", layout, settings_)
     decode = DecodeActor.remote("fuzz-d", layout, settings_)
