@@ -3,8 +3,6 @@
 Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> completion.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from kvray.config import Settings
 from kvray.errors import (
     BackpressureError,
@@ -37,24 +35,9 @@ from kvray.layout import (
     llama_gqa,
     mixed,
 )
+from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
-
-if TYPE_CHECKING:
-    from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
-
-#: Names imported on first use: `kvray.memory` brings torch (over a second to import here), which
-#: the processes that only plan or coordinate (the coordinator's actor) never need.
-_LAZY = {"Backing", "MemoryKind", "MemoryRegion", "RegionSpan"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from kvray import memory
-
-        return getattr(memory, name)
-    raise AttributeError(f"module 'kvray' has no attribute {name!r}")
-
 
 __version__ = "0.1.0"
 
