@@ -588,10 +588,11 @@ def merge_ops(ops: OpTable, in_order: bool | None = None) -> OpTable:
     already sorted, when the caller knows (None: look)."""
     if len(ops) == 0:
         return ops
-    if in_order is None:
+    order = None
+    if not in_order:
         key = _sort_key(ops.local_region, ops.local_offset)
-        in_order = bool((key[1:] >= key[:-1]).all())
-    order = None if in_order else np.argsort(_sort_key(ops.local_region, ops.local_offset), kind="stable")
+        if in_order is False or not bool((key[1:] >= key[:-1]).all()):
+            order = np.argsort(key, kind="stable")
     if _native is not None:
         columns = (ops.local_region, ops.local_offset, ops.remote_region, ops.remote_offset, ops.nbytes)
         merged = [np.empty(len(ops), dtype=np.int64) for _ in range(5)]
