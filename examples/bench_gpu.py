@@ -11,9 +11,11 @@ Contenders, each timed from a synchronized start to its bytes being in the decod
   allocations on the two GPUs (peer-to-peer over NVLink), or within the GPU;
 - `kvray cuda_ipc`: plan (offsets cached, as in steady state) + the transport's write (checks,
   one kernel on the decode GPU that reads the source over NVLink, event wait); also the write of
-  an already planned request, 4 requests in flight at once, the copy kernel queued 10 times back
-  to back (the GPU-side rate), and the staged path used without peer access (gather kernel, one
-  copy, scatter kernel);
+  an already planned request, 4 requests in flight at once (a burst: one pipeline fill and drain
+  per 4), a stream of 16 requests at most 4 in flight (a decode engine's steady intake: per
+  request, what a serving node sustains), the copy kernel queued 10 times back to back (the
+  GPU-side rate), and the staged path used without peer access (gather kernel, one copy,
+  scatter kernel);
 - `naive`: one `copy_` per op of the same plan;
 - `nccl`: gather into one buffer, `send`, `recv` on the decode process, scatter, ack.
 The decode buffer is scrubbed before every run; after each contender's runs the decode process
@@ -50,8 +52,11 @@ from kvray.transport.cuda_ipc import CudaIpcTransport, copy_ops, launch_copy
 from kvray.wire import Role, decode_engine_info, encode
 
 NCCL_PORT = 29533
-#: Requests pushed concurrently in the steady-state row (planning overlaps the copies).
+#: Requests pushed concurrently in the burst and stream rows (planning overlaps the copies).
 IN_FLIGHT = 4
+#: Requests in the stream row: a decode engine's steady intake, at most IN_FLIGHT at a time, so
+#: the pipeline's fill (the first request's host work) and drain count once per STREAM requests.
+STREAM = 16
 #: Copies queued back to back without waiting: the GPU-side rate of the transport's kernel.
 BACK_TO_BACK = 10
 
@@ -232,6 +237,18 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         def kvray_steady() -> None:
             loop.run_until_complete(in_flight())
 
+        async def stream() -> None:
+            gate = asyncio.Semaphore(IN_FLIGHT)
+
+            async def admitted() -> None:
+                async with gate:
+                    await one_request()
+
+            await asyncio.gather(*(admitted() for _ in range(STREAM)))
+
+        def kvray_stream() -> None:
+            loop.run_until_complete(stream())
+
         def kvray_back_to_back() -> None:
             for _ in range(BACK_TO_BACK):
                 copy_ops(target, src, ops.remote_offset, ops.local_offset, ops.nbytes)
@@ -265,6 +282,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             ("kvray cuda_ipc: plan + write", kvray_write, 1),
             ("kvray cuda_ipc: write (planned)", kvray_transport, 1),
             (f"kvray cuda_ipc: {IN_FLIGHT} requests in flight", kvray_steady, IN_FLIGHT),
+            (f"kvray cuda_ipc: stream of {STREAM}, {IN_FLIGHT} in flight", kvray_stream, STREAM),
             (f"kvray copy kernel, {BACK_TO_BACK} queued", kvray_back_to_back, BACK_TO_BACK),
             ("kvray kernels, staged (no peer reads)", kvray_staged, 1),
         ):

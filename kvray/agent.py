@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
-from kvray.completion import CompletionInbox, CompletionOutbox
+from kvray.completion import CompletionInbox, CompletionOutbox, DatagramNotice
 from kvray.config import Settings
 from kvray.errors import (
     BackpressureError,
@@ -146,21 +146,6 @@ class _Attempt:
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
-
-
-class _EarlyNotice:
-    """A push's completion notice, encoded before the write, for the transport to send from its
-    copy thread once the last byte has landed (`send` never raises; `sent` says whether it went,
-    else the push sends it the usual way)."""
-
-    def __init__(self, outbox: CompletionOutbox, path: str, message: bytes) -> None:
-        self._outbox = outbox
-        self._path = path
-        self._message = message
-        self.sent = False
-
-    def send(self) -> None:
-        self.sent = self._outbox.try_send(self._path, self._message)
 
 
 def _node_id() -> str:
@@ -475,7 +460,7 @@ class KVAgent:
                 immediates=int(transport.kind is TransportKind.VERBS),
             )
             early = self._early_notice(peer, notice)
-            await self._write(request_id, peer, transport, plan, then=None if early is None else early.send)
+            await self._write(request_id, peer, transport, plan, then=early)
             if early is None or not early.sent:
                 await self._send(peer, notice)
             self.stats["pushes_ok"] += 1
@@ -822,7 +807,7 @@ class KVAgent:
         else:
             await transport.write_then(plan, self.backing, peer, then)
 
-    def _early_notice(self, peer: Peer, notice: TransferDone) -> _EarlyNotice | None:
+    def _early_notice(self, peer: Peer, notice: TransferDone) -> DatagramNotice | None:
         """A completion notice the transport may send from its copy thread the moment the last
         byte lands (same node, through the peer's inbox; see `Transport.write_then`)."""
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
@@ -830,7 +815,7 @@ class KVAgent:
             return None
         if self._outbox is None:
             self._outbox = CompletionOutbox()
-        return _EarlyNotice(self._outbox, inbox, encode(notice))
+        return DatagramNotice(self._outbox, inbox, encode(notice))
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)

@@ -97,8 +97,31 @@ class CompletionOutbox:
             return False
         return True
 
+    def fileno(self) -> int:
+        return self._socket.fileno()
+
     def close(self) -> None:
         self._socket.close()
+
+
+class DatagramNotice:
+    """A completion notice for whichever thread writes a transfer's last byte (see
+    `Transport.write_then`): callable from any Python thread, and also handed whole (socket,
+    path, bytes) to the C copy pool, whose thread sends it without the GIL. `sent` says whether
+    it went; if not, the caller sends it the usual way."""
+
+    def __init__(self, outbox: CompletionOutbox, path: str, message: bytes) -> None:
+        self._outbox = outbox
+        self.path = path
+        self.message = message
+        self.sent = False
+
+    def __call__(self) -> None:
+        self.sent = self._outbox.try_send(self.path, self.message)
+
+    def datagram(self) -> tuple[int, bytes, bytes]:
+        """(socket, peer path, message) for a sender outside Python."""
+        return self._outbox.fileno(), os.fsencode(self.path), self.message
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -6,7 +6,9 @@ pinned to each transport. One run: the decode agent expects the request; the pre
 stamps the clock and pushes (plan + write + completion notice); the decode actor stamps the
 clock when its `wait_for_kv` returns. Both stamps come from `time.perf_counter`
 (CLOCK_MONOTONIC: one clock for every process of the machine), so a run is timed from the
-writer's first step to the moment the reader may use the KV.
+writer's first step to the moment the reader may use the KV. The request's block ids reach
+`push` as the int64 arrays an engine's block table holds, made before the clock starts (as
+NIXL's descriptor lists are).
 
 Completion latency is measured on the same actors: the prefill side pushes layer by layer
 (`push_layer`: the bytes only), stamps the clock after the last byte, then `finish`es (the
@@ -86,6 +88,7 @@ class KvrayPrefill:
 
     async def setup(self, workload: Workload) -> None:
         self.workload = workload
+        self.src_ids, self.dst_ids = workload.src_ids(), workload.dst_ids()
         backing = Backing.allocate(workload.layout, MemoryKind.CPU)
         fill_source(backing.regions[0].tensor.numpy(), workload)
         self.agents: dict[str, KVAgent] = {}
@@ -104,9 +107,9 @@ class KvrayPrefill:
         started = time.perf_counter()
         result = await agent.push(
             request_id,
-            self.workload.src_ids(),
+            self.src_ids,
             dst_engine,
-            self.workload.dst_ids(),
+            self.dst_ids,
             remote_incarnation=incarnation,
             timeout=DEADLINE_S,
         )
@@ -126,9 +129,9 @@ class KvrayPrefill:
             await agent.push_layer(
                 request_id,
                 layer,
-                self.workload.src_ids(),
+                self.src_ids,
                 dst_engine,
-                self.workload.dst_ids(),
+                self.dst_ids,
                 remote_incarnation=incarnation,
                 timeout=DEADLINE_S,
             )

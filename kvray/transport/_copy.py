@@ -7,18 +7,22 @@ import contextlib
 import ctypes
 import itertools
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvray.completion import DatagramNotice
+
 _scatter_copy: Callable[..., Any] | None
+_start_copy: Callable[..., Any] | None
 try:
     from kvray._copy import scatter_copy as _scatter_copy
+    from kvray._copy import start_copy as _start_copy
 except ImportError:  # built by `pip install`; a source checkout without a build falls back
-    _scatter_copy = None
+    _scatter_copy = _start_copy = None
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -27,6 +31,7 @@ _PARALLEL_THRESHOLD = 4 * 2**20
 #: Threads sharing a batch claim at most this many bytes at a time (longer ops are split).
 _CLAIM_NBYTES = 2**20
 
+#: The fallback's threads (without the C extension); the C copy has a pool of its own.
 _executor: ThreadPoolExecutor | None = None
 #: The most threads one copy uses.
 _MAX_THREADS = 4
@@ -41,8 +46,9 @@ def copy_threads() -> int:
 
 
 def native() -> bool:
-    """True when the C batched copy is built (else a slower per-op ctypes loop runs)."""
-    return _scatter_copy is not None
+    """True when the C batched copy and its thread pool are built (else a slower per-op ctypes
+    loop runs on Python threads)."""
+    return _scatter_copy is not None and _start_copy is not None
 
 
 def scatter_copy(
@@ -51,30 +57,21 @@ def scatter_copy(
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
-    cursor: Int64Array | None = None,
-) -> bool | None:
-    """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i].
-
-    With `cursor` (C copy only), several threads share the ops (see `kvray/_copy.c`); the call
-    returns True in the thread that completed the batch.
-    """
+) -> None:
+    """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i], on
+    the calling thread (with the GIL released)."""
     dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
     src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if _scatter_copy is not None:
-        if cursor is not None:
-            return bool(_scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor))
         _scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
-        return None
-    if cursor is not None:
-        raise ValueError("a shared cursor needs the C copy (kvray._copy)")
+        return
     if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
         raise ValueError("scatter_copy got a negative offset or length")
     for dst, src, count in zip(
         (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
     ):
         ctypes.memmove(dst, src, count)
-    return None
 
 
 async def scatter_copy_async(
@@ -87,58 +84,40 @@ async def scatter_copy_async(
     then: Callable[[], None] | None = None,
 ) -> None:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
-    `then()`, if given, is called once every byte is copied, on the thread that copied the last
-    one (see `Transport.write_then`).
+    `then()`, if given, is called once every byte is copied (see `Transport.write_then`); a
+    `DatagramNotice` is sent by the C pool's thread that copied the last byte.
 
-    With the C copy, the threads share the op list and each claims the next ops as it goes
-    (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks on a
-    busy machine does not leave its share undone; without it, the ops are cut into equal shares.
-    `threads`: how many (0: `copy_threads()`).
+    With the C copy, the threads of its pool share the op list and each claims the next ops as
+    it goes (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks
+    on a busy machine does not leave its share undone; without it, the ops are cut into equal
+    shares for Python threads. `threads`: how many (0: `copy_threads()`).
+
+    Every thread is out of the copy before this returns, also when it is cancelled: whoever
+    releases the memory next never races a thread still writing into it.
     """
-    global _executor
     total = int(nbytes.sum())
-    threads = threads or copy_threads()
+    threads = min(threads or copy_threads(), _MAX_THREADS)
     if total < _PARALLEL_THRESHOLD:
         scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
         if then is not None:
             then()
         return
+    if _start_copy is not None and _scatter_copy is not None:
+        await _pool_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then)
+        return
+    global _executor
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="kvray-copy")
-    threads = min(threads, _MAX_THREADS)
     loop = asyncio.get_running_loop()
-    if threads == 1:
-        # One thread, but off the event loop: a 64 MiB copy takes milliseconds.
-        await loop.run_in_executor(
-            _executor, _copy_then, then, dst_base, src_base, dst_offsets, src_offsets, nbytes
-        )
-        return
-    if _scatter_copy is not None:
-        if int(nbytes.max()) > _CLAIM_NBYTES:
-            dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, _CLAIM_NBYTES)
-        dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
-        src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
-        nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
-        if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
-            raise ValueError("scatter_copy got a negative offset or length")
-        if nbytes.size == 0:
-            return
-        cursor = np.zeros(2, dtype=np.int64)  # next op to claim, ops done
-        copies: list[Awaitable[None]] = [
-            loop.run_in_executor(
-                _executor, _copy_then, then, dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor
-            )
-            for _ in range(threads)
-        ]
-    else:
-        share_nbytes = -(-total // threads)
-        if int(nbytes.max()) > share_nbytes:
-            dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
-        # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
-        ends = np.cumsum(nbytes)
-        cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
-        bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
-        shares: list[Awaitable[bool | None]] = [
+    share_nbytes = -(-total // threads)
+    if int(nbytes.max()) > share_nbytes:
+        dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
+    # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
+    ends = np.cumsum(nbytes)
+    cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
+    bounds = [0, *np.minimum(cuts, nbytes.size).tolist(), nbytes.size]
+    shares = asyncio.gather(
+        *(
             loop.run_in_executor(
                 _executor,
                 scatter_copy,
@@ -150,44 +129,66 @@ async def scatter_copy_async(
             )
             for start, stop in itertools.pairwise(bounds)
             if stop > start
-        ]
-        # Equal shares: no thread knows it copied the last byte.
-        copies = [_then_after(asyncio.gather(*shares), then)]
-    # Every thread returns before the copy does, even one that starts after the last op was
-    # claimed: whoever releases the memory next never races a thread still holding it.
-    gathered = asyncio.gather(*copies)
-    try:
-        await asyncio.shield(gathered)
-    except asyncio.CancelledError:
-        # A thread cannot be stopped mid-copy: wait until none still writes into memory the
-        # caller is about to release or hand back, then let the cancellation through. The
-        # copies are bounded, so this wait is too.
-        while not gathered.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([gathered])
-        raise
+        )
+    )
+    await _until_over(shares, shares.done)
+    if then is not None:  # equal shares: no thread knows it copied the last byte
+        then()
 
 
-def _copy_then(
-    then: Callable[[], None] | None,
+async def _pool_copy(
     dst_base: int,
     src_base: int,
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
-    cursor: Int64Array | None = None,
+    threads: int,
+    then: Callable[[], None] | None,
 ) -> None:
-    """`scatter_copy` on a pool thread, then `then()` there if this call copied the last byte
-    (without a cursor, the call copies every op)."""
-    finished = scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, cursor)
-    if then is not None and (cursor is None or finished):
+    assert _start_copy is not None
+    notice = then if isinstance(then, DatagramNotice) else None
+    job = _start_copy(
+        dst_base,
+        src_base,
+        np.ascontiguousarray(dst_offsets, dtype=np.int64),
+        np.ascontiguousarray(src_offsets, dtype=np.int64),
+        np.ascontiguousarray(nbytes, dtype=np.int64),
+        threads,
+        _CLAIM_NBYTES,
+        None if notice is None else notice.datagram(),
+    )
+    loop = asyncio.get_running_loop()
+    over: asyncio.Future[None] = loop.create_future()
+    fileno = job.fileno()
+    loop.add_reader(fileno, _resolve, over)
+    try:
+        await _until_over(over, lambda: bool(job.over))
+    finally:
+        loop.remove_reader(fileno)
+    if not job.complete:
+        raise RuntimeError("a copy thread left ops of the batch uncopied")
+    if notice is not None:
+        notice.sent = bool(job.notice_sent)
+    elif then is not None:
         then()
 
 
-async def _then_after(copies: Awaitable[object], then: Callable[[], None] | None) -> None:
-    await copies
-    if then is not None:
-        then()
+async def _until_over(copies: asyncio.Future[Any], over: Callable[[], bool]) -> None:
+    """Await `copies`; if cancelled meanwhile, first wait until `over()` (a thread cannot be
+    stopped mid-copy, and the caller is about to release or hand back the memory), then let
+    the cancellation through. The copies are bounded, so this wait is too."""
+    try:
+        await asyncio.shield(copies)
+    except asyncio.CancelledError:
+        while not over():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([copies])
+        raise
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class StagingBuffers:

@@ -65,7 +65,8 @@ class Transport(abc.ABC):
         """`write`, calling `then()` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this
         coroutine resumes (the agent sends the completion notice from it, sparing the decode
-        side a trip through this event loop). `then` must be quick, thread-safe and must not
+        side a trip through this event loop; a `DatagramNotice` may even be sent without
+        Python, by the C copy pool's thread). `then` must be quick, thread-safe and must not
         raise. Here: after `write` returns, on the loop."""
         await self.write(plan, local, peer)
         then()

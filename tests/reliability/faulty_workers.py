@@ -15,10 +15,11 @@ from kvray.workers import DecodeWorker, PrefillWorker
 
 
 class CopyGate:
-    """Stands in for the batched copies the copy threads run (`kvray.transport._copy`'s
-    `scatter_copy` and, where built, the C `_scatter_copy` they may call directly): the first
-    `pass_calls` copies run, later ones wait at a gate, in the copy threads, so the actor's event
-    loop still answers while a transfer is stuck halfway."""
+    """Stands in front of the batched copies the copy threads run (the C copy pool's claims of a
+    few ops, through its test hook; without the C extension, `kvray.transport._copy`'s
+    `scatter_copy` on Python threads): the first `pass_calls` copies run, later ones wait at a
+    gate, in the copy threads, so the actor's event loop still answers while a transfer is stuck
+    halfway."""
 
     def __init__(self, pass_calls: int) -> None:
         self.pass_calls = pass_calls
@@ -27,15 +28,19 @@ class CopyGate:
         self.gate = threading.Event()
         self.lock = threading.Lock()
 
+    def admit(self, *_: Any) -> bool:
+        with self.lock:
+            self.calls += 1
+            hold = self.calls > self.pass_calls
+            if hold:
+                self.held += 1
+        if hold:
+            self.gate.wait(120)  # the test opens it, or kills this process
+        return True
+
     def wrap(self, original: Any) -> Any:
         def copy(*args: Any) -> Any:
-            with self.lock:
-                self.calls += 1
-                hold = self.calls > self.pass_calls
-                if hold:
-                    self.held += 1
-            if hold:
-                self.gate.wait(120)  # the test opens it, or kills this process
+            self.admit()
             return original(*args)
 
         return copy
@@ -53,9 +58,15 @@ class HoldingPrefill(PrefillWorker):
         self._gate = CopyGate(pass_calls)
         _copy._PARALLEL_THRESHOLD = 1
         _copy.copy_threads = lambda: 2
-        _copy.scatter_copy = self._gate.wrap(_copy.scatter_copy)
-        if getattr(_copy, "_scatter_copy", None) is not None:
-            _copy._scatter_copy = self._gate.wrap(_copy._scatter_copy)
+        if _copy.native():
+            import kvray._copy
+
+            # Ops cut into 64-byte pieces, claimed 4 at a time: however few ops a request has,
+            # the first claim passes and the rest of the transfer waits.
+            _copy._CLAIM_NBYTES = 64
+            kvray._copy.set_worker_hook(self._gate.admit)
+        else:
+            _copy.scatter_copy = self._gate.wrap(_copy.scatter_copy)
 
     async def held(self) -> int:
         return self._gate.held if self._gate is not None else 0

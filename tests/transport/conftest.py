@@ -508,25 +508,29 @@ class GatedCopies:
         self.write_task: asyncio.Task[Any] | None = None
         self.where: Callable[[int, int], object] | None = None
 
-    def __call__(
-        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, *cursor: Any
-    ) -> bool | None:
+    def __call__(self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any) -> None:
+        """The fallback's copy threads (Python) call this."""
+        low = dst_base + int(np.min(dst_offsets))
+        high = dst_base + int(np.max(np.asarray(dst_offsets) + np.asarray(nbytes)))
+        if self.admit(low, high, int(np.asarray(nbytes).sum())):
+            self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+
+    def admit(self, low: int, high: int, total: int) -> bool:
+        """Wait at the gate, then say whether the copy of [low, high) may run. The C pool's
+        threads call this (`kvray._copy.set_worker_hook`) before each batch of ops they claim."""
         with self.lock:
             self.running += 1
         try:
-            low = dst_base + int(np.min(dst_offsets))
-            high = dst_base + int(np.max(np.asarray(dst_offsets) + np.asarray(nbytes)))
             issued_into = self.where(low, high) if self.where is not None else None
             self.entered.set()
             assert self.gate.wait(10), "the test never opened the gate"
-            total = int(np.asarray(nbytes).sum())
             if self.write_task is not None and self.write_task.done():
                 self.late.append(total)  # the write already returned: its buffers may be gone
-                return None
+                return False
             if self.where is not None and (issued_into is None or self.where(low, high) != issued_into):
                 self.unsafe.append(total)
-                return None
-            return self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, *cursor)
+                return False
+            return True
         finally:
             with self.lock:
                 self.running -= 1
@@ -540,13 +544,26 @@ class GatedCopies:
         raise AssertionError("copies still running 10 s after the gate opened")
 
 
-@pytest.fixture
-def gated(monkeypatch: pytest.MonkeyPatch) -> GatedCopies:
-    """Every batched copy goes through the threads (threshold 1, two threads) and a `GatedCopies`."""
+@pytest.fixture(params=["pool", "python-threads"])
+def gated(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[GatedCopies]:
+    """Every batched copy goes through two threads (threshold 1) and a `GatedCopies`: the C
+    copy pool's threads, or the fallback's Python threads."""
     from kvray.transport import _copy
 
     gated_copies = GatedCopies(_copy.scatter_copy)
     monkeypatch.setattr(_copy, "scatter_copy", gated_copies)
     monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
     monkeypatch.setattr(_copy, "copy_threads", lambda: 2)
-    return gated_copies
+    if request.param == "python-threads":
+        monkeypatch.setattr(_copy, "_start_copy", None)
+        yield gated_copies
+        return
+    if not _copy.native():
+        pytest.skip("kvray._copy (the C extension) is not built here")
+    import kvray._copy
+
+    kvray._copy.set_worker_hook(gated_copies.admit)
+    try:
+        yield gated_copies
+    finally:
+        kvray._copy.set_worker_hook(None)

@@ -1,14 +1,20 @@
 """The batched CPU copy under both CPU transports (`kvray.transport._copy`): every op's bytes go
-exactly where they are sent, on the calling thread or over a few threads (claiming ops from a
-shared cursor with the C extension, cut into shares with the ctypes fallback), through either
-implementation alike."""
+exactly where they are sent, on the calling thread or over a few threads (the C extension's
+pool of pthreads claiming ops from one job, or the ctypes fallback's equal shares on Python
+threads), through either implementation alike."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import select
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -65,8 +71,9 @@ def buffers(src_nbytes: int, ops: list[tuple[int, int, int]], seed: int) -> tupl
 def use(implementation: str) -> mock._patch[object]:
     if implementation == "native" and not _copy.native():
         pytest.skip("kvray._copy (the C extension) is not built here")
-    replacement = _copy._scatter_copy if implementation == "native" else None
-    return mock.patch.object(_copy, "_scatter_copy", replacement)
+    if implementation == "native":
+        return mock.patch.multiple(_copy, _scatter_copy=_copy._scatter_copy, _start_copy=_copy._start_copy)
+    return mock.patch.multiple(_copy, _scatter_copy=None, _start_copy=None)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -120,6 +127,7 @@ async def test_large_ops_are_split_into_balanced_shares(
     """The fallback (no C extension): few large ops of odd sizes; ops longer than a share are
     split, at most one call per thread, and no thread gets more than two shares' worth of bytes."""
     monkeypatch.setattr(_copy, "_scatter_copy", None)
+    monkeypatch.setattr(_copy, "_start_copy", None)
     monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
     monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
     calls: list[int] = []
@@ -146,40 +154,165 @@ async def test_large_ops_are_split_into_balanced_shares(
     assert max(calls) <= 2 * share
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-async def test_threads_claim_ops_from_one_cursor(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C copy on several threads: every thread on the same split ops and the same cursor,
-    all returned when the copy does; every op is claimed and counted done once, exactly one
-    thread says it completed the batch, and the bytes are right."""
+def native_module() -> Any:
     if not _copy.native():
         pytest.skip("kvray._copy (the C extension) is not built here")
-    monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
-    monkeypatch.setattr(_copy, "_CLAIM_NBYTES", 100)
-    calls: list[tuple[int, np.ndarray, bool]] = []
-    native = _copy._scatter_copy
-    assert native is not None
+    import kvray._copy
 
-    def recording(*args: object) -> bool | None:
-        finished = native(*args)
-        calls.append((int(np.asarray(args[4]).size), args[5], bool(finished)))  # type: ignore[arg-type]
-        return finished  # type: ignore[no-any-return]
+    return kvray._copy
 
-    monkeypatch.setattr(_copy, "_scatter_copy", recording)
-    ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
+
+def wait_over(job: Any) -> None:
+    """Block until the job's eventfd says every thread has left it."""
+    ready, _, _ = select.select([job.fileno()], [], [], 10)
+    assert ready, "the copy pool did not finish a tiny job in 10 s"
+    assert job.over
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_pool_copies_every_piece_once_and_signals_when_every_thread_left(threads: int) -> None:
+    """Ops split into many pieces for a few threads: the bytes are right, the job is complete,
+    and the eventfd turns readable only once no thread is in the job."""
+    native = native_module()
+    ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333), (4900, 0, 0)]
     dst, src = buffers(5000, ops, seed=threads)
     expected = reference(dst, src, ops)
 
-    await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
+    job = native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), threads, 100)
+    wait_over(job)
 
+    assert job.complete
+    assert not job.notice_sent  # there was none to send
     np.testing.assert_array_equal(dst, expected)
-    assert len(calls) == threads
-    pieces = sum(-(-nbytes // 100) for _, _, nbytes in ops)
-    assert {count for count, _, _ in calls} == {pieces}
-    cursor = calls[0][1]
-    assert all(other is cursor for _, other, _ in calls)
-    assert int(cursor[0]) >= pieces and int(cursor[1]) == pieces
-    assert sum(finished for _, _, finished in calls) == 1
+
+
+def test_the_pool_sends_the_notice_after_the_last_byte(tmp_path: Path) -> None:
+    """The datagram goes once, from the thread that completed the last op: by the time it can
+    be read, every byte is in place."""
+    native = native_module()
+    inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    inbox.bind(str(tmp_path / "inbox"))
+    outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ops = [(offset * 4096, (offset * 7919) % 300 * 4096, 4096) for offset in range(300)]
+    dst, src = buffers(300 * 4096, ops, seed=1)
+    expected = reference(dst, src, ops)
+    try:
+        notice = (outbox.fileno(), os.fsencode(str(tmp_path / "inbox")), b"done")
+        job = native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 2, 4096, notice)
+        inbox.settimeout(10)
+        assert inbox.recv(64) == b"done"
+        # The notice is sent before the threads leave: the bytes, not the job's end, are its cue.
+        np.testing.assert_array_equal(dst, expected)
+        wait_over(job)
+        assert job.notice_sent
+        inbox.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            inbox.recv(64)
+    finally:
+        inbox.close()
+        outbox.close()
+
+
+def test_an_undeliverable_notice_is_reported_not_raised(tmp_path: Path) -> None:
+    native = native_module()
+    outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ops = [(0, 0, 64)]
+    dst, src = buffers(64, ops, seed=2)
+    expected = reference(dst, src, ops)
+    try:
+        notice = (outbox.fileno(), os.fsencode(str(tmp_path / "nobody")), b"done")
+        job = native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 1, 64, notice)
+        wait_over(job)
+    finally:
+        outbox.close()
+    assert job.complete and not job.notice_sent
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"dst_offsets": [-8]}, "negative"),
+        ({"nbytes": [-1]}, "negative"),
+        ({"src_offsets": [0, 0]}, "one length"),
+        ({"threads": 0}, "threads"),
+        ({"threads": 9}, "threads"),
+        ({"piece": 0}, "threads"),
+        ({"notice": (0, b"", b"x")}, "notice path"),
+        ({"notice": (0, b"x" * 200, b"x")}, "notice path"),
+    ],
+)
+def test_the_pool_refuses_bad_input_before_copying_a_byte(arguments: dict[str, Any], message: str) -> None:
+    native = native_module()
+    dst = np.zeros(64, dtype=np.uint8)
+    src = np.full(64, 7, dtype=np.uint8)
+    call: dict[str, Any] = {"dst_offsets": [0], "src_offsets": [0], "nbytes": [16], "threads": 2, "piece": 8}
+    call.update(arguments)
+    with pytest.raises(ValueError, match=message):
+        native.start_copy(
+            dst.ctypes.data,
+            src.ctypes.data,
+            np.array(call["dst_offsets"], dtype=np.int64),
+            np.array(call["src_offsets"], dtype=np.int64),
+            np.array(call["nbytes"], dtype=np.int64),
+            call["threads"],
+            call["piece"],
+            call.get("notice"),
+        )
+    assert not dst.any()
+
+
+def test_many_jobs_at_once_share_the_pool() -> None:
+    """More jobs than threads, all in flight together: each completes, each byte right."""
+    native = native_module()
+    jobs = []
+    for seed in range(12):
+        ops = [(block * 512, ((block * 5 + seed) % 40) * 512, 512) for block in range(40)]
+        dst, src = buffers(40 * 512, ops, seed=seed)
+        expected = reference(dst, src, ops)
+        jobs.append(
+            (native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 3, 256), dst, expected)
+        )
+    for job, dst, expected in jobs:
+        wait_over(job)
+        assert job.complete
+        np.testing.assert_array_equal(dst, expected)
+
+
+async def test_a_cancelled_pool_copy_returns_only_once_every_thread_is_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancel `scatter_copy_async` while the pool's threads are held: the cancellation is
+    delivered only after they have copied and left."""
+    native = native_module()
+    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    gate = threading.Event()
+    entered = threading.Event()
+    admitted: list[int] = []
+
+    def hold(low: int, high: int, total: int) -> bool:
+        entered.set()
+        assert gate.wait(10)
+        admitted.append(total)
+        return True
+
+    ops = [(block * 1024, block * 1024, 1024) for block in range(64)]
+    dst, src = buffers(64 * 1024, ops, seed=3)
+    expected = reference(dst, src, ops)
+    native.set_worker_hook(hold)
+    try:
+        task = asyncio.create_task(
+            _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
+        )
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        asyncio.get_running_loop().call_later(0.2, gate.set)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gate.is_set() and sum(admitted) == 64 * 1024  # every claim went through the hook
+    finally:
+        native.set_worker_hook(None)
+    np.testing.assert_array_equal(dst, expected)
 
 
 @pytest.mark.parametrize(

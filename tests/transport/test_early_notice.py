@@ -1,10 +1,12 @@
 """The completion notice sent from the copy thread: on one node, a push's notice goes out from
-the thread that wrote its last byte (`Transport.write_then`), not after a trip back through the
-writer's event loop. It must never go before the last byte, go exactly once, and fall back to
-the usual send (which waits, or raises a kvray error) when it cannot be queued at once."""
+the thread that wrote its last byte (`Transport.write_then`; with the C extension, a pool
+thread sends it without Python), not after a trip back through the writer's event loop. It
+must never go before the last byte, go exactly once, and fall back to the usual send (which
+waits, or raises a kvray error) when it cannot be queued at once."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from kvray.agent import KVAgent
-from kvray.completion import CompletionOutbox
+from kvray.completion import CompletionOutbox, DatagramNotice
 from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.layout import Geometry, KVLayout, LayerSpec
@@ -55,8 +57,19 @@ def request(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.permutation(LAYOUT.num_blocks)[:count], rng.permutation(LAYOUT.num_blocks)[:count]
 
 
-async def test_the_notice_leaves_from_the_copy_thread_after_the_last_byte(
-    agents: tuple[KVAgent, KVAgent], monkeypatch: pytest.MonkeyPatch
+@pytest.fixture(params=["pool", "python-threads"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Who copies: the C extension's pool (which sends the notice without Python), or the
+    fallback's Python threads."""
+    if request.param == "pool" and not _copy.native():
+        pytest.skip("kvray._copy (the C extension) is not built here")
+    if request.param == "python-threads":
+        monkeypatch.setattr(_copy, "_start_copy", None)
+    return str(request.param)
+
+
+async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
+    agents: tuple[KVAgent, KVAgent], copies: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode = agents
     local, remote = request(512, seed=1)
@@ -64,34 +77,58 @@ async def test_the_notice_leaves_from_the_copy_thread_after_the_last_byte(
     source = prefill.backing.regions[0].tensor.numpy()
     target = decode.backing.regions[0].tensor.numpy()
     untouched = np.setdiff1d(np.arange(LAYOUT.num_blocks), remote)
-    sends: list[tuple[int, bool, bool]] = []
-    real = CompletionOutbox.try_send
+    python_sends: list[int] = []
+    arrivals: list[tuple[bool, bool]] = []
+    real_try_send = CompletionOutbox.try_send
+    real_send = CompletionOutbox.send
 
-    def spying(outbox: CompletionOutbox, path: str, message: bytes) -> bool:
+    def spying_try_send(outbox: CompletionOutbox, path: str, message: bytes) -> bool:
+        python_sends.append(threading.get_ident())
+        return real_try_send(outbox, path, message)
+
+    async def spying_send(outbox: CompletionOutbox, path: str, message: bytes) -> None:
+        python_sends.append(threading.get_ident())
+        await real_send(outbox, path, message)
+
+    monkeypatch.setattr(CompletionOutbox, "try_send", spying_try_send)
+    monkeypatch.setattr(CompletionOutbox, "send", spying_send)
+    inbox = decode._inbox
+    assert inbox is not None
+    handle = inbox._handler
+
+    def arriving(message: bytes) -> None:
+        # The decode side reads the notice: every byte must be there already.
         landed = np.array_equal(blocks(target, remote), blocks(source, local))
         canaries = bool((blocks(target, untouched) == 0xA5).all())
-        sends.append((threading.get_ident(), landed, canaries))
-        return real(outbox, path, message)
+        arrivals.append((landed, canaries))
+        handle(message)
 
-    monkeypatch.setattr(CompletionOutbox, "try_send", spying)
+    monkeypatch.setattr(inbox, "_handler", arriving)
     decode.expect("big")
     await prefill.push("big", local, "e-d", remote)
     await decode.wait_for_kv("big", timeout=5.0)
 
-    assert len(sends) == 1
-    thread, landed, canaries = sends[0]
-    if _copy.native():  # the C copy tells which pool thread wrote the last byte
-        assert thread != threading.get_ident(), "the notice went from the event loop's thread"
-    assert landed and canaries, "the notice went before every byte had landed, or a canary moved"
+    assert arrivals == [(True, True)], "the notice came before every byte had landed, or a canary moved"
+    if copies == "pool":
+        assert python_sends == [], "the pool's thread did not send the notice itself"
+    else:  # equal shares on Python threads: no thread knows it wrote the last byte
+        assert len(python_sends) == 1
     assert decode.stats["completions_ok"] == 1
     assert decode.stats["completions_dropped_unknown"] == 0
 
 
 async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
-    agents: tuple[KVAgent, KVAgent], monkeypatch: pytest.MonkeyPatch
+    agents: tuple[KVAgent, KVAgent], copies: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     prefill, decode = agents
     monkeypatch.setattr(CompletionOutbox, "try_send", lambda *_: False)
+    real_datagram = DatagramNotice.datagram
+
+    def nowhere(notice: DatagramNotice) -> tuple[int, bytes, bytes]:
+        fileno, _, message = real_datagram(notice)
+        return fileno, os.fsencode(str(tmp_path / "nobody-listens")), message
+
+    monkeypatch.setattr(DatagramNotice, "datagram", nowhere)
     for count, request_id in ((512, "big"), (4, "small")):
         local, remote = request(count, seed=count)
         decode.expect(request_id)
