@@ -2,8 +2,9 @@
 
 It reports every transport's availability with its reason (`kvray.transport.availability`),
 whether pyverbs imports and which RDMA devices it sees (with none, pyverbs' `get_device_list`
-raises rather than returning an empty list), the CUDA devices torch sees, and the versions
-of Python, Ray, torch and kvray.
+raises rather than returning an empty list), the CUDA devices torch sees, whether kvray's C
+helpers are built (without them CPU copies run on Python threads and planning in numpy, both
+slower), and the versions of Python, Ray, torch and kvray.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class DoctorReport:
     cuda_devices: int
     cuda_error: str | None = None
     settings: dict[str, object] = field(default_factory=dict)
+    #: Per C helper (`kvray._copy`, `kvray._plan`): whether it is built and imports.
+    native: dict[str, bool] = field(default_factory=dict)
 
 
 def _version(distribution: str) -> str | None:
@@ -73,6 +76,9 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
         cuda_devices = torch.cuda.device_count()
     except Exception as error:  # a broken driver or torch build: say so, do not fail
         cuda_error = f"{type(error).__name__}: {error}"
+    from kvray import plan
+    from kvray.transport import _copy
+
     return DoctorReport(
         versions=versions,
         transports=availability(settings),
@@ -84,6 +90,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
             "verbs_device": settings.verbs_device,
             "verbs_port": settings.verbs_port,
         },
+        native={"kvray._copy (CPU copy pool)": _copy.native(), "kvray._plan (planner loops)": plan.native()},
     )
 
 
@@ -102,6 +109,9 @@ def format_report(report: DoctorReport) -> str:
     else:
         devices = ", ".join(verbs.devices) if verbs.devices else "none (get_device_list lists no device)"
         lines.append(f"  pyverbs: {verbs.version or 'imported'}; RDMA devices: {devices}")
+    for helper, built in report.native.items():
+        state = "built" if built else "not built (a slower fallback runs; reinstall kvray with a C compiler)"
+        lines.append(f"  {helper}: {state}")
     cuda = f"{report.cuda_devices}" if report.cuda_error is None else f"unknown ({report.cuda_error})"
     lines.append(f"  CUDA devices: {cuda}")
     lines.append("  settings: " + ", ".join(f"{name}={value!r}" for name, value in report.settings.items()))

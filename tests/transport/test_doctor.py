@@ -36,3 +36,14 @@ def test_doctor_command_reports_pyverbs_as_this_machine_has_it(capsys: pytest.Ca
         assert "pyverbs: " in out and "RDMA devices: " in out
     else:
         assert f"pyverbs: does not import ({verbs.import_error})" in out
+
+
+def test_report_says_whether_the_c_helpers_are_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvray import plan
+    from kvray.transport import _copy
+
+    report = doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api())
+    assert list(report.native.values()) == [_copy.native(), plan.native()]
+    monkeypatch.setattr(_copy, "_start_copy", None)
+    without = doctor.format_report(doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api()))
+    assert "kvray._copy (CPU copy pool): not built (a slower fallback runs" in without
