@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -354,3 +355,22 @@ def test_ctypes_fallback_refuses_what_the_c_extension_refuses(dst_offset: int, n
         f"the fallback crashed the process (exit {child.returncode}): {child.stderr[-500:]}"
     )
     assert child.stdout.strip() == "refused"
+
+
+def test_pool_threads_are_named_and_leave_signals_to_the_interpreter() -> None:
+    """The pool's pthreads show up as `kvray-copy` and block every signal: a Ctrl-C or a
+    SIGTERM from Ray reaches a thread Python handles signals on, never a copy thread."""
+    native = native_module()
+    ops = [(0, 0, 64)]
+    dst, src = buffers(64, ops, seed=4)
+    wait_over(native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 2, 64))
+    pool = []
+    for task in Path("/proc/self/task").iterdir():
+        status = (task / "status").read_text()
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("Name", "").strip() == "kvray-copy":
+            pool.append(int(fields["SigBlk"].strip(), 16))
+    assert pool, "no thread named kvray-copy"
+    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD, signal.SIGALRM):
+        bit = 1 << (int(signal_number) - 1)
+        assert all(blocked & bit for blocked in pool), f"{signal_number.name} not blocked: {pool}"
