@@ -46,7 +46,10 @@
  * process) go through non-temporal stores: no read-for-ownership of destination lines and no
  * eviction of the writer's cache, which is what lets glibc's memcpy of one big buffer beat a
  * loop of 16 KiB memcpys. Scattered blocks defeat the hardware prefetcher at every block
- * boundary, so while one block is copied the next block's source is prefetched. 32-byte AVX2
+ * boundary, so while one block is copied the next block's source is prefetched, with the
+ * non-temporal hint: the bytes are read once, and fetched into the nearest cache they would push
+ * out the block being copied (two threads, 4096 scattered 16 KiB blocks into shared memory,
+ * alternating runs here: median 4.26-4.54 ms against 4.44-4.93 with the T0 hint). 32-byte AVX2
  * stores where the CPU has them (checked once at import), else 16-byte SSE2. Unaligned heads
  * and tails fall back to memcpy. */
 #ifdef KVRAY_STREAMING
@@ -54,8 +57,8 @@ static int have_avx2 = 0;
 
 static inline void prefetch_ahead(const char *next, size_t next_n, size_t i) {
     if (next != NULL && i < next_n) {
-        _mm_prefetch(next + i, _MM_HINT_T0);
-        _mm_prefetch(next + i + 64, _MM_HINT_T0);
+        _mm_prefetch(next + i, _MM_HINT_NTA);
+        _mm_prefetch(next + i + 64, _MM_HINT_NTA);
     }
 }
 
