@@ -3,8 +3,9 @@ directory of engines. No KV bytes pass through it.
 
 Engines register their `EngineInfo` (msgspec bytes, validated here) and the actor hosting
 them; peers look them up, waiting with a deadline for one that has not registered yet. An
-engine whose actor dies is dropped (the coordinator holds a long-poll call on every host, so
-Ray reports the death at once), and one that deregisters or closes is dropped too. After a
+engine whose actor dies is dropped: the coordinator holds a long-poll call on every
+`AgentHost`, so Ray reports the death at once, and asks any other actor hosting an agent
+whether it is alive every `LIVENESS_PROBE_S`. One that deregisters or closes is dropped too. After a
 restart the directory is empty and carries a new epoch: agents notice through their
 heartbeat and register again.
 """
@@ -22,6 +23,10 @@ from kvray.config import Settings
 from kvray.errors import KvrayError, StaleIncarnationError, UnknownEngineError
 from kvray.plan import validate_engine_info
 from kvray.wire import EngineInfo, Role, decode_engine_info
+
+#: Seconds between two liveness probes of an engine whose actor is not an `AgentHost` (it has
+#: no call the coordinator could hold open until the actor dies).
+LIVENESS_PROBE_S = 1.0
 
 
 @dataclass
@@ -114,11 +119,19 @@ class Coordinator:
         return {"engines": len(self._engines), "dropped_dead": self.dropped_dead, "epoch": self.epoch}
 
     async def _watch(self, engine_id: str, incarnation: int, host: Any) -> None:
-        """Hold a call on the engine's host; it returns when the agent closes and fails when the
-        actor dies. Either way the engine incarnation leaves the directory."""
+        """Hold a call on the engine's host (an `AgentHost`): it returns when the agent closes and
+        fails when the actor dies. Any other actor is probed until it is dead (its agent's close
+        deregisters it and cancels this). Either way the engine incarnation leaves the directory.
+        (Reading a dead call on a plain actor as its death, as this once did, dropped every such
+        engine right after it registered, and it flickered back at each heartbeat.)"""
         died = False
         try:
-            await host.kvray_watch.remote()
+            try:
+                held = host.kvray_watch
+            except AttributeError:  # an actor of the user's own, not an AgentHost
+                await _probe_until_dead(host)
+            else:
+                await held.remote()
         except asyncio.CancelledError:
             return
         except Exception:
@@ -133,6 +146,13 @@ class Coordinator:
         entry = self._engines.pop(engine_id, None)
         if entry is not None and watching and entry.watch is not None:
             entry.watch.cancel()
+
+
+async def _probe_until_dead(host: Any) -> None:
+    """Raise once the actor `host` is dead; Ray's built-in readiness call answers while it lives."""
+    while True:
+        await host.__ray_ready__.remote()
+        await asyncio.sleep(LIVENESS_PROBE_S)
 
 
 def get_or_create_coordinator(settings: Settings | None = None) -> Any:

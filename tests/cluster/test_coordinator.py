@@ -64,6 +64,35 @@ def test_lookup_register_deregister_and_death(local_ray: None) -> None:
         ray.get(coordinator.lookup.remote("dir-d0", 0.5))
 
 
+def test_an_agent_in_a_plain_actor_stays_listed_until_its_actor_dies(local_ray: None) -> None:
+    """An agent embedded in an actor of the user's own (not an `AgentHost`): the coordinator has
+    no call to hold open on it, so it probes the actor. The engine stays registered across
+    heartbeats (no drop, no re-registration, its peer cache kept) and leaves once killed."""
+    from kvray.agent import KVAgent
+
+    class UserActor:
+        async def start(self, settings: Settings) -> None:
+            self.agent = KVAgent("plain-p0", Role.PREFILL, llama_gqa(8, num_layers=2), settings=settings)
+            await self.agent.start()
+
+        async def stats(self) -> dict[str, int]:
+            return dict(self.agent.stats)
+
+    coordinator = get_or_create_coordinator(SETTINGS)
+    actor = ray.remote(UserActor).remote()
+    ray.get(actor.start.remote(SETTINGS))
+    dead_before = ray.get(coordinator.stats.remote())["dropped_dead"]
+    time.sleep(SETTINGS.heartbeat_s * 6)
+    assert decode_engine_info(ray.get(coordinator.lookup.remote("plain-p0", 0.5))[0]).engine_id == "plain-p0"
+    assert ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before
+    assert ray.get(actor.stats.remote()).get("reregistered", 0) == 0
+
+    ray.kill(actor)
+    _wait_until(lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1)
+    with pytest.raises(UnknownEngineError, match="plain-p0"):
+        ray.get(coordinator.lookup.remote("plain-p0", 0.5))
+
+
 def test_agents_register_again_after_a_coordinator_restart(local_ray: None) -> None:
     coordinator = get_or_create_coordinator(SETTINGS)
     layout = llama_gqa(8, num_layers=2)
