@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import itertools
 import os
+import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -160,7 +161,13 @@ async def _pool_copy(
     loop = asyncio.get_running_loop()
     over: asyncio.Future[None] = loop.create_future()
     fileno = job.fileno()
-    loop.add_reader(fileno, _resolve, over)
+    try:
+        loop.add_reader(fileno, _resolve, over)
+    except BaseException:
+        # The threads are copying already and the caller may release the memory once this
+        # raises: wait for them here (the copy is bounded) before letting the error through.
+        select.select([fileno], [], [])
+        raise
     try:
         await _until_over(over, lambda: bool(job.over))
     finally:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -374,3 +375,32 @@ def test_pool_threads_are_named_and_leave_signals_to_the_interpreter() -> None:
     for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD, signal.SIGALRM):
         bit = 1 << (int(signal_number) - 1)
         assert all(blocked & bit for blocked in pool), f"{signal_number.name} not blocked: {pool}"
+
+
+async def test_a_loop_that_cannot_watch_the_job_still_waits_for_its_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the event loop refuses to watch the job's eventfd, the error surfaces only after the
+    pool's threads are out: the caller may release the memory the moment it sees the error."""
+    native = native_module()
+    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    ops = [(block * 1024, block * 1024, 1024) for block in range(64)]
+    dst, src = buffers(64 * 1024, ops, seed=5)
+    expected = reference(dst, src, ops)
+    loop = asyncio.get_running_loop()
+
+    def refuse(*_: object) -> None:
+        raise RuntimeError("no readers on this loop")
+
+    def slow(low: int, high: int, total: int) -> bool:
+        time.sleep(0.01)
+        return True
+
+    monkeypatch.setattr(loop, "add_reader", refuse)
+    native.set_worker_hook(slow)
+    try:
+        with pytest.raises(RuntimeError, match="no readers"):
+            await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
+        np.testing.assert_array_equal(dst, expected)  # every byte already there
+    finally:
+        native.set_worker_hook(None)
