@@ -83,7 +83,7 @@ class CompletionOutbox:
                 writable = self._writable
                 if writable is None or writable.done():
                     writable = self._writable = loop.create_future()
-                    loop.add_writer(fileno, _resolve, writable)
+                    loop.add_writer(fileno, resolve_once, writable)
                     writable.add_done_callback(lambda _: loop.remove_writer(fileno))
                 await asyncio.shield(writable)
 
@@ -124,6 +124,8 @@ class DatagramNotice:
         return self._outbox.fileno(), os.fsencode(self.path), self.message
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
+def resolve_once(future: asyncio.Future[None]) -> None:
+    """A reader or writer callback: resolve `future` the first time the descriptor is ready
+    (the loop may call it again before the callback is removed)."""
     if not future.done():
         future.set_result(None)

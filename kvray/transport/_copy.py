@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvray.completion import DatagramNotice
+from kvray.completion import DatagramNotice, resolve_once
 
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
@@ -103,7 +103,7 @@ async def scatter_copy_async(
         if then is not None:
             then()
         return
-    if _start_copy is not None and _scatter_copy is not None:
+    if native():
         await _pool_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then)
         return
     global _executor
@@ -162,7 +162,7 @@ async def _pool_copy(
     over: asyncio.Future[None] = loop.create_future()
     fileno = job.fileno()
     try:
-        loop.add_reader(fileno, _resolve, over)
+        loop.add_reader(fileno, resolve_once, over)
     except BaseException:
         # The threads are copying already and the caller may release the memory once this
         # raises: wait for them here (the copy is bounded) before letting the error through.
@@ -191,11 +191,6 @@ async def _until_over(copies: asyncio.Future[Any], over: Callable[[], bool]) -> 
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([copies])
         raise
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class StagingBuffers:
