@@ -34,15 +34,10 @@ async def one_request(
 ) -> dict[str, Any]:
     request_id = f"ttft-{index}"
     started = time.perf_counter()
-    blocks, incarnation = await decode.reserve.remote(request_id, model.blocks_needed(len(prompt) + 2))
-    prefilled = await prefill.prefill.remote(
-        request_id,
-        prompt,
-        "ttft-decode",
-        blocks[: model.blocks_needed(len(prompt))],
-        incarnation,
-        layerwise=layerwise,
+    reservation = await decode.reserve.remote(
+        request_id, model.blocks_needed(len(prompt) + 2), kv_blocks=model.blocks_needed(len(prompt))
     )
+    prefilled = await prefill.prefill.remote(prompt, reservation, layerwise=layerwise)
     first_token_at = time.perf_counter()
     decoded = await decode.decode.remote(request_id, prefilled.first_token, len(prompt), 2)
     return {

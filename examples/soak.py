@@ -274,11 +274,9 @@ async def run_soak(
                         report.retried += 1
                         await asyncio.sleep(0.01 * (attempt + 1))
                 try:
-                    dst, incarnation = await group.decode.reserve.remote(request_id, count)
+                    reservation = await group.decode.reserve.remote(request_id, count)
                     waiting = group.decode.wait.remote(request_id, 120.0)
-                    pushed = await prefill.push.remote(
-                        request_id, group.decode_id, dst, incarnation, layers=layers, layerwise=layerwise
-                    )
+                    pushed = await prefill.push.remote(reservation, layers=layers, layerwise=layerwise)
                     await waiting
                 except KvrayError as error:
                     report.failed += 1

@@ -30,7 +30,7 @@ import contextlib
 import secrets
 import socket
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
+from kvray.claims import ClaimBoard, ClaimClient
 from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
 from kvray.completion import CompletionInbox, CompletionOutbox, DatagramNotice
 from kvray.config import Settings
@@ -45,6 +47,7 @@ from kvray.errors import (
     BackpressureError,
     KvrayError,
     MetadataError,
+    NotExpectedError,
     PlanError,
     StaleIncarnationError,
     TransferTimeoutError,
@@ -56,11 +59,12 @@ from kvray.errors import (
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import NO_TRANSPORT, DropReason, EngineMetrics, MetricsSink, Outcome, PushCall
-from kvray.plan import OffsetCache, TransferPlan, plan_transfer
+from kvray.plan import OffsetCache, TransferPlan, block_ids, check_ops_within, plan_transfer, request_spans
 from kvray.transport import Peer, Transport, open_transport, transport_class
 from kvray.transport.ray import apply_ops, read_header
 from kvray.wire import (
     EngineInfo,
+    Reservation,
     Role,
     TransferDone,
     TransferFailed,
@@ -112,8 +116,9 @@ class Completion:
 
 @dataclass
 class _Layerwise:
-    dst_engine: str
-    dst_incarnation: int
+    reservation: Reservation
+    #: The reservation's block ids as an array, converted once for every layer.
+    remote_ids: npt.NDArray[np.int64]
     transfer_id: str
     transport: TransportKind
     #: Seconds spent planning and writing, summed over the layers pushed so far.
@@ -135,17 +140,36 @@ class _Layerwise:
 
 
 @dataclass
+class _Expectation:
+    """A request a decode agent expects: what its writer must show, and where it may write."""
+
+    future: asyncio.Future[Completion]
+    token: int
+    #: Its slot in the claim board (-1: the agent has no board, e.g. it never started an inbox).
+    slot: int
+    blocks: npt.NDArray[np.int64]
+    #: (region, start, end) byte spans of the request's blocks, built at its first `ray` write.
+    spans: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
+
+
+@dataclass
 class _Attempt:
     """How far one push got: the peer it planned against (whose incarnation a failure notice
     names) and its transfer id, once known."""
 
     request_id: str
+    reservation: Reservation | None = None
     layerwise: bool = False
     peer: Peer | None = None
     transfer_id: str | None = None
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
+
+
+def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
+    """A reservation's block ids as the array the planner takes (it checks them)."""
+    return np.fromiter(reservation.blocks, dtype=np.int64, count=len(reservation.blocks))
 
 
 def _node_id() -> str:
@@ -218,11 +242,15 @@ class KVAgent:
         self._epoch: int | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._transports: dict[TransportKind, Transport] = {}
-        self._peers: dict[str, Peer] = {}
+        #: Peers looked up or added, least recently used first (at most `max_cached_peers`).
+        self._peers: OrderedDict[str, Peer] = OrderedDict()
         self._cache = offset_cache if offset_cache is not None else OffsetCache()
         self._slots = asyncio.Semaphore(self.settings.max_concurrent_transfers)
         self._waiting = 0
-        self._pending: dict[str, asyncio.Future[Completion]] = {}
+        self._pending: dict[str, _Expectation] = {}
+        #: Requests this decode agent could not release yet (a writer still held their claim),
+        #: each with an event set once it is released after all.
+        self.quarantined: dict[str, asyncio.Event] = {}
         self._layerwise: dict[str, _Layerwise] = {}
         #: Layer-wise requests that failed (why), until `finish` or `abort`: later layers are refused.
         self._failed_layerwise: dict[str, str] = {}
@@ -230,6 +258,9 @@ class KVAgent:
         self._closed = asyncio.Event()
         self._started = False
         self._inbox: CompletionInbox | None = None
+        self._board: ClaimBoard | None = None
+        #: Claim boards of same-node decode engines this agent writes into, per incarnation.
+        self._claims: dict[tuple[str, int], ClaimClient] = {}
         self._outbox: CompletionOutbox | None = None
         self._coordinator_by_name = False
         #: Failure notices on their way to peers.
@@ -266,6 +297,8 @@ class KVAgent:
         if self.role is Role.DECODE:
             self._inbox = CompletionInbox(self.settings.shm_dir, self._receive)
             endpoints[COMPLETION_ENDPOINT] = self._inbox.path
+            self._board = ClaimBoard(self._inbox.folder, self.settings.max_expected_requests)
+            endpoints[CLAIMS_ENDPOINT] = self._board.path
         self._info = self.backing.engine_info(
             self.engine_id, self.incarnation, self.role, self.node_id, regions, endpoints
         )
@@ -299,28 +332,43 @@ class KVAgent:
         if self._coordinator is not None and self._info is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.settings.notify_timeout_s):
-                    await self._coordinator.deregister.remote(self.engine_id, self.incarnation)
-        for request_id, future in list(self._pending.items()):
-            if not future.done():
-                future.set_exception(
+                    await self._coordinator.deregister.remote(
+                        self.engine_id, self.incarnation, self._registrant_secret
+                    )
+        for request_id, expectation in list(self._pending.items()):
+            if not expectation.future.done():
+                expectation.future.set_exception(
                     KvrayError(f"agent {self.engine_id!r} closed while {request_id!r} waited for KV")
                 )
         self._pending.clear()
         for transport in self._transports.values():
             await transport.close()
         self._transports.clear()
+        for claims in self._claims.values():
+            claims.close()
+        self._claims.clear()
+        if self._board is not None:
+            self._board.dispose()
         if self._inbox is not None:
             self._inbox.close()
         if self._outbox is not None:
             self._outbox.close()
         self.backing.close()
 
+    #: Proves to the coordinator that this agent registered its engine entry (only the holder
+    #: may replace or remove it); sent to the coordinator alone, never published.
+    _registrant_secret = b""
+
     async def _register(self) -> None:
+        if not self._registrant_secret:
+            self._registrant_secret = secrets.token_bytes(32)
         # A coordinator that was just created is a fresh process still starting: allow it as long
         # as a lookup may wait.
         try:
             async with asyncio.timeout(self.settings.lookup_timeout_s):
-                self._epoch = await self._coordinator.register.remote(encode(self.info), _current_actor())
+                self._epoch = await self._coordinator.register.remote(
+                    encode(self.info), _current_actor(), self._registrant_secret
+                )
         except TimeoutError as error:
             raise MetadataError(
                 f"the coordinator did not answer the registration of {self.engine_id!r} within "
@@ -334,11 +382,16 @@ class KVAgent:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
                 async with asyncio.timeout(self.settings.heartbeat_s * 5):
-                    epoch = await self._coordinator.heartbeat.remote(self.engine_id, self.incarnation)
+                    epoch = await self._coordinator.heartbeat.remote(
+                        self.engine_id, self.incarnation, self._registrant_secret
+                    )
                     if epoch is None:
                         await self._register()
                         self.stats["reregistered"] += 1
-                        self._peers.clear()
+                        for engine_id in list(self._peers):
+                            self.forget_peer(engine_id)
+                    elif self._peers:
+                        await self._forget_departed()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # coordinator restarting: try again next beat
@@ -352,17 +405,28 @@ class KVAgent:
                         self._coordinator = get_or_create_coordinator(self.settings)
                         self.stats["coordinator_replaced"] += 1
 
+    async def _forget_departed(self) -> None:
+        """Forget the cached peers whose incarnation the coordinator no longer lists (they closed,
+        died or restarted): their mappings, handles and connections hold memory until then."""
+        known = [(engine_id, peer.info.incarnation) for engine_id, peer in self._peers.items()]
+        for engine_id, incarnation in await self._coordinator.departed.remote(known):
+            peer = self._peers.get(engine_id)
+            if peer is not None and peer.info.incarnation == incarnation:  # not looked up anew since
+                self.forget_peer(engine_id)
+                self.stats["peers_departed"] += 1
+
     # ---- peers ------------------------------------------------------------------------
 
     def add_peer(self, info: EngineInfo, host: Any = None) -> None:
         """Wire a peer by hand (no coordinator): its info and the object hosting its agent."""
-        self._peers[info.engine_id] = Peer(info, host)
+        self._remember_peer(Peer(info, host))
 
     async def peer(self, engine_id: str, *, wait_s: float | None = None) -> Peer:
         """The engine's published info and host: cached, else asked of the coordinator, which
         waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
         peer = self._peers.get(engine_id)
         if peer is not None:
+            self._peers.move_to_end(engine_id)
             return peer
         if self._coordinator is None:
             raise UnknownEngineError(
@@ -370,7 +434,7 @@ class KVAgent:
                 "coordinator to ask (start Ray, or add_peer() it)",
                 engine_id=engine_id,
             )
-        wait = self.settings.lookup_timeout_s if wait_s is None else wait_s
+        wait = self.settings.deadline(wait_s, self.settings.lookup_timeout_s, "wait_s", allow_zero=True)
         # The coordinator bounds its own wait; this bounds a coordinator that does not answer.
         bound = wait + self.settings.notify_timeout_s
         try:
@@ -390,12 +454,26 @@ class KVAgent:
                 engine_id=engine_id,
             ) from error
         peer = Peer(decode_engine_info(info_bytes), host)
-        self._peers[engine_id] = peer
+        self._remember_peer(peer)
         return peer
 
+    def _remember_peer(self, peer: Peer) -> None:
+        """Cache a peer; past `max_cached_peers`, the least recently used one is forgotten."""
+        engine_id = peer.info.engine_id
+        if self._peers.get(engine_id) not in (None, peer):
+            self.forget_peer(engine_id)  # replaced: what was opened for the old info goes with it
+        self._peers[engine_id] = peer
+        self._peers.move_to_end(engine_id)
+        while len(self._peers) > self.settings.max_cached_peers:
+            self.forget_peer(next(iter(self._peers)))
+
     def forget_peer(self, engine_id: str) -> None:
+        """Drop everything cached for a peer (its info, offsets, mappings, connections); a
+        write still in flight keeps what it uses until it ends."""
         self._peers.pop(engine_id, None)
         self._cache.forget(engine_id)
+        for key in [key for key in self._claims if key[0] == engine_id]:
+            self._claims.pop(key).close()
         for transport in self._transports.values():
             transport.forget(engine_id)
 
@@ -433,21 +511,18 @@ class KVAgent:
 
     async def push(
         self,
-        request_id: str,
+        reservation: Reservation,
         local_blocks: Blocks,
-        remote_engine: str,
-        remote_blocks: Blocks,
         layers: Sequence[str] | None = None,
         *,
-        remote_incarnation: int | None = None,
         timeout: float | None = None,
     ) -> PushResult:
-        """Write the request's blocks into the remote engine's blocks, then tell it they are there."""
-        async with self._transfer(request_id, remote_engine, timeout, call=PushCall.WHOLE) as attempt:
+        """Write the request's blocks into the blocks the decode engine reserved for it
+        (`reservation`, from its `expect`), then tell it they are there."""
+        request_id = reservation.request_id
+        async with self._transfer(reservation, timeout, call=PushCall.WHOLE) as attempt:
             started = time.perf_counter()
-            peer, transport, plan = await self._plan(
-                attempt, local_blocks, remote_engine, remote_blocks, layers, remote_incarnation
-            )
+            peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             notice = TransferDone(
                 transfer_id=transfer_id,
@@ -458,11 +533,13 @@ class KVAgent:
                 dst_incarnation=peer.info.incarnation,
                 nbytes=plan.nbytes,
                 immediates=int(transport.kind is TransportKind.VERBS),
+                token=reservation.token,
             )
-            early = self._early_notice(peer, notice)
-            await self._write(request_id, peer, transport, plan, then=early)
-            if early is None or not early.sent:
-                await self._send(peer, notice)
+            async with self._claim(peer, reservation):
+                early = self._early_notice(peer, notice)
+                await self._write(reservation, peer, transport, plan, then=early)
+                if early is None or not early.sent:
+                    await self._send(peer, notice)
             self.stats["pushes_ok"] += 1
             self.stats["bytes_pushed"] += plan.nbytes
             self.metrics.bytes_pushed(transport.kind.value, peer.info.engine_id, plan.nbytes)
@@ -480,39 +557,44 @@ class KVAgent:
 
     async def push_layer(
         self,
-        request_id: str,
+        reservation: Reservation,
         layer: str,
         local_blocks: Blocks,
-        remote_engine: str,
-        remote_blocks: Blocks,
         *,
-        remote_incarnation: int | None = None,
         timeout: float | None = None,
     ) -> int:
         """Write one layer of a request now (as prefill produces it); `finish` completes it.
 
         Once one layer of a request has failed, its later layers are refused (the decode side
         has been told and may have freed the blocks): `finish` or `abort` the request."""
-        async with self._transfer(request_id, remote_engine, timeout, call=PushCall.LAYER) as attempt:
+        request_id = reservation.request_id
+        remote_engine = reservation.engine_id
+        async with self._transfer(reservation, timeout, call=PushCall.LAYER) as attempt:
             started = time.perf_counter()
-            peer, transport, plan = await self._plan(
-                attempt, local_blocks, remote_engine, remote_blocks, [layer], remote_incarnation
-            )
+            state = self._layerwise.get(request_id)
+            if state is not None and state.reservation != reservation:
+                raise PlanError(
+                    f"request {request_id!r} is being pushed layer-wise into {state.reservation.engine_id!r} "
+                    f"incarnation {state.reservation.incarnation} under another reservation; finish or "
+                    "abort it first",
+                    request_id=request_id,
+                    engine_id=remote_engine,
+                )
+            remote_ids = state.remote_ids if state is not None else _ids(reservation)
+            peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, [layer])
             state = self._layerwise.get(request_id)
             if state is None:
                 state = _Layerwise(
-                    peer.info.engine_id,
-                    peer.info.incarnation,
+                    reservation,
+                    remote_ids,
                     self._next_transfer_id(request_id),
                     transport.kind,
                     started=attempt.started,
                 )
                 self._layerwise[request_id] = state
-            elif (state.dst_engine, state.dst_incarnation) != (peer.info.engine_id, peer.info.incarnation):
-                raise StaleIncarnationError(
-                    f"request {request_id!r} started layer-wise into {state.dst_engine!r} incarnation "
-                    f"{state.dst_incarnation}, which is now {peer.info.engine_id!r} incarnation "
-                    f"{peer.info.incarnation}",
+            elif state.reservation != reservation:
+                raise PlanError(
+                    f"request {request_id!r} is being pushed layer-wise under another reservation",
                     request_id=request_id,
                     engine_id=remote_engine,
                 )
@@ -527,11 +609,13 @@ class KVAgent:
                     request_id=request_id,
                     engine_id=remote_engine,
                 )
-            # From here to the write's start nothing awaits: a failure recorded meanwhile is seen.
+            # From here to the write's start nothing awaits but the claim: a failure recorded
+            # meanwhile is seen by the failure notice, which waits for this write to end.
             state.writing += 1
             state.idle.clear()
             try:
-                await self._write(request_id, peer, transport, plan)
+                async with self._claim(peer, reservation):
+                    await self._write(reservation, peer, transport, plan)
             finally:
                 state.writing -= 1
                 if state.writing == 0:
@@ -556,44 +640,47 @@ class KVAgent:
             )
         if state is None:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
-        async with self._transfer(request_id, state.dst_engine, timeout, call=PushCall.FINISH) as attempt:
+        reservation = state.reservation
+        async with self._transfer(reservation, timeout, call=PushCall.FINISH) as attempt:
             attempt.transfer_id = state.transfer_id
             attempt.transport = state.transport
             attempt.started = state.started
             started = time.perf_counter()
-            peer = await self.peer(state.dst_engine)
-            if peer.info.incarnation != state.dst_incarnation:
+            peer = await self.peer(reservation.engine_id)
+            if peer.info.incarnation != reservation.incarnation:
                 raise StaleIncarnationError(
-                    f"engine {state.dst_engine!r} restarted (incarnation {peer.info.incarnation}) while "
-                    f"request {request_id!r} was pushed layer-wise into incarnation {state.dst_incarnation}",
+                    f"engine {reservation.engine_id!r} restarted (incarnation {peer.info.incarnation}) "
+                    f"while request {request_id!r} was pushed layer-wise into incarnation "
+                    f"{reservation.incarnation}",
                     request_id=request_id,
-                    engine_id=state.dst_engine,
+                    engine_id=reservation.engine_id,
                     incarnation=peer.info.incarnation,
-                    stale_incarnation=state.dst_incarnation,
+                    stale_incarnation=reservation.incarnation,
                 )
             attempt.peer = peer
             missing = sorted(set(self.layout.layer_names) - state.layers)
             if missing:
                 self.stats["layerwise_partial"] += 1
-            await self._send(
-                peer,
-                TransferDone(
-                    transfer_id=state.transfer_id,
-                    request_id=request_id,
-                    src_engine=self.engine_id,
-                    src_incarnation=self.incarnation,
-                    dst_engine=state.dst_engine,
-                    dst_incarnation=state.dst_incarnation,
-                    nbytes=state.nbytes,
-                    immediates=state.immediates,
-                ),
+            notice = TransferDone(
+                transfer_id=state.transfer_id,
+                request_id=request_id,
+                src_engine=self.engine_id,
+                src_incarnation=self.incarnation,
+                dst_engine=reservation.engine_id,
+                dst_incarnation=reservation.incarnation,
+                nbytes=state.nbytes,
+                immediates=state.immediates,
+                token=reservation.token,
             )
+            # Under the claim: a request its decode engine stopped expecting is not reported done.
+            async with self._claim(peer, reservation):
+                await self._send(peer, notice)
             self.stats["pushes_ok"] += 1
             return PushResult(
                 request_id,
                 state.transfer_id,
-                state.dst_engine,
-                state.dst_incarnation,
+                reservation.engine_id,
+                reservation.incarnation,
                 state.transport,
                 state.nbytes,
                 state.ops,
@@ -601,26 +688,22 @@ class KVAgent:
                 state.busy_s + time.perf_counter() - started,
             )
 
-    async def abort(
-        self, request_id: str, remote_engine: str, reason: str, *, remote_incarnation: int | None = None
-    ) -> None:
+    async def abort(self, reservation: Reservation, reason: str) -> None:
         """Tell the decode side a request's KV will not come (best effort, bounded).
 
-        The notice names the incarnation the request's blocks belong to (`remote_incarnation`,
-        else the layer-wise push's, else the engine's current one); an engine that has since
-        restarted is not told about its old life. It never waits for an engine to register."""
+        The notice names the incarnation the request's blocks belong to; an engine that has
+        since restarted is not told about its old life. It never waits for an engine to register."""
+        request_id = reservation.request_id
         state = self._layerwise.pop(request_id, None)
         self._failed_layerwise.pop(request_id, None)
-        if state is not None and remote_incarnation is None:
-            remote_incarnation = state.dst_incarnation
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                peer = await self.peer(remote_engine, wait_s=0.0)
-            if remote_incarnation is not None and peer.info.incarnation != remote_incarnation:
+                peer = await self.peer(reservation.engine_id, wait_s=0.0)
+            if peer.info.incarnation != reservation.incarnation:
                 self.stats["failure_notices_stale"] += 1
                 return
             transfer_id = state.transfer_id if state else self._next_transfer_id(request_id)
-            await self._notify_failure(peer, request_id, transfer_id, reason, state)
+            await self._notify_failure(peer, reservation, transfer_id, reason, state)
 
     def _abort_soon(self, attempt: _Attempt, reason: str) -> None:
         """`abort` for a push that failed, in the background, so the caller's error is not held
@@ -629,19 +712,20 @@ class KVAgent:
         if attempt.layerwise or state is not None:
             self._failed_layerwise.setdefault(attempt.request_id, reason)
         peer = attempt.peer
-        if peer is None or self._closed.is_set():
+        reservation = attempt.reservation
+        if peer is None or reservation is None or self._closed.is_set():
             return
         transfer_id = attempt.transfer_id or (
             state.transfer_id if state is not None else self._next_transfer_id(attempt.request_id)
         )
         task = asyncio.get_running_loop().create_task(
-            self._notify_failure(peer, attempt.request_id, transfer_id, reason, state)
+            self._notify_failure(peer, reservation, transfer_id, reason, state)
         )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _notify_failure(
-        self, peer: Peer, request_id: str, transfer_id: str, reason: str, state: _Layerwise | None
+        self, peer: Peer, reservation: Reservation, transfer_id: str, reason: str, state: _Layerwise | None
     ) -> None:
         """Send `TransferFailed` once no layer of the request is still being written: the peer
         frees the blocks when it reads it, so no byte may arrive after."""
@@ -653,12 +737,13 @@ class KVAgent:
                 peer,
                 TransferFailed(
                     transfer_id=transfer_id,
-                    request_id=request_id,
+                    request_id=reservation.request_id,
                     src_engine=self.engine_id,
                     src_incarnation=self.incarnation,
                     dst_engine=peer.info.engine_id,
                     dst_incarnation=peer.info.incarnation,
                     reason=reason,
+                    token=reservation.token,
                 ),
             )
             self.stats["failure_notices_sent"] += 1
@@ -667,13 +752,20 @@ class KVAgent:
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, request_id: str, remote_engine: str, timeout: float | None, *, call: PushCall
+        self, reservation: Reservation, timeout: float | None, *, call: PushCall
     ) -> AsyncIterator[_Attempt]:
         """A bounded slot and a deadline for one transfer; failures are kvray errors, and once
         the peer is known it is told (in the background) so it does not wait for its deadline.
         Every call that gets this far is counted once in the metrics, by outcome."""
         if not self.started:
             raise KvrayError(f"agent {self.engine_id!r} is not running; await agent.start() first")
+        if not isinstance(reservation, Reservation):
+            raise PlanError(
+                f"push into a decode engine's Reservation (what its expect() returned), not "
+                f"{type(reservation).__name__}"
+            )
+        request_id = reservation.request_id
+        remote_engine = reservation.engine_id
         if self._waiting >= self.settings.max_queued_transfers:
             self.stats["rejected_backpressure"] += 1
             self.metrics.transfer(call, Outcome.REJECTED, NO_TRANSPORT, remote_engine)
@@ -682,8 +774,8 @@ class KVAgent:
                 f"(max_queued_transfers={self.settings.max_queued_transfers})",
                 request_id=request_id,
             )
-        deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
-        attempt = _Attempt(request_id, call is PushCall.LAYER, started=time.perf_counter())
+        deadline = self.settings.deadline(timeout, self.settings.transfer_timeout_s, "timeout")
+        attempt = _Attempt(request_id, reservation, call is PushCall.LAYER, started=time.perf_counter())
         outcome = Outcome.FAILED
         try:
             async with asyncio.timeout(deadline):
@@ -704,7 +796,7 @@ class KVAgent:
             if isinstance(error, TransferTimeoutError):
                 outcome = Outcome.TIMED_OUT
             self.stats["pushes_failed"] += 1
-            if isinstance(error, TransportError | MetadataError):
+            if isinstance(error, TransportError | MetadataError) and not isinstance(error, NotExpectedError):
                 self.forget_peer(remote_engine)
             self._abort_soon(attempt, f"{type(error).__name__}: {error}")
             raise
@@ -761,13 +853,15 @@ class KVAgent:
         self,
         attempt: _Attempt,
         local_blocks: Blocks,
-        remote_engine: str,
-        remote_blocks: Blocks,
+        remote_ids: npt.NDArray[np.int64],
         layers: Sequence[str] | None,
-        remote_incarnation: int | None,
     ) -> tuple[Peer, Transport, TransferPlan]:
+        reservation = attempt.reservation
+        assert reservation is not None
+        remote_engine = reservation.engine_id
+        remote_incarnation = reservation.incarnation
         peer = await self.peer(remote_engine)
-        if remote_incarnation is not None and peer.info.incarnation != remote_incarnation:
+        if peer.info.incarnation != remote_incarnation:
             # Our directory entry may be old: look again before refusing.
             self.forget_peer(remote_engine)
             peer = await self.peer(remote_engine)
@@ -786,22 +880,41 @@ class KVAgent:
                 engine_id=remote_engine,
             )
         attempt.peer = peer
-        plan = plan_transfer(self.info, peer.info, local_blocks, remote_blocks, layers, self._cache)
+        plan = plan_transfer(self.info, peer.info, local_blocks, remote_ids, layers, self._cache)
         transport = self._transport(self.choose_transport(peer))
         attempt.transport = transport.kind
         return peer, transport, plan
 
+    @contextlib.asynccontextmanager
+    async def _claim(self, peer: Peer, reservation: Reservation) -> AsyncIterator[None]:
+        """Hold the request's slot in a same-node decode engine's claim board while the body
+        writes and notifies: the engine cannot release the request's blocks meanwhile, and a
+        request it no longer expects is refused before a byte moves (see `kvray.claims`).
+        Elsewhere the receiver checks each write itself (`ray`)."""
+        path = peer.info.endpoints.get(CLAIMS_ENDPOINT)
+        if not path or peer.info.node_id != self.node_id:
+            yield
+            return
+        key = (peer.info.engine_id, peer.info.incarnation)
+        claims = self._claims.get(key)
+        if claims is None:
+            claims = self._claims[key] = ClaimClient(path, peer.info.engine_id)
+        async with claims.hold(
+            reservation.request_id, reservation.slot, reservation.token, self.settings.notify_timeout_s
+        ):
+            yield
+
     async def _write(
         self,
-        request_id: str,
+        reservation: Reservation,
         peer: Peer,
         transport: Transport,
         plan: TransferPlan,
         then: Callable[[], None] | None = None,
     ) -> None:
-        # The request id travels with `ray`-transport writes: the receiver takes writes only
-        # for requests it still expects.
-        plan = replace(plan, request_id=request_id)
+        # The request id and token travel with `ray`-transport writes: the receiver takes
+        # writes only for requests it still expects, from the holder of their reservation.
+        plan = replace(plan, request_id=reservation.request_id, token=reservation.token)
         if then is None:
             await transport.write(plan, self.backing, peer)
         else:
@@ -850,7 +963,10 @@ class KVAgent:
                 engine_id=peer.info.engine_id,
                 timeout_s=self.settings.notify_timeout_s,
             ) from error
-        except Exception as error:  # e.g. the peer's actor died
+        except Exception as error:  # e.g. the peer's actor died, or it refused the notice
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, NotExpectedError | StaleIncarnationError):
+                raise cause from error
             raise TransportError(
                 f"could not notify engine {peer.info.engine_id!r}: {type(error).__name__}",
                 engine_id=peer.info.engine_id,
@@ -862,21 +978,76 @@ class KVAgent:
 
     # ---- decode side ------------------------------------------------------------------
 
-    def expect(self, request_id: str) -> None:
-        """Reserve a completion slot: the request's blocks are allocated and a push may come."""
+    def expect(self, request_id: str, blocks: Blocks) -> Reservation:
+        """The request's blocks are reserved here and its KV may come: a `Reservation` to hand
+        to the writer (it names this engine incarnation, the blocks and a fresh secret token)."""
+        if self.role is not Role.DECODE:
+            raise PlanError(f"engine {self.engine_id!r} is not a decode engine and expects no KV")
+        if not self.started:
+            raise KvrayError(f"agent {self.engine_id!r} is not running; await agent.start() first")
         if request_id in self._pending:
             raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
+        ids = block_ids(blocks, self.layout.num_blocks, "decode", self.engine_id)
+        token = secrets.randbits(62) or 1
+        slot = self._board.open(token) if self._board is not None else -1
         rdma = self._rdma()
         if rdma is not None:
             rdma.expect_transfer(self.engine_id, self.incarnation, request_id)
-        self._pending[request_id] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Expectation(future, token, slot, ids)
+        return Reservation(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            blocks=tuple(ids.tolist()),
+            token=token,
+            slot=max(slot, 0),
+        )
+
+    async def release(self, request_id: str) -> None:
+        """Stop expecting a request, and return once no write for it can still land: its
+        blocks may then go back to the pool. A late completion for it is dropped and counted.
+
+        Raises `TransferTimeoutError` if a writer still holds the request's claim after
+        `transfer_timeout_s` (a writer's own deadline): the blocks must then stay out of the
+        pool; the agent lists the request in `quarantined` and keeps trying in the background."""
+        expectation = self._pending.pop(request_id, None)
+        if expectation is None:
+            return
+        if not expectation.future.done():
+            expectation.future.cancel()
+        self._forget_rdma(request_id)
+        await self._wait_writes_end(request_id)
+        if expectation.slot < 0 or self._board is None:
+            return
+        if await self._board.close(expectation.slot, self.settings.transfer_timeout_s):
+            return
+        self.quarantined[request_id] = asyncio.Event()
+        self.stats["releases_quarantined"] += 1
+        task = asyncio.get_running_loop().create_task(self._release_later(request_id, expectation.slot))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        raise TransferTimeoutError(
+            f"a writer still holds request {request_id!r} at {self.engine_id!r} after "
+            f"{self.settings.transfer_timeout_s} s; its blocks must stay out of the pool",
+            request_id=request_id,
+            engine_id=self.engine_id,
+            timeout_s=self.settings.transfer_timeout_s,
+        )
+
+    async def _release_later(self, request_id: str, slot: int) -> None:
+        board = self._board
+        while board is not None and not self._closed.is_set():
+            if await board.close(slot, self.settings.transfer_timeout_s):
+                self.quarantined.pop(request_id).set()
+                return
 
     def cancel(self, request_id: str) -> None:
-        """Stop expecting a request; a late completion for it is dropped and counted."""
-        future = self._pending.pop(request_id, None)
-        if future is not None and not future.done():
-            future.cancel()
-        self._forget_rdma(request_id)
+        """Stop expecting a request now (its wait ends with a kvray error); `release` it before
+        its blocks go back to the pool."""
+        expectation = self._pending.get(request_id)
+        if expectation is not None and not expectation.future.done():
+            expectation.future.cancel()
 
     def _rdma(self) -> VerbsTransport | None:
         """This decode engine's `verbs` transport, when it published an RDMA port."""
@@ -890,19 +1061,33 @@ class KVAgent:
         if rdma is not None:
             rdma.cancel_transfer(self.engine_id, self.incarnation, request_id)
 
+    async def _wait_writes_end(self, request_id: str) -> None:
+        """Until no `ray`-transport write admitted for the request is still being scattered."""
+        if self._writing[request_id]:
+            async with self._writes_done:
+                await self._writes_done.wait_for(lambda: not self._writing[request_id])
+
     async def wait_for_kv(self, request_id: str, timeout: float | None = None) -> Completion:
-        """Wait until the request's KV is written (or failed, or the deadline passes)."""
-        if request_id not in self._pending:
-            self.expect(request_id)
-        future = self._pending[request_id]
-        deadline = timeout if timeout is not None else self.settings.transfer_timeout_s
+        """Wait until the request's KV is written (or failed, or the deadline passes).
+
+        However the wait ends, the request stays reserved until `release(request_id)`, which
+        returns once no write for it can land any more."""
+        expectation = self._pending.get(request_id)
+        if expectation is None:
+            raise PlanError(
+                f"request {request_id!r} is not expected at {self.engine_id!r}; expect() it first",
+                request_id=request_id,
+                engine_id=self.engine_id,
+            )
+        future = expectation.future
+        deadline = self.settings.deadline(timeout, self.settings.transfer_timeout_s, "timeout")
         started = time.perf_counter()
         outcome = Outcome.FAILED
         try:
             # The future itself, not a shield around it: a shield puts one more hop through the
             # loop between the completion and this task, behind whatever the completion queued
-            # (a metric write). A timed-out or cancelled wait cancels the future, which is what
-            # `cancel(request_id)` below would do to it anyway.
+            # (a metric write). A timed-out or cancelled wait cancels the future: the request is
+            # no longer expected, and later writes for it are refused.
             async with asyncio.timeout(deadline):
                 completion = await future
             outcome = Outcome.OK
@@ -920,7 +1105,7 @@ class KVAgent:
             outcome = Outcome.CANCELLED
             task = asyncio.current_task()
             if future.cancelled() and (task is None or not task.cancelling()):
-                # `cancel(request_id)` (the blocks were released), not a cancelled caller.
+                # `cancel` or `release` (the request is over), not a cancelled caller.
                 raise KvrayError(
                     f"request {request_id!r} was cancelled at {self.engine_id!r} while waiting for its KV",
                     request_id=request_id,
@@ -931,40 +1116,43 @@ class KVAgent:
             # Recorded just after the caller resumes: a metric write costs tens of microseconds
             # under Ray, on the path from the completion to the decode side's next step.
             asyncio.get_running_loop().call_soon(self.metrics.wait, outcome, time.perf_counter() - started)
-            if self._pending.get(request_id) is future:  # not a newer expectation of the same id
-                if future.done() or self._closed.is_set():
-                    del self._pending[request_id]
-                    self._forget_rdma(request_id)
-                else:
-                    self.cancel(request_id)
-            # No write admitted for this request may still be landing when the caller frees
-            # its blocks (new ones are refused: the request is no longer expected).
-            if self._writing[request_id]:
-                async with self._writes_done:
-                    await self._writes_done.wait_for(lambda: not self._writing[request_id])
+            if not future.done():
+                future.cancel()
 
     async def deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
-        """A `ray`-transport write arriving: check it names this engine incarnation and a request
-        it still expects, and that every op lies inside its region; then scatter."""
+        """A `ray`-transport write arriving: check it names this engine incarnation, a request
+        it still expects and that request's token, and that every op lies inside its region and
+        inside the request's blocks; then scatter."""
         if self.role is not Role.DECODE:
             raise MetadataError(f"engine {self.engine_id!r} is not a decode engine and takes no writes")
         message = read_header(header, self.engine_id, self.incarnation)
         request_id = message.request_id
-        future = self._pending.get(request_id)
-        if future is None or future.done():
+        expectation = self._pending.get(request_id)
+        if expectation is None or expectation.future.done():
             # Its wait ended (done, failed, timed out) or it was never reserved: its blocks may
             # belong to another request by now.
             self.stats["writes_refused_unexpected"] += 1
             self.metrics.dropped(DropReason.UNEXPECTED_WRITE)
-            raise WriteFailedError(
+            raise NotExpectedError(
                 f"engine {self.engine_id!r} does not expect KV for request {request_id!r} (never "
                 "reserved, or its wait has ended); nothing was written",
                 request_id=request_id,
                 engine_id=self.engine_id,
             )
+        if message.token != expectation.token:
+            self.stats["writes_refused_forged"] += 1
+            self.metrics.dropped(DropReason.FORGED)
+            raise NotExpectedError(
+                f"a write for request {request_id!r} did not carry its reservation's token; "
+                "nothing was written",
+                request_id=request_id,
+                engine_id=self.engine_id,
+            )
         self._writing[request_id] += 1
         try:
-            written = await apply_ops(self.backing, self.engine_id, message, payload)
+            written = await apply_ops(
+                self.backing, self.engine_id, message, payload, within=self._spans(request_id, expectation)
+            )
         finally:
             self._writing[request_id] -= 1
             if not self._writing[request_id]:
@@ -973,6 +1161,23 @@ class KVAgent:
                     self._writes_done.notify_all()
         self.stats["bytes_received"] += written
         return written
+
+    def _spans(
+        self, request_id: str, expectation: _Expectation
+    ) -> Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], None]:
+        """A check that a write's ops stay inside the request's blocks (spans built once)."""
+
+        def check(
+            regions: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+        ) -> None:
+            if expectation.spans is None:
+                rows = self._cache.rows(self.info, self.layout.layer_names)
+                expectation.spans = request_spans(rows, expectation.blocks)
+            check_ops_within(
+                expectation.spans, regions, offsets, nbytes, request_id=request_id, engine_id=self.engine_id
+            )
+
+        return check
 
     async def accept_connection(self, request: bytes) -> bytes:
         """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine."""
@@ -983,33 +1188,74 @@ class KVAgent:
         return await transport.accept(request, self.backing, self.info)
 
     async def notify(self, message_bytes: bytes) -> None:
-        """A completion or failure notice arriving through Ray (see `_receive`)."""
+        """A completion or failure notice arriving through Ray (see `_receive`): one this engine
+        does not take (malformed, stale, unknown request, wrong token) raises, so its sender
+        learns the request was not completed."""
         self._receive(message_bytes, strict=True)
 
+    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
+        self.stats[stat] += 1
+        self.metrics.dropped(reason)
+        if strict:
+            raise error
+
     def _receive(self, message_bytes: bytes, strict: bool = False) -> None:
-        """A completion or failure notice; unknown, stale or malformed ones are dropped and counted
-        (`strict`: a malformed one also raises, for a caller that can be told)."""
+        """A completion or failure notice; unknown, stale, forged or malformed ones are dropped
+        and counted (`strict`: they also raise, for a caller that can be told)."""
         try:
             message = decode_message(message_bytes)
-        except WireDecodeError:
-            self.stats["messages_malformed"] += 1
-            self.metrics.dropped(DropReason.MALFORMED)
-            if strict:
-                raise
+        except WireDecodeError as error:
+            self._drop(DropReason.MALFORMED, "messages_malformed", strict, error)
             return
         if isinstance(message, WriteOps):
-            self.stats["messages_misrouted"] += 1
-            self.metrics.dropped(DropReason.MISROUTED)
+            self._drop(
+                DropReason.MISROUTED,
+                "messages_misrouted",
+                strict,
+                WireDecodeError("a write_ops header is not a notice", field="$.type"),
+            )
             return
         if message.dst_engine != self.engine_id or message.dst_incarnation != self.incarnation:
-            self.stats["completions_dropped_stale"] += 1
-            self.metrics.dropped(DropReason.STALE)
+            self._drop(
+                DropReason.STALE,
+                "completions_dropped_stale",
+                strict,
+                StaleIncarnationError(
+                    f"notice for {message.dst_engine!r} incarnation {message.dst_incarnation} reached "
+                    f"{self.engine_id!r} incarnation {self.incarnation}",
+                    engine_id=self.engine_id,
+                    incarnation=self.incarnation,
+                    stale_incarnation=message.dst_incarnation,
+                ),
+            )
             return
-        future = self._pending.get(message.request_id)
-        if future is None or future.done():
-            self.stats["completions_dropped_unknown"] += 1
-            self.metrics.dropped(DropReason.UNKNOWN)
+        expectation = self._pending.get(message.request_id)
+        if expectation is None or expectation.future.done():
+            self._drop(
+                DropReason.UNKNOWN,
+                "completions_dropped_unknown",
+                strict,
+                NotExpectedError(
+                    f"engine {self.engine_id!r} does not expect request {message.request_id!r} (never "
+                    "reserved, or its wait has ended)",
+                    request_id=message.request_id,
+                    engine_id=self.engine_id,
+                ),
+            )
             return
+        if message.token != expectation.token:
+            self._drop(
+                DropReason.FORGED,
+                "completions_dropped_forged",
+                strict,
+                NotExpectedError(
+                    f"a notice for request {message.request_id!r} did not carry its reservation's token",
+                    request_id=message.request_id,
+                    engine_id=self.engine_id,
+                ),
+            )
+            return
+        future = expectation.future
         if isinstance(message, TransferDone) and message.immediates:
             # Over RDMA the notice can overtake the writes' own proof of arrival: complete once
             # the immediates have come too (wait_for_kv's deadline bounds the wait).

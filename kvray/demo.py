@@ -149,11 +149,10 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
         async with limit:
             started = time.perf_counter()
             total_blocks = model.blocks_needed(len(prompt) + args.max_new_tokens)
-            blocks, incarnation = await decodes[d].reserve.remote(request_id, total_blocks)
-            prompt_blocks = blocks[: model.blocks_needed(len(prompt))]
-            prefilled = await prefills[p].prefill.remote(
-                request_id, prompt, f"demo-decode-{d}", prompt_blocks, incarnation, layerwise=layerwise
+            reservation = await decodes[d].reserve.remote(
+                request_id, total_blocks, kv_blocks=model.blocks_needed(len(prompt))
             )
+            prefilled = await prefills[p].prefill.remote(prompt, reservation, layerwise=layerwise)
             ttft = time.perf_counter() - started
             decoded = await decodes[d].decode.remote(
                 request_id, prefilled.first_token, len(prompt), args.max_new_tokens

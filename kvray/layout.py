@@ -7,6 +7,7 @@ sit relative to the start of the region that holds them.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import math
@@ -34,6 +35,12 @@ MAX_BYTES = 2**62
 
 #: A non-negative byte count or offset as it travels on the wire.
 ByteCount = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BYTES)]
+
+#: Most blocks one layout may hold (past any real pool: 2**24 blocks of 16 tokens is 268M
+#: tokens), so that nothing sized by a peer's claim grows without bound.
+MAX_BLOCKS = 2**24
+#: Most layers one layout may hold.
+MAX_LAYERS = 1024
 
 #: Every layer slab (layer-major) and every layer segment inside a block (block-major) starts
 #: at a multiple of this many bytes, so typed views are aligned for any dtype above.
@@ -158,19 +165,24 @@ class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     """An ordered list of layers sharing `num_blocks` block ids, in one block order."""
 
-    layers: tuple[LayerSpec, ...]
+    layers: Annotated[tuple[LayerSpec, ...], msgspec.Meta(max_length=MAX_LAYERS)]
     num_blocks: int
     block_order: BlockOrder = BlockOrder.LAYER_MAJOR
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise LayoutError("a layout needs at least one layer")
-        if self.num_blocks <= 0:
+        if len(self.layers) > MAX_LAYERS:
             raise LayoutError(
-                f"num_blocks must be positive, got {self.num_blocks}", num_blocks=self.num_blocks
+                f"a layout holds at most {MAX_LAYERS} layers, got {len(self.layers)}",
+                num_layers=len(self.layers),
+            )
+        if not 0 < self.num_blocks <= MAX_BLOCKS:
+            raise LayoutError(
+                f"num_blocks must be in [1, {MAX_BLOCKS}], got {self.num_blocks}", num_blocks=self.num_blocks
             )
         names = [layer.name for layer in self.layers]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        duplicates = sorted(name for name, count in collections.Counter(names).items() if count > 1)
         if duplicates:
             raise LayoutError(f"layer names must be unique, repeated: {duplicates}", layers=duplicates)
 

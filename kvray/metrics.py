@@ -57,6 +57,8 @@ class DropReason(enum.Enum):
     MISROUTED = "misrouted"
     #: A `ray`-transport write for a request this engine does not expect (any more).
     UNEXPECTED_WRITE = "unexpected_write"
+    #: A write or notice without the token of the request's reservation.
+    FORGED = "forged"
 
 
 #: Tag value of a transport not chosen yet (the push failed before planning).
@@ -123,7 +125,7 @@ MESSAGES_DROPPED = MetricSpec(
     "kvray_messages_dropped",
     MetricKind.COUNTER,
     "Completions, failure notices and writes a decode engine dropped or refused, by reason "
-    "(stale, unknown, malformed, misrouted, unexpected_write)",
+    "(stale, unknown, malformed, misrouted, unexpected_write, forged)",
     ("engine", "reason"),
 )
 BLOCKS_IN_USE = MetricSpec(

@@ -2,20 +2,47 @@
 
 Region descriptors say what a peer may write into; `EngineInfo` is what an engine publishes;
 `Message` is the tagged union of transfer messages. Bytes from a peer are decoded here and
-nowhere else, into these types only (never pickle), and a malformed message is a
-`WireDecodeError` that names the offending field. New fields go last, with defaults.
+nowhere else, into these types only (never pickle). New fields go last, with defaults.
+
+Which error means what:
+
+- `WireDecodeError` (a `MetadataError`): the bytes are not one kvray message. Too large
+  (`MAX_MESSAGE_BYTES`, `MAX_ENGINE_INFO_BYTES`, `MAX_HANDSHAKE_BYTES`), not msgpack, nested
+  too deep, a missing or mistyped field, or one field's value out of its own range (a region
+  of length 0, a size past 2**62, more blocks, layers or regions than the bounds below). It
+  names the offending field where it can. Receivers count these as malformed and drop them.
+- `MetadataError` (and its other subclasses): the message decoded, but the description as a
+  whole cannot be honoured: regions of another engine or numbered out of order, two regions
+  or two layers over the same bytes, a layer that leaves its region (`BoundsError`).
+  `kvray.plan.validate_engine_info` raises these; the coordinator runs it on every
+  registration and a writer on every peer before its first write.
+
+The bounds keep one message cheap to decode and to validate: a peer cannot make a receiver
+allocate or loop in proportion to a number it claims.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
 from kvray.errors import MetadataError, UnknownLayerError, WireDecodeError
-from kvray.layout import MAX_BYTES, ByteCount, KVLayout, LayerPlacement
+from kvray.layout import MAX_BYTES, MAX_LAYERS, ByteCount, KVLayout, LayerPlacement
+
+#: Most regions one engine may publish (one per tensor of a non-shared backing: K and V of
+#: every layer).
+MAX_REGIONS = 2 * MAX_LAYERS
+#: Most transport endpoints one engine may publish.
+MAX_ENDPOINTS = 64
+#: Largest encoded `EngineInfo` decoded at all (a thousand-layer model takes well under 1 MiB).
+MAX_ENGINE_INFO_BYTES = 8 * 1024 * 1024
+#: Largest encoded transfer message (a `WriteOps` header lists every op of a `ray` write).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Largest encoded verbs handshake.
+MAX_HANDSHAKE_BYTES = 1024 * 1024
 
 
 class Role(enum.Enum):
@@ -72,6 +99,45 @@ class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A `cuda_ipc` region's `handle`: what torch needs to open another process's CUDA storage
+    (see torch.multiprocessing)."""
+
+    device_uuid: str
+    #: The cudaIpcMemHandle of the whole CUDA allocation the storage lives in.
+    handle: bytes
+    storage_size: ByteCount
+    #: Byte offset of the storage inside that allocation.
+    storage_offset: ByteCount
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+_cuda_ipc_handle_decoder = msgspec.msgpack.Decoder(CudaIpcHandle)
+
+
+def decode_cuda_ipc_handle(data: bytes) -> CudaIpcHandle:
+    return _decode(_cuda_ipc_handle_decoder, data, "CUDA IPC handle", MAX_HANDSHAKE_BYTES)
+
+
+def writer_target(region: RegionDescriptor) -> tuple[bytes, int] | None:
+    """What a same-node writer opens for `region`, and where the region starts inside it:
+    (the shared-memory path, `handle_offset`) for `shm`; (the device and allocation handle,
+    the byte offset inside that allocation) for `cuda_ipc`; None where writes go by address
+    and key instead. Two regions must not share bytes here, whatever their addresses say."""
+    if not region.handle:
+        return None
+    if region.transport is TransportKind.SHM:
+        return b"shm:" + region.handle, region.handle_offset
+    if region.transport is TransportKind.CUDA_IPC:
+        handle = decode_cuda_ipc_handle(region.handle)
+        allocation = b"cuda_ipc:" + handle.device_uuid.encode() + b":" + handle.handle
+        return allocation, handle.storage_offset + region.handle_offset
+    return None
+
+
 class VerbsEndpoint(msgspec.Struct, frozen=True, kw_only=True):
     """An engine's RDMA port (`verbs` transport): how a queue pair reaches it. Published in
     `EngineInfo` (a peer with one has an RDMA device) and repeated in each handshake."""
@@ -97,11 +163,11 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     node_id: str
     layout: KVLayout
-    regions: tuple[RegionDescriptor, ...]
+    regions: Annotated[tuple[RegionDescriptor, ...], msgspec.Meta(max_length=MAX_REGIONS)]
     #: Per layer: where its bytes sit relative to the start of its region.
-    placements: dict[str, LayerPlacement]
+    placements: Annotated[dict[str, LayerPlacement], msgspec.Meta(max_length=MAX_LAYERS)]
     #: Transport-specific connection data (e.g. an RDMA queue pair's number and GID).
-    endpoints: dict[str, str] = {}
+    endpoints: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_ENDPOINTS)] = {}
     #: The engine's RDMA port, when it takes `verbs` writes (None: it has no RDMA device).
     verbs: VerbsEndpoint | None = None
 
@@ -196,7 +262,7 @@ class VerbsAccept(msgspec.Struct, frozen=True, kw_only=True, tag="verbs_accept")
     endpoint: VerbsEndpoint
     qp_num: ByteCount
     psn: ByteCount
-    regions: tuple[VerbsRegionKey, ...]
+    regions: Annotated[tuple[VerbsRegionKey, ...], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
 VerbsHandshake = VerbsConnect | VerbsAccept
@@ -214,20 +280,28 @@ def encode(value: Message | EngineInfo | RegionDescriptor | VerbsHandshake) -> b
 
 
 def decode_message(data: bytes) -> Message:
-    return _decode(_message_decoder, data, "message")
+    return _decode(_message_decoder, data, "message", MAX_MESSAGE_BYTES)
 
 
 def decode_engine_info(data: bytes) -> EngineInfo:
-    return _decode(_engine_decoder, data, "engine info")
+    return _decode(_engine_decoder, data, "engine info", MAX_ENGINE_INFO_BYTES)
 
 
 def decode_verbs_handshake(data: bytes) -> VerbsHandshake:
-    return _decode(_handshake_decoder, data, "verbs handshake")
+    return _decode(_handshake_decoder, data, "verbs handshake", MAX_HANDSHAKE_BYTES)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str, max_nbytes: int) -> T:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireDecodeError(f"a kvray {what} must arrive as bytes, got {type(data).__name__}", what=what)
+    nbytes = memoryview(data).nbytes
+    if nbytes > max_nbytes:
+        raise WireDecodeError(
+            f"a kvray {what} of {nbytes} bytes is larger than the {max_nbytes} kvray accepts",
+            what=what,
+            field=None,
+            nbytes=nbytes,
+        )
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as error:
@@ -235,6 +309,14 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
         raise WireDecodeError(f"invalid kvray {what}: {error}", what=what, field=field) from None
     except msgspec.DecodeError as error:
         raise WireDecodeError(f"malformed kvray {what}: {error}", what=what, field=None) from None
+    except RecursionError:
+        # Unknown fields are skipped, not refused, so their depth is the sender's to choose.
+        raise WireDecodeError(f"malformed kvray {what}: nested too deep", what=what, field=None) from None
+    except MetadataError as error:
+        # A struct's own check (e.g. a region of length 0) refused a decoded value.
+        raise WireDecodeError(
+            f"invalid kvray {what}: {error}", what=what, field=None, engine_id=error.facts.get("engine_id")
+        ) from None
 
 
 _FIELD_PATH = re.compile(r"at (?:`key` in )?`(\$[^`]*)`$")

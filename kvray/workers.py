@@ -9,7 +9,9 @@ the caller releases it after decoding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,13 +24,20 @@ import torch
 
 from kvray.agent import AgentHost, Completion, KVAgent, PushResult
 from kvray.config import Settings
-from kvray.errors import BackpressureError, BlockIdError, ConfigError, KvrayError, LayoutError, PlanError
+from kvray.errors import (
+    BackpressureError,
+    BlockIdError,
+    ConfigError,
+    LayoutError,
+    PlanError,
+    TransferTimeoutError,
+)
 from kvray.layout import KVLayout
 from kvray.memory import MemoryKind
 from kvray.metrics import EngineMetrics
 from kvray.models.reference import ModelConfig, ReferenceModel
 from kvray.plan import OffsetCache
-from kvray.wire import Role, TransportKind
+from kvray.wire import Reservation, Role, TransportKind
 
 ByteArray = npt.NDArray[np.uint8]
 
@@ -147,6 +156,8 @@ class _Worker(AgentHost):
         )
         self.pool = BlockPool(layout.num_blocks, pool_seed, self.kvray_agent.metrics)
         self.requests: dict[str, list[int]] = {}
+        #: Requests whose blocks are kept out of the pool: something may still write them.
+        self.quarantined: dict[str, list[int]] = {}
 
     async def start(self) -> dict[str, Any]:
         info = await self.kvray_agent.start()
@@ -161,6 +172,7 @@ class _Worker(AgentHost):
             "free_blocks": self.pool.free_count,
             "used_blocks": self.pool.used_count,
             "requests": len(self.requests),
+            "quarantined_requests": len(self.quarantined),
         }
 
     async def free_count(self) -> int:
@@ -207,11 +219,17 @@ class _Worker(AgentHost):
         """Reference generation: prefill and decode here, on this worker's own blocks."""
         model = self._model()
         blocks = self.pool.allocate(model.blocks_needed(len(tokens) + max_new_tokens))
+        views = self.kvray_agent.backing.views
+        compute = asyncio.ensure_future(
+            asyncio.to_thread(model.generate, list(tokens), views, blocks, max_new_tokens)
+        )
         try:
-            return await asyncio.to_thread(
-                model.generate, list(tokens), self.kvray_agent.backing.views, blocks, max_new_tokens
-            )
+            return await asyncio.shield(compute)
         finally:
+            # The thread writes into these blocks until it ends, cancelled caller or not.
+            while not compute.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(compute)
             self.pool.free(blocks)
 
     def _model(self) -> ReferenceModel:
@@ -243,10 +261,23 @@ def _assign_blocks(view: torch.Tensor, blocks: Sequence[int], parts: int, values
         view[index] = values
 
 
+class _RequestEnded(Exception):
+    """Raised inside the model's compute thread to stop a forward pass whose request ended."""
+
+
 class PrefillWorker(_Worker):
-    """Holds a request's KV after prefill and pushes it into a decode worker's blocks."""
+    """Holds a request's KV after prefill and pushes it into a decode worker's blocks.
+
+    A request's blocks go back to the pool only once nothing can touch them any more: its
+    forward pass has stopped, and every push of it has returned (a cancelled push returns only
+    once its last byte has stopped moving). One push at a time per request."""
 
     role = Role.PREFILL
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Requests with a push or forward pass running: refused a second one meanwhile.
+        self._busy: set[str] = set()
 
     async def allocate(self, request_id: str, count: int) -> list[int]:
         if request_id in self.requests:
@@ -257,7 +288,7 @@ class PrefillWorker(_Worker):
 
     async def fill_random(self, request_id: str, seed: int) -> None:
         """Write seeded random bytes into the request's blocks of every layer."""
-        blocks = self.requests[request_id]
+        blocks = self._held(request_id)
         rng = np.random.default_rng(seed)
         data = {}
         for layer in self.kvray_agent.layout.layer_names:
@@ -267,137 +298,131 @@ class PrefillWorker(_Worker):
             data[layer] = rng.integers(0, 256, nbytes, dtype=np.uint8)
         await self.write_blocks(blocks, data)
 
+    def _held(self, request_id: str) -> list[int]:
+        blocks = self.requests.get(request_id)
+        if blocks is None:
+            raise PlanError(
+                f"request {request_id!r} holds no blocks here (never allocated, or already pushed "
+                "or released)",
+                request_id=request_id,
+            )
+        return blocks
+
+    def _take(self, request_id: str) -> list[int]:
+        """The request's blocks, marked busy: a second push or release waits its turn."""
+        blocks = self._held(request_id)
+        if request_id in self._busy:
+            raise PlanError(f"request {request_id!r} is already being pushed", request_id=request_id)
+        self._busy.add(request_id)
+        return blocks
+
+    def _give_back(self, request_id: str, free: bool) -> None:
+        self._busy.discard(request_id)
+        if free:
+            self.pool.free(self.requests.pop(request_id))
+
     async def push(
         self,
-        request_id: str,
-        decode_engine: str,
-        decode_blocks: Sequence[int],
-        decode_incarnation: int | None = None,
+        reservation: Reservation,
         *,
         layerwise: bool = False,
         layers: Sequence[str] | None = None,
         timeout: float | None = None,
         keep_blocks: bool = False,
     ) -> PushResult:
-        """Push the request's blocks; the request's own blocks are freed afterwards either way."""
-        blocks = self.requests.get(request_id)
-        if blocks is None:
-            raise PlanError(f"request {request_id!r} holds no blocks here", request_id=request_id)
+        """Push the request's blocks into the decode worker's reservation; the request's own
+        blocks are freed afterwards either way (unless `keep_blocks`)."""
+        request_id = reservation.request_id
+        if layers is not None and not list(layers):
+            raise PlanError("push at least one layer (layers=None pushes every layer)", request_id=request_id)
+        settings = self.kvray_agent.settings
+        timeout = settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
+        blocks = self._take(request_id)
         agent = self.kvray_agent
         try:
             if not layerwise:
-                return await agent.push(
-                    request_id,
-                    blocks,
-                    decode_engine,
-                    decode_blocks,
-                    layers,
-                    remote_incarnation=decode_incarnation,
-                    timeout=timeout,
-                )
+                return await agent.push(reservation, blocks, layers, timeout=timeout)
             try:
                 for layer in layers or agent.layout.layer_names:
-                    await agent.push_layer(
-                        request_id,
-                        layer,
-                        blocks,
-                        decode_engine,
-                        decode_blocks,
-                        remote_incarnation=decode_incarnation,
-                        timeout=timeout,
-                    )
+                    await agent.push_layer(reservation, layer, blocks, timeout=timeout)
                 return await agent.finish(request_id, timeout=timeout)
-            except KvrayError as error:
-                await agent.abort(
-                    request_id, decode_engine, str(error), remote_incarnation=decode_incarnation
-                )
+            except BaseException as error:
+                await agent.abort(reservation, f"{type(error).__name__}: {error}")
                 raise
         finally:
-            if not keep_blocks:
-                self.pool.free(self.requests.pop(request_id))
+            self._give_back(request_id, not keep_blocks)
 
     async def release(self, request_id: str) -> None:
-        self.pool.free(self.requests.pop(request_id))
+        self._take(request_id)
+        self._give_back(request_id, True)
 
     async def prefill(
         self,
-        request_id: str,
         tokens: Sequence[int],
-        decode_engine: str,
-        decode_blocks: Sequence[int],
-        decode_incarnation: int | None = None,
+        reservation: Reservation,
         *,
         layerwise: bool = False,
         timeout: float | None = None,
     ) -> PrefillResult:
-        """Run the model over the prompt and push its KV into the decode worker's blocks.
+        """Run the model over the prompt and push its KV into the decode worker's reservation.
 
         Layer-wise, each layer's push starts as soon as the forward pass has written that
         layer, while later layers are still being computed; otherwise the whole request is
-        pushed after the pass. The request's blocks here are freed afterwards either way.
+        pushed after the pass. The request's blocks here are freed afterwards either way, once
+        the forward pass and every push have stopped; a layer that completes after the request
+        ended starts no push.
         """
+        settings = self.kvray_agent.settings
+        timeout = settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
         model = self._model()
         agent = self.kvray_agent
-        blocks = await self.allocate(request_id, model.blocks_needed(len(tokens)))
-        if len(decode_blocks) != len(blocks):
-            self.pool.free(self.requests.pop(request_id))
+        request_id = reservation.request_id
+        needed = model.blocks_needed(len(tokens))
+        if len(reservation.blocks) != needed:
             raise BlockIdError(
-                f"a {len(tokens)}-token prompt fills {len(blocks)} blocks, but {len(decode_blocks)} "
-                "decode blocks were given",
+                f"a {len(tokens)}-token prompt fills {needed} blocks, but the reservation of "
+                f"{request_id!r} names {len(reservation.blocks)} decode blocks",
                 request_id=request_id,
             )
+        blocks = await self.allocate(request_id, needed)
+        self._busy.add(request_id)
         loop = asyncio.get_running_loop()
         pushes: list[asyncio.Task[int]] = []
+        ended = threading.Event()
 
         def start_push(layer: str) -> None:
+            if ended.is_set():
+                return
             pushes.append(
-                loop.create_task(
-                    agent.push_layer(
-                        request_id,
-                        layer,
-                        blocks,
-                        decode_engine,
-                        decode_blocks,
-                        remote_incarnation=decode_incarnation,
-                        timeout=timeout,
-                    )
-                )
+                loop.create_task(agent.push_layer(reservation, layer, blocks, timeout=timeout))
             )
 
         def on_layer(layer: str) -> None:  # runs on the compute thread, once per cache layer
+            if ended.is_set():
+                raise _RequestEnded(request_id)
             loop.call_soon_threadsafe(start_push, layer)
 
+        compute: asyncio.Future[int] | None = None
         try:
             started = time.perf_counter()
             try:
-                first_token = await asyncio.to_thread(
-                    model.prefill, list(tokens), agent.backing.views, blocks, on_layer if layerwise else None
+                callback = on_layer if layerwise else None
+                compute = asyncio.ensure_future(
+                    asyncio.to_thread(model.prefill, list(tokens), agent.backing.views, blocks, callback)
                 )
+                # Shielded: a cancelled caller must not let the blocks go while the thread writes.
+                first_token = await asyncio.shield(compute)
                 computed = time.perf_counter()
                 if layerwise:
                     await asyncio.gather(*pushes)
                     pushed = await agent.finish(request_id, timeout=timeout)
                 else:
-                    pushed = await agent.push(
-                        request_id,
-                        blocks,
-                        decode_engine,
-                        decode_blocks,
-                        remote_incarnation=decode_incarnation,
-                        timeout=timeout,
-                    )
+                    pushed = await agent.push(reservation, blocks, timeout=timeout)
             except BaseException as error:
-                # No push may still read these blocks once they go back to the pool.
-                for push in pushes:
-                    push.cancel()
-                await asyncio.gather(*pushes, return_exceptions=True)
+                ended.set()
+                await self._stop(compute, pushes)
                 if layerwise:
-                    await agent.abort(
-                        request_id,
-                        decode_engine,
-                        f"{type(error).__name__}: {error}",
-                        remote_incarnation=decode_incarnation,
-                    )
+                    await agent.abort(reservation, f"{type(error).__name__}: {error}")
                 raise
             finished = time.perf_counter()
             digest = await self.kv_digest(blocks)
@@ -411,33 +436,70 @@ class PrefillWorker(_Worker):
                 kv_digest=digest,
             )
         finally:
-            self.pool.free(self.requests.pop(request_id))
+            ended.set()
+            await self._stop(compute, pushes)
+            self._give_back(request_id, True)
+
+    @staticmethod
+    async def _stop(compute: asyncio.Future[int] | None, pushes: list[asyncio.Task[int]]) -> None:
+        """Until the forward pass and every layer push of a request have stopped (a cancelled
+        push returns once its last byte has stopped moving); cancellation waits for it too."""
+        waiting: list[asyncio.Future[Any]] = [push for push in pushes if not push.done()]
+        for push in waiting:
+            push.cancel()
+        if compute is not None and not compute.done():
+            waiting.append(compute)
+        if waiting:
+            gathered = asyncio.gather(*waiting, return_exceptions=True)
+            while not gathered.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(gathered)
 
 
 class DecodeWorker(_Worker):
-    """Reserves blocks for requests and waits for their KV to arrive."""
+    """Reserves blocks for requests and waits for their KV to arrive.
+
+    A request's blocks go back to the pool only once no write for it can land (its agent's
+    `release` returned) and the model no longer reads or writes them (its decode thread ended);
+    blocks a writer still holds past the deadline stay out of the pool (`quarantined`) until it
+    lets go."""
 
     role = Role.DECODE
 
-    async def reserve(self, request_id: str, count: int) -> tuple[list[int], int]:
-        """Blocks for the request, and the incarnation they belong to; its KV is now expected."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Requests being released, with the task that frees their blocks.
+        self._releasing: dict[str, asyncio.Future[None]] = {}
+
+    async def reserve(self, request_id: str, count: int, kv_blocks: int | None = None) -> Reservation:
+        """Blocks for the request; the first `kv_blocks` of them (default all) expect its KV.
+        The `Reservation` is what the prefill side pushes into."""
         if request_id in self.requests:
             raise PlanError(f"request {request_id!r} already holds blocks", request_id=request_id)
+        if kv_blocks is not None and not 0 < kv_blocks <= count:
+            raise BlockIdError(
+                f"kv_blocks must be within 1..{count}, got {kv_blocks}", request_id=request_id
+            )
         blocks = self.pool.allocate(count)
+        try:
+            reservation = self.kvray_agent.expect(request_id, blocks[: kv_blocks or count])
+        except BaseException:
+            self.pool.free(blocks)
+            raise
         self.requests[request_id] = blocks
-        self.kvray_agent.expect(request_id)
-        return blocks, self.kvray_agent.incarnation
+        return reservation
 
     async def wait(self, request_id: str, timeout: float | None = None) -> Completion:
-        """Wait for the request's KV; on failure or deadline its blocks go back to the pool."""
-        blocks = self.requests.get(request_id)
-        if blocks is None:
+        """Wait for the request's KV; on failure or deadline its blocks go back to the pool
+        (once no write for it can land)."""
+        settings = self.kvray_agent.settings
+        timeout = settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
+        if request_id not in self.requests:
             raise PlanError(f"request {request_id!r} holds no blocks here", request_id=request_id)
         try:
             return await self.kvray_agent.wait_for_kv(request_id, timeout)
         except BaseException:
-            if self.requests.get(request_id) is blocks:  # else `release` freed them meanwhile
-                self.pool.free(self.requests.pop(request_id))
+            await self._shielded_release(request_id)
             raise
 
     async def decode(
@@ -454,13 +516,20 @@ class DecodeWorker(_Worker):
         await self.wait(request_id, timeout)
         arrived = time.perf_counter()
         blocks = self.requests[request_id]
+        compute: asyncio.Future[list[int]] | None = None
         try:
             digest = await self.kv_digest(blocks[: model.blocks_needed(prompt_len)])
-            tokens = await asyncio.to_thread(
-                model.decode, first_token, prompt_len, self.kvray_agent.backing.views, blocks, max_new_tokens
+            views = self.kvray_agent.backing.views
+            compute = asyncio.ensure_future(
+                asyncio.to_thread(model.decode, first_token, prompt_len, views, blocks, max_new_tokens)
             )
+            tokens = await asyncio.shield(compute)
         finally:
-            await self.release(request_id)
+            # The thread writes the new tokens' KV into these blocks: they wait for it.
+            while compute is not None and not compute.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(compute)
+            await self._shielded_release(request_id)
         return DecodeResult(
             tokens=tokens,
             wait_s=arrived - started,
@@ -469,8 +538,46 @@ class DecodeWorker(_Worker):
         )
 
     async def release(self, request_id: str) -> None:
-        """The request is decoded: free its blocks."""
-        self.kvray_agent.cancel(request_id)
+        """The request is over: stop expecting its KV and free its blocks once no write for it
+        can land. Raises `TransferTimeoutError` if a writer still holds it past the deadline
+        (its blocks then stay out of the pool until the writer lets go)."""
+        if request_id not in self.requests:
+            raise PlanError(f"request {request_id!r} holds no blocks here", request_id=request_id)
+        await self._shielded_release(request_id)
+
+    async def _shielded_release(self, request_id: str) -> None:
+        """`_release` once per request, run to its end even if the caller is cancelled."""
+        releasing = self._releasing.get(request_id)
+        if releasing is None:
+            if request_id not in self.requests:
+                return
+            releasing = self._releasing[request_id] = asyncio.ensure_future(self._release(request_id))
+        while not releasing.done():
+            try:
+                await asyncio.shield(releasing)
+            except asyncio.CancelledError:
+                if releasing.done():
+                    raise
+                continue
+        releasing.result()
+
+    async def _free_when(self, let_go: asyncio.Event, request_id: str) -> None:
+        await let_go.wait()
+        self.pool.free(self.quarantined.pop(request_id))
+
+    async def _release(self, request_id: str) -> None:
+        agent = self.kvray_agent
+        try:
+            await agent.release(request_id)
+        except TransferTimeoutError:
+            # A writer still holds the request: its blocks stay out of the pool until it lets go.
+            self.quarantined[request_id] = self.requests.pop(request_id)
+            let_go = agent.quarantined.get(request_id)
+            if let_go is not None:
+                asyncio.get_running_loop().create_task(self._free_when(let_go, request_id))
+            raise
+        finally:
+            self._releasing.pop(request_id, None)
         self.pool.free(self.requests.pop(request_id))
 
 

@@ -30,7 +30,7 @@ from kvray.bench.verify import Verdict, fill_source, scrub, verify_destination
 from kvray.bench.workload import Workload
 from kvray.config import Settings
 from kvray.memory import Backing, MemoryKind
-from kvray.wire import Role, TransferDone, encode
+from kvray.wire import Reservation, Role, TransferDone, encode
 
 SHM = "kvray shm"
 RAY = "kvray ray transport"
@@ -57,19 +57,23 @@ class KvrayDecode(AgentHost):
         self.pool = self.kvray_agent.backing.regions[0].tensor.numpy()
         return info.engine_id, info.incarnation
 
-    async def prepare(self, run: int, request_id: str) -> None:
+    async def prepare(self, run: int, request_id: str) -> Reservation:
         """Scrub the destination, expect the run's request and start waiting for it, so the
         wait is in place (as a decode engine's is) before the writer starts."""
         scrub(self.pool, run)
-        self.expect(request_id)
+        return self.expect(request_id)
 
-    def expect(self, request_id: str) -> None:
-        self.kvray_agent.expect(request_id)
+    def expect(self, request_id: str) -> Reservation:
+        reservation = self.kvray_agent.expect(request_id, self.workload.dst_ids())
         self.waits[request_id] = asyncio.get_running_loop().create_task(self._wait(request_id))
+        return reservation
 
     async def _wait(self, request_id: str) -> float:
-        await self.kvray_agent.wait_for_kv(request_id, DEADLINE_S)
-        return time.perf_counter()
+        try:
+            await self.kvray_agent.wait_for_kv(request_id, DEADLINE_S)
+            return time.perf_counter()
+        finally:
+            await self.kvray_agent.release(request_id)
 
     async def seen(self, request_id: str) -> float:
         """The clock when the request's KV was there (`wait_for_kv` returned)."""
@@ -102,17 +106,10 @@ class KvrayPrefill:
             await agent.start()
             self.agents[name] = agent
 
-    async def push(self, name: str, request_id: str, dst_engine: str, incarnation: int) -> dict[str, Any]:
+    async def push(self, name: str, reservation: Reservation) -> dict[str, Any]:
         agent = self.agents[name]
         started = time.perf_counter()
-        result = await agent.push(
-            request_id,
-            self.src_ids,
-            dst_engine,
-            self.dst_ids,
-            remote_incarnation=incarnation,
-            timeout=DEADLINE_S,
-        )
+        result = await agent.push(reservation, self.src_ids, timeout=DEADLINE_S)
         if result.transport.value != _TRANSPORT[name]:
             raise RuntimeError(f"{name}: the push used {result.transport.value}")
         return {
@@ -122,37 +119,28 @@ class KvrayPrefill:
             "unmerged_ops": result.unmerged_ops,
         }
 
-    async def push_layerwise(self, name: str, request_id: str, dst_engine: str, incarnation: int) -> float:
+    async def push_layerwise(self, name: str, reservation: Reservation) -> float:
         """Every layer's bytes, then the completion notice alone; returns the clock between."""
         agent = self.agents[name]
         for layer in self.workload.layout.layer_names:
-            await agent.push_layer(
-                request_id,
-                layer,
-                self.src_ids,
-                dst_engine,
-                self.dst_ids,
-                remote_incarnation=incarnation,
-                timeout=DEADLINE_S,
-            )
+            await agent.push_layer(reservation, layer, self.src_ids, timeout=DEADLINE_S)
         written = time.perf_counter()
-        await agent.finish(request_id, timeout=DEADLINE_S)
+        await agent.finish(reservation.request_id, timeout=DEADLINE_S)
         return written
 
-    async def notify_by_ray_call(
-        self, request_id: str, decode: Any, dst_engine: str, incarnation: int
-    ) -> float:
+    async def notify_by_ray_call(self, reservation: Reservation, decode: Any) -> float:
         """A completion notice through the decode actor's `kvray_notify`, the way a writer on
         another node sends it; returns the clock just before the call."""
         agent = self.agents[SHM]
         message = TransferDone(
-            transfer_id=f"{request_id}@bench",
-            request_id=request_id,
+            transfer_id=f"{reservation.request_id}@bench",
+            request_id=reservation.request_id,
             src_engine=agent.engine_id,
             src_incarnation=agent.incarnation,
-            dst_engine=dst_engine,
-            dst_incarnation=incarnation,
+            dst_engine=reservation.engine_id,
+            dst_incarnation=reservation.incarnation,
             nbytes=0,
+            token=reservation.token,
         )
         started = time.perf_counter()
         await decode.kvray_notify.remote(encode(message))
@@ -193,8 +181,8 @@ class KvrayTransports(Contender):
 
     def run(self, name: str, run: int) -> Run:
         request_id = f"{self.workload.key}-{_TRANSPORT[name]}-{run}"
-        ray.get(self.decode.prepare.remote(run, request_id))
-        facts = ray.get(self.prefill.push.remote(name, request_id, self.dst_engine, self.incarnation))
+        reservation = ray.get(self.decode.prepare.remote(run, request_id))
+        facts = ray.get(self.prefill.push.remote(name, reservation))
         seen_at = ray.get(self.decode.seen.remote(request_id))
         verdict = ray.get(self.decode.verify.remote())
         return Run(
@@ -213,15 +201,11 @@ class KvrayTransports(Contender):
         for path, name in ((COMPLETION_SHM, SHM), (COMPLETION_RAY, RAY), (COMPLETION_RAY_CALL, None)):
             for run in range(self.completion_runs + 1):  # the first is a warm-up
                 request_id = f"{self.workload.key}-completion-{len(self.latency[path])}-{run}-{name}"
-                ray.get(self.decode.prepare.remote(run, request_id))
+                reservation = ray.get(self.decode.prepare.remote(run, request_id))
                 if name is None:
-                    sent = self.prefill.notify_by_ray_call.remote(
-                        request_id, self.decode, self.dst_engine, self.incarnation
-                    )
+                    sent = self.prefill.notify_by_ray_call.remote(reservation, self.decode)
                 else:
-                    sent = self.prefill.push_layerwise.remote(
-                        name, request_id, self.dst_engine, self.incarnation
-                    )
+                    sent = self.prefill.push_layerwise.remote(name, reservation)
                 written_at = ray.get(sent)
                 seen_at = ray.get(self.decode.seen.remote(request_id))
                 if run:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +29,17 @@ import numpy.typing as npt
 import torch
 
 from kvray.config import Settings
-from kvray.errors import RegionError, TransportError, TransportUnavailableError, WriteFailedError
+from kvray.errors import (
+    RegionError,
+    TransportError,
+    TransportUnavailableError,
+    WireDecodeError,
+    WriteFailedError,
+)
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, Transport, check_write, region_pairs
-from kvray.wire import RegionDescriptor, TransportKind
+from kvray.wire import CudaIpcHandle, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -43,21 +51,7 @@ POLL_FLOOR_S = 200e-6
 POLL_BYTES_PER_S = 120e9
 
 
-class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """What torch needs to open another process's CUDA storage (see torch.multiprocessing)."""
-
-    device_uuid: str
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-
 _handle_encoder = msgspec.msgpack.Encoder()
-_handle_decoder = msgspec.msgpack.Decoder(CudaIpcHandle)
 
 
 def device_uuid(index: int) -> str:
@@ -300,6 +294,48 @@ def _synchronize_all(events: list[torch.cuda.Event]) -> None:
         event.synchronize()
 
 
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def cuda_allocation_range(pointer: int) -> tuple[int, int]:
+    """(start, nbytes) of the CUDA allocation that holds device address `pointer`, as the driver
+    knows it (`cuMemGetAddressRange`): for an opened IPC handle, the whole allocation the
+    exporter shared, whatever size its handle claims."""
+    start = ctypes.c_uint64()
+    nbytes = ctypes.c_size_t()
+    result = _libcuda().cuMemGetAddressRange_v2(
+        ctypes.byref(start), ctypes.byref(nbytes), ctypes.c_uint64(pointer)
+    )
+    if result != 0:
+        raise RegionError(
+            f"the CUDA driver knows no allocation at {pointer:#x} (CUresult {result})", address=pointer
+        )
+    return int(start.value), int(nbytes.value)
+
+
+def check_inside_allocation(
+    region_start: int, region_nbytes: int, allocation: tuple[int, int], *, engine_id: str, region: int
+) -> None:
+    """Refuse a region that leaves the CUDA allocation it was opened in: an exporter's claimed
+    storage size and offsets are only claims, and bytes past its allocation's end, or before
+    its start, belong to other allocations of that process or to none."""
+    allocation_start, allocation_nbytes = allocation
+    offset = region_start - allocation_start
+    if offset < 0 or region_nbytes > allocation_nbytes or offset > allocation_nbytes - region_nbytes:
+        raise RegionError(
+            f"engine {engine_id!r} describes region {region} as {region_nbytes} bytes at offset "
+            f"{offset} of its CUDA allocation, which has {allocation_nbytes}; its CUDA IPC handle "
+            "claims memory it did not export, refusing to write",
+            engine_id=engine_id,
+            region=region,
+            offset=offset,
+            nbytes=region_nbytes,
+            allocation_nbytes=allocation_nbytes,
+        )
+
+
 @dataclass
 class _Opened:
     storage: torch.UntypedStorage
@@ -311,8 +347,14 @@ class CudaIpcTransport(Transport):
     same_node_only = True
     destination_kinds = frozenset({MemoryKind.CUDA})
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        allocation_range: Callable[[int], tuple[int, int]] = cuda_allocation_range,
+    ) -> None:
+        """`allocation_range`: (start, nbytes) of the CUDA allocation holding a device address."""
         super().__init__(settings)
+        self._allocation_range = allocation_range
         self._opened: dict[tuple[str, int, int], _Opened] = {}
 
     @classmethod
@@ -410,10 +452,11 @@ class CudaIpcTransport(Transport):
                 engine_id=info.engine_id,
             )
         try:
-            handle = _handle_decoder.decode(region.handle)
-        except msgspec.MsgspecError as error:
+            handle = decode_cuda_ipc_handle(region.handle)
+        except WireDecodeError as error:
             raise TransportError(
-                f"engine {info.engine_id!r} sent a malformed CUDA IPC handle: {error}"
+                f"engine {info.engine_id!r} sent a malformed CUDA IPC handle: {error}",
+                engine_id=info.engine_id,
             ) from None
         if region.handle_offset + region.length > handle.storage_size:
             raise RegionError(
@@ -439,6 +482,15 @@ class CudaIpcTransport(Transport):
                 "engines on one node",
                 engine_id=info.engine_id,
             ) from error
+        with torch.cuda.device(device):
+            allocation = self._allocation_range(storage.data_ptr())
+        check_inside_allocation(
+            storage.data_ptr() + region.handle_offset,
+            region.length,
+            allocation,
+            engine_id=info.engine_id,
+            region=index,
+        )
         tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
         tensor.set_(storage, region.handle_offset, (region.length,), (1,))
         opened = _Opened(storage, tensor)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -81,6 +82,7 @@ class RayTransport(Transport):
             remote_offsets=ops.remote_offset.tolist(),
             nbytes=ops.nbytes.tolist(),
             request_id=plan.request_id,
+            token=plan.token,
         )
         delivery = peer.host.kvray_deliver.remote(encode(header), payload)
         # Submitting the call copied the payload into Ray's object store: the buffer is free.
@@ -175,9 +177,16 @@ def read_header(header: bytes, engine_id: str, incarnation: int) -> WriteOps:
 
 
 async def apply_ops(
-    backing: Backing, engine_id: str, message: WriteOps, payload: npt.NDArray[np.uint8]
+    backing: Backing,
+    engine_id: str,
+    message: WriteOps,
+    payload: npt.NDArray[np.uint8],
+    within: Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], None]
+    | None = None,
 ) -> int:
-    """`apply_write` after `read_header`: check every op and the payload, then scatter."""
+    """`apply_write` after `read_header`: check every op and the payload, then scatter.
+    `within(regions, offsets, nbytes)`, when given, raises for ops outside what the write's
+    request may change (its blocks), after the region checks and before any byte moves."""
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)
@@ -196,6 +205,8 @@ async def apply_ops(
         side="remote",
         engine_id=engine_id,
     )
+    if within is not None:
+        within(regions, offsets, nbytes)
     # Every size is below 2**62 and there are fewer than 2**32 of them: the sum cannot overflow.
     if int(nbytes.sum()) != payload.size:
         raise BoundsError(

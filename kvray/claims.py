@@ -1,0 +1,242 @@
+"""Claims: a writer on the decode engine's node proves, for as long as it writes, that the
+engine still expects the request (between the plan and the completion of the data flow).
+
+A decode engine keeps a small file of slots next to its completion inbox, one slot per
+expected request: the request's token and whether it is open. A writer holds a shared lock on
+the request's slot (an open-file-description lock, which the kernel drops when the writer's
+process dies) from its check of the slot until its last byte and its completion notice are
+out. The engine takes the slot's lock exclusively to close it, so closing waits for every
+write that had started, and a write that starts later finds the slot closed and writes
+nothing. A request's blocks go back to the engine's pool only once its slot is closed.
+
+Slot `i` is bytes [16 i, 16 i + 16) of the file: the token (uint64), then 1 if open, else 0.
+Only the engine writes them, and only while it holds the slot's lock exclusively.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import struct
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from kvray.errors import BackpressureError, NotExpectedError, TransportError
+
+#: Key of the claim board's path in `EngineInfo.endpoints`.
+ENDPOINT = "claim_board"
+SLOT_NBYTES = 16
+#: The most slots a board may have (a writer maps the whole board).
+MAX_SLOTS = 1 << 20
+_OPEN = 1
+_CLOSED = 0
+
+
+def _lock(fd: int, kind: int, slot: int, *, wait: bool = False) -> bool:
+    """Set (F_RDLCK / F_WRLCK) or drop (F_UNLCK) an open-file-description lock on one slot.
+    False when another description holds a conflicting lock (and `wait` is not set)."""
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0: an OFD lock has no owner pid).
+    request = struct.pack("hhqqi4x", kind, os.SEEK_SET, slot * SLOT_NBYTES, SLOT_NBYTES, 0)
+    command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, command, request)
+    except OSError as error:
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+class ClaimBoard:
+    """The decode engine's side: opens a slot per expected request and closes it once no
+    writer holds it. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, folder: str, slots: int) -> None:
+        self.path = os.path.join(folder, "claims")
+        self.slots = slots
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o600)
+        try:
+            os.ftruncate(self._fd, slots * SLOT_NBYTES)
+            self._mm = mmap.mmap(self._fd, slots * SLOT_NBYTES, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._table = np.frombuffer(self._mm, dtype=np.uint64).reshape(slots, 2)
+        self._free: deque[int] = deque(range(slots))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def open(self, token: int) -> int:
+        """A slot holding `token`, open to writers."""
+        # A closed slot can still be read-locked for a moment by a writer that came too late
+        # (it finds the slot closed and lets go): skip it and take the next.
+        for _ in range(len(self._free)):
+            slot = self._free.popleft()
+            if _lock(self._fd, fcntl.F_WRLCK, slot):
+                self._table[slot, 0] = token
+                self._table[slot, 1] = _OPEN
+                _lock(self._fd, fcntl.F_UNLCK, slot)
+                return slot
+            self._free.append(slot)
+        raise BackpressureError(
+            f"all {self.slots} claim slots of this engine are in use: too many requests expected "
+            "at once (raise max_expected_requests, or free finished requests)",
+            slots=self.slots,
+        )
+
+    def try_close(self, slot: int) -> bool:
+        """Close the slot if no writer holds it; True once it is closed."""
+        if not _lock(self._fd, fcntl.F_WRLCK, slot):
+            return False
+        self._table[slot, 1] = _CLOSED
+        _lock(self._fd, fcntl.F_UNLCK, slot)
+        self._free.append(slot)
+        return True
+
+    async def close(self, slot: int, timeout: float) -> bool:
+        """Close the slot, waiting up to `timeout` seconds for writers holding it to finish
+        (or die); True once it is closed, False if a writer still held it at the deadline."""
+        if self.try_close(slot):
+            return True
+        deadline = time.monotonic() + timeout
+        pause = 50e-6
+        while time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            if self.try_close(slot):
+                return True
+            pause = min(pause * 2, 5e-3)
+        return False
+
+    def dispose(self) -> None:
+        """Remove the board (the engine is closing; nothing expects KV any more)."""
+        del self._table
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class ClaimClient:
+    """A writer's view of one decode engine incarnation's board: claims slots while it writes.
+
+    Claims of one slot by several writes of this process at once (a request's layers pushed
+    concurrently) share one lock, taken by the first and dropped by the last."""
+
+    def __init__(self, path: str, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as error:
+            raise TransportError(
+                f"cannot open engine {engine_id!r}'s claim board {path}: {error}; a same-node writer "
+                "needs it (is the engine on this node, and running as this user?)",
+                engine_id=engine_id,
+                path=path,
+            ) from error
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or status.st_uid != os.geteuid():
+                raise TransportError(
+                    f"engine {engine_id!r}'s claim board {path} is not a regular file of this user; "
+                    "refusing to use it",
+                    engine_id=engine_id,
+                    path=path,
+                )
+            slots, rest = divmod(status.st_size, SLOT_NBYTES)
+            if rest or not 0 < slots <= MAX_SLOTS:
+                raise TransportError(
+                    f"engine {engine_id!r}'s claim board {path} has {status.st_size} bytes, not a "
+                    f"whole number of 1 to {MAX_SLOTS} slots; refusing to use it",
+                    engine_id=engine_id,
+                    path=path,
+                )
+            self._mm = mmap.mmap(fd, slots * SLOT_NBYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._table = np.frombuffer(self._mm, dtype=np.uint64).reshape(slots, 2)
+        self._holders: dict[int, int] = {}
+        self._closed = False
+
+    @contextlib.asynccontextmanager
+    async def hold(self, request_id: str, slot: int, token: int, timeout: float) -> AsyncIterator[None]:
+        """Hold the request's slot while the body writes; raise `WriteFailedError` (nothing
+        written) if the engine no longer expects the request under this token."""
+        if self._closed:
+            raise TransportError(f"claim board of {self.engine_id!r} was closed", engine_id=self.engine_id)
+        if not 0 <= slot < self._table.shape[0]:
+            raise NotExpectedError(
+                f"reservation of {request_id!r} names claim slot {slot}, but engine "
+                f"{self.engine_id!r} has {self._table.shape[0]}; nothing was written",
+                request_id=request_id,
+                engine_id=self.engine_id,
+            )
+        await self._acquire(slot, timeout)
+        try:
+            if int(self._table[slot, 0]) != token or int(self._table[slot, 1]) != _OPEN:
+                raise NotExpectedError(
+                    f"engine {self.engine_id!r} no longer expects request {request_id!r} under this "
+                    "reservation (its wait ended, it was released, or the reservation is forged); "
+                    "nothing was written",
+                    request_id=request_id,
+                    engine_id=self.engine_id,
+                )
+            yield
+        finally:
+            self._let_go(slot)
+
+    async def _acquire(self, slot: int, timeout: float) -> None:
+        if self._holders.get(slot):
+            self._holders[slot] += 1
+            return
+        # The engine holds a slot's lock only for a few instructions at a time.
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while not _lock(self._fd, fcntl.F_RDLCK, slot):
+            if time.monotonic() >= deadline:
+                raise TransportError(
+                    f"engine {self.engine_id!r} kept claim slot {slot} locked for {timeout} s",
+                    engine_id=self.engine_id,
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+            if self._holders.get(slot):  # another write of ours took it meanwhile
+                self._holders[slot] += 1
+                return
+        self._holders[slot] = 1
+
+    def _let_go(self, slot: int) -> None:
+        self._holders[slot] -= 1
+        if self._holders[slot] == 0:
+            del self._holders[slot]
+            if not self._closed:
+                _lock(self._fd, fcntl.F_UNLCK, slot)
+            self._maybe_dispose()
+
+    def close(self) -> None:
+        """Forget the board; the file is closed once no claim of ours is held (closing it
+        would drop those locks while their writes still run)."""
+        self._closed = True
+        self._maybe_dispose()
+
+    def _maybe_dispose(self) -> None:
+        if self._closed and not self._holders and self._fd >= 0:
+            del self._table
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            os.close(self._fd)
+            self._fd = -1
