@@ -15,6 +15,7 @@ from kvray.errors import (
     MetadataError,
     PlanError,
     RegionError,
+    RegistrationRefusedError,
     StaleIncarnationError,
     TransferTimeoutError,
     TransportError,
@@ -22,6 +23,7 @@ from kvray.errors import (
     UnknownEngineError,
     UnknownLayerError,
     WireDecodeError,
+    NotExpectedError,
     WriteFailedError,
 )
 from kvray.layout import (
@@ -66,6 +68,7 @@ __all__ = [
     "RegionDescriptor",
     "RegionError",
     "RegionSpan",
+    "RegistrationRefusedError",
     "Role",
     "Settings",
     "StaleIncarnationError",
@@ -77,6 +80,7 @@ __all__ = [
     "UnknownEngineError",
     "UnknownLayerError",
     "WireDecodeError",
+    "NotExpectedError",
     "WriteFailedError",
     "deepseek_v3",
     "llama_gqa",

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 
 from kvray.errors import TransportError
+from kvray.memory import create_owned_folder, remove_owned
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"
@@ -28,8 +27,11 @@ class CompletionInbox:
     """A datagram socket whose messages are handed to `handler` on the event loop."""
 
     def __init__(self, folder: str, handler: Callable[[bytes], None]) -> None:
-        self._folder = tempfile.mkdtemp(prefix=f"kvray-{os.getpid()}-", dir=folder)
+        # Locked for the inbox's life, so a sweep by another process never removes it.
+        self._folder = create_owned_folder(folder)
         self.path = os.path.join(self._folder, "inbox.sock")
+        #: The private folder (mode 0700) the inbox lives in; the engine's claim board sits there too.
+        self.folder = self._folder
         self._handler = handler
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
@@ -51,7 +53,7 @@ class CompletionInbox:
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._socket.fileno())
         self._socket.close()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        remove_owned(self._folder)
 
 
 class CompletionOutbox:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +15,43 @@ from kvray.errors import ConfigError
 
 PAGE_SIZE = 4096
 GPU_PAGE_SIZE = 2 * 1024 * 1024
+#: The largest `max_timeout_s` a deployment may set: one day.
+TIMEOUT_CEILING_S = 86400.0
+
+_TIMEOUT_SETTINGS = ("lookup_timeout_s", "transfer_timeout_s", "heartbeat_s", "notify_timeout_s")
+
+
+def check_alignment(value: object, name: str = "alignment") -> int:
+    """An alignment unit in bytes: an integer power of two of at least `PAGE_SIZE`, else
+    `ConfigError` naming `name`. Smaller units would let a region start or end mid-page, which
+    no transport can register (and a page is the unit the OS maps and protects)."""
+    try:
+        alignment = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        alignment = None
+    if isinstance(value, bool) or alignment is None or alignment < PAGE_SIZE or alignment & (alignment - 1):
+        raise ConfigError(
+            f"{name} must be a power of two of at least {PAGE_SIZE} bytes (the page size), got {value!r}",
+            setting=name,
+            value=value,
+        )
+    return alignment
+
+
+def _finite_seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
+    """`value` as seconds if it is a real number, finite and positive (or zero when
+    `allow_zero`), else `ConfigError` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}", setting=name, value=value)
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        wanted = "zero or more" if allow_zero else "more than zero"
+        raise ConfigError(
+            f"{name} must be a finite number of seconds, {wanted} (nothing waits forever), got {value!r}",
+            setting=name,
+            value=value,
+        )
+    return seconds
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,35 +94,50 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     verbs_signal_every: int = 16
     #: Work requests one queue pair may have posted and not yet completed.
     verbs_queue_depth: int = 256
+    #: Upper bound, in seconds, of every wait: a timeout a caller passes (push, wait_for_kv,
+    #: lookups, workers, Serve requests) is clamped to it, and every *_timeout_s setting must be
+    #: within it. At most `TIMEOUT_CEILING_S`.
+    max_timeout_s: float = 300.0
+    #: Peer engines one agent keeps (their published info, shared-memory mappings, CUDA IPC
+    #: handles, RDMA connections, offset tables); the least recently used beyond this is
+    #: forgotten and looked up again when next needed.
+    max_cached_peers: int = 256
+    #: Requests one decode agent may expect at once (the slots of its claim board).
+    max_expected_requests: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
-            value = getattr(self, name)
-            if value <= 0 or value & (value - 1):
-                raise ConfigError(
-                    f"{name} must be a positive power of two, got {value}", setting=name, value=value
-                )
+            check_alignment(getattr(self, name), name)
         if self.transport not in ("auto", "shm", "ray", "cuda_ipc", "verbs"):
             raise ConfigError(
                 f"transport must be auto, shm, ray, cuda_ipc or verbs, got {self.transport!r}",
                 setting="transport",
                 value=self.transport,
             )
-        for name in ("lookup_timeout_s", "transfer_timeout_s", "heartbeat_s", "notify_timeout_s"):
+        maximum = _finite_seconds(self.max_timeout_s, "max_timeout_s")
+        if maximum > TIMEOUT_CEILING_S:
+            raise ConfigError(
+                f"max_timeout_s must be at most {TIMEOUT_CEILING_S} s, got {self.max_timeout_s}",
+                setting="max_timeout_s",
+                value=self.max_timeout_s,
+            )
+        for name in _TIMEOUT_SETTINGS:
             value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
+            if _finite_seconds(value, name) > maximum:
                 raise ConfigError(
-                    f"{name} must be a positive, finite number of seconds (nothing waits forever), "
-                    f"got {value}",
+                    f"{name}={value} is longer than max_timeout_s={maximum}; raise max_timeout_s "
+                    "or shorten it",
                     setting=name,
                     value=value,
                 )
         for name in (
             "max_concurrent_transfers",
             "max_queued_transfers",
+            "max_expected_requests",
             "verbs_port",
             "verbs_signal_every",
             "verbs_queue_depth",
+            "max_cached_peers",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))
@@ -105,6 +159,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 setting="verbs_device",
                 value=self.verbs_device,
             )
+
+    def deadline(self, value: object, default: float, name: str, *, allow_zero: bool = False) -> float:
+        """Seconds a wait given by a caller may take: `default` when `value` is None, else
+        `value` clamped to `max_timeout_s`. NaN, infinities, non-numbers and values not above
+        zero (zero allowed with `allow_zero`: "do not wait") raise `ConfigError` naming `name`."""
+        if value is None:
+            return default
+        return min(_finite_seconds(value, name, allow_zero=allow_zero), self.max_timeout_s)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

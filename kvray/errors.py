@@ -9,6 +9,7 @@
     │   ├── UnknownEngineError
     │   ├── UnknownLayerError        (never a fallback to offset 0: invariant 3)
     │   ├── StaleIncarnationError    (invariant 4)
+    │   ├── RegistrationRefusedError an engine id is held by another live registrant
     │   └── WireDecodeError (ValueError)
     ├── PlanError (ValueError)       a transfer request cannot be planned
     │   ├── BlockIdError
@@ -16,6 +17,7 @@
     └── TransportError
         ├── TransportUnavailableError
         ├── WriteFailedError
+        │   └── NotExpectedError     the decode engine no longer expects the request
         ├── TransferTimeoutError (TimeoutError)   (invariant 5)
         └── BackpressureError        too much work is already queued
 
@@ -87,6 +89,11 @@ class StaleIncarnationError(MetadataError):
     """A message or descriptor names an incarnation the engine no longer has."""
 
 
+class RegistrationRefusedError(MetadataError):
+    """The coordinator refused to replace or remove an engine's entry: another live agent holds
+    it, or the same incarnation was registered again with other contents."""
+
+
 class WireDecodeError(MetadataError, ValueError):
     """Bytes from a peer are not a valid kvray message."""
 
@@ -115,6 +122,12 @@ class WriteFailedError(TransportError):
     """Issuing or completing a write failed."""
 
 
+class NotExpectedError(WriteFailedError):
+    """The decode engine does not expect the request (any more), or not under this reservation:
+    its wait ended, it was released, or the reservation's token is wrong. Nothing was written;
+    the engine itself is fine. Reserve again to retry."""
+
+
 class TransferTimeoutError(TransportError, TimeoutError):
     """A transfer, lookup or wait passed its deadline."""
 
@@ -134,6 +147,7 @@ __all__ = [
     "MetadataError",
     "PlanError",
     "RegionError",
+    "RegistrationRefusedError",
     "StaleIncarnationError",
     "TransferTimeoutError",
     "TransportError",

@@ -121,6 +121,8 @@ class TransferPlan:
     layer_starts: tuple[int, ...]
     #: The request the plan moves, when the caller names it (the receiver may fence on it).
     request_id: str = ""
+    #: The secret of the request's reservation, shown to a receiver that checks writes.
+    token: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -822,3 +824,75 @@ def check_bounds(ops: OpTable, local: EngineInfo, remote: EngineInfo) -> None:
         local_engine=local.engine_id,
         remote_engine=remote.engine_id,
     )
+
+
+# ---- what a request may touch ---------------------------------------------------------------
+
+
+def request_spans(rows: PartRows, blocks: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The bytes a request's blocks occupy across `rows` (every layer and part of an engine),
+    as (region, start, end) spans sorted by region and start, merged where they touch or overlap:
+    the only bytes a write for the request may change."""
+    count = blocks.size
+    starts = (rows.base[:, None] + rows.block_stride[:, None] * blocks[None, :]).ravel()
+    ends = starts + np.repeat(rows.nbytes, count)
+    regions = np.repeat(rows.region, count)
+    merged_region: list[Int64Array] = []
+    merged_start: list[Int64Array] = []
+    merged_end: list[Int64Array] = []
+    for region in np.unique(regions).tolist():
+        select = regions == region
+        order = np.argsort(starts[select], kind="stable")
+        region_starts = starts[select][order]
+        region_ends = ends[select][order]
+        # A span opens wherever it starts past every earlier span's end.
+        reach = np.maximum.accumulate(region_ends)
+        opens = np.ones(region_starts.size, dtype=bool)
+        opens[1:] = region_starts[1:] > reach[:-1]
+        first = np.flatnonzero(opens)
+        last = np.append(first[1:], region_starts.size) - 1
+        merged_region.append(np.full(first.size, region, dtype=np.int64))
+        merged_start.append(region_starts[first])
+        merged_end.append(reach[last])
+    return (
+        np.concatenate(merged_region),
+        np.concatenate(merged_start),
+        np.concatenate(merged_end),
+    )
+
+
+def check_ops_within(
+    spans: tuple[Int64Array, Int64Array, Int64Array],
+    regions: Int64Array,
+    offsets: Int64Array,
+    nbytes: Int64Array,
+    *,
+    request_id: str,
+    engine_id: str,
+) -> None:
+    """Every op [offset, offset + nbytes) of region `regions[i]` lies inside one span of
+    `request_spans`, else `BoundsError` naming the first op that does not. Offsets and sizes
+    were checked against their regions first (below 2**62 each), so their sum cannot overflow."""
+    span_region, span_start, span_end = spans
+    inside = np.zeros(regions.size, dtype=bool)
+    for region in np.unique(regions).tolist():
+        select = regions == region
+        mine = span_region == region
+        starts, ends = span_start[mine], span_end[mine]
+        where = np.searchsorted(starts, offsets[select], side="right") - 1
+        found = where >= 0
+        clipped = np.where(found, where, 0)
+        inside[select] = found & (offsets[select] + nbytes[select] <= ends[clipped]) if starts.size else False
+    outside = np.flatnonzero(~inside)
+    if outside.size:
+        at = int(outside[0])
+        raise BoundsError(
+            f"a write for request {request_id!r} reaches bytes [{int(offsets[at])}, "
+            f"{int(offsets[at]) + int(nbytes[at])}) of region {int(regions[at])} of engine {engine_id!r}, "
+            "outside the blocks reserved for it; nothing was written",
+            request_id=request_id,
+            engine_id=engine_id,
+            region=int(regions[at]),
+            offset=int(offsets[at]),
+            nbytes=int(nbytes[at]),
+        )

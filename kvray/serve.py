@@ -35,14 +35,31 @@ Serve calls `__del__`, which closes the agent (deregisters) and the host.
 
 Deadlines: the router bounds the whole request (`request_timeout_s`); the decode replica bounds
 the prefill call and `wait_for_kv` by what is left of it, and the prefill replica's pushes too.
-A failed request answers a JSON body `{"error": ..., "type": ..., "request_id": ...}`:
+Serve's HTTP proxy bounds the request including its body (`http_options.request_timeout_s` of
+the Serve config), so a client that trickles its body cannot hold a router slot forever.
 
-    400  the request is malformed or out of range (nothing was reserved or written)
-    404  another path, 405 another method
-    502  a peer failed the transfer (the KV did not arrive)
-    503  no capacity right now (blocks or queues full), or a replica died: retry
-    504  the request passed its deadline
-    500  anything else
+Bounds: the router reads at most `max_body_bytes` of a body (the Content-Length header is checked
+first, then the bytes as they arrive, so a missing or lying header cannot make it buffer more),
+and checks the prompt's length before it looks at a token. Every deployment works on at most
+`max_ongoing_requests` requests per replica and lets `max_queued_requests` more wait at each
+caller; past that Serve answers 503 at once.
+
+A failed request answers a JSON body `{"error": ..., "type": ..., "request_id": ...}`. The
+message of a failure behind the router is a fixed public sentence: the details (remote
+tracebacks, engine and node names) go to the Serve log under the request id. `type` is one of
+the names below or a kvray error class (`kvray.errors`), never a wrapper's name:
+
+    400  BadRequest (malformed or out of range: nothing was reserved or written), or ConfigError /
+         PlanError from a replica
+    404  NotFound (another path), 405 MethodNotAllowed (another method)
+    413  PayloadTooLarge (the body is over `max_body_bytes`)
+    502  a peer failed the transfer (the KV did not arrive): TransportError, WriteFailedError,
+         MetadataError, ... (the kvray class)
+    503  no capacity right now: BackpressureError (kvray), BackPressureError (Serve's queue
+         bound), DeploymentUnavailableError; or ReplicaDied: retry. (Serve's proxy answers its own
+         queue bound with a plain-text 503.)
+    504  TransferTimeoutError: the request passed its deadline
+    500  InternalError, or another kvray error: anything else
 
 Health: `check_health` raises when the agent is closed, its host is gone, or the coordinator
 does not have this engine incarnation registered (Serve replaces a replica after three failed
@@ -55,7 +72,7 @@ import asyncio
 import enum
 import functools
 import hashlib
-import itertools
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -85,7 +102,11 @@ from kvray.errors import (
 )
 from kvray.layout import BlockOrder
 from kvray.models.reference import MODEL_PRESETS, ModelConfig, ReferenceModel, decode_text
+from kvray.wire import Reservation
 from kvray.workers import DecodeWorker, PrefillWorker
+
+#: Serve writes this logger's records into each replica's log file.
+logger = logging.getLogger("ray.serve")
 
 # ---- options and the HTTP body ---------------------------------------------------------------
 
@@ -110,20 +131,37 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     replica_cpus: float = 1.0
     #: kvray settings of every replica (`args.settings`, over KVRAY_* variables of the builder).
     settings: Settings = msgspec.field(default_factory=Settings)
+    #: The largest request body the router reads, in bytes; a larger one answers 413.
+    max_body_bytes: int = 1 << 20
+    #: Requests one replica of each deployment works on at once (Serve's option of that name).
+    max_ongoing_requests: int = 5
+    #: Requests that may wait for a replica of each deployment at each caller (the HTTP proxy,
+    #: a handle); past that Serve answers 503 (Serve's option of that name).
+    max_queued_requests: int = 64
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_PRESETS:
             raise ConfigError(
                 f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}", setting="model"
             )
-        for name in ("num_blocks", "max_tokens", "prefill_replicas", "decode_replicas"):
+        for name in (
+            "num_blocks",
+            "max_tokens",
+            "prefill_replicas",
+            "decode_replicas",
+            "max_body_bytes",
+            "max_ongoing_requests",
+            "max_queued_requests",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", setting=name)
-        if not self.request_timeout_s > 0 or self.request_timeout_s == float("inf"):
+        timeout_s = self.settings.deadline(self.request_timeout_s, 0.0, "request_timeout_s")
+        if timeout_s != self.request_timeout_s:
             raise ConfigError(
-                "request_timeout_s must be a positive, finite number of seconds, got "
-                f"{self.request_timeout_s}",
+                f"request_timeout_s={self.request_timeout_s} is longer than the settings' "
+                f"max_timeout_s={self.settings.max_timeout_s}",
                 setting="request_timeout_s",
+                value=self.request_timeout_s,
             )
         if self.replica_cpus < 0:
             raise ConfigError(f"replica_cpus must not be negative, got {self.replica_cpus}")
@@ -168,26 +206,22 @@ def prompt_tokens(request: GenerateRequest, options: ServeOptions) -> list[int]:
     config = options.model_config
     if (request.prompt is None) == (request.text is None):
         raise ConfigError('give the prompt as either "prompt" (token ids) or "text", not both or neither')
-    tokens = request.prompt if request.prompt is not None else tokenize(request.text or "", config.vocab_size)
-    if not tokens:
-        raise ConfigError("the prompt is empty; give at least one token")
-    bad = [token for token in tokens if not 0 <= token < config.vocab_size]
-    if bad:
-        raise ConfigError(f"token ids must lie in [0, {config.vocab_size}), got {bad[:5]}", tokens=bad[:5])
     if not 1 <= request.max_tokens <= options.max_tokens:
         raise ConfigError(
             f"max_tokens must lie in [1, {options.max_tokens}], got {request.max_tokens}",
             max_tokens=request.max_tokens,
         )
-    # Decode caches the prompt and every new token but the last.
-    cached = len(tokens) + request.max_tokens - 1
-    if cached > config.max_positions:
-        raise ConfigError(
-            f"{len(tokens)} prompt tokens and {request.max_tokens} new tokens exceed the model's "
-            f"{config.max_positions} positions",
-            prompt_tokens=len(tokens),
-            max_tokens=request.max_tokens,
-        )
+    # The length first, so an over-long prompt is refused before any token is looked at. A
+    # character is at least one UTF-8 byte, so a text too long in characters is too long in tokens.
+    least_tokens = len(request.prompt) if request.prompt is not None else len(request.text or "")
+    _check_positions(least_tokens, request, config)
+    tokens = request.prompt if request.prompt is not None else tokenize(request.text or "", config.vocab_size)
+    _check_positions(len(tokens), request, config)
+    if not tokens:
+        raise ConfigError("the prompt is empty; give at least one token")
+    bad = [token for token in tokens if not 0 <= token < config.vocab_size]
+    if bad:
+        raise ConfigError(f"token ids must lie in [0, {config.vocab_size}), got {bad[:5]}", tokens=bad[:5])
     blocks = -(-(len(tokens) + request.max_tokens) // config.block_size)
     if blocks > options.num_blocks:
         raise ConfigError(
@@ -195,6 +229,17 @@ def prompt_tokens(request: GenerateRequest, options: ServeOptions) -> list[int]:
             blocks=blocks,
         )
     return list(tokens)
+
+
+def _check_positions(prompt_tokens: int, request: GenerateRequest, config: ModelConfig) -> None:
+    # Decode caches the prompt and every new token but the last.
+    if prompt_tokens + request.max_tokens - 1 > config.max_positions:
+        raise ConfigError(
+            f"{prompt_tokens} prompt tokens and {request.max_tokens} new tokens exceed the model's "
+            f"{config.max_positions} positions",
+            prompt_tokens=prompt_tokens,
+            max_tokens=request.max_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -238,14 +283,23 @@ class ReplicaHost:
 
     `kvray_watch` returns when the replica closes its agent (or fails when this actor dies with
     the replica that owns it); `kvray_deliver` and `kvray_notify` are queued for the replica,
-    which takes them with `take` and answers with `answer`, each within a deadline."""
+    which takes them with `take` and answers with `answer`, each within a deadline.
 
-    def __init__(self, settings: Settings) -> None:
+    `owner_token` is a random secret of the replica that creates the host: `take` and `answer`
+    require it, so no other Ray client can take or answer a forwarded call, and call ids are
+    random, so none can be guessed. At most `settings.max_queued_transfers` forwarded calls are
+    outstanding at once (more are refused with `BackpressureError`), and a call whose caller
+    gave up (its deadline passed) leaves the queue at once."""
+
+    def __init__(self, settings: Settings, owner_token: bytes) -> None:
         self._settings = settings
+        self._owner_token = owner_token
         self._closed = asyncio.Event()
-        self._calls: asyncio.Queue[tuple[int, HostCall, tuple[Any, ...]]] = asyncio.Queue()
-        self._answers: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count()
+        #: Calls not taken yet, by call id, oldest first.
+        self._queued: dict[str, tuple[HostCall, tuple[Any, ...]]] = {}
+        self._queue_changed = asyncio.Condition()
+        #: Every outstanding call (queued or taken), by call id.
+        self._answers: dict[str, asyncio.Future[Any]] = {}
 
     async def kvray_watch(self) -> None:
         await self._closed.wait()
@@ -259,18 +313,20 @@ class ReplicaHost:
     async def kvray_notify(self, message: bytes) -> None:
         await self._forward(HostCall.NOTIFY, (message,), self._settings.notify_timeout_s)
 
-    async def take(self, wait_s: float) -> list[tuple[int, HostCall, tuple[Any, ...]]]:
+    async def take(self, owner_token: bytes, wait_s: float) -> list[tuple[str, HostCall, tuple[Any, ...]]]:
         """The calls queued for the replica; waits up to `wait_s` for the first."""
+        self._check_owner(owner_token)
         try:
-            async with asyncio.timeout(wait_s):
-                calls = [await self._calls.get()]
+            async with asyncio.timeout(wait_s), self._queue_changed:
+                await self._queue_changed.wait_for(lambda: bool(self._queued))
+                calls = [(call_id, call, args) for call_id, (call, args) in self._queued.items()]
+                self._queued.clear()
         except TimeoutError:
             return []
-        while not self._calls.empty():
-            calls.append(self._calls.get_nowait())
         return calls
 
-    async def answer(self, call_id: int, value: Any, error: BaseException | None) -> None:
+    async def answer(self, owner_token: bytes, call_id: str, value: Any, error: BaseException | None) -> None:
+        self._check_owner(owner_token)
         future = self._answers.get(call_id)
         if future is None or future.done():  # its caller gave up
             return
@@ -285,13 +341,27 @@ class ReplicaHost:
     async def ping(self) -> bool:
         return not self._closed.is_set()
 
+    def _check_owner(self, owner_token: object) -> None:
+        if not isinstance(owner_token, bytes) or not secrets.compare_digest(owner_token, self._owner_token):
+            raise KvrayError(
+                "only the Serve replica that owns this host may take or answer its forwarded calls"
+            )
+
     async def _forward(self, call: HostCall, args: tuple[Any, ...], timeout_s: float) -> Any:
         if self._closed.is_set():
             raise KvrayError("this engine's Serve replica has closed its agent; nothing was delivered")
-        call_id = next(self._ids)
+        bound = self._settings.max_queued_transfers
+        if len(self._answers) >= bound:
+            raise BackpressureError(
+                f"{bound} forwarded calls already wait for this Serve replica; retry later",
+                queued=len(self._answers),
+            )
+        call_id = secrets.token_hex(16)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._answers[call_id] = future
-        self._calls.put_nowait((call_id, call, args))
+        async with self._queue_changed:
+            self._queued[call_id] = (call, args)
+            self._queue_changed.notify_all()
         try:
             async with asyncio.timeout(timeout_s):
                 return await future
@@ -302,6 +372,7 @@ class ReplicaHost:
             ) from None
         finally:
             del self._answers[call_id]
+            self._queued.pop(call_id, None)
 
 
 _HostActor = ray.remote(ReplicaHost)
@@ -323,8 +394,8 @@ class ReplicaDirectory:
         self.check = _RemoteMethod(self._calling("check"))
         self.engines = _RemoteMethod(self._calling("engines"))
 
-    async def _register(self, info_bytes: bytes, host: Any = None) -> Any:
-        return await self._call("register", info_bytes, self._host)
+    async def _register(self, info_bytes: bytes, host: Any, secret: bytes) -> Any:
+        return await self._call("register", info_bytes, self._host, secret)
 
     def _calling(self, method: str) -> Callable[..., Awaitable[Any]]:
         async def call(*args: Any) -> Any:
@@ -367,9 +438,12 @@ class ReplicaEngine(Generic[W]):
     #: Seconds one `take` long-poll waits for forwarded calls before asking again.
     POLL_S = 5.0
 
-    def __init__(self, worker: W, host: Any, directory: ReplicaDirectory, settings: Settings) -> None:
+    def __init__(
+        self, worker: W, host: Any, owner_token: bytes, directory: ReplicaDirectory, settings: Settings
+    ) -> None:
         self.worker: W = worker
         self.host = host
+        self._owner_token = owner_token
         self.directory = directory
         self.settings = settings
         self._pump: asyncio.Task[None] | None = None
@@ -380,12 +454,13 @@ class ReplicaEngine(Generic[W]):
     async def start(cls, worker_class: type[W], engine_id: str, options: ServeOptions) -> ReplicaEngine[W]:
         settings = options.settings
         # Owned by this replica (not detached): Ray ends it when the replica dies.
-        host = _HostActor.options(num_cpus=0).remote(settings)
+        owner_token = secrets.token_bytes(32)
+        host = _HostActor.options(num_cpus=0).remote(settings, owner_token)
         config = options.model_config
         layout = ReferenceModel(config).layout(options.num_blocks, options.block_order)
         directory = ReplicaDirectory(settings, host)
         worker: W = worker_class(engine_id, layout, settings, model=config, coordinator=directory)
-        engine = cls(worker, host, directory, settings)
+        engine = cls(worker, host, owner_token, directory, settings)
         try:
             await worker.start()
         except BaseException:
@@ -443,7 +518,7 @@ class ReplicaEngine(Generic[W]):
         while True:
             try:
                 async with asyncio.timeout(self.POLL_S + self.settings.notify_timeout_s):
-                    calls = await self.host.take.remote(self.POLL_S)
+                    calls = await self.host.take.remote(self._owner_token, self.POLL_S)
             except TimeoutError:  # a slow answer: ask again (a dead host raises instead)
                 continue
             except ray.exceptions.RayActorError as error:
@@ -454,7 +529,7 @@ class ReplicaEngine(Generic[W]):
                 self._serving.add(task)
                 task.add_done_callback(self._serving.discard)
 
-    async def _serve_call(self, call_id: int, call: HostCall, args: tuple[Any, ...]) -> None:
+    async def _serve_call(self, call_id: str, call: HostCall, args: tuple[Any, ...]) -> None:
         agent = self.worker.kvray_agent
         value: Any = None
         error: BaseException | None = None
@@ -467,7 +542,7 @@ class ReplicaEngine(Generic[W]):
             error = failure
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self.host.answer.remote(call_id, value, error)
+                await self.host.answer.remote(self._owner_token, call_id, value, error)
         except Exception:  # the host is gone; its caller's call failed with it
             pass
 
@@ -507,22 +582,10 @@ class PrefillReplica(_EngineReplica):
         self.engine = await ReplicaEngine.start(PrefillWorker, _engine_id(), options)
 
     async def prefill(
-        self,
-        request_id: str,
-        tokens: Sequence[int],
-        decode_engine: str,
-        decode_blocks: Sequence[int],
-        decode_incarnation: int,
-        timeout_s: float,
+        self, tokens: Sequence[int], reservation: Reservation, timeout_s: float
     ) -> PrefillReply:
         result = await self.engine.worker.prefill(
-            request_id,
-            tokens,
-            decode_engine,
-            decode_blocks,
-            decode_incarnation,
-            layerwise=self.options.layerwise,
-            timeout=timeout_s,
+            tokens, reservation, layerwise=self.options.layerwise, timeout=timeout_s
         )
         return PrefillReply(
             engine_id=self.engine.engine_id,
@@ -550,28 +613,22 @@ class DecodeReplica(_EngineReplica):
     ) -> GenerateReply:
         worker = self.engine.worker
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + self.options.settings.deadline(timeout_s, 0.0, "timeout_s")
         started = time.perf_counter()
-        blocks, incarnation = await worker.reserve(
-            request_id, self.model.blocks_needed(len(tokens) + max_tokens)
+        reservation = await worker.reserve(
+            request_id,
+            self.model.blocks_needed(len(tokens) + max_tokens),
+            kv_blocks=self.model.blocks_needed(len(tokens)),
         )
         try:
-            prompt_blocks = blocks[: self.model.blocks_needed(len(tokens))]
             prefilled: PrefillReply = await _call_with_deadline(
-                self.prefill.prefill.remote(
-                    request_id,
-                    list(tokens),
-                    self.engine.engine_id,
-                    prompt_blocks,
-                    incarnation,
-                    max(0.001, deadline - loop.time()),
-                ),
+                self.prefill.prefill.remote(list(tokens), reservation, max(0.001, deadline - loop.time())),
                 deadline - loop.time(),
                 f"the prefill of {request_id!r}",
             )
         except BaseException:
-            if worker.requests.get(request_id) is blocks:
-                await worker.release(request_id)
+            # Returns once no write for the request can land (a cancelled caller waits too).
+            await worker.release(request_id)
             raise
         first_token_s = time.perf_counter() - started
         # Frees the blocks on every path; the KV normally arrived before prefill answered.
@@ -614,8 +671,13 @@ class Router:
         if request.method != "POST":
             return _error_response(405, "MethodNotAllowed", "use POST /generate", None)
         request_id = f"serve-{secrets.token_hex(8)}"
+        limit = self.options.max_body_bytes
+        raw = await read_body(request, limit)
+        if raw is None:
+            message = f"the request body is over {limit} bytes; a prompt fits in far less"
+            return _error_response(413, "PayloadTooLarge", message, request_id)
         try:
-            body = msgspec.json.decode(await request.body(), type=GenerateRequest)
+            body = msgspec.json.decode(raw, type=GenerateRequest)
             tokens = prompt_tokens(body, self.options)
         except (msgspec.ValidationError, msgspec.DecodeError) as error:
             return _error_response(400, "BadRequest", f"invalid request body: {error}", request_id)
@@ -632,6 +694,7 @@ class Router:
             )
         except Exception as error:
             status, kind, message = http_error(error)
+            logger.warning("request %s failed (%d %s): %s", request_id, status, kind, error)
             return _error_response(status, kind, message, request_id)
         return JSONResponse(
             {
@@ -649,6 +712,23 @@ class Router:
         )
 
 
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None if it is over `limit` bytes: the declared Content-Length is
+    checked first, then the bytes as they arrive, so a client without the header (chunked) or
+    with a wrong one never makes the router hold more than `limit` bytes and one chunk."""
+    declared = request.headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _call_with_deadline(response: Any, timeout_s: float, what: str) -> Any:
     """Await a deployment response; past `timeout_s` cancel it and raise TransferTimeoutError."""
     try:
@@ -664,25 +744,51 @@ async def _call_with_deadline(response: Any, timeout_s: float, what: str) -> Any
         raise
 
 
+#: The public message of each answer to a failure behind the router, by status: what happened
+#: and what to do, nothing about the cluster (the details are logged under the request id).
+PUBLIC_MESSAGES: dict[int, str] = {
+    400: "the request cannot be served as given; check it against the API",
+    500: "internal error; the server log has the details under this request id",
+    502: "a peer failed the KV transfer of this request; retry",
+    503: "no capacity right now; retry later",
+    504: "the request passed its deadline; retry, or ask for fewer tokens",
+}
+
+
 def http_error(error: BaseException) -> tuple[int, str, str]:
-    """(HTTP status, error type, message) for a failure behind the router."""
+    """(HTTP status, error type, public message) for a failure behind the router. The type is a
+    kvray error class name (`kvray.errors`) or one of the names documented in this module, never
+    the name of a Ray wrapper; the message is fixed per status (see `PUBLIC_MESSAGES`)."""
     cause = _kvray_cause(error)
     if cause is not None:
-        name = type(cause).__name__
+        name = _kvray_class(cause).__name__
         if isinstance(cause, ConfigError | PlanError):
-            return 400, name, str(cause)
-        if isinstance(cause, BackpressureError):
-            return 503, name, f"{cause} (no capacity right now; retry later)"
-        if isinstance(cause, TransferTimeoutError):
-            return 504, name, str(cause)
-        if isinstance(cause, TransportError | MetadataError):
-            return 502, name, str(cause)
-        return 500, name, str(cause)
+            status = 400
+        elif isinstance(cause, BackpressureError):
+            status = 503
+        elif isinstance(cause, TransferTimeoutError):
+            status = 504
+        elif isinstance(cause, TransportError | MetadataError):
+            status = 502
+        else:
+            status = 500
+        return status, name, PUBLIC_MESSAGES[status]
     if _caused_by(error, ray.exceptions.RayActorError | serve.exceptions.ReplicaUnavailableError):
         return 503, "ReplicaDied", "a replica serving this request died before answering; retry"
-    if isinstance(error, serve.exceptions.BackPressureError | serve.exceptions.DeploymentUnavailableError):
-        return 503, type(error).__name__, f"{error} (retry later)"
-    return 500, type(error).__name__, str(error)
+    if _caused_by(error, serve.exceptions.BackPressureError):
+        return 503, "BackPressureError", PUBLIC_MESSAGES[503]
+    if _caused_by(error, serve.exceptions.DeploymentUnavailableError):
+        return 503, "DeploymentUnavailableError", PUBLIC_MESSAGES[503]
+    return 500, "InternalError", PUBLIC_MESSAGES[500]
+
+
+def _kvray_class(error: KvrayError) -> type[KvrayError]:
+    """The kvray class of `error`: Ray re-raises a remote error as a class derived from both its
+    own wrapper and the original, named after both."""
+    for cls in type(error).__mro__:
+        if cls.__module__ == KvrayError.__module__ and issubclass(cls, KvrayError):
+            return cls
+    return KvrayError
 
 
 def _caused_by(error: BaseException, kinds: Any) -> bool:
@@ -750,21 +856,31 @@ def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Any:
     # deploy`, versions by its own digest of the import path and args instead).
     version = deployment_version(options)
     replica_actor_options = {"num_cpus": options.replica_cpus}
+    bounds: dict[str, Any] = {
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "max_queued_requests": options.max_queued_requests,
+    }
     prefill = (
         serve.deployment(
-            name="Prefill", num_replicas=options.prefill_replicas, ray_actor_options=replica_actor_options
+            name="Prefill",
+            num_replicas=options.prefill_replicas,
+            ray_actor_options=replica_actor_options,
+            **bounds,
         )(PrefillReplica)
         .options(version=version, _internal=True)
         .bind(options)
     )
     decode = (
         serve.deployment(
-            name="Decode", num_replicas=options.decode_replicas, ray_actor_options=replica_actor_options
+            name="Decode",
+            num_replicas=options.decode_replicas,
+            ray_actor_options=replica_actor_options,
+            **bounds,
         )(DecodeReplica)
         .options(version=version, _internal=True)
         .bind(options, prefill)
     )
-    router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0})(Router)
+    router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0}, **bounds)(Router)
     return router.options(version=version, _internal=True).bind(options, decode)
 
 
@@ -783,5 +899,6 @@ __all__ = [
     "deployment_version",
     "http_error",
     "prompt_tokens",
+    "read_body",
     "tokenize",
 ]

@@ -183,6 +183,25 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
             ) from None
 
 
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode engine's promise to take one request's KV, handed to the writer with the work.
+
+    It says where (the engine incarnation and the request's blocks there) and carries a random
+    `token` the engine checks on every write and notice for the request, so only the holder of
+    the reservation can complete it. `slot` names the request's entry in the engine's claim
+    board (`kvray.claims`), through which a writer on the same node proves, while it writes,
+    that the engine still expects the request. It stays inside the cluster: a token is a
+    capability, never part of what an engine publishes.
+    """
+
+    request_id: str
+    engine_id: str
+    incarnation: ByteCount
+    blocks: tuple[ByteCount, ...]
+    token: ByteCount
+    slot: ByteCount = 0
+
+
 class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     """Sent to the decode engine after every byte of a transfer has been written."""
 
@@ -198,6 +217,8 @@ class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     #: RDMA WRITE WITH IMMEDIATE requests the writer issued for the request (`verbs`): the
     #: decode side completes it only once that many immediates have arrived.
     immediates: ByteCount = 0
+    #: The secret of the decode engine's `Reservation`: a notice without it is dropped.
+    token: ByteCount = 0
 
 
 class TransferFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
@@ -210,6 +231,8 @@ class TransferFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
     dst_engine: str
     dst_incarnation: int
     reason: str
+    #: The secret of the decode engine's `Reservation`: a notice without it is dropped.
+    token: ByteCount = 0
 
 
 class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
@@ -227,6 +250,8 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     nbytes: list[ByteCount]
     #: The request the bytes belong to: the receiver takes writes only for requests it expects.
     request_id: str = ""
+    #: The secret of the decode engine's `Reservation`: a write without it is refused.
+    token: ByteCount = 0
 
 
 Message = TransferDone | TransferFailed | WriteOps
