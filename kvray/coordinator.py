@@ -147,6 +147,19 @@ class Coordinator:
         if entry is not None and watching and entry.watch is not None:
             entry.watch.cancel()
 
+    async def departed(self, known: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Of the (engine id, incarnation) pairs an agent has cached, those no longer registered
+        (the engine left, died, or registered a new incarnation): the agent forgets them and
+        releases what it opened for them."""
+        gone = []
+        for engine_id, incarnation in known:
+            if not isinstance(engine_id, str) or not isinstance(incarnation, int):
+                continue
+            entry = self._engines.get(engine_id)
+            if entry is None or entry.info.incarnation != incarnation:
+                gone.append((engine_id, incarnation))
+        return gone
+
 
 async def _probe_until_dead(host: Any) -> None:
     """Raise once the actor `host` is dead; Ray's built-in readiness call answers while it lives."""

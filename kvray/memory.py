@@ -12,10 +12,13 @@ import atexit
 import contextlib
 import ctypes
 import enum
+import fcntl
 import itertools
 import os
+import re
 import secrets
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Mapping
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvray.config import Settings
+from kvray.config import Settings, check_alignment
 from kvray.errors import LayoutError, RegionError
 from kvray.layout import (
     BlockOrder,
@@ -46,6 +49,9 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 }
 
 SHM_PREFIX = "kvray-"
+#: Names kvray gives its shared-memory files and completion-inbox folders: prefix, creator's
+#: pid (for people reading a listing; liveness is proven by a lock, not by the pid), random part.
+_OWNED_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}[0-9]+-[0-9a-z_]+", re.ASCII)
 
 
 class MemoryKind(enum.Enum):
@@ -80,6 +86,7 @@ def place_region(alloc_start: int, alloc_nbytes: int, needed_nbytes: int, alignm
     `align_up(needed_nbytes) + alignment` bytes always fits one; a smaller one may not, and then this
     raises rather than reaching outside the allocation.
     """
+    alignment = check_alignment(alignment)
     if needed_nbytes <= 0:
         raise RegionError(f"a region needs a positive size, got {needed_nbytes}", nbytes=needed_nbytes)
     region_start = align_up(alloc_start, alignment)
@@ -107,6 +114,7 @@ def cover_region(
     data rounded outwards to the alignment, and if that reaches outside the allocation the
     answer is an error, never a region over someone else's memory.
     """
+    alignment = check_alignment(alignment)
     if data_nbytes <= 0:
         raise RegionError(f"a region needs a positive size, got {data_nbytes}", nbytes=data_nbytes)
     region_start = align_down(data_start, alignment)
@@ -164,7 +172,9 @@ class Backing:
     """One worker's KV memory: its regions, each layer's placement and typed view.
 
     Build one with `allocate` (kvray owns the memory), `in_buffer` (a region inside a uint8
-    buffer the caller owns) or `adopt` (the caller's per-layer tensors, one region each).
+    buffer the caller owns) or `adopt` (the caller's per-layer tensors, one region per storage
+    they live in). Every `alignment` is a power of two of at least the page size (`ConfigError`
+    otherwise); left out, it is the settings' (`gpu_alignment` for CUDA memory).
     """
 
     def __init__(
@@ -200,6 +210,7 @@ class Backing:
         settings = settings or Settings()
         if alignment is None:
             alignment = settings.gpu_alignment if kind is MemoryKind.CUDA else settings.alignment
+        alignment = check_alignment(alignment)
         # One extra alignment unit guarantees an aligned start inside the allocation.
         alloc_nbytes = align_up(layout.nbytes, alignment) + alignment
         shm_path: str | None = None
@@ -212,10 +223,12 @@ class Backing:
             if not torch.cuda.is_available():
                 raise RegionError("a CUDA backing needs a CUDA device, and torch sees none")
             buffer = torch.empty(alloc_nbytes, dtype=torch.uint8, device=device or "cuda")
-        backing = cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
-        if shm_path is not None:
-            _SHM_FILES.add(shm_path)
-        return backing
+        try:
+            return cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
+        except BaseException:
+            if shm_path is not None:
+                remove_owned(shm_path)
+            raise
 
     @classmethod
     def in_buffer(
@@ -233,6 +246,7 @@ class Backing:
                 f"a backing buffer must be a contiguous 1-D uint8 tensor, got "
                 f"{tuple(buffer.shape)} {buffer.dtype}"
             )
+        alignment = check_alignment(alignment)
         if kind is None:
             kind = MemoryKind.CUDA if buffer.is_cuda else MemoryKind.CPU
         span = place_region(buffer.data_ptr(), buffer.numel(), layout.nbytes, alignment)
@@ -248,11 +262,22 @@ class Backing:
         return cls(layout, kind, alignment, [region], placements, views)
 
     @classmethod
-    def adopt(cls, layout: KVLayout, tensors: Mapping[str, torch.Tensor], *, alignment: int) -> Backing:
-        """The non-shared path: each caller-owned layer tensor becomes a region of its own.
+    def adopt(
+        cls,
+        layout: KVLayout,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        settings: Settings | None = None,
+        alignment: int | None = None,
+    ) -> Backing:
+        """The caller's own per-layer tensors: one region per storage they live in.
 
-        Every tensor must have its layer's shape and dtype, be contiguous, and sit in its
-        storage so that the aligned region around it stays inside that storage.
+        Engines often carve every layer out of one pool (views of one storage, packed back to
+        back); rounding each layer's bytes out to the alignment on its own would make
+        neighbouring regions overlap. So the layers of one storage share one region: the
+        aligned span around all of their bytes (K and V halves alike), which must stay inside
+        that storage. Every tensor must have its layer's shape and dtype and be contiguous, and
+        no two layers may share a byte.
         """
         if layout.block_order is not BlockOrder.LAYER_MAJOR:
             raise LayoutError("per-layer tensors can only hold a layer-major layout")
@@ -264,11 +289,7 @@ class Backing:
                 missing=missing,
                 unknown=extra,
             )
-        regions: list[MemoryRegion] = []
-        placements: dict[str, LayerPlacement] = {}
-        views: dict[str, torch.Tensor] = {}
-        kinds = set()
-        for index, name in enumerate(layout.layer_names):
+        for name in layout.layer_names:
             tensor = tensors[name]
             expected_shape = layout.tensor_shape(name)
             expected_dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
@@ -280,47 +301,68 @@ class Backing:
                 )
             if not tensor.is_contiguous():
                 raise LayoutError(f"layer {name!r} must be contiguous", layer=name)
-            storage = tensor.untyped_storage()
-            span = cover_region(
-                storage.data_ptr(),
-                storage.nbytes(),
-                tensor.data_ptr(),
-                layout.layer_nbytes(name),
-                alignment,
-            )
-            region_tensor = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            region_tensor.set_(storage, span.offset_in_allocation, (span.nbytes,), (1,))
-            kind = MemoryKind.CUDA if tensor.is_cuda else MemoryKind.CPU
-            kinds.add(kind)
-            allocation = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            allocation.set_(storage, 0, (storage.nbytes(),), (1,))
-            regions.append(
-                MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor, allocation=allocation)
-            )
-            placement = per_layer_placement(layout, name, index)
-            placement_offset = tensor.data_ptr() - span.start
-            placements[name] = LayerPlacement(
-                region=index,
-                offset=placement_offset,
-                part_stride=placement.part_stride,
-                block_stride=placement.block_stride,
-                part_nbytes=placement.part_nbytes,
-                parts=placement.parts,
-            )
-            views[name] = tensor
+        kinds = {MemoryKind.CUDA if tensors[name].is_cuda else MemoryKind.CPU for name in layout.layer_names}
         if len(kinds) != 1:
             raise LayoutError("adopted tensors must all live on the same kind of device")
-        spans = sorted(
+        kind = kinds.pop()
+        settings = settings or Settings()
+        if alignment is None:
+            alignment = settings.gpu_alignment if kind is MemoryKind.CUDA else settings.alignment
+        alignment = check_alignment(alignment)
+        layer_spans = sorted(
             (tensors[name].data_ptr(), tensors[name].data_ptr() + layout.layer_nbytes(name), name)
             for name in layout.layer_names
         )
-        for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        for (_, end, first), (start, _, second) in itertools.pairwise(layer_spans):
             if start < end:
                 raise LayoutError(
                     f"layers {first!r} and {second!r} share memory; every layer needs its own bytes",
                     layers=[first, second],
                 )
-        return cls(layout, kinds.pop(), alignment, regions, placements, views)
+
+        # Layers grouped by the storage they are views of, in layer order.
+        storages: dict[tuple[torch.device, int, int], list[str]] = {}
+        for name in layout.layer_names:
+            storage = tensors[name].untyped_storage()
+            key = (tensors[name].device, storage.data_ptr(), storage.nbytes())
+            storages.setdefault(key, []).append(name)
+        regions: list[MemoryRegion] = []
+        placements: dict[str, LayerPlacement] = {}
+        for index, names in enumerate(storages.values()):
+            storage = tensors[names[0]].untyped_storage()
+            device = tensors[names[0]].device
+            data_start = min(tensors[name].data_ptr() for name in names)
+            data_end = max(tensors[name].data_ptr() + layout.layer_nbytes(name) for name in names)
+            span = cover_region(
+                storage.data_ptr(), storage.nbytes(), data_start, data_end - data_start, alignment
+            )
+            region_tensor = torch.empty(0, dtype=torch.uint8, device=device)
+            region_tensor.set_(storage, span.offset_in_allocation, (span.nbytes,), (1,))
+            allocation = torch.empty(0, dtype=torch.uint8, device=device)
+            allocation.set_(storage, 0, (storage.nbytes(),), (1,))
+            regions.append(
+                MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor, allocation=allocation)
+            )
+            for name in names:
+                placement = per_layer_placement(layout, name, index)
+                placements[name] = LayerPlacement(
+                    region=index,
+                    offset=tensors[name].data_ptr() - span.start,
+                    part_stride=placement.part_stride,
+                    block_stride=placement.block_stride,
+                    part_nbytes=placement.part_nbytes,
+                    parts=placement.parts,
+                )
+        by_address = sorted(regions, key=lambda region: region.address)
+        for lower, upper in itertools.pairwise(by_address):
+            if upper.address < lower.span.end:
+                raise RegionError(
+                    f"regions {lower.index} and {upper.index} overlap: two of the adopted tensors' "
+                    "storages cover the same memory; give kvray views of one storage instead",
+                    regions=[lower.index, upper.index],
+                )
+        views = {name: tensors[name] for name in layout.layer_names}
+        return cls(layout, kind, alignment, regions, placements, views)
 
     # ---- description -------------------------------------------------------------------
 
@@ -388,7 +430,7 @@ class Backing:
         self._closed = True
         for region in self.regions:
             if region.shm_path is not None:
-                _unlink_shm(region.shm_path)
+                remove_owned(region.shm_path)
         self.views = {}
 
     def __enter__(self) -> Backing:
@@ -420,87 +462,153 @@ def _layer_view(
     return typed.as_strided(shape, strides, typed.storage_offset() + placement.offset // itemsize)
 
 
-# ---- shared-memory files ------------------------------------------------------------------
+# ---- shared-memory files and folders -------------------------------------------------------
+#
+# Each file or folder kvray makes in the shared-memory folder is locked (flock, exclusive) by
+# its owner for as long as it exists. The kernel drops the lock when the owner dies, in any pid
+# namespace, so a lock that can be taken is the proof that the owner is gone; a pid is not (a
+# process of another container sharing /dev/shm has a pid this one cannot see, or sees as
+# someone else's).
 
-_SHM_FILES: set[str] = set()
-_SHM_LOCK = threading.Lock()
+#: Path -> (locked descriptor, pid of the process that made it).
+_OWNED: dict[str, tuple[int, int]] = {}
+_OWNED_LOCK = threading.Lock()
+
+
+def _create_owned(shm_dir: str, folder: bool) -> str:
+    """Make a fresh `kvray-<pid>-<random>` file (mode 0600, empty) or folder (mode 0700) in
+    `shm_dir`, locked by this process before it can be seen under that name: it is made under a
+    hidden name, locked, then renamed."""
+    remove_stale_shm_files(shm_dir)
+    token = secrets.token_hex(8)
+    hidden = os.path.join(shm_dir, f".{SHM_PREFIX}new-{os.getpid()}-{token}")
+    path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{token}")
+    fd = -1
+    try:
+        if folder:
+            os.mkdir(hidden, 0o700)
+            fd = os.open(hidden, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        else:
+            fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.lexists(path):  # a rename would replace it (64 random bits: never, in practice)
+            raise FileExistsError(path)
+        os.rename(hidden, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            if folder:
+                os.rmdir(hidden)
+            else:
+                os.unlink(hidden)
+        if fd >= 0:
+            os.close(fd)
+        raise RegionError(
+            f"cannot create a shared-memory {'folder' if folder else 'file'} in {shm_dir}: {error}; "
+            "set KVRAY_SHM_DIR to a writable tmpfs",
+            path=path,
+        ) from error
+    with _OWNED_LOCK:
+        _OWNED[path] = (fd, os.getpid())
+    return path
+
+
+def create_owned_folder(shm_dir: str) -> str:
+    """A fresh private folder (mode 0700) in `shm_dir`, kept until `remove_owned` or this
+    process's exit, and never swept while this process lives."""
+    return _create_owned(shm_dir, folder=True)
 
 
 def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
-    """A fresh file `kvray-<pid>-<random>` (mode 0600) in `shm_dir`, mapped shared."""
-    remove_stale_shm_files(shm_dir)
-    path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    """A fresh owned file in `shm_dir` of `nbytes`, mapped shared."""
+    path = _create_owned(shm_dir, folder=False)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError as error:
-        raise RegionError(
-            f"cannot create a shared-memory file in {shm_dir}: {error}; set KVRAY_SHM_DIR to a "
-            "writable tmpfs",
-            path=path,
-        ) from error
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    try:
+        os.truncate(path, nbytes)
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    except Exception:
-        _unlink_shm(path)
+    except Exception as error:
+        remove_owned(path)
+        if isinstance(error, OSError):
+            raise RegionError(
+                f"cannot size the shared-memory file {path} to {nbytes} bytes: {error}",
+                path=path,
+            ) from error
         raise
     return path, buffer
 
 
-def _unlink_shm(path: str) -> None:
-    with _SHM_LOCK:
-        _SHM_FILES.discard(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def remove_owned(path: str) -> None:
+    """Remove a file or folder made by `_create_owned`, then release its lock (in that order: an
+    unlocked entry is fair game for a sweeper)."""
+    with _OWNED_LOCK:
+        owned = _OWNED.pop(path, None)
+    if owned is None:
+        return
+    fd, creator = owned
+    if creator == os.getpid():  # a forked child shares the lock, not the ownership
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    os.close(fd)
 
 
 def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove kvray files left by processes that died without closing; return their paths."""
+    """Remove the kvray files and inbox folders in `shm_dir` whose owner is gone; return them.
+
+    An entry goes only if its name is one kvray gives, it belongs to this user, it is a regular
+    file or a folder (never a symbolic link), and its owner's lock can be taken without waiting
+    (the owner's process has ended). The lock is held while it is removed.
+    """
     removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return removed
+    uid = os.geteuid()
     for name in names:
-        if not name.startswith(SHM_PREFIX):
-            continue
-        pid_text = name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not (pid_text.isascii() and pid_text.isdigit()) or _pid_alive(int(pid_text)):
+        if not _OWNED_NAME.fullmatch(name):
             continue
         path = os.path.join(shm_dir, name)
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
+            status = os.lstat(path)
+        except OSError:
+            continue
+        is_folder = stat.S_ISDIR(status.st_mode)
+        if status.st_uid != uid or not (is_folder or stat.S_ISREG(status.st_mode)):
+            continue
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags | (os.O_DIRECTORY if is_folder else 0))
+        except OSError:
+            continue
+        try:
+            if not os.path.samestat(status, os.fstat(fd)):
+                continue  # replaced since it was looked at
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its owner lives
+            if not os.path.samestat(status, os.lstat(path)):
+                continue
+            if is_folder:
                 shutil.rmtree(path)  # a dead decode engine's completion inbox
             else:
                 os.unlink(path)
             removed.append(path)
         except OSError:
-            pass
+            continue
+        finally:
+            os.close(fd)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid < 2**22:  # above Linux's pid_max limit: no such process, ever
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @atexit.register
 def _remove_own_shm_files() -> None:
-    with _SHM_LOCK:
-        paths = list(_SHM_FILES)
+    with _OWNED_LOCK:
+        paths = list(_OWNED)
     for path in paths:
-        _unlink_shm(path)
+        remove_owned(path)
 
 
 #: Linux's MADV_HUGEPAGE.

@@ -9,6 +9,7 @@ write through, `write` issues a plan's ops into a peer's regions as one-sided wr
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -43,6 +44,8 @@ class Transport(abc.ABC):
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        #: Peers with cached entries (mappings, handles, connections), least recently used first.
+        self._peers_used: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
     @abc.abstractmethod
@@ -72,7 +75,21 @@ class Transport(abc.ABC):
         then()
 
     def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
-        """Drop whatever is cached for a peer (it restarted, left or failed)."""
+        """Drop whatever is cached for a peer (it restarted, left or failed). A write still
+        using an entry keeps it until the write ends."""
+
+    def _used(self, engine_id: str) -> None:
+        """Record that a peer's cached entries are being used; a transport that caches per peer
+        calls this before it looks its entries up. Past `max_cached_peers` peers, the least
+        recently used one is forgotten."""
+        peers = self._peers_used
+        if engine_id in peers:
+            peers.move_to_end(engine_id)
+            return
+        peers[engine_id] = None
+        while len(peers) > self.settings.max_cached_peers:
+            oldest, _ = peers.popitem(last=False)
+            self.forget(oldest)
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything the transport opened."""

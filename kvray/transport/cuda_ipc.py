@@ -414,8 +414,12 @@ class CudaIpcTransport(Transport):
         check_write(plan, local, peer)
         ops = plan.ops
         events = []
+        # What the copies write into stays open until they have finished, even if the peer is
+        # forgotten (it left, or fell out of the cache) meanwhile.
+        in_use: list[_Opened] = []
         for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
-            target = self._open(peer, remote_index).region
+            in_use.append(self._open(peer, remote_index))
+            target = in_use[-1].region
             source = local.regions[local_index].tensor
             if not source.is_cuda:
                 raise TransportError("the cuda_ipc transport copies from CUDA memory")
@@ -439,6 +443,7 @@ class CudaIpcTransport(Transport):
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info
+        self._used(info.engine_id)
         key = (info.engine_id, info.incarnation, index)
         opened = self._opened.get(key)
         if opened is not None:
@@ -502,6 +507,7 @@ class CudaIpcTransport(Transport):
             del self._opened[key]
 
     def forget(self, engine_id: str) -> None:
+        self._peers_used.pop(engine_id, None)
         for key in [k for k in self._opened if k[0] == engine_id]:
             del self._opened[key]
 

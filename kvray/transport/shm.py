@@ -138,6 +138,7 @@ class ShmTransport(Transport):
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
+        self._used(info.engine_id)
         key = (info.engine_id, info.incarnation, index)
         mapping = self._mappings.get(key)
         if mapping is not None:
@@ -205,6 +206,7 @@ class ShmTransport(Transport):
             self._mappings.pop(key).retire()
 
     def forget(self, engine_id: str) -> None:
+        self._peers_used.pop(engine_id, None)
         for key in [k for k in self._mappings if k[0] == engine_id]:
             self._mappings.pop(key).retire()
 
@@ -212,3 +214,4 @@ class ShmTransport(Transport):
         for mapping in self._mappings.values():
             mapping.retire()
         self._mappings.clear()
+        self._peers_used.clear()

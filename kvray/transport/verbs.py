@@ -786,6 +786,7 @@ class VerbsTransport(Transport):
 
     async def _connect(self, peer: Peer, src_engine: str, src_incarnation: int) -> _Connection:
         info = peer.info
+        self._used(info.engine_id)
         key = (info.engine_id, info.incarnation)
         connection = self._connections.get(key)
         if connection is not None and connection.broken is None:
@@ -922,6 +923,7 @@ class VerbsTransport(Transport):
             self._close_qp(connection.qp)
 
     def forget(self, engine_id: str) -> None:
+        self._peers_used.pop(engine_id, None)
         for key in [k for k in self._connections if k[0] == engine_id]:
             self._retire(self._connections.pop(key))
 

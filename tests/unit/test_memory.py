@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -33,7 +35,9 @@ from kvray.memory import (
     Backing,
     MemoryKind,
     cover_region,
+    create_owned_folder,
     place_region,
+    remove_owned,
     remove_stale_shm_files,
 )
 from kvray.plan import validate_engine_info
@@ -43,7 +47,7 @@ CANARY = 0xA5
 WRITTEN = 0x5A
 MiB = 1024 * 1024
 
-alignments = st.integers(6, 21).map(lambda shift: 1 << shift)  # 64 B .. 2 MiB
+alignments = st.integers(12, 21).map(lambda shift: 1 << shift)  # a page .. 2 MiB
 
 
 def small_layout(num_blocks: int = 3, order: BlockOrder = BlockOrder.LAYER_MAJOR) -> KVLayout:
@@ -165,7 +169,7 @@ def test_place_region_refuses_nonsense(alloc_start: int, needed: int) -> None:
     alloc_nbytes=st.integers(1, 1 << 24),
     data_offset=st.integers(-(1 << 13), 1 << 24),
     data_nbytes=st.integers(1, 1 << 24),
-    alignment=st.integers(6, 16).map(lambda shift: 1 << shift),
+    alignment=st.integers(12, 16).map(lambda shift: 1 << shift),
 )
 def test_cover_region_covers_data_inside_allocation_or_refuses(
     alloc_start: int, alloc_nbytes: int, data_offset: int, data_nbytes: int, alignment: int
@@ -247,7 +251,7 @@ def check_backing_in_buffer(
 @given(
     order=st.sampled_from(list(BlockOrder)),
     num_blocks=st.integers(1, 5),
-    alignment=st.sampled_from([64, 256, 4096, 16384]),
+    alignment=st.sampled_from([4096, 8192, 16384]),
     misalignment=st.integers(0, 2 * 16384),
     slack=st.integers(-4096, 4096),
 )
@@ -290,7 +294,7 @@ def test_in_buffer_refuses_a_buffer_too_small_to_align() -> None:
 )
 def test_in_buffer_refuses_a_buffer_that_is_not_flat_bytes(buffer: torch.Tensor) -> None:
     with pytest.raises(RegionError):
-        Backing.in_buffer(small_layout(), buffer, alignment=64)
+        Backing.in_buffer(small_layout(), buffer, alignment=4096)
 
 
 # ---- (d) allocate: CPU and shared memory ----------------------------------------------------
@@ -434,21 +438,107 @@ def dead_pid() -> int:
     return pid
 
 
-def test_remove_stale_shm_files_removes_dead_and_keeps_live(tmp_path: os.PathLike[str]) -> None:
+def test_remove_stale_shm_files_removes_unlocked_entries_and_keeps_other_names(
+    tmp_path: os.PathLike[str],
+) -> None:
     folder = str(tmp_path)
     dead = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-0123456789abcdef")
-    live = os.path.join(folder, f"{SHM_PREFIX}{os.getpid()}-0123456789abcdef")
-    parent = os.path.join(folder, f"{SHM_PREFIX}{os.getppid()}-0123456789abcdef")
+    dead_inbox = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-fedcba9876543210")
     foreign = os.path.join(folder, f"other-{dead_pid()}-0123456789abcdef")
     not_a_pid = os.path.join(folder, f"{SHM_PREFIX}abc-0123456789abcdef")
-    for path in (dead, live, parent, foreign, not_a_pid):
+    for path in (dead, foreign, not_a_pid):
         with open(path, "wb") as file:
             file.write(b"x")
-    assert remove_stale_shm_files(folder) == [dead]
-    assert not os.path.exists(dead)
-    for path in (live, parent, foreign, not_a_pid):
+    os.mkdir(dead_inbox, 0o700)
+    with open(os.path.join(dead_inbox, "inbox.sock"), "wb"):
+        pass
+    assert sorted(remove_stale_shm_files(folder)) == sorted([dead, dead_inbox])
+    assert not os.path.exists(dead) and not os.path.exists(dead_inbox)
+    for path in (foreign, not_a_pid):
         assert os.path.exists(path)
     assert remove_stale_shm_files(folder) == []
+
+
+_LOCK_HOLDER = """
+import fcntl, os, sys
+fds = [os.open(path, os.O_RDONLY) for path in sys.argv[1:]]
+for fd in fds:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_remove_stale_shm_files_keeps_a_live_owner_whatever_pid_its_name_shows(
+    tmp_path: os.PathLike[str],
+) -> None:
+    """An owner in another pid namespace has a pid this process sees as dead (or as someone
+    else's): its lock, not its pid, keeps its backing file and inbox folder."""
+    folder = str(tmp_path)
+    backing = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-0123456789abcdef")
+    inbox = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-fedcba9876543210")
+    with open(backing, "wb") as file:
+        file.write(b"live")
+    os.mkdir(inbox, 0o700)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, backing, inbox],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "locked"
+        assert remove_stale_shm_files(folder) == []
+        assert os.path.isfile(backing) and os.path.isdir(inbox)
+    finally:
+        owner.communicate("", timeout=60)
+    assert sorted(remove_stale_shm_files(folder)) == sorted([backing, inbox])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make another user's file")
+def test_remove_stale_shm_files_never_removes_another_users_entries(tmp_path: os.PathLike[str]) -> None:
+    folder = str(tmp_path)
+    theirs = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-0123456789abcdef")
+    their_folder = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-fedcba9876543210")
+    with open(theirs, "wb") as file:
+        file.write(b"x")
+    os.mkdir(their_folder)
+    os.chown(theirs, 12345, 12345)
+    os.chown(their_folder, 12345, 12345)
+    assert remove_stale_shm_files(folder) == []
+    assert os.path.exists(theirs) and os.path.exists(their_folder)
+
+
+def test_remove_stale_shm_files_never_follows_a_symbolic_link(tmp_path: os.PathLike[str]) -> None:
+    folder = os.path.join(str(tmp_path), "shm")
+    os.mkdir(folder)
+    target_file = os.path.join(str(tmp_path), "precious")
+    target_folder = os.path.join(str(tmp_path), "precious-folder")
+    with open(target_file, "wb") as file:
+        file.write(b"x")
+    os.mkdir(target_folder)
+    link = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-0123456789abcdef")
+    folder_link = os.path.join(folder, f"{SHM_PREFIX}{dead_pid()}-fedcba9876543210")
+    os.symlink(target_file, link)
+    os.symlink(target_folder, folder_link)
+    assert remove_stale_shm_files(folder) == []
+    assert os.path.islink(link) and os.path.islink(folder_link)
+    assert os.path.exists(target_file) and os.path.isdir(target_folder)
+
+
+def test_owned_entries_are_locked_from_the_moment_they_have_their_name(tmp_path: os.PathLike[str]) -> None:
+    """Files and inbox folders this process makes survive a sweep (even a sweep that runs the
+    pid check in another namespace) until they are removed."""
+    folder = str(tmp_path)
+    inbox = create_owned_folder(folder)
+    with Backing.allocate(small_layout(), MemoryKind.SHM, settings=Settings(shm_dir=folder)) as backing:
+        path = backing.regions[0].shm_path
+        assert path is not None
+        assert sorted(os.listdir(folder)) == sorted([os.path.basename(path), os.path.basename(inbox)])
+        assert remove_stale_shm_files(folder) == []
+        assert os.stat(inbox).st_mode & 0o777 == 0o700
+    remove_owned(inbox)
+    assert os.listdir(folder) == []
 
 
 def test_remove_stale_shm_files_in_dev_shm_keeps_open_backings() -> None:
@@ -604,44 +694,44 @@ def test_adopt_refuses_wrong_shape_dtype_contiguity_and_layers() -> None:
     layout = small_layout(num_blocks=2)
 
     def fresh() -> dict[str, torch.Tensor]:
-        return padded_layer_tensors(layout, 64, 0)
+        return padded_layer_tensors(layout, 4096, 0)
 
     wrong_shape = fresh()
     wrong_shape["kv0"] = wrong_shape["kv0"][0]
     with pytest.raises(LayoutError) as caught:
-        Backing.adopt(layout, wrong_shape, alignment=64)
+        Backing.adopt(layout, wrong_shape, alignment=4096)
     assert caught.value.layer == "kv0"
 
     wrong_dtype = fresh()
     wrong_dtype["mla0"] = wrong_dtype["mla0"].view(torch.float16)
     with pytest.raises(LayoutError) as caught:
-        Backing.adopt(layout, wrong_dtype, alignment=64)
+        Backing.adopt(layout, wrong_dtype, alignment=4096)
     assert caught.value.layer == "mla0"
 
     strided = fresh()
     shape = layout.tensor_shape("idx")
     strided["idx"] = torch.empty((shape[1], shape[0], *shape[2:]), dtype=torch.uint8).transpose(0, 1)
     with pytest.raises(LayoutError, match="contiguous"):
-        Backing.adopt(layout, strided, alignment=64)
+        Backing.adopt(layout, strided, alignment=4096)
 
     missing = fresh()
     del missing["kv1"]
     with pytest.raises(LayoutError) as caught:
-        Backing.adopt(layout, missing, alignment=64)
+        Backing.adopt(layout, missing, alignment=4096)
     assert caught.value.missing == ["kv1"]
 
     extra = fresh()
     extra["ghost"] = torch.empty(1, dtype=torch.uint8)
     with pytest.raises(LayoutError) as caught:
-        Backing.adopt(layout, extra, alignment=64)
+        Backing.adopt(layout, extra, alignment=4096)
     assert caught.value.unknown == ["ghost"]
 
 
 def test_adopt_refuses_block_major_layouts() -> None:
     layout = small_layout(num_blocks=2, order=BlockOrder.BLOCK_MAJOR)
-    tensors = padded_layer_tensors(small_layout(num_blocks=2), 64, 0)
+    tensors = padded_layer_tensors(small_layout(num_blocks=2), 4096, 0)
     with pytest.raises(LayoutError, match="layer-major"):
-        Backing.adopt(layout, tensors, alignment=64)
+        Backing.adopt(layout, tensors, alignment=4096)
 
 
 def test_adopt_refuses_two_layers_sharing_memory() -> None:
