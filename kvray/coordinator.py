@@ -8,6 +8,15 @@ engine whose actor dies is dropped: the coordinator holds a long-poll call on ev
 whether it is alive every `LIVENESS_PROBE_S`. One that deregisters or closes is dropped too. After a
 restart the directory is empty and carries a new epoch: agents notice through their
 heartbeat and register again.
+
+An entry belongs to its registrant. Anyone who can call the actor can name any actor handle as
+a host, so the registrant proves itself with a random secret it generates at start and sends
+with `register`, `heartbeat` and `deregister` (never returned by any call). Only the holder of
+that secret may re-register (the same contents again), heartbeat or deregister the entry; a
+different secret may take the engine id only once the entry is gone (its actor died, or it
+deregistered) or, for an engine registered outside any actor (a driver, which has no actor to
+watch), once its heartbeat has lapsed for `lapse_s`. The same incarnation registered again with
+other contents is refused: an incarnation names one set of regions for its whole life.
 """
 
 from __future__ import annotations
@@ -20,13 +29,26 @@ from typing import Any
 import ray
 
 from kvray.config import Settings
-from kvray.errors import KvrayError, StaleIncarnationError, UnknownEngineError
+from kvray.errors import (
+    KvrayError,
+    RegistrationRefusedError,
+    StaleIncarnationError,
+    UnknownEngineError,
+)
 from kvray.plan import validate_engine_info
 from kvray.wire import EngineInfo, Role, decode_engine_info
 
 #: Seconds between two liveness probes of an engine whose actor is not an `AgentHost` (it has
 #: no call the coordinator could hold open until the actor dies).
 LIVENESS_PROBE_S = 1.0
+#: Heartbeat periods without a heartbeat after which an engine registered outside any actor
+#: counts as gone, so that another registrant may take its engine id.
+LAPSED_HEARTBEATS = 5
+#: Seconds a registration with another secret waits for a hosted entry to leave (its actor's
+#: death is noticed within one liveness probe) before it is refused.
+TAKEOVER_WAIT_S = 2 * LIVENESS_PROBE_S
+#: The shortest registrant secret accepted, in bytes.
+MIN_SECRET_BYTES = 16
 
 
 @dataclass
@@ -35,22 +57,50 @@ class _Entry:
     info_bytes: bytes
     host: Any
     watch: asyncio.Task[None] | None
+    secret: bytes
+    #: Event-loop time of the last registration or heartbeat.
+    seen: float
+
+
+def _check_secret(secret: object) -> bytes:
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise RegistrationRefusedError(
+            f"a registrant proves itself with a random secret of at least {MIN_SECRET_BYTES} bytes "
+            "(KVAgent sends one); none was given"
+        )
+    return secret
 
 
 class Coordinator:
-    """The directory. Use `get_or_create_coordinator` rather than constructing it."""
+    """The directory. Use `get_or_create_coordinator` rather than constructing it.
 
-    def __init__(self) -> None:
+    `lapse_s`: seconds without a heartbeat after which an entry registered outside any actor
+    may be taken by another registrant."""
+
+    def __init__(self, lapse_s: float = 10.0) -> None:
         self.epoch = secrets.randbits(62)
         self._engines: dict[str, _Entry] = {}
         self._changed = asyncio.Condition()
+        self._lapse_s = lapse_s
         self.dropped_dead = 0
 
-    async def register(self, info_bytes: bytes, host: Any = None) -> int:
-        """Add or replace an engine; a newer incarnation replaces the old one. Returns the epoch."""
+    async def register(self, info_bytes: bytes, host: Any, secret: bytes) -> int:
+        """Add an engine, or replace the registrant's own entry with a newer incarnation (see
+        the module docstring for who may replace whose). Returns the epoch."""
+        secret = _check_secret(secret)
         info = decode_engine_info(info_bytes)
         validate_engine_info(info)
         old = self._engines.get(info.engine_id)
+        if old is not None and not secrets.compare_digest(old.secret, secret):
+            old = await self._take_over(info.engine_id, old, secret)
+        if old is not None and old.info.incarnation == info.incarnation and old.info_bytes != info_bytes:
+            raise RegistrationRefusedError(
+                f"engine {info.engine_id!r} incarnation {info.incarnation} is registered with other "
+                "contents; an incarnation's regions never change: start the engine again (a fresh "
+                "incarnation) to publish new ones",
+                engine_id=info.engine_id,
+                incarnation=info.incarnation,
+            )
         if old is not None and old.watch is not None and old.info.incarnation != info.incarnation:
             old.watch.cancel()
         watch = None
@@ -62,17 +112,49 @@ class Coordinator:
             )
         elif old is not None:
             watch = old.watch
-        self._engines[info.engine_id] = _Entry(info, info_bytes, host, watch)
-        async with self._changed:
-            self._changed.notify_all()
+        now = asyncio.get_running_loop().time()
+        self._engines[info.engine_id] = _Entry(info, info_bytes, host, watch, secret, now)
+        await self._notify()
         return self.epoch
 
-    async def deregister(self, engine_id: str, incarnation: int) -> bool:
-        """Drop an engine incarnation; False if it was not (or no longer) registered."""
+    async def _take_over(self, engine_id: str, old: _Entry, secret: bytes) -> _Entry | None:
+        """The entry a registration with another secret than `old`'s may replace: None once the
+        old registrant is gone; raise while it lives."""
+        loop = asyncio.get_running_loop()
+        if old.host is None:
+            if loop.time() - old.seen <= self._lapse_s:
+                raise self._held(engine_id, old)
+            self._drop(engine_id)
+            return None
+        try:
+            async with asyncio.timeout(TAKEOVER_WAIT_S), self._changed:
+                await self._changed.wait_for(lambda: self._engines.get(engine_id) is not old)
+        except TimeoutError:
+            raise self._held(engine_id, old) from None
+        current = self._engines.get(engine_id)
+        if current is not None and not secrets.compare_digest(current.secret, secret):
+            raise self._held(engine_id, current)
+        return current
+
+    def _held(self, engine_id: str, entry: _Entry) -> RegistrationRefusedError:
+        holder = "its actor is alive" if entry.host is not None else "its heartbeat is current"
+        return RegistrationRefusedError(
+            f"engine {engine_id!r} is registered by another agent and {holder}; only that agent "
+            "may replace or remove it: pick another engine id, or stop that agent first",
+            engine_id=engine_id,
+            incarnation=entry.info.incarnation,
+        )
+
+    async def deregister(self, engine_id: str, incarnation: int, secret: bytes) -> bool:
+        """Drop the caller's own engine incarnation; False if it was not (or no longer) registered."""
+        secret = _check_secret(secret)
         entry = self._engines.get(engine_id)
         if entry is None or entry.info.incarnation != incarnation:
             return False
+        if not secrets.compare_digest(entry.secret, secret):
+            raise self._held(engine_id, entry)
         self._drop(engine_id)
+        await self._notify()
         return True
 
     async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
@@ -90,11 +172,18 @@ class Coordinator:
         entry = self._engines[engine_id]
         return entry.info_bytes, entry.host
 
-    async def heartbeat(self, engine_id: str, incarnation: int) -> int | None:
-        """The epoch if this incarnation is registered, else None (the caller registers again)."""
+    async def heartbeat(self, engine_id: str, incarnation: int, secret: bytes) -> int | None:
+        """The epoch if the caller's incarnation is registered, else None (the caller registers
+        again)."""
+        secret = _check_secret(secret)
         entry = self._engines.get(engine_id)
-        if entry is None or entry.info.incarnation != incarnation:
+        if (
+            entry is None
+            or entry.info.incarnation != incarnation
+            or not secrets.compare_digest(entry.secret, secret)
+        ):
             return None
+        entry.seen = asyncio.get_running_loop().time()
         return self.epoch
 
     async def engines(self, role: str | None = None) -> list[bytes]:
@@ -141,11 +230,17 @@ class Coordinator:
             self._drop(engine_id, watching=False)
             if died:
                 self.dropped_dead += 1
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     def _drop(self, engine_id: str, watching: bool = True) -> None:
         entry = self._engines.pop(engine_id, None)
         if entry is not None and watching and entry.watch is not None:
             entry.watch.cancel()
+
 
     async def departed(self, known: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of the (engine id, incarnation) pairs an agent has cached, those no longer registered
@@ -185,7 +280,7 @@ def get_or_create_coordinator(settings: Settings | None = None) -> Any:
             max_restarts=-1,
             max_concurrency=10_000,
             num_cpus=0,
-        ).remote()
+        ).remote(settings.heartbeat_s * LAPSED_HEARTBEATS)
     except ValueError as error:  # a race with another creator: the actor exists now
         try:
             return ray.get_actor(settings.coordinator_name, namespace=settings.namespace)

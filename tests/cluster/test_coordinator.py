@@ -1,19 +1,25 @@
 """The coordinator as a directory: engines register and are looked up, a dead engine's actor
 drops it, a closed agent deregisters, and after a coordinator restart every agent registers
-again on its own."""
+again on its own. An entry belongs to its registrant: no other caller replaces or removes it
+while the registrant lives, and an incarnation's contents never change."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import time
+from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import ray
 
+from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.coordinator import get_or_create_coordinator
-from kvray.errors import UnknownEngineError
+from kvray.coordinator import Coordinator, get_or_create_coordinator
+from kvray.errors import RegistrationRefusedError, UnknownEngineError
 from kvray.layout import llama_gqa
-from kvray.wire import Role, decode_engine_info
+from kvray.wire import EngineInfo, Role, decode_engine_info, encode
 from kvray.workers import DecodeActor, PrefillActor
 
 pytestmark = pytest.mark.cluster
@@ -118,3 +124,95 @@ def test_agents_register_again_after_a_coordinator_restart(local_ray: None) -> N
     assert all((landed[k] == expected[k]).all() for k in expected)
     ray.kill(decode)
     ray.kill(prefill)
+
+
+def _elsewhere(info: EngineInfo) -> bytes:
+    """`info` with other contents under the same engine id and incarnation."""
+    return encode(msgspec.structs.replace(info, node_id=f"{info.node_id}-elsewhere"))
+
+
+@pytest.fixture
+async def driver_info() -> AsyncIterator[EngineInfo]:
+    """A real engine's info, from an agent that registers nowhere (no Ray needed)."""
+    agent = KVAgent("own-p0", Role.PREFILL, llama_gqa(8, num_layers=2), use_coordinator=False)
+    info = await agent.start()
+    yield info
+    await agent.close()
+
+
+async def test_an_entry_without_an_actor_belongs_to_its_secret_until_its_heartbeat_lapses(
+    driver_info: EngineInfo,
+) -> None:
+    """A registrant outside any actor (a driver) has nothing the coordinator could watch: its
+    entry is its own while it heartbeats; another registrant takes the engine id only once the
+    heartbeat has lapsed, and the old registrant then finds itself no longer registered."""
+    lapse_s = 0.2
+    coordinator = Coordinator(lapse_s=lapse_s)
+    owner, other = secrets.token_bytes(32), secrets.token_bytes(32)
+    info_bytes = encode(driver_info)
+    epoch = await coordinator.register(info_bytes, None, owner)
+    # The registrant itself: the same contents again are fine, other contents are not.
+    assert await coordinator.register(info_bytes, None, owner) == epoch
+    with pytest.raises(RegistrationRefusedError, match="other contents"):
+        await coordinator.register(_elsewhere(driver_info), None, owner)
+    # Anyone else, while the heartbeat is current: neither replace, nor remove, nor heartbeat.
+    for contents in (info_bytes, _elsewhere(driver_info)):
+        with pytest.raises(RegistrationRefusedError, match="registered by another agent"):
+            await coordinator.register(contents, None, other)
+    with pytest.raises(RegistrationRefusedError, match="registered by another agent"):
+        await coordinator.deregister(driver_info.engine_id, driver_info.incarnation, other)
+    assert await coordinator.heartbeat(driver_info.engine_id, driver_info.incarnation, other) is None
+    # No secret, or a short one, proves nothing.
+    for weak in (b"", b"short", None):
+        with pytest.raises(RegistrationRefusedError, match="secret"):
+            await coordinator.register(info_bytes, None, weak)  # type: ignore[arg-type]
+        with pytest.raises(RegistrationRefusedError, match="secret"):
+            await coordinator.deregister(driver_info.engine_id, driver_info.incarnation, weak)  # type: ignore[arg-type]
+    entry_bytes, _ = await coordinator.lookup(driver_info.engine_id, 0.1)
+    assert entry_bytes == info_bytes
+
+    # The registrant goes quiet past the lapse: a successor may take the engine id.
+    await asyncio.sleep(lapse_s * 2)
+    assert await coordinator.register(_elsewhere(driver_info), None, other) == epoch
+    assert await coordinator.heartbeat(driver_info.engine_id, driver_info.incarnation, owner) is None
+    with pytest.raises(RegistrationRefusedError, match="registered by another agent"):
+        await coordinator.deregister(driver_info.engine_id, driver_info.incarnation, owner)
+    assert (await coordinator.lookup(driver_info.engine_id, 0.1))[0] == _elsewhere(driver_info)
+    # Its own registrant removes it.
+    assert await coordinator.deregister(driver_info.engine_id, driver_info.incarnation, other)
+    with pytest.raises(UnknownEngineError):
+        await coordinator.lookup(driver_info.engine_id, 0.01)
+
+
+def test_only_the_registrant_or_its_successor_after_death_replaces_an_actors_entry(
+    local_ray: None,
+) -> None:
+    """An engine registered from an actor: another caller naming the same actor as host still
+    cannot replace, change or remove the entry while the actor lives; after its death a
+    successor with its own secret registers the engine id."""
+    coordinator = get_or_create_coordinator(SETTINGS)
+    decode = DecodeActor.remote("own-d0", llama_gqa(8, num_layers=2), SETTINGS)
+    ray.get(decode.start.remote())
+    info_bytes, host = ray.get(coordinator.lookup.remote("own-d0", 5.0))
+    info = decode_engine_info(info_bytes)
+    intruder = secrets.token_bytes(32)
+    for contents in (info_bytes, _elsewhere(info)):
+        with pytest.raises(RegistrationRefusedError, match="registered by another agent"):
+            ray.get(coordinator.register.remote(contents, host, intruder))
+    with pytest.raises(RegistrationRefusedError):
+        ray.get(coordinator.deregister.remote("own-d0", info.incarnation, intruder))
+    assert ray.get(coordinator.lookup.remote("own-d0", 5.0))[0] == info_bytes
+    assert ray.get(decode.stats.remote()).get("reregistered", 0) == 0
+
+    # Killed, its successor (a new actor, a new agent and secret) registers under the engine id,
+    # right away: the registration waits for the coordinator to notice the death.
+    ray.kill(decode)
+    successor = DecodeActor.remote("own-d0", llama_gqa(8, num_layers=2), SETTINGS)
+    incarnation = ray.get(successor.start.remote())["incarnation"]
+    assert incarnation != info.incarnation
+    listed = decode_engine_info(ray.get(coordinator.lookup.remote("own-d0", 5.0))[0])
+    assert listed.incarnation == incarnation
+    ray.get(successor.close.remote())
+    with pytest.raises(UnknownEngineError):
+        ray.get(coordinator.lookup.remote("own-d0", 0.1))
+    ray.kill(successor)
