@@ -54,6 +54,12 @@ SHM_PREFIX = "kvray-"
 _OWNED_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}[0-9]+-[0-9a-z_]+", re.ASCII)
 
 
+def is_owned_name(name: str) -> bool:
+    """Whether `name` is one kvray gives the files and folders it creates in the shared-memory
+    folder: a peer's published path is refused unless it names one (see the shm transport)."""
+    return _OWNED_NAME.fullmatch(name) is not None
+
+
 class MemoryKind(enum.Enum):
     CPU = "cpu"
     SHM = "shm"

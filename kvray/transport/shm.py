@@ -1,20 +1,39 @@
 """`shm` transport: same node, CPU. The decode backing lives in a shared-memory file; the
 writer maps only the peer's registered span (never the slack around it) and copies every op
-into it with batched C copies on a few threads."""
+into it with batched C copies on a few threads.
+
+A peer's region names a path, and a path is only a claim: the writer opens it only if it is a
+file kvray itself creates (directly in the configured `shm_dir`, under kvray's name pattern),
+without following a symbolic link, and only if it is a regular file owned by this user and long
+enough for the region. Before every write it checks again that the path still names the file it
+mapped and that the file still covers the region: a peer that shrank its file (ftruncate) gets
+a `RegionError`, not a writer killed by SIGBUS. What remains is a race no check can close: a
+process of this user that shrinks the file between that check and the copy still kills the
+writer; kvray's own engines never shrink a backing while it is published.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvray.config import Settings
-from kvray.errors import KvrayError, RegionError, StaleIncarnationError, TransportError, WriteFailedError
-from kvray.memory import Backing, MemoryKind
+from kvray.errors import (
+    KvrayError,
+    MetadataError,
+    RegionError,
+    StaleIncarnationError,
+    TransportError,
+    WriteFailedError,
+)
+from kvray.memory import Backing, MemoryKind, is_owned_name
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
 from kvray.transport.base import Peer, Transport, check_write, region_pairs
@@ -36,6 +55,8 @@ class _Mapping:
     path: str
     #: (device, inode) of the file when it was mapped.
     file_id: tuple[int, int]
+    #: One past the mapped span's last byte in the file: the file must keep at least this many.
+    file_end: int
     users: int = 0
     retired: bool = False
 
@@ -43,14 +64,17 @@ class _Mapping:
     def address(self) -> int:
         return int(self.array.ctypes.data)
 
-    def file_is_current(self) -> bool:
-        """False once the owner removed the file (it closed, or a restart on this node swept
-        the dead life's files): writing into the mapping would reach memory nobody reads."""
+    def file_state(self) -> int | None:
+        """The file's size, or None once the owner removed it (it closed, or a restart on this
+        node swept the dead life's files): writing into the mapping would reach memory nobody
+        reads. One `stat`, so it is cheap enough to ask before every write."""
         try:
             status = os.stat(self.path)
         except OSError:
-            return False
-        return (status.st_dev, status.st_ino) == self.file_id
+            return None
+        if (status.st_dev, status.st_ino) != self.file_id:
+            return None
+        return status.st_size
 
     def retire(self) -> None:
         self.retired = True
@@ -107,13 +131,16 @@ class ShmTransport(Transport):
         check_write(plan, local, peer)
         ops = plan.ops
         pairs = region_pairs(ops.local_region, ops.remote_region)
+        # Every region is opened and checked before the first byte moves.
+        mappings = {remote_index: self._map(peer, remote_index) for (_, remote_index), _ in pairs}
         for number, ((local_index, remote_index), select) in enumerate(pairs, start=1):
             source = local.regions[local_index].tensor
             if source.is_cuda:
                 raise TransportError("the shm transport copies from CPU memory; use cuda_ipc for GPUs")
             remote_offset = ops.remote_offset[select]
             nbytes = ops.nbytes[select]
-            mapping = self._map(peer, remote_index)
+            # After an earlier pair's copy, check the file again: the peer had time to change it.
+            mapping = mappings[remote_index] if number == 1 else self._map(peer, remote_index)
             mapping.users += 1
             try:
                 await scatter_copy_async(
@@ -142,7 +169,8 @@ class ShmTransport(Transport):
         key = (info.engine_id, info.incarnation, index)
         mapping = self._mappings.get(key)
         if mapping is not None:
-            if not mapping.file_is_current():
+            size = mapping.file_state()
+            if size is None:
                 self._mappings.pop(key).retire()
                 raise StaleIncarnationError(
                     f"incarnation {info.incarnation} of engine {info.engine_id!r} is over: its "
@@ -150,6 +178,18 @@ class ShmTransport(Transport):
                     "look the engine up again",
                     engine_id=info.engine_id,
                     stale_incarnation=info.incarnation,
+                )
+            if size < mapping.file_end:
+                # Touching a mapped page past the file's end raises SIGBUS, which kills the process.
+                self._mappings.pop(key).retire()
+                raise RegionError(
+                    f"engine {info.engine_id!r} shrank its shared memory {mapping.path} to {size} "
+                    f"bytes, short of region {index}'s end at {mapping.file_end}; nothing was "
+                    "written (an engine must not shrink a published backing)",
+                    engine_id=info.engine_id,
+                    region=index,
+                    path=mapping.path,
+                    file_nbytes=size,
                 )
             return mapping
         self._forget_other_incarnations(info.engine_id, info.incarnation)
@@ -167,9 +207,19 @@ class ShmTransport(Transport):
                 f"file, not a multiple of {mmap.ALLOCATIONGRANULARITY}",
                 engine_id=info.engine_id,
             )
+        self._check_peer_path(info.engine_id, index, path)
         try:
-            fd = os.open(path, os.O_RDWR)
+            # O_NOFOLLOW: a symbolic link planted under a kvray name must not redirect the write.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise MetadataError(
+                    f"engine {info.engine_id!r} region {index} names {path}, a symbolic link; "
+                    "kvray writes only into the shared-memory files it creates",
+                    engine_id=info.engine_id,
+                    region=index,
+                    path=path,
+                ) from None
             raise TransportError(
                 f"cannot open engine {info.engine_id!r}'s shared memory {path}: {error}; the shm "
                 "transport needs both engines on one node (use transport='ray' across nodes)",
@@ -178,12 +228,20 @@ class ShmTransport(Transport):
             ) from error
         try:
             status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode) or status.st_uid != os.geteuid():
+                raise MetadataError(
+                    f"engine {info.engine_id!r} region {index} names {path}, which is not a regular "
+                    "file of this user; kvray writes only into the shared-memory files it creates",
+                    engine_id=info.engine_id,
+                    region=index,
+                    path=path,
+                )
             size = status.st_size
-            if region.handle_offset + region.length > size:
+            file_end = region.handle_offset + region.length
+            if file_end > size:
                 raise RegionError(
                     f"engine {info.engine_id!r} describes region {index} as "
-                    f"[{region.handle_offset}, {region.handle_offset + region.length}) of {path}, "
-                    f"but the file has {size} bytes",
+                    f"[{region.handle_offset}, {file_end}) of {path}, but the file has {size} bytes",
                     engine_id=info.engine_id,
                 )
             mm = mmap.mmap(
@@ -196,10 +254,29 @@ class ShmTransport(Transport):
         finally:
             os.close(fd)
         mapping = _Mapping(
-            mm, np.frombuffer(mm, dtype=np.uint8), region.length, path, (status.st_dev, status.st_ino)
+            mm,
+            np.frombuffer(mm, dtype=np.uint8),
+            region.length,
+            path,
+            (status.st_dev, status.st_ino),
+            file_end,
         )
         self._mappings[key] = mapping
         return mapping
+
+    def _check_peer_path(self, engine_id: str, index: int, path: str) -> None:
+        """Refuse a path that is not a kvray-made file directly in the configured `shm_dir`."""
+        folder = os.path.normpath(self.settings.shm_dir)
+        name = os.path.basename(path)
+        if os.path.join(folder, name) != path or not is_owned_name(name):
+            raise MetadataError(
+                f"engine {engine_id!r} region {index} names {path!r}, which is not a kvray "
+                f"shared-memory file in {folder} (KVRAY_SHM_DIR); kvray writes only into the files "
+                "it creates, and both engines need the same shm_dir",
+                engine_id=engine_id,
+                region=index,
+                path=path,
+            )
 
     def _forget_other_incarnations(self, engine_id: str, incarnation: int) -> None:
         for key in [k for k in self._mappings if k[0] == engine_id and k[1] != incarnation]:

@@ -13,12 +13,16 @@ import mmap
 import os
 import secrets
 import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
 
-from kvray.errors import KvrayError, RegionError, TransportError
+from kvray.errors import KvrayError, MetadataError, RegionError, TransportError
 from kvray.layout import BlockOrder, KVLayout, mixed
 from kvray.memory import Backing, MemoryKind
 
@@ -91,7 +95,7 @@ async def test_maps_exactly_the_registered_span(shm: TransportUnderTest) -> None
 async def test_peer_whose_file_is_missing_must_be_on_this_node(shm: TransportUnderTest) -> None:
     source = shm.source(small_layout())
     destination = shm.destination(small_layout())
-    missing = f"{shm.transport.settings.shm_dir}/kvray-missing-{secrets.token_hex(8)}"
+    missing = f"{shm.transport.settings.shm_dir}/kvray-{os.getpid()}-{secrets.token_hex(8)}"
     elsewhere = with_region(destination, handle=missing.encode())
     local, remote = shm.scattered(16, 4)
     plan = shm.plan(source, elsewhere, local, remote)
@@ -206,3 +210,130 @@ async def test_mapping_outlives_the_copies_writing_into_it(
         "(into nothing, or into whatever was mapped there next)"
     )
     shm.assert_landed(plan, source, destination, before, local, remote)
+
+
+# ---- forged or broken paths: a peer's handle is only a claim ------------------------------------
+
+
+def _victim(tmp_path: Path, nbytes: int) -> tuple[Path, bytes]:
+    """An unrelated file of this user, big enough for the region, that no write may touch."""
+    victim = tmp_path / "unrelated.bin"
+    content = secrets.token_bytes(nbytes)
+    victim.write_bytes(content)
+    return victim, content
+
+
+async def test_a_path_outside_the_shm_folder_is_refused(shm: TransportUnderTest, tmp_path: Path) -> None:
+    source = shm.source(small_layout())
+    destination = shm.destination(small_layout())
+    region = destination.info.regions[0]
+    victim, content = _victim(tmp_path, region.handle_offset + region.length)
+    # Named like a kvray file, but in another folder.
+    forged_path = tmp_path / f"kvray-{os.getpid()}-{secrets.token_hex(8)}"
+    victim.rename(forged_path)
+    forged = with_region(destination, handle=str(forged_path).encode())
+    local, remote = shm.scattered(16, 4)
+
+    with pytest.raises(MetadataError, match="not a kvray shared-memory file") as raised:
+        await shm.transport.write(shm.plan(source, forged, local, remote), source.backing, shm.peer(forged))
+
+    assert raised.value.engine_id == "decode-0" and raised.value.path == str(forged_path)
+    assert forged_path.read_bytes() == content
+
+
+@pytest.mark.parametrize("name", ["unrelated", "kvray-..-x", "kvray-1-abc/../kvray-1-abc"])
+async def test_a_path_not_named_like_kvray_files_is_refused(shm: TransportUnderTest, name: str) -> None:
+    source = shm.source(small_layout())
+    destination = shm.destination(small_layout())
+    forged = with_region(destination, handle=f"{shm.transport.settings.shm_dir}/{name}".encode())
+    local, remote = shm.scattered(16, 4)
+    with pytest.raises(MetadataError, match="not a kvray shared-memory file"):
+        await shm.transport.write(shm.plan(source, forged, local, remote), source.backing, shm.peer(forged))
+
+
+async def test_a_symbolic_link_under_a_kvray_name_is_not_followed(
+    shm: TransportUnderTest, tmp_path: Path
+) -> None:
+    source = shm.source(small_layout())
+    destination = shm.destination(small_layout())
+    region = destination.info.regions[0]
+    victim, content = _victim(tmp_path, region.handle_offset + region.length)
+    link = Path(shm.transport.settings.shm_dir) / f"kvray-{os.getpid()}-{secrets.token_hex(8)}"
+    link.symlink_to(victim)
+    try:
+        forged = with_region(destination, handle=str(link).encode())
+        local, remote = shm.scattered(16, 4)
+        before = shm.snapshot(destination)
+        with pytest.raises(MetadataError, match="symbolic link"):
+            await shm.transport.write(
+                shm.plan(source, forged, local, remote), source.backing, shm.peer(forged)
+            )
+    finally:
+        link.unlink()
+    assert victim.read_bytes() == content
+    shm.assert_unchanged(destination, before)
+
+
+async def test_a_kvray_named_fifo_is_not_a_regular_file(shm: TransportUnderTest) -> None:
+    source = shm.source(small_layout())
+    destination = shm.destination(small_layout())
+    fifo = Path(shm.transport.settings.shm_dir) / f"kvray-{os.getpid()}-{secrets.token_hex(8)}"
+    os.mkfifo(fifo, 0o600)
+    try:
+        forged = with_region(destination, handle=str(fifo).encode(), handle_offset=0)
+        local, remote = shm.scattered(16, 4)
+        with pytest.raises(MetadataError, match="not a regular file"):
+            await shm.transport.write(
+                shm.plan(source, forged, local, remote), source.backing, shm.peer(forged)
+            )
+    finally:
+        fifo.unlink()
+
+
+_SHRINKING_PEER = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    import numpy as np
+    from kvray.config import Settings
+    from kvray.errors import KvrayError
+    from kvray.layout import BlockOrder, mixed
+    from kvray.memory import Backing, MemoryKind
+    from kvray.plan import plan_transfer
+    from kvray.transport.base import Peer
+    from kvray.transport.shm import ShmTransport
+    from kvray.wire import Role
+
+    async def main() -> None:
+        layout = mixed(num_blocks=16, block_order=BlockOrder.LAYER_MAJOR)
+        transport = ShmTransport(Settings())
+        source = Backing.allocate(layout, MemoryKind.CPU)
+        destination = Backing.allocate(layout, MemoryKind.SHM)
+        exposed = transport.register(source, "prefill-0", 1, remote_writable=False)
+        source_info = source.engine_info("prefill-0", 1, Role.PREFILL, "n", exposed)
+        writable = transport.register(destination, "decode-0", 2, remote_writable=True)
+        destination_info = destination.engine_info("decode-0", 2, Role.DECODE, "n", writable)
+        plan = plan_transfer(source_info, destination_info, [15, 3], [15, 4])
+        peer = Peer(destination_info)
+        await transport.write(plan, source, peer)  # maps the peer's file
+        os.truncate(destination.regions[0].shm_path, 4096)
+        try:
+            await transport.write(plan, source, peer)
+        except KvrayError as error:
+            print("refused:", type(error).__name__, error)
+        else:
+            print("wrote into a shrunk file")
+        await transport.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_peer_that_shrinks_its_file_gets_an_error_not_a_dead_writer(tmp_path: Path) -> None:
+    # Touching a mapped page past a file's end raises SIGBUS, which kills the whole process:
+    # the writer runs in a child, so that is an exit status here rather than a dead test run.
+    result = subprocess.run(
+        [sys.executable, "-c", _SHRINKING_PEER], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, f"writer died (status {result.returncode}): {result.stderr[-2000:]}"
+    assert "refused: RegionError" in result.stdout and "shrank" in result.stdout, result.stdout
