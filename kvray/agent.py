@@ -69,9 +69,11 @@ from kvray.wire import (
     TransferDone,
     TransferFailed,
     TransportKind,
+    WriteClaim,
     WriteOps,
     decode_engine_info,
     decode_message,
+    decode_write_claim,
     encode,
 )
 
@@ -150,6 +152,10 @@ class _Expectation:
     blocks: npt.NDArray[np.int64]
     #: (region, start, end) byte spans of the request's blocks, built at its first `ray` write.
     spans: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
+    #: A writer on another node that claimed the request (`verbs`), and an event set once its
+    #: notice (done or failed) has arrived: until then its one-sided writes may still land.
+    writer: tuple[str, int] | None = None
+    writer_done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -248,6 +254,8 @@ class KVAgent:
         self._slots = asyncio.Semaphore(self.settings.max_concurrent_transfers)
         self._waiting = 0
         self._pending: dict[str, _Expectation] = {}
+        #: Requests being released (their writers may still send their notice).
+        self._releasing: dict[str, _Expectation] = {}
         #: Requests this decode agent could not release yet (a writer still held their claim),
         #: each with an event set once it is released after all.
         self.quarantined: dict[str, asyncio.Event] = {}
@@ -261,6 +269,8 @@ class KVAgent:
         self._board: ClaimBoard | None = None
         #: Claim boards of same-node decode engines this agent writes into, per incarnation.
         self._claims: dict[tuple[str, int], ClaimClient] = {}
+        #: Requests (id, token) a decode engine on another node holds for this writer (`verbs`).
+        self._remote_claims: set[tuple[str, int]] = set()
         self._outbox: CompletionOutbox | None = None
         self._coordinator_by_name = False
         #: Failure notices on their way to peers.
@@ -535,11 +545,14 @@ class KVAgent:
                 immediates=int(transport.kind is TransportKind.VERBS),
                 token=reservation.token,
             )
-            async with self._claim(peer, reservation):
-                early = self._early_notice(peer, notice)
-                await self._write(reservation, peer, transport, plan, then=early)
-                if early is None or not early.sent:
-                    await self._send(peer, notice)
+            try:
+                async with self._claim(peer, reservation, transport.kind):
+                    early = self._early_notice(peer, notice)
+                    await self._write(reservation, peer, transport, plan, then=early)
+                    if early is None or not early.sent:
+                        await self._send(peer, notice)
+            finally:
+                self._remote_claims.discard((request_id, reservation.token))
             self.stats["pushes_ok"] += 1
             self.stats["bytes_pushed"] += plan.nbytes
             self.metrics.bytes_pushed(transport.kind.value, peer.info.engine_id, plan.nbytes)
@@ -614,7 +627,7 @@ class KVAgent:
             state.writing += 1
             state.idle.clear()
             try:
-                async with self._claim(peer, reservation):
+                async with self._claim(peer, reservation, transport.kind):
                     await self._write(reservation, peer, transport, plan)
             finally:
                 state.writing -= 1
@@ -673,8 +686,11 @@ class KVAgent:
                 token=reservation.token,
             )
             # Under the claim: a request its decode engine stopped expecting is not reported done.
-            async with self._claim(peer, reservation):
-                await self._send(peer, notice)
+            try:
+                async with self._claim(peer, reservation):
+                    await self._send(peer, notice)
+            finally:
+                self._remote_claims.discard((request_id, reservation.token))
             self.stats["pushes_ok"] += 1
             return PushResult(
                 request_id,
@@ -696,6 +712,7 @@ class KVAgent:
         request_id = reservation.request_id
         state = self._layerwise.pop(request_id, None)
         self._failed_layerwise.pop(request_id, None)
+        self._remote_claims.discard((request_id, reservation.token))
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.settings.notify_timeout_s):
                 peer = await self.peer(reservation.engine_id, wait_s=0.0)
@@ -886,13 +903,18 @@ class KVAgent:
         return peer, transport, plan
 
     @contextlib.asynccontextmanager
-    async def _claim(self, peer: Peer, reservation: Reservation) -> AsyncIterator[None]:
-        """Hold the request's slot in a same-node decode engine's claim board while the body
-        writes and notifies: the engine cannot release the request's blocks meanwhile, and a
-        request it no longer expects is refused before a byte moves (see `kvray.claims`).
-        Elsewhere the receiver checks each write itself (`ray`)."""
+    async def _claim(
+        self, peer: Peer, reservation: Reservation, kind: TransportKind | None = None
+    ) -> AsyncIterator[None]:
+        """Make sure the decode engine still expects the request, and keeps its blocks, while
+        the body writes and notifies; a request it no longer expects is refused before a byte
+        moves. On its node: hold the request's slot in its claim board (see `kvray.claims`).
+        Over `verbs`: ask it once per request to hold the blocks until this writer's notice.
+        Over `ray` its receiver checks each write itself."""
         path = peer.info.endpoints.get(CLAIMS_ENDPOINT)
         if not path or peer.info.node_id != self.node_id:
+            if kind is TransportKind.VERBS:
+                await self._claim_remote(peer, reservation)
             yield
             return
         key = (peer.info.engine_id, peer.info.incarnation)
@@ -903,6 +925,47 @@ class KVAgent:
             reservation.request_id, reservation.slot, reservation.token, self.settings.notify_timeout_s
         ):
             yield
+
+    async def _claim_remote(self, peer: Peer, reservation: Reservation) -> None:
+        key = (reservation.request_id, reservation.token)
+        if key in self._remote_claims:
+            return
+        if peer.host is None:
+            raise TransportError(
+                f"engine {peer.info.engine_id!r} has no host to claim request {reservation.request_id!r} "
+                "from; its agent must run in an AgentHost actor (or be added with a host)",
+                engine_id=peer.info.engine_id,
+            )
+        claim = WriteClaim(
+            request_id=reservation.request_id,
+            token=reservation.token,
+            src_engine=self.engine_id,
+            src_incarnation=self.incarnation,
+            dst_engine=reservation.engine_id,
+            dst_incarnation=reservation.incarnation,
+        )
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await peer.host.kvray_claim.remote(encode(claim))
+        except KvrayError:
+            raise
+        except TimeoutError as error:
+            raise TransferTimeoutError(
+                f"engine {peer.info.engine_id!r} did not answer the claim of {reservation.request_id!r} "
+                f"within {self.settings.notify_timeout_s} s",
+                engine_id=peer.info.engine_id,
+                timeout_s=self.settings.notify_timeout_s,
+            ) from error
+        except Exception as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, KvrayError):
+                raise cause from error
+            raise TransportError(
+                f"could not claim {reservation.request_id!r} at engine {peer.info.engine_id!r}: "
+                f"{type(error).__name__}",
+                engine_id=peer.info.engine_id,
+            ) from error
+        self._remote_claims.add(key)
 
     async def _write(
         self,
@@ -927,7 +990,7 @@ class KVAgent:
         if not inbox or peer.info.node_id != self.node_id:
             return None
         if self._outbox is None:
-            self._outbox = CompletionOutbox()
+            self._outbox = CompletionOutbox(self.settings.shm_dir)
         return DatagramNotice(self._outbox, inbox, encode(notice))
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
@@ -943,7 +1006,7 @@ class KVAgent:
             async with asyncio.timeout(self.settings.notify_timeout_s):
                 if inbox and same_node:
                     if self._outbox is None:
-                        self._outbox = CompletionOutbox()
+                        self._outbox = CompletionOutbox(self.settings.shm_dir)
                     try:
                         await self._outbox.send(inbox, encode(message))
                     except TransportError as error:
@@ -1016,15 +1079,26 @@ class KVAgent:
             return
         if not expectation.future.done():
             expectation.future.cancel()
-        self._forget_rdma(request_id)
+        # A claiming writer's notice may still come: it ends the claim (see `_receive`).
+        self._releasing[request_id] = expectation
+        try:
+            await self._end_writes(request_id, expectation)
+        finally:
+            if self._releasing.get(request_id) is expectation:
+                del self._releasing[request_id]
+
+    async def _end_writes(self, request_id: str, expectation: _Expectation) -> None:
         await self._wait_writes_end(request_id)
-        if expectation.slot < 0 or self._board is None:
-            return
-        if await self._board.close(expectation.slot, self.settings.transfer_timeout_s):
+        if await self._remote_writer_done(expectation) and (
+            expectation.slot < 0
+            or self._board is None
+            or await self._board.close(expectation.slot, self.settings.transfer_timeout_s)
+        ):
+            self._forget_rdma(request_id)
             return
         self.quarantined[request_id] = asyncio.Event()
         self.stats["releases_quarantined"] += 1
-        task = asyncio.get_running_loop().create_task(self._release_later(request_id, expectation.slot))
+        task = asyncio.get_running_loop().create_task(self._release_later(request_id, expectation))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         raise TransferTimeoutError(
@@ -1035,10 +1109,38 @@ class KVAgent:
             timeout_s=self.settings.transfer_timeout_s,
         )
 
-    async def _release_later(self, request_id: str, slot: int) -> None:
+    async def _remote_writer_done(self, expectation: _Expectation) -> bool:
+        """True once a writer on another node that claimed the request has sent its notice, or
+        has left the directory (its process died: no write of it can still be issued)."""
+        if expectation.writer is None or expectation.writer_done.is_set():
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.transfer_timeout_s):
+                await expectation.writer_done.wait()
+                return True
+        engine_id, incarnation = expectation.writer
+        if self._coordinator is None:
+            return False
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await self._coordinator.check.remote(engine_id, incarnation)
+        except KvrayError:
+            return True  # gone or restarted: that life issues no more writes
+        except Exception:
+            return False
+        return False
+
+    async def _release_later(self, request_id: str, expectation: _Expectation) -> None:
         board = self._board
-        while board is not None and not self._closed.is_set():
-            if await board.close(slot, self.settings.transfer_timeout_s):
+        self._releasing[request_id] = expectation
+        while not self._closed.is_set():
+            if await self._remote_writer_done(expectation) and (
+                expectation.slot < 0
+                or board is None
+                or await board.close(expectation.slot, self.settings.transfer_timeout_s)
+            ):
+                self._forget_rdma(request_id)
+                self._releasing.pop(request_id, None)
                 self.quarantined.pop(request_id).set()
                 return
 
@@ -1179,6 +1281,42 @@ class KVAgent:
 
         return check
 
+    async def claim(self, message_bytes: bytes) -> None:
+        """A writer on another node claims a request before its first one-sided write of it
+        (`verbs`): refused unless the request is expected under the claim's token; the request's
+        blocks are then kept (see `release`) until the writer's notice arrives."""
+        try:
+            claim = decode_write_claim(message_bytes)
+        except WireDecodeError:
+            self.stats["messages_malformed"] += 1
+            self.metrics.dropped(DropReason.MALFORMED)
+            raise
+        if claim.dst_engine != self.engine_id or claim.dst_incarnation != self.incarnation:
+            raise StaleIncarnationError(
+                f"claim for {claim.dst_engine!r} incarnation {claim.dst_incarnation} reached "
+                f"{self.engine_id!r} incarnation {self.incarnation}",
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                stale_incarnation=claim.dst_incarnation,
+            )
+        expectation = self._pending.get(claim.request_id)
+        if expectation is None or expectation.future.done() or expectation.token != claim.token:
+            self.stats["claims_refused"] += 1
+            raise NotExpectedError(
+                f"engine {self.engine_id!r} does not expect request {claim.request_id!r} under this "
+                "reservation; nothing may be written",
+                request_id=claim.request_id,
+                engine_id=self.engine_id,
+            )
+        writer = (claim.src_engine, claim.src_incarnation)
+        if expectation.writer is not None and expectation.writer != writer:
+            raise NotExpectedError(
+                f"request {claim.request_id!r} is already claimed by {expectation.writer[0]!r}",
+                request_id=claim.request_id,
+                engine_id=self.engine_id,
+            )
+        expectation.writer = writer
+
     async def accept_connection(self, request: bytes) -> bytes:
         """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine."""
         from kvray.transport.verbs import VerbsTransport
@@ -1231,6 +1369,10 @@ class KVAgent:
             return
         expectation = self._pending.get(message.request_id)
         if expectation is None or expectation.future.done():
+            ending = expectation or self._releasing.get(message.request_id)
+            if ending is not None and ending.writer is not None and ending.token == message.token:
+                # The claiming writer's last word (done or failed): its writes have ended.
+                ending.writer_done.set()
             self._drop(
                 DropReason.UNKNOWN,
                 "completions_dropped_unknown",
@@ -1256,10 +1398,14 @@ class KVAgent:
             )
             return
         future = expectation.future
+        if isinstance(message, TransferFailed) and expectation.writer is not None:
+            expectation.writer_done.set()  # sent once its last write had stopped moving
         if isinstance(message, TransferDone) and message.immediates:
             # Over RDMA the notice can overtake the writes' own proof of arrival: complete once
             # the immediates have come too (wait_for_kv's deadline bounds the wait).
-            task = asyncio.get_running_loop().create_task(self._complete_after_immediates(message, future))
+            task = asyncio.get_running_loop().create_task(
+                self._complete_after_immediates(message, expectation)
+            )
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         elif isinstance(message, TransferDone):
@@ -1284,9 +1430,8 @@ class KVAgent:
         # After the waiter's wake-up in the loop's queue (see `wait_for_kv`).
         asyncio.get_running_loop().call_soon(self.metrics.bytes_received, message.src_engine, message.nbytes)
 
-    async def _complete_after_immediates(
-        self, message: TransferDone, future: asyncio.Future[Completion]
-    ) -> None:
+    async def _complete_after_immediates(self, message: TransferDone, expectation: _Expectation) -> None:
+        future = expectation.future
         rdma = self._rdma()
         try:
             if rdma is None:
@@ -1311,6 +1456,8 @@ class KVAgent:
                 future.set_exception(error)
                 future.exception()
             return
+        # Every write posted before the last immediate has landed: the writer is done here.
+        expectation.writer_done.set()
         if not future.done():
             self._complete(message, future)
 
@@ -1329,6 +1476,9 @@ class AgentHost:
 
     async def kvray_connect(self, request: bytes) -> bytes:
         return await self.kvray_agent.accept_connection(request)
+
+    async def kvray_claim(self, message: bytes) -> None:
+        await self.kvray_agent.claim(message)
 
     async def kvray_watch(self) -> None:
         """Returns when the agent closes; fails (in the caller) when this actor dies."""

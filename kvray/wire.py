@@ -257,6 +257,19 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
 Message = TransferDone | TransferFailed | WriteOps
 
 
+class WriteClaim(msgspec.Struct, frozen=True, kw_only=True, tag="claim"):
+    """A writer on another node asks the decode engine, before its first one-sided write of a
+    request (`verbs`), to hold the request's blocks for it until its notice (done or failed)
+    arrives: the engine refuses if it no longer expects the request under this token."""
+
+    request_id: str
+    token: ByteCount
+    src_engine: str
+    src_incarnation: ByteCount
+    dst_engine: str
+    dst_incarnation: ByteCount
+
+
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
     """One region of a decode engine as its RDMA memory region exposes it."""
 
@@ -296,11 +309,12 @@ _message_encoder = msgspec.msgpack.Encoder()
 _message_decoder = msgspec.msgpack.Decoder(Message)
 _engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
 _handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
+_claim_decoder = msgspec.msgpack.Decoder(WriteClaim)
 
 T = TypeVar("T")
 
 
-def encode(value: Message | EngineInfo | RegionDescriptor | VerbsHandshake) -> bytes:
+def encode(value: Message | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim) -> bytes:
     return _message_encoder.encode(value)
 
 
@@ -312,11 +326,17 @@ def decode_engine_info(data: bytes) -> EngineInfo:
     return _decode(_engine_decoder, data, "engine info", MAX_ENGINE_INFO_BYTES)
 
 
+def decode_write_claim(data: bytes) -> WriteClaim:
+    return _decode(_claim_decoder, data, "write claim")
+
+
 def decode_verbs_handshake(data: bytes) -> VerbsHandshake:
     return _decode(_handshake_decoder, data, "verbs handshake", MAX_HANDSHAKE_BYTES)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str, max_nbytes: int) -> T:
+def _decode(
+    decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str, max_nbytes: int = MAX_MESSAGE_BYTES
+) -> T:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireDecodeError(f"a kvray {what} must arrive as bytes, got {type(data).__name__}", what=what)
     nbytes = memoryview(data).nbytes
