@@ -13,6 +13,7 @@ from kvray.errors import (
     KvrayError,
     LayoutError,
     MetadataError,
+    NotExpectedError,
     PlanError,
     RegionError,
     RegistrationRefusedError,
@@ -23,7 +24,6 @@ from kvray.errors import (
     UnknownEngineError,
     UnknownLayerError,
     WireDecodeError,
-    NotExpectedError,
     WriteFailedError,
 )
 from kvray.layout import (
@@ -39,7 +39,7 @@ from kvray.layout import (
 )
 from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
-from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
+from kvray.wire import EngineInfo, RegionDescriptor, Reservation, Role, TransportKind
 
 __version__ = "0.1.0"
 
@@ -62,6 +62,7 @@ __all__ = [
     "MemoryKind",
     "MemoryRegion",
     "MetadataError",
+    "NotExpectedError",
     "OffsetCache",
     "OpTable",
     "PlanError",
@@ -69,6 +70,7 @@ __all__ = [
     "RegionError",
     "RegionSpan",
     "RegistrationRefusedError",
+    "Reservation",
     "Role",
     "Settings",
     "StaleIncarnationError",
@@ -80,7 +82,6 @@ __all__ = [
     "UnknownEngineError",
     "UnknownLayerError",
     "WireDecodeError",
-    "NotExpectedError",
     "WriteFailedError",
     "deepseek_v3",
     "llama_gqa",
