@@ -5,6 +5,10 @@ The decode agent binds a Unix datagram socket inside a private folder (mode 0700
 this user can send to it) next to its shared-memory files and publishes the path in its
 `EngineInfo.endpoints`. A writer on the same node sends the msgspec-encoded `TransferDone` there
 after its last byte is written; anywhere else it goes through the peer's Ray actor instead.
+
+The path a peer publishes is only a claim: the outbox sends only to `<shm_dir>/<a kvray-made
+folder>/inbox.sock`, where neither the folder nor the socket is a symbolic link and both belong
+to this user.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import asyncio
 import contextlib
 import os
 import socket
+import stat
 from collections.abc import Callable
 
-from kvray.errors import TransportError
-from kvray.memory import create_owned_folder, remove_owned
+from kvray.errors import MetadataError, TransportError
+from kvray.memory import create_owned_folder, is_owned_name, remove_owned
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"
+#: The inbox socket's name inside its engine's private folder.
+INBOX_NAME = "inbox.sock"
 _MAX_MESSAGE = 64 * 1024
+#: Inbox paths an outbox remembers as checked (a few per peer engine on the node).
+_MAX_CHECKED_PATHS = 1024
 
 
 class CompletionInbox:
@@ -29,7 +38,7 @@ class CompletionInbox:
     def __init__(self, folder: str, handler: Callable[[bytes], None]) -> None:
         # Locked for the inbox's life, so a sweep by another process never removes it.
         self._folder = create_owned_folder(folder)
-        self.path = os.path.join(self._folder, "inbox.sock")
+        self.path = os.path.join(self._folder, INBOX_NAME)
         #: The private folder (mode 0700) the inbox lives in; the engine's claim board sits there too.
         self.folder = self._folder
         self._handler = handler
@@ -57,18 +66,65 @@ class CompletionInbox:
 
 
 class CompletionOutbox:
-    """The sending end: one unbound datagram socket for every peer on this node."""
+    """The sending end: one unbound datagram socket for every peer on this node.
 
-    def __init__(self) -> None:
+    `shm_dir`: the shared-memory folder (`Settings.shm_dir`) the peers' inboxes must live in.
+    """
+
+    def __init__(self, shm_dir: str) -> None:
+        self._shm_dir = os.path.normpath(shm_dir)
+        self._checked: set[str] = set()
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
         self._writable: asyncio.Future[None] | None = None
+
+    def check_inbox(self, path: str) -> None:
+        """Refuse an inbox path kvray did not make (`MetadataError`), or one that is gone
+        (`TransportError`). Checked once per path: the folder is this user's and private, so
+        only this user could swap what is inside it afterwards."""
+        if path in self._checked:
+            return
+        folder, name = os.path.split(path)
+        folder_name = os.path.basename(folder)
+        if (
+            name != INBOX_NAME
+            or not is_owned_name(folder_name)
+            or os.path.join(self._shm_dir, folder_name, INBOX_NAME) != path
+        ):
+            raise MetadataError(
+                f"the completion inbox {path!r} is not a kvray inbox in {self._shm_dir} "
+                "(KVRAY_SHM_DIR); kvray sends notices only to the inboxes it creates",
+                path=path,
+            )
+        try:
+            folder_status = os.lstat(folder)
+            socket_status = os.lstat(path)
+        except FileNotFoundError as error:
+            raise TransportError(
+                f"the completion inbox {path} is gone: the decode engine closed or died", path=path
+            ) from error
+        uid = os.geteuid()
+        if not (
+            stat.S_ISDIR(folder_status.st_mode)
+            and folder_status.st_uid == uid
+            and stat.S_ISSOCK(socket_status.st_mode)
+            and socket_status.st_uid == uid
+        ):
+            raise MetadataError(
+                f"the completion inbox {path!r} is not a socket in a folder of this user (a "
+                "symbolic link, or someone else's); kvray sends notices only to the inboxes it creates",
+                path=path,
+            )
+        if len(self._checked) >= _MAX_CHECKED_PATHS:
+            self._checked.clear()
+        self._checked.add(path)
 
     async def send(self, path: str, message: bytes) -> None:
         """Queue `message` in the peer's inbox (waits while the inbox is full; the caller bounds it).
 
         A non-blocking `sendto` and a writer callback, not `loop.sock_sendto`: uvloop, the loop
         Ray gives async actors whenever it is installed (ray[serve] installs it), lacks that."""
+        self.check_inbox(path)
         loop = asyncio.get_running_loop()
         fileno = self._socket.fileno()
         while True:
@@ -94,6 +150,10 @@ class CompletionOutbox:
         inbox, False if it could not be queued right now (full, gone, closed) - the caller then
         sends it with `send`, which waits or raises as the case may be."""
         try:
+            self.check_inbox(path)
+        except (MetadataError, TransportError):
+            return False
+        try:
             self._socket.sendto(message, path)
         except OSError:
             return False
@@ -113,6 +173,11 @@ class DatagramNotice:
     it went; if not, the caller sends it the usual way."""
 
     def __init__(self, outbox: CompletionOutbox, path: str, message: bytes) -> None:
+        # A thread outside Python sends it: the path is checked here, before it leaves. An
+        # inbox already gone (but named and placed as kvray's) is left to fail at the send, so
+        # the caller's usual send reports it.
+        with contextlib.suppress(TransportError):
+            outbox.check_inbox(path)
         self._outbox = outbox
         self.path = path
         self.message = message

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import socket
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvray.completion import CompletionInbox, CompletionOutbox
-from kvray.errors import TransportError
+from kvray.completion import INBOX_NAME, CompletionInbox, CompletionOutbox, DatagramNotice
+from kvray.errors import MetadataError, TransportError
 
 
 def _loops() -> list[Any]:
@@ -51,7 +54,7 @@ def test_every_notice_arrives_through_a_full_inbox(
                 done.set()
 
         inbox = CompletionInbox(str(tmp_path), handler)
-        outbox = CompletionOutbox()
+        outbox = CompletionOutbox(str(tmp_path))
         try:
             async with asyncio.timeout(30):
                 await asyncio.gather(*(outbox.send(inbox.path, b"notice-%d" % i) for i in range(count)))
@@ -73,7 +76,7 @@ def test_a_closed_inbox_is_a_transport_error(
         path = inbox.path
         inbox.close()
         assert not os.path.exists(path)
-        outbox = CompletionOutbox()
+        outbox = CompletionOutbox(str(tmp_path))
         try:
             with pytest.raises(TransportError, match="is gone"):
                 async with asyncio.timeout(10):
@@ -82,3 +85,83 @@ def test_a_closed_inbox_is_a_transport_error(
             outbox.close()
 
     _run(new_loop, main())
+
+
+# ---- a published inbox path is only a claim -----------------------------------------------------
+
+
+def _bound_socket(path: Path) -> socket.socket:
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(path))
+    receiver.setblocking(False)
+    return receiver
+
+
+def _assert_nothing_arrived(receiver: socket.socket) -> None:
+    with pytest.raises(BlockingIOError):
+        receiver.recv(64)
+
+
+def _forged_paths(tmp_path: Path) -> tuple[Path, list[tuple[str, Path]]]:
+    """A folder the outbox trusts, and (why, path) for sockets outside it or not made by kvray."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    elsewhere = tmp_path / f"kvray-{os.getpid()}-{secrets.token_hex(4)}"
+    elsewhere.mkdir()
+    wrong_name = shm_dir / "not-kvray"
+    wrong_name.mkdir()
+    # A kvray-named folder in the trusted folder that is a link to a folder elsewhere.
+    linked = shm_dir / f"kvray-{os.getpid()}-{secrets.token_hex(4)}"
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    return shm_dir, [
+        ("other-folder", elsewhere / INBOX_NAME),
+        ("not-a-kvray-name", wrong_name / INBOX_NAME),
+        ("other-socket-name", shm_dir / f"kvray-{os.getpid()}-0" / "other.sock"),
+        ("linked-folder", linked / INBOX_NAME),
+    ]
+
+
+def test_the_outbox_sends_only_to_kvray_inboxes_in_its_folder(tmp_path: Path) -> None:
+    shm_dir, forged = _forged_paths(tmp_path)
+    (shm_dir / f"kvray-{os.getpid()}-0").mkdir()
+    # The linked folder's socket is the other folder's: one receiver sees both.
+    receivers = [_bound_socket(path) for why, path in forged if why != "linked-folder"]
+    outbox = CompletionOutbox(str(shm_dir))
+
+    async def main() -> None:
+        for why, path in forged:
+            with pytest.raises(MetadataError, match="kvray") as raised:
+                await outbox.send(str(path), b"forged")
+            assert raised.value.path == str(path), why
+            assert not outbox.try_send(str(path), b"forged"), why
+            with pytest.raises(MetadataError):
+                DatagramNotice(outbox, str(path), b"forged")
+
+    try:
+        _run(asyncio.new_event_loop, main())
+        for receiver in receivers:
+            _assert_nothing_arrived(receiver)
+    finally:
+        outbox.close()
+        for receiver in receivers:
+            receiver.close()
+
+
+def test_the_outbox_still_reaches_a_real_inbox(tmp_path: Path) -> None:
+    received: list[bytes] = []
+
+    async def main() -> None:
+        inbox = CompletionInbox(str(tmp_path), received.append)
+        outbox = CompletionOutbox(str(tmp_path))
+        try:
+            assert outbox.try_send(inbox.path, b"early")
+            await outbox.send(inbox.path, b"late")
+            async with asyncio.timeout(10):
+                while len(received) < 2:
+                    await asyncio.sleep(0.01)
+        finally:
+            outbox.close()
+            inbox.close()
+
+    _run(asyncio.new_event_loop, main())
+    assert received == [b"early", b"late"]
