@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import secrets
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvray.config import Settings
-from kvray.errors import LayoutError, RegionError, UnknownLayerError
+from kvray.errors import ConfigError, LayoutError, RegionError, UnknownLayerError
 from kvray.layout import (
     DTYPE_ITEMSIZE,
     READY_LAYOUTS,
@@ -807,3 +809,169 @@ def test_huge_page_advice_stays_inside_the_allocation(address: int, nbytes: int)
     start, length = span
     assert start % huge == 0 and length % huge == 0 and length > 0
     assert address <= start and start + length <= address + nbytes
+
+
+# ---- (h) one region per storage: layers an engine carves out of one pool ---------------------
+
+
+def pooled_tensors(
+    layout: KVLayout, pools: int, lead: int, gaps: list[int], tail: int, order: list[int]
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Layer tensors packed into `pools` storages (layers dealt round-robin in `order`), each
+    pool `lead` bytes past a page boundary of its storage, layers `gaps[i]` bytes apart, `tail`
+    bytes after the last; the storages are filled with the canary."""
+    names = [layout.layer_names[i] for i in order]
+    groups = [names[pool::pools] for pool in range(pools)]
+    tensors: dict[str, torch.Tensor] = {}
+    storages = []
+    for group in groups:
+        sizes = [layout.layer_nbytes(name) for name in group]
+        used = sum(sizes) + sum(gaps[: len(group)])
+        page = 4096
+        storage = torch.full((used + lead + tail + 2 * page,), CANARY, dtype=torch.uint8)
+        # The storage itself starts wherever torch put it; the pool starts at a page boundary + lead.
+        base = (-storage.data_ptr()) % page
+        pool = storage[base : base + lead + used + tail]
+        storages.append(storage)
+        offset = lead
+        for name, size, gap in zip(group, sizes, gaps, strict=False):
+            offset += gap
+            dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
+            tensors[name] = pool[offset : offset + size].view(dtype).view(layout.tensor_shape(name))
+            offset += size
+    return tensors, storages
+
+
+@settings(max_examples=150)
+@given(
+    alignment=st.sampled_from([4096, 8192, 16384]),
+    pools=st.integers(1, 2),
+    lead=st.integers(0, 40).map(lambda units: units * 512),
+    gaps=st.lists(st.integers(0, 600).map(lambda units: units * 8), min_size=5, max_size=5),
+    tail=st.integers(0, 40).map(lambda units: units * 512),
+    order=st.permutations(range(5)),
+)
+@example(alignment=4096, pools=1, lead=4096, gaps=[0] * 5, tail=4096, order=[0, 1, 2, 3, 4])  # dense
+def test_adopt_covers_layers_sharing_a_storage_with_one_region(
+    alignment: int, pools: int, lead: int, gaps: list[int], tail: int, order: list[int]
+) -> None:
+    layout = small_layout(num_blocks=2)
+    tensors, _storages = pooled_tensors(layout, pools, lead, gaps, tail, list(order))
+    by_storage: dict[int, list[str]] = {}
+    for name in layout.layer_names:
+        by_storage.setdefault(tensors[name].untyped_storage().data_ptr(), []).append(name)
+    try:
+        backing = Backing.adopt(layout, tensors, alignment=alignment)
+    except RegionError:
+        # Only when some pool's aligned span really leaves its storage.
+        fits = []
+        for names in by_storage.values():
+            storage = tensors[names[0]].untyped_storage()
+            first = min(tensors[name].data_ptr() for name in names)
+            last = max(tensors[name].data_ptr() + layout.layer_nbytes(name) for name in names)
+            fits.append(
+                first - first % alignment >= storage.data_ptr()
+                and align_up(last, alignment) <= storage.data_ptr() + storage.nbytes()
+            )
+        assert not all(fits), "refused pools whose aligned span fits in their storage"
+        return
+    assert len(backing.regions) == len(by_storage)
+    spans = []
+    for region in backing.regions:
+        storage = region.tensor.untyped_storage()
+        assert region.address % alignment == 0 and region.nbytes % alignment == 0
+        assert region.span.offset_in_allocation >= 0
+        assert_region_inside(region.address, region.nbytes, storage.data_ptr(), storage.nbytes())
+        spans.append((region.address, region.address + region.nbytes))
+    spans.sort()
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start, "two regions overlap"
+    for name in layout.layer_names:
+        placement = backing.placements[name]
+        region = backing.regions[placement.region]
+        assert region.tensor.untyped_storage().data_ptr() == tensors[name].untyped_storage().data_ptr()
+        assert placement.offset >= 0
+        assert placement.offset + layout.layer_nbytes(name) <= region.nbytes
+        first, last = view_byte_span(tensors[name])  # K and V halves alike
+        assert region.address <= first and last <= region.address + region.nbytes
+        assert region.address + placement.offset == tensors[name].data_ptr()
+    # A peer accepts the engine (no "two layers at one address", no region overlap).
+    for role in (Role.PREFILL, Role.DECODE):
+        validate_engine_info(
+            backing.engine_info(
+                "pooled-0",
+                1,
+                role,
+                "node-a",
+                backing.region_descriptors(
+                    "pooled-0", 1, TransportKind.RAY, remote_writable=role is Role.DECODE
+                ),
+            )
+        )
+
+
+def test_adopt_refuses_storages_that_alias_one_memory() -> None:
+    """Two storages over the same bytes (e.g. two from_blob of one pointer) would give two
+    overlapping regions; refused when adopted, not later by every peer."""
+    layout = llama_gqa(num_blocks=2, num_layers=2)
+    first, second = layout.layer_names
+    nbytes = layout.layer_nbytes(first)
+    array = np.full(2 * nbytes + 6 * 4096, CANARY, dtype=np.uint8)
+    start = (-array.ctypes.data) % 4096 + 4096
+    dtype = TORCH_DTYPES[layout.layer(first).geometry.dtype]
+    whole = torch.from_numpy(array[start - 4096 : start + 2 * nbytes + 3 * 4096])
+    alias = torch.from_numpy(array[start - 4096 : start + 2 * nbytes + 2 * 4096])  # same base, shorter
+    assert whole.untyped_storage().data_ptr() == alias.untyped_storage().data_ptr()
+    # Back to back, 64 bytes past a page: their aligned spans share the page between them.
+    first_at, second_at = 4096 + 64, 4096 + 64 + nbytes
+    tensors = {
+        first: whole[first_at : first_at + nbytes].view(dtype).view(layout.tensor_shape(first)),
+        second: alias[second_at : second_at + nbytes].view(dtype).view(layout.tensor_shape(second)),
+    }
+    with pytest.raises(RegionError, match="overlap"):
+        Backing.adopt(layout, tensors, alignment=4096)
+
+
+def test_adopt_defaults_to_the_settings_alignment() -> None:
+    layout = small_layout(num_blocks=2)
+    tensors = padded_layer_tensors(layout, 16384, 0)
+    backing = Backing.adopt(layout, tensors, settings=Settings(alignment=16384))
+    assert backing.alignment == 16384
+    assert all(region.address % 16384 == 0 and region.nbytes % 16384 == 0 for region in backing.regions)
+    assert Backing.adopt(layout, tensors).alignment == Settings().alignment
+
+
+# ---- (i) one alignment check at every entry point ------------------------------------------
+
+BAD_ALIGNMENTS = [0, 3000, 100, 6144, 4097, -4096, 2048, 64, True, 4096.0, "4096"]
+
+
+@pytest.mark.parametrize("alignment", BAD_ALIGNMENTS, ids=repr)
+def test_every_entry_point_refuses_a_bad_alignment(alignment: object) -> None:
+    layout = small_layout(num_blocks=2)
+    bad: Any = alignment
+    with pytest.raises(ConfigError, match="alignment") as caught:
+        place_region(0x10064, 300000, 262144, bad)
+    assert caught.value.value == alignment
+    with pytest.raises(ConfigError, match="alignment"):
+        cover_region(0x10000, 0x40000, 0x10064, 0x1000, bad)
+    with pytest.raises(ConfigError, match="alignment"):
+        Backing.allocate(layout, alignment=bad)
+    buffer = torch.empty(align_up(layout.nbytes, 4096) + 3 * 4096, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="alignment"):
+        Backing.in_buffer(layout, buffer, alignment=bad)
+    with pytest.raises(ConfigError, match="alignment"):
+        Backing.adopt(layout, padded_layer_tensors(layout, 4096, 0), alignment=bad)
+
+
+def test_place_region_never_answers_a_negative_offset() -> None:
+    """The seed bug's exact shape: a negative alignment placed the region 100 bytes before the
+    allocation."""
+    with pytest.raises(ConfigError):
+        place_region(0x10064, 300000, 262144, -4096)
+
+
+@pytest.mark.parametrize("alignment", [4096, 8192, 1 << 21])
+def test_page_multiples_of_two_are_accepted(alignment: int) -> None:
+    span = place_region(0x10064, align_up(262144, alignment) + alignment, 262144, alignment)
+    assert span.offset_in_allocation >= 0 and span.start % alignment == 0

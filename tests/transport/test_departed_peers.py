@@ -1,0 +1,197 @@
+"""A writer lets go of peers that are gone: after the coordinator drops a decode engine (it
+closed, died or restarted), the prefill agent's next heartbeat forgets it and unmaps its shared
+memory; and no more than `max_cached_peers` peers stay mapped at once.
+
+The coordinator runs in this process (its methods called the way an actor handle's are), so no
+Ray is needed; the mappings are read from /proc/self/maps."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.coordinator import Coordinator
+from kvray.errors import ConfigError, UnknownEngineError
+from kvray.layout import BlockOrder, mixed
+from kvray.wire import Role
+
+LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
+
+
+class InProcess:
+    """An object called the way a Ray actor handle is (`handle.method.remote(...)`, awaited)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        method: Callable[..., Coroutine[Any, Any, Any]] = getattr(self._target, name)
+        return SimpleNamespace(remote=method)
+
+
+def mappings_of(path: str) -> int:
+    """How many mappings of the file `path` (removed or not) this process has."""
+    count = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip().removesuffix(" (deleted)") == path:
+                count += 1
+    return count
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll `predicate` on the loop (heartbeats run meanwhile); the guard only stops a hang."""
+    async with asyncio.timeout(30):
+        while not predicate():
+            await asyncio.sleep(0.01)
+    assert predicate(), what
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def directory(tmp_path: Path) -> AsyncIterator[tuple[InProcess, Settings]]:
+    settings = Settings(
+        shm_dir=str(tmp_path),
+        transport="shm",
+        heartbeat_s=0.05,
+        lookup_timeout_s=2.0,
+        notify_timeout_s=2.0,
+        max_timeout_s=2.0,
+        transfer_timeout_s=2.0,
+        max_cached_peers=2,
+    )
+    yield InProcess(Coordinator()), settings
+
+
+async def _push_into(prefill: KVAgent, decode: KVAgent, request_id: str) -> None:
+    reservation = decode.expect(request_id, [1, 2])
+    await prefill.push(reservation, [3, 4], timeout=2.0)
+    await decode.wait_for_kv(request_id, timeout=2.0)
+    await decode.release(request_id)
+
+
+async def test_the_next_heartbeat_forgets_decode_engines_that_left(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    coordinator, settings = directory
+    settings = msgspec.structs.replace(settings, max_cached_peers=8)
+    prefill = KVAgent("dp-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    decodes = [
+        KVAgent(f"dp-d{i}", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator) for i in range(3)
+    ]
+    paths = []
+    own = {}
+    try:
+        for index, decode in enumerate(decodes):
+            await decode.start()
+            path = decode.backing.regions[0].shm_path
+            assert path is not None
+            paths.append(path)
+            own[path] = mappings_of(path)
+            await _push_into(prefill, decode, f"r{index}")
+            assert mappings_of(path) == own[path] + 1, "the prefill maps the decode engine's region"
+        for decode in decodes:
+            await decode.close()
+        await until(
+            lambda: all(mappings_of(path) <= own[path] for path in paths),
+            "the prefill still maps departed decode engines' memory",
+        )
+        assert prefill.stats["peers_departed"] == 3
+        for decode in decodes:
+            with pytest.raises(UnknownEngineError):
+                await prefill.peer(decode.engine_id, wait_s=0.0)
+    finally:
+        for decode in decodes:
+            await decode.close()
+        await prefill.close()
+    for path in paths:
+        assert not os.path.exists(path)
+
+
+async def test_a_restarted_peer_is_forgotten_and_the_new_life_looked_up(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    coordinator, settings = directory
+    prefill = KVAgent("rs-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    old = KVAgent("rs-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+    new = KVAgent("rs-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    await old.start()
+    try:
+        await _push_into(prefill, old, "before")
+        old_path = old.backing.regions[0].shm_path
+        assert old_path is not None
+        await old.close()
+        await new.start()
+        assert new.incarnation != old.incarnation
+        await until(lambda: mappings_of(old_path) <= 1, "the old life's memory is still mapped")
+        await _push_into(prefill, new, "after")
+    finally:
+        await new.close()
+        await prefill.close()
+
+
+async def test_no_more_than_max_cached_peers_stay_mapped(directory: tuple[InProcess, Settings]) -> None:
+    coordinator, settings = directory
+    assert settings.max_cached_peers == 2
+    prefill = KVAgent("lru-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    decodes = [
+        KVAgent(f"lru-d{i}", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+        for i in range(3)
+    ]
+    await prefill.start()
+    try:
+        own = []
+        for decode in decodes:
+            await decode.start()
+            own.append(mappings_of(decode.backing.regions[0].shm_path or ""))
+        paths = [decode.backing.regions[0].shm_path or "" for decode in decodes]
+        await _push_into(prefill, decodes[0], "a")
+        await _push_into(prefill, decodes[1], "b")
+        assert [mappings_of(p) - o for p, o in zip(paths, own, strict=True)] == [1, 1, 0]
+        await _push_into(prefill, decodes[0], "c")  # d0 is now the most recently used
+        await _push_into(prefill, decodes[2], "d")  # evicts d1, the least recently used
+        assert [mappings_of(p) - o for p, o in zip(paths, own, strict=True)] == [1, 0, 1]
+        await _push_into(prefill, decodes[1], "e")  # looked up and mapped again
+        assert [mappings_of(p) - o for p, o in zip(paths, own, strict=True)] == [0, 1, 1]
+    finally:
+        for decode in decodes:
+            await decode.close()
+        await prefill.close()
+
+
+@pytest.mark.parametrize("wait_s", [math.nan, math.inf, -1.0, "1"], ids=repr)
+async def test_a_lookup_refuses_a_bad_wait(directory: tuple[InProcess, Settings], wait_s: Any) -> None:
+    coordinator, settings = directory
+    prefill = KVAgent("lk-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    try:
+        with pytest.raises(ConfigError, match="wait_s"):
+            await prefill.peer("nobody", wait_s=wait_s)
+    finally:
+        await prefill.close()
+
+
+async def test_a_huge_lookup_wait_is_clamped(directory: tuple[InProcess, Settings]) -> None:
+    coordinator, settings = directory
+    prefill = KVAgent("lk2-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    try:
+        async with asyncio.timeout(60):  # the test's own guard: unclamped, this waits forever
+            with pytest.raises(UnknownEngineError) as caught:
+                await prefill.peer("nobody", wait_s=1e12)
+        assert caught.value.timeout_s == settings.max_timeout_s
+    finally:
+        await prefill.close()
