@@ -104,8 +104,8 @@ async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
         handle(message)
 
     monkeypatch.setattr(inbox, "_handler", arriving)
-    decode.expect("big")
-    await prefill.push("big", local, "e-d", remote)
+    reservation = decode.expect("big", remote)
+    await prefill.push(reservation, local)
     await decode.wait_for_kv("big", timeout=5.0)
 
     assert arrivals == [(True, True)], "the notice came before every byte had landed, or a canary moved"
@@ -131,8 +131,8 @@ async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
     monkeypatch.setattr(DatagramNotice, "datagram", nowhere)
     for count, request_id in ((512, "big"), (4, "small")):
         local, remote = request(count, seed=count)
-        decode.expect(request_id)
-        await prefill.push(request_id, local, "e-d", remote)
+        reservation = decode.expect(request_id, remote)
+        await prefill.push(reservation, local)
         await decode.wait_for_kv(request_id, timeout=5.0)
         target = decode.backing.regions[0].tensor.numpy()
         assert np.array_equal(
@@ -145,6 +145,12 @@ async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
 async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KVAgent]) -> None:
     prefill, decode = agents
     local, remote = request(512, seed=3)
-    decode._inbox.close()  # type: ignore[union-attr]
+    reservation = decode.expect("orphan", remote)
+    inbox = decode._inbox
+    assert inbox is not None
+    # Only the inbox goes: the claim board next to it stays, so the write itself is allowed.
+    inbox._socket.close()
+    os.unlink(inbox.path)
     with pytest.raises(TransportError, match="could not notify"):
-        await prefill.push("orphan", local, "e-d", remote)
+        await prefill.push(reservation, local)
+    await decode.release("orphan")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 import pytest
 import pytest_asyncio
 
@@ -64,18 +65,22 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
     prefill, decode, sink = agents
     first, second = LAYOUT.layer_names[:2]
 
-    decode.expect("whole")
-    whole = await prefill.push("whole", [0, 1], "m-d", [2, 3])
+    reservation = decode.expect("whole", [2, 3])
+    whole = await prefill.push(reservation, [0, 1])
     await decode.wait_for_kv("whole", timeout=10.0)
 
-    decode.expect("lw")
+    reservation = decode.expect("lw", [5])
     for layer in (first, second):
-        await prefill.push_layer("lw", layer, [4], "m-d", [5])
+        await prefill.push_layer(reservation, layer, [4])
     layerwise = await prefill.finish("lw")
     await decode.wait_for_kv("lw", timeout=10.0)
 
-    with pytest.raises(BlockIdError):  # fails while planning: no transport chosen yet
-        await prefill.push("bad", [0, 1], "m-d", [3, 3])
+    # A reservation naming one decode block twice: refused while planning, no transport chosen yet.
+    bad = msgspec.structs.replace(decode.expect("bad", [6, 7]), blocks=(3, 3))
+    with pytest.raises(BlockIdError):
+        await prefill.push(bad, [0, 1])
+    await decode.release("bad")
+    decode.expect("never", [6])
     with pytest.raises(TransferTimeoutError):  # nothing is ever pushed for it
         await decode.wait_for_kv("never", timeout=0.01)
     decode._receive(b"not a message")
