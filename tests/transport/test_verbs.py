@@ -26,7 +26,7 @@ from kvray.layout import BlockOrder
 from kvray.plan import plan_transfer
 from kvray.transport.base import Peer
 from kvray.transport.verbs import VerbsTransport, probe
-from kvray.wire import Role, TransportKind
+from kvray.wire import Reservation, Role, TransportKind
 
 if TYPE_CHECKING:
     from conftest import TransportUnderTest
@@ -200,6 +200,7 @@ class AgentActorStandIn:
     def __init__(self, agent: KVAgent) -> None:
         self.kvray_connect = _Method(agent.accept_connection)
         self.kvray_notify = _Method(agent.notify)
+        self.kvray_claim = _Method(agent.claim)
 
 
 async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,8 +230,8 @@ async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: 
             data = prefill.backing.regions[index].tensor.numpy()
             data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
         src, dst = np.array([3, 1, 4]), np.array([10, 11, 5])
-        decode.expect("req-1")
-        result = await prefill.push("req-1", src, "decode-0", dst)
+        reservation = decode.expect("req-1", dst)
+        result = await prefill.push(reservation, src)
         completion = await decode.wait_for_kv("req-1", timeout=10)
 
         assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
@@ -282,25 +283,28 @@ async def _two_agents(monkeypatch: pytest.MonkeyPatch) -> tuple[KVAgent, KVAgent
     await decode.start()
     await prefill.start()
     prefill.add_peer(decode.info, AgentActorStandIn(decode))
+    decode.add_peer(prefill.info)
     rng = np.random.default_rng(11)
     data = prefill.backing.regions[0].tensor.numpy()
     data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
     return prefill, decode
 
 
-def _done(prefill: KVAgent, decode: KVAgent, request_id: str, immediates: int) -> bytes:
+def _done(prefill: KVAgent, reservation: Reservation, immediates: int) -> bytes:
     from kvray.wire import TransferDone, encode
 
+    request_id = reservation.request_id
     return encode(
         TransferDone(
             transfer_id=f"{request_id}@forged",
             request_id=request_id,
             src_engine=prefill.engine_id,
             src_incarnation=prefill.incarnation,
-            dst_engine=decode.engine_id,
-            dst_incarnation=decode.incarnation,
+            dst_engine=reservation.engine_id,
+            dst_incarnation=reservation.incarnation,
             nbytes=1,
             immediates=immediates,
+            token=reservation.token,
         )
     )
 
@@ -314,25 +318,31 @@ async def test_a_notice_alone_does_not_complete_an_rdma_request(monkeypatch: pyt
     prefill, decode = await _two_agents(monkeypatch)
     try:
         # A notice that claims an RDMA write nobody made: the request never completes.
-        decode.expect("req-claimed")
-        await decode.notify(_done(prefill, decode, "req-claimed", immediates=1))
+        claimed = decode.expect("req-claimed", [0])
+        await decode.notify(_done(prefill, claimed, immediates=1))
         with pytest.raises(TransferTimeoutError):
             await decode.wait_for_kv("req-claimed", timeout=0.5)
+        await decode.release("req-claimed")
 
         # One layer written over RDMA (one immediate), a notice asking for two: no completion.
         layer = prefill.layout.layer_names[0]
         src, dst = np.array([1, 2]), np.array([3, 4])
-        decode.expect("req-short")
-        await prefill.push_layer("req-short", layer, src, "decode-0", dst)
-        await decode.notify(_done(prefill, decode, "req-short", immediates=2))
+        short = decode.expect("req-short", dst)
+        await prefill.push_layer(short, layer, src)
+        await decode.notify(_done(prefill, short, immediates=2))
         with pytest.raises(TransferTimeoutError):
             await decode.wait_for_kv("req-short", timeout=0.5)
+        # The writer's last word ends its claim on the request, so the release need not wait.
+        await prefill.abort(short, "the request timed out")
+        await decode.release("req-short")
 
         # The same with a notice asking for the one that came: it completes.
-        decode.expect("req-one")
-        await prefill.push_layer("req-one", layer, src, "decode-0", dst)
-        await decode.notify(_done(prefill, decode, "req-one", immediates=1))
+        one = decode.expect("req-one", dst)
+        await prefill.push_layer(one, layer, src)
+        await decode.notify(_done(prefill, one, immediates=1))
         assert (await decode.wait_for_kv("req-one", timeout=10)).request_id == "req-one"
+        await prefill.abort(one, "completed by the notice above")
+        await decode.release("req-one")
         rdma = decode._transports[TransportKind.VERBS]
         assert isinstance(rdma, VerbsTransport)
         assert rdma._expected[(decode.engine_id, decode.incarnation)] == {}  # nothing left behind
@@ -348,9 +358,9 @@ async def test_a_layerwise_rdma_push_completes_after_one_immediate_per_layer(
     try:
         src, dst = np.array([5, 0, 7]), np.array([2, 9, 6])
         before = decode.backing.regions[0].tensor.numpy().copy()
-        decode.expect("req-layers")
+        reservation = decode.expect("req-layers", dst)
         for layer in prefill.layout.layer_names:
-            await prefill.push_layer("req-layers", layer, src, "decode-0", dst)
+            await prefill.push_layer(reservation, layer, src)
         result = await prefill.finish("req-layers")
         completion = await decode.wait_for_kv("req-layers", timeout=10)
         assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
