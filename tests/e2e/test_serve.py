@@ -3,11 +3,16 @@ replica killed under load fails its requests with a clear HTTP error and no hang
 leaves the directory, Serve's replacement registers, and later requests succeed; decode scales
 up and down in place (the other replicas keep running); a replica's host forwards
 `ray`-transport writes (bytes and canaries checked) and its health check follows the agent and
-its registration."""
+its registration. The app fails closed as a public service: bodies past the cap answer 413 before
+the router reads them whole, a full queue answers 503, failures behind the router answer only
+documented type names and fixed messages (no tracebacks, paths, pids, addresses), and a
+replica's host takes and answers forwarded calls for its owner alone, within a bounded queue."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,9 +25,17 @@ import pytest
 import ray
 import requests
 
+from kvray import errors
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
-from kvray.errors import KvrayError, MetadataError, UnknownEngineError, WireDecodeError
+from kvray.errors import (
+    BackpressureError,
+    KvrayError,
+    MetadataError,
+    TransferTimeoutError,
+    UnknownEngineError,
+    WireDecodeError,
+)
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
 from kvray.wire import Role, TransportKind, decode_engine_info
@@ -52,6 +65,19 @@ OPTIONS = kvray_serve.ServeOptions(
 MODEL = ReferenceModel(MODEL_PRESETS["mixed"])
 #: The client's own bound: far above the app's deadline, so a hang fails the test, not a 504.
 CLIENT_TIMEOUT_S = 90.0
+#: The `type` of every failed answer: a kvray error class or a name `kvray.serve` documents.
+PUBLIC_TYPES = set(errors.__all__) | {
+    "BadRequest",
+    "NotFound",
+    "MethodNotAllowed",
+    "PayloadTooLarge",
+    "ReplicaDied",
+    "BackPressureError",
+    "DeploymentUnavailableError",
+    "InternalError",
+}
+#: What no answer may carry: a traceback, a file path, a pid, an IP address, an actor id.
+LEAKS = re.compile(r"Traceback|File \"|\.py\b|/[a-z_]+/|pid=|\b\d{1,3}(\.\d{1,3}){3}\b|[0-9a-f]{24,}|Actor")
 
 
 def _free_port() -> int:
@@ -123,7 +149,7 @@ def _replica_actor(engine_id: str) -> Any:
 @pytest.fixture(scope="module")
 def app_url(local_ray: None) -> Iterator[str]:
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": CLIENT_TIMEOUT_S})
     serve.run(kvray_serve.build_app(OPTIONS), name="kvray", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -131,6 +157,46 @@ def app_url(local_ray: None) -> Iterator[str]:
 
 def _post(url: str, body: dict[str, Any]) -> requests.Response:
     return requests.post(f"{url}/generate", json=body, timeout=CLIENT_TIMEOUT_S)
+
+
+def _check_public_error(status: int, body: bytes) -> dict[str, Any]:
+    """A failed answer's JSON body: a documented type, a fixed message, nothing from inside."""
+    error: dict[str, Any] = msgspec.json.decode(body)
+    assert set(error) == {"error", "type", "request_id"}, error
+    assert error["type"] in PUBLIC_TYPES, error
+    if status >= 500:
+        assert error["error"] in kvray_serve.PUBLIC_MESSAGES.values() or error["type"] == "ReplicaDied", error
+        assert not LEAKS.search(body.decode()), body
+    return error
+
+
+def _raw_request(url: str, head: str, path: str = "/generate") -> socket.socket:
+    """A connection that has sent `POST path` with `head` (header lines) and no body yet."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT_S)
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode())
+    return connection
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _read_answer(connection: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of the HTTP answer on `connection` (Content-Length or chunked)."""
+    reader = connection.makefile("rb")
+    status = int(reader.readline().split()[1])
+    headers: dict[str, str] = {}
+    while (line := reader.readline().strip()) != b"":
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        return status, reader.read(int(headers["content-length"]))
+    body = b""
+    while (size := int(reader.readline().strip(), 16)) > 0:
+        body += reader.read(size)
+        reader.readline()
+    return status, body
 
 
 def _check_ok(response: requests.Response, tokens: list[int], max_tokens: int) -> dict[str, Any]:
@@ -165,6 +231,9 @@ def test_concurrent_requests_equal_colocated_generation(app_url: str) -> None:
         ({"text": "a", "max_tokens": 0}, 400, "max_tokens"),
         ({"text": "a", "max_tokens": 2, "temperature": 1}, 400, "temperature"),
         ({"prompt": list(range(200)) * 5, "max_tokens": 100}, 400, "positions"),
+        # The length is checked before any token is looked at.
+        ({"prompt": [-1] * 5000, "max_tokens": 1}, 400, "5000 prompt tokens .* positions"),
+        ({"text": "é" * 3000, "max_tokens": 1}, 400, "3000 prompt tokens .* positions"),
     ],
 )
 def test_bad_requests_are_refused_before_anything_is_reserved(
@@ -181,6 +250,66 @@ def test_other_paths_and_methods_and_malformed_json(app_url: str) -> None:
     assert requests.post(f"{app_url}/other", json={}, timeout=CLIENT_TIMEOUT_S).status_code == 404
     malformed = requests.post(f"{app_url}/generate", data=b"{", timeout=CLIENT_TIMEOUT_S)
     assert malformed.status_code == 400 and "invalid request body" in malformed.json()["error"]
+
+
+def test_bodies_over_the_cap_answer_413_before_the_router_reads_them(app_url: str) -> None:
+    """Declared too long: refused on the header alone, no body byte sent. Chunked (no length
+    declared): refused once the cap is passed, while the client still holds the rest of the
+    body; a router that read the whole body first would never answer."""
+    cap = OPTIONS.max_body_bytes
+    declared = _raw_request(app_url, f"Content-Type: application/json\r\nContent-Length: {cap + 1}\r\n")
+    chunked = _raw_request(app_url, "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n")
+    try:
+        chunked.sendall(_chunk(b'{"text": "' + b"a" * cap))
+        for connection in (declared, chunked):
+            status, body = _read_answer(connection)
+            assert status == 413, body
+            error = msgspec.json.decode(body)
+            assert error["type"] == "PayloadTooLarge" and str(cap) in error["error"], error
+    finally:
+        declared.close()
+        chunked.close()
+    # A body within the cap is still served.
+    _check_ok(_post(app_url, {"prompt": [1, 2, 3], "max_tokens": 2}), [1, 2, 3], 2)
+
+
+def test_full_queues_answer_503_and_failures_answer_public_types_only(app_url: str) -> None:
+    """A second, small app with a tiny deadline: a request passes it behind the router, a 504
+    whose type is the kvray class (not Ray's wrapper) and whose message is fixed, nothing from
+    inside. Its router works on one request and queues one more: three requests whose bodies
+    the clients hold back fill both places, so one of them is refused at once with 503."""
+    tight = kvray_serve.ServeOptions(
+        model="mixed",
+        num_blocks=16,
+        prefill_replicas=1,
+        decode_replicas=1,
+        replica_cpus=0,
+        request_timeout_s=0.001,
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        settings=SETTINGS,
+    )
+    serve.run(kvray_serve.build_app(tight), name="kvray-tight", route_prefix="/tight")
+    held: list[socket.socket] = []
+    try:
+        late = requests.post(
+            f"{app_url}/tight/generate", json={"prompt": [1, 2, 3]}, timeout=CLIENT_TIMEOUT_S
+        )
+        assert late.status_code == 504, late.text
+        assert _check_public_error(late.status_code, late.content)["type"] == TransferTimeoutError.__name__
+
+        for _ in range(3):
+            held.append(_raw_request(app_url, "Transfer-Encoding: chunked\r\n", "/tight/generate"))
+            held[-1].sendall(_chunk(b'{"prompt": [1, 2, 3],'))
+        ready, _, _ = select.select(held, [], [], CLIENT_TIMEOUT_S)
+        assert ready, "no request was refused while the router and its queue were full"
+        refused = ready[0]
+        status, body = _read_answer(refused)
+        assert status == 503, body
+    finally:
+        for connection in held:
+            connection.close()
+        serve.delete("kvray-tight")
 
 
 def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> None:
@@ -212,9 +341,9 @@ def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> No
             _check_ok(response, tokens, body["max_tokens"])
             continue
         failed += 1
-        error = response.json()
+        error = _check_public_error(response.status_code, response.content)
         assert response.status_code in (502, 503, 504), error
-        assert error["type"] and error["error"] and error["request_id"], error
+        assert error["request_id"], error
     # The killed replica held the long request: it failed, as a clear error, not a hang.
     assert failed >= 1
     assert long_response.status_code == 503 and long_response.json()["type"] == "ReplicaDied"
@@ -261,8 +390,9 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
         source = await prefill.allocate("req-1", 3)
         await prefill.fill_random("req-1", 9)
         expected = await prefill.read_blocks(source)
-        blocks, incarnation = await decode.reserve("req-1", 3)
-        pushed = await prefill.push("req-1", "serve-host-d0", blocks, incarnation)
+        reservation = await decode.reserve("req-1", 3)
+        blocks = list(reservation.blocks)
+        pushed = await prefill.push(reservation)
         assert pushed.transport is TransportKind.RAY
         await decode.wait("req-1", 10.0)
         landed = await decode.read_blocks(blocks)
@@ -280,7 +410,9 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
             await engine.host.kvray_notify.remote(b"not a message")
 
         # Registration lost (e.g. the coordinator restarted and the next heartbeat is not due yet).
-        await coordinator.deregister.remote("serve-host-d0", decode.kvray_agent.incarnation)
+        # Only the registrant may deregister: with the agent's own secret.
+        agent = decode.kvray_agent
+        await coordinator.deregister.remote("serve-host-d0", agent.incarnation, agent._registrant_secret)
         with pytest.raises(MetadataError, match="not registered"):
             await engine.check_health()
     finally:
@@ -368,3 +500,69 @@ def test_deleting_the_app_deregisters_every_engine(app_url: str) -> None:
     serve.delete("kvray")
     assert not _engines(Role.DECODE) and not _engines(Role.PREFILL)
     assert ray.get(coordinator.stats.remote(), timeout=30)["dropped_dead"] == dead_before
+
+
+async def test_replica_host_takes_and_answers_for_its_owner_alone_within_a_bounded_queue() -> None:
+    """No Ray needed: the host as a plain object. Another token can neither take nor answer a
+    forwarded call; call ids are random; a call whose caller gave up leaves the queue; past the
+    bound, a forwarded call is refused at once."""
+    settings = msgspec.structs.replace(SETTINGS, notify_timeout_s=0.05, max_queued_transfers=2)
+    owner, stranger = b"o" * 32, b"s" * 32
+    host = kvray_serve.ReplicaHost(settings, owner)
+
+    # The caller gives up before anyone takes its call: the call is gone, not served late.
+    with pytest.raises(TransferTimeoutError):
+        await host.kvray_notify(b"first")
+    assert await host.take(owner, 0.01) == []
+
+    pending = [asyncio.ensure_future(host.kvray_notify(message)) for message in (b"a", b"b")]
+    await asyncio.sleep(0)
+    with pytest.raises(BackpressureError):
+        await host.kvray_notify(b"over the bound")
+    for token in (stranger, b"", None):
+        with pytest.raises(KvrayError, match="owns this host"):
+            await host.take(token, 0.01)  # type: ignore[arg-type]
+    calls = await host.take(owner, 1.0)
+    assert [args for _, _, args in calls] == [(b"a",), (b"b",)]
+    ids = [call_id for call_id, _, _ in calls]
+    assert all(re.fullmatch("[0-9a-f]{32}", call_id) for call_id in ids) and ids[0] != ids[1]
+    with pytest.raises(KvrayError, match="owns this host"):
+        await host.answer(stranger, ids[0], None, None)
+    assert not pending[0].done()
+    await host.answer(owner, ids[0], None, None)
+    await host.answer(owner, ids[1], None, WireDecodeError("bad notice"))
+    assert await pending[0] is None
+    with pytest.raises(WireDecodeError):
+        await pending[1]
+
+
+@pytest.mark.parametrize(
+    ("cause", "status", "kind"),
+    [
+        (
+            TransferTimeoutError("the prefill of 'serve-1' passed its deadline", timeout_s=1.0),
+            504,
+            "TransferTimeoutError",
+        ),
+        (BackpressureError("8 pushes queued", queued=8), 503, "BackpressureError"),
+        (MetadataError("engine 'kvray-Decode-x' at /dev/shm/kvray-1 is gone"), 502, "MetadataError"),
+        (ZeroDivisionError("division by zero"), 500, "InternalError"),
+    ],
+)
+def test_failures_behind_the_router_answer_the_documented_type_and_a_fixed_message(
+    cause: Exception, status: int, kind: str
+) -> None:
+    """No Ray needed: a failure as Ray re-raises it from a replica (a class named after Ray's
+    wrapper and the cause, whose text is the remote traceback with pid, address and paths)."""
+    remote = ray.exceptions.RayTaskError(
+        "generate",
+        'Traceback (most recent call last):\n  File "/srv/kvray/serve.py", line 1, in generate\n',
+        cause,
+        pid=4242,
+        ip="10.1.2.3",
+    ).as_instanceof_cause()
+    assert "RayTaskError" in type(remote).__name__ and "/srv/kvray" in str(remote)
+    answer = kvray_serve.http_error(remote)
+    assert answer == (status, kind, kvray_serve.PUBLIC_MESSAGES[status])
+    body = msgspec.json.encode({"error": answer[2], "type": answer[1], "request_id": "serve-1"})
+    _check_public_error(status, body)
