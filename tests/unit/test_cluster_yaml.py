@@ -1,5 +1,6 @@
-"""ray_cluster.yaml passes Ray's own cluster-config validation, and its prefill/decode node types
-offer exactly the custom resources kvray's workers ask for."""
+"""ray_cluster.yaml passes Ray's own cluster-config validation, its prefill/decode node types
+offer exactly the custom resources kvray's workers ask for, and it keeps Ray's trust boundary
+closed: token authentication on every node, the dashboard on the head's loopback address."""
 
 from __future__ import annotations
 
@@ -27,3 +28,21 @@ def test_node_types_offer_the_resources_workers_request() -> None:
     assert PREFILL_RESOURCE not in types["decode"]["resources"]
     assert DECODE_RESOURCE not in types["prefill"]["resources"]
     assert not types[config["head_node_type"]]["resources"]
+
+
+def test_every_node_runs_with_token_auth_and_the_dashboard_stays_on_loopback() -> None:
+    config = yaml.safe_load(CONFIG.read_text())
+    starts = [
+        command
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for command in config[key]
+        if "ray start" in command
+    ]
+    assert len(starts) == 2
+    for command in starts:
+        assert command.startswith("RAY_AUTH_MODE=token ray start"), command
+    (head,) = [command for command in starts if "--head" in command]
+    assert "--dashboard-host=127.0.0.1" in head.split(), head
+    text = CONFIG.read_text()
+    assert "0.0.0.0" not in text and "RAY_AUTH_MODE=disabled" not in text
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
