@@ -21,7 +21,7 @@ from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import BackpressureError, KvrayError, TransferTimeoutError
 from kvray.layout import llama_gqa
-from kvray.wire import decode_engine_info
+from kvray.wire import Reservation, decode_engine_info
 
 pytestmark = pytest.mark.cluster
 
@@ -46,16 +46,13 @@ def _late_pushes(prefill: Any, decode: Any, prefix: str, count: int) -> int:
     for i in range(count):
         request_id = f"{prefix}-{i}"
         ray.get(prefill.allocate.remote(request_id, BLOCKS_PER_REQUEST))
-        dst, incarnation = ray.get(decode.reserve.remote(request_id, BLOCKS_PER_REQUEST))
-        late[request_id] = (decode.wait.remote(request_id, 8.0), dst, incarnation)
-    pushes = [
-        prefill.push.remote(request_id, "flood-d", dst, incarnation, timeout=3.0)
-        for request_id, (_, dst, incarnation) in late.items()
-    ]
+        reservation = ray.get(decode.reserve.remote(request_id, BLOCKS_PER_REQUEST))
+        late[request_id] = (decode.wait.remote(request_id, 8.0), reservation)
+    pushes = [prefill.push.remote(reservation, timeout=3.0) for _, reservation in late.values()]
     for ref in pushes:
         with pytest.raises(TransferTimeoutError):
             ray.get(ref, timeout=NEVER_HANG_S)
-    for waiting, _, _ in late.values():
+    for waiting, _ in late.values():
         with pytest.raises(KvrayError):
             ray.get(waiting, timeout=NEVER_HANG_S)
     return count
@@ -81,19 +78,19 @@ def test_flood_into_a_stalled_decode_is_bounded(
     ray.get(decode.fill_region.remote(11))
     before = ray.get(decode.snapshot.remote())[0]
 
-    requests: dict[str, tuple[list[int], int, dict[str, Any], Any]] = {}
+    requests: dict[str, tuple[Reservation, dict[str, Any], Any]] = {}
     for i in range(FLOOD):
         request_id = f"flood-{i}"
         src = ray.get(prefill.allocate.remote(request_id, BLOCKS_PER_REQUEST))
         ray.get(prefill.fill_random.remote(request_id, i))
         expected = ray.get(prefill.read_blocks.remote(src))
-        dst, incarnation = ray.get(decode.reserve.remote(request_id, BLOCKS_PER_REQUEST))
-        requests[request_id] = (dst, incarnation, expected, decode.wait.remote(request_id, NEVER_HANG_S))
+        reservation = ray.get(decode.reserve.remote(request_id, BLOCKS_PER_REQUEST))
+        requests[request_id] = (reservation, expected, decode.wait.remote(request_id, NEVER_HANG_S))
     rss_before = sum(_rss_mib(pid) for pid in pids)
 
     def push(request_id: str) -> Any:
-        dst, incarnation, _, _ = requests[request_id]
-        return prefill.push.remote(request_id, "flood-d", dst, incarnation, keep_blocks=True)
+        reservation, _, _ = requests[request_id]
+        return prefill.push.remote(reservation, keep_blocks=True)
 
     ray.get(decode.close_gate.remote())
     flood = {request_id: push(request_id) for request_id in requests}
@@ -138,16 +135,17 @@ def test_flood_into_a_stalled_decode_is_bounded(
                 rejected.append(request_id)
     peak = ray.get(decode.deliveries.remote())["peak_in_flight"]
     assert peak <= RUNNING, f"the decode held {peak} deliveries at once"
-    for request_id, (dst, _, expected, waiting) in requests.items():
+    for request_id, (reservation, expected, waiting) in requests.items():
         ray.get(waiting, timeout=NEVER_HANG_S)
-        landed = ray.get(decode.read_blocks.remote(dst))
+        landed = ray.get(decode.read_blocks.remote(list(reservation.blocks)))
         for layer, data in expected.items():
             assert np.array_equal(landed[layer], data), f"{request_id} {layer}"
         ray.get(prefill.release.remote(request_id))
         ray.get(decode.release.remote(request_id))
     info = decode_engine_info(ray.get(get_or_create_coordinator(settings).lookup.remote("flood-d", 5.0))[0])
     (offset, old), new = before, ray.get(decode.snapshot.remote())[0][1]
-    mask = canary_mask(info, offset, old.size, [(dst, None) for dst, *_ in requests.values()])
+    written = [(list(reservation.blocks), None) for reservation, *_ in requests.values()]
+    mask = canary_mask(info, offset, old.size, written)
     assert np.array_equal(old[~mask], new[~mask])
 
     # Past the deadline: pushes stuck at the stalled decode, and one waiting for a slot, fail with
@@ -168,7 +166,7 @@ def test_flood_into_a_stalled_decode_is_bounded(
     before_late = ray.get(decode.snapshot.remote())[0][1]
     ray.get(decode.close_gate.remote(stubborn=True))
     _late_pushes(prefill, decode, "stubborn", 1)
-    reused, _ = ray.get(decode.reserve.remote("reuses-freed-blocks", BLOCKS_PER_REQUEST))
+    reused = ray.get(decode.reserve.remote("reuses-freed-blocks", BLOCKS_PER_REQUEST))
     ray.get(decode.open_gate.remote())
     wait_until(
         lambda: ray.get(decode.stats.remote()).get("writes_refused_unexpected", 0) == 1,

@@ -46,23 +46,24 @@ async def test_failed_layer_refuses_later_layers_and_tells_the_decode_side(
 ) -> None:
     prefill, decode, _ = agents
     first, second, third = LAYOUT.layer_names[:3]
-    decode.expect("r")
+    reservation = decode.expect("r", [2, 3])
     waiting = asyncio.ensure_future(decode.wait_for_kv("r", timeout=30.0))
-    await prefill.push_layer("r", first, [0, 1], "notice-d", [2, 3])
+    await prefill.push_layer(reservation, first, [0, 1])
     with pytest.raises(BlockIdError):
-        await prefill.push_layer("r", second, [0, 1], "notice-d", [3, 3])
+        await prefill.push_layer(reservation, second, [1, 1])
     # The decode side learns now, not at its 30 s deadline.
     with pytest.raises(WriteFailedError, match="r"):
         await asyncio.wait_for(waiting, 10.0)
     before = _allocation(decode).copy()
     with pytest.raises(PlanError, match="already failed"):
-        await prefill.push_layer("r", third, [0, 1], "notice-d", [2, 3])
+        await prefill.push_layer(reservation, third, [0, 1])
     assert np.array_equal(before, _allocation(decode)), "a layer of a failed request was written"
     with pytest.raises(WriteFailedError):
         await prefill.finish("r")
-    # After finish (or abort) the request id is free again.
-    decode.expect("r")
-    await prefill.push_layer("r", first, [0], "notice-d", [5])
+    # After finish (or abort) here and release there, the request id is free again.
+    await decode.release("r")
+    reservation = decode.expect("r", [5])
+    await prefill.push_layer(reservation, first, [0])
     await prefill.finish("r")
     completion = await decode.wait_for_kv("r", timeout=10.0)
     assert completion.nbytes == LAYOUT.layer(first).geometry.block_nbytes
@@ -77,17 +78,20 @@ async def test_a_failure_notice_never_reaches_a_newer_incarnation(
     agents: tuple[KVAgent, KVAgent, Settings],
 ) -> None:
     prefill, old, settings = agents
-    old_incarnation = old.incarnation
+    # The old life reserved the request's blocks, then ended.
+    old_reservation = old.expect("r", [4])
+    await old.release("r")
     await old.close()
     new = KVAgent("notice-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
     await new.start()
     try:
         prefill.add_peer(new.info)  # the directory now names the new life
-        new.expect("r")
+        reservation = new.expect("r", [4])
+        assert reservation.incarnation != old_reservation.incarnation
         waiting = asyncio.ensure_future(new.wait_for_kv("r", timeout=30.0))
-        await prefill.abort("r", "notice-d", "blocks of the old life", remote_incarnation=old_incarnation)
+        await prefill.abort(old_reservation, "blocks of the old life")
         assert prefill.stats["failure_notices_stale"] == 1
-        await prefill.push("r", [1], "notice-d", [4], remote_incarnation=new.incarnation)
+        await prefill.push(reservation, [1])
         completion = await asyncio.wait_for(waiting, 10.0)
         assert completion.request_id == "r"
         assert new.stats["completions_failed"] == 0

@@ -19,7 +19,7 @@ from conftest import pid_gone, wait_until
 from kvray.completion import ENDPOINT
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
-from kvray.errors import StaleIncarnationError, UnknownEngineError
+from kvray.errors import StaleIncarnationError, UnknownEngineError, WriteFailedError
 from kvray.layout import llama_gqa
 from kvray.wire import TransferDone, decode_engine_info, encode
 from kvray.workers import DecodeActor, PrefillActor
@@ -30,7 +30,7 @@ NUM_BLOCKS = 12
 NEVER_HANG_S = 90.0
 
 
-def _done(request_id: str, engine: str, incarnation: int, transfer_id: str) -> bytes:
+def _done(request_id: str, engine: str, incarnation: int, transfer_id: str, token: int) -> bytes:
     return encode(
         TransferDone(
             transfer_id=transfer_id,
@@ -40,6 +40,7 @@ def _done(request_id: str, engine: str, incarnation: int, transfer_id: str) -> b
             dst_engine=engine,
             dst_incarnation=incarnation,
             nbytes=1,
+            token=token,
         )
     )
 
@@ -66,12 +67,13 @@ def test_restarted_decode_refuses_its_old_life(
     # The holder pushes once into the old life: it now holds that life's descriptors (and, for
     # shm, a mapping of its memory).
     ray.get(holder.allocate.remote("warm", 2))
-    dst, old_incarnation = ray.get(old.reserve.remote("warm", 2))
+    warm = ray.get(old.reserve.remote("warm", 2))
+    old_incarnation = warm.incarnation
     waiting = old.wait.remote("warm", 30.0)
-    ray.get(holder.push.remote("warm", decode_id, dst, old_incarnation), timeout=NEVER_HANG_S)
+    ray.get(holder.push.remote(warm), timeout=NEVER_HANG_S)
     ray.get(waiting, timeout=NEVER_HANG_S)
     # Blocks reserved in the old life, for requests whose KV is not pushed yet.
-    reserved = {rid: ray.get(old.reserve.remote(rid, 3))[0] for rid in ("a", "b", "c")}
+    reserved = {rid: ray.get(old.reserve.remote(rid, 3)) for rid in ("a", "b", "c")}
 
     old_pid = ray.get(old.pid.remote())
     ray.kill(old)
@@ -96,12 +98,7 @@ def test_restarted_decode_refuses_its_old_life(
         ray.get(prefill.allocate.remote(request_id, 3))
         ray.get(prefill.fill_random.remote(request_id, ord(request_id)))
         with pytest.raises(StaleIncarnationError) as raised:
-            ray.get(
-                prefill.push.remote(
-                    request_id, decode_id, reserved[request_id], old_incarnation, layerwise=layerwise
-                ),
-                timeout=NEVER_HANG_S,
-            )
+            ray.get(prefill.push.remote(reserved[request_id], layerwise=layerwise), timeout=NEVER_HANG_S)
         assert raised.value.facts["stale_incarnation"] == old_incarnation
         refused.append(request_id)
     assert ray.get(new.snapshot.remote())[0][1].tobytes() == canaries[0][1].tobytes(), (
@@ -109,35 +106,50 @@ def test_restarted_decode_refuses_its_old_life(
     )
     assert ray.get([holder.free_count.remote(), fresh.free_count.remote()]) == [NUM_BLOCKS, NUM_BLOCKS]
 
-    # Completions naming the old incarnation, or a request the new life does not expect.
-    dst, incarnation = ray.get(new.reserve.remote("d", 2))
-    assert incarnation == new_incarnation
+    # Completions naming the old incarnation, or a request the new life does not expect, even
+    # with the request's own token; or the right request without its token. Through Ray the
+    # sender is told (the call raises); through the socket they are dropped silently.
+    reservation = ray.get(new.reserve.remote("d", 2))
+    assert reservation.incarnation == new_incarnation
+    token = reservation.token
     waiting = new.wait.remote("d", 30.0)
     info = decode_engine_info(ray.get(coordinator.lookup.remote(decode_id, 5.0))[0])
-    ray.get(new.kvray_notify.remote(_done("d", decode_id, old_incarnation, "stale-by-ray")))
+    with pytest.raises(StaleIncarnationError):
+        ray.get(new.kvray_notify.remote(_done("d", decode_id, old_incarnation, "stale-by-ray", token)))
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
-        sender.sendto(_done("d", decode_id, old_incarnation, "stale-by-socket"), info.endpoints[ENDPOINT])
         sender.sendto(
-            _done("nobody", decode_id, new_incarnation, "unknown-by-socket"), info.endpoints[ENDPOINT]
+            _done("d", decode_id, old_incarnation, "stale-by-socket", token), info.endpoints[ENDPOINT]
         )
-    ray.get(new.kvray_notify.remote(_done("nobody", decode_id, new_incarnation, "unknown-by-ray")))
+        sender.sendto(
+            _done("nobody", decode_id, new_incarnation, "unknown-by-socket", token), info.endpoints[ENDPOINT]
+        )
+        sender.sendto(_done("d", decode_id, new_incarnation, "forged-by-socket", 0), info.endpoints[ENDPOINT])
+    with pytest.raises(WriteFailedError):
+        ray.get(new.kvray_notify.remote(_done("nobody", decode_id, new_incarnation, "unknown-by-ray", token)))
+    with pytest.raises(WriteFailedError):
+        ray.get(new.kvray_notify.remote(_done("d", decode_id, new_incarnation, "forged-by-ray", token + 1)))
 
     def counted() -> bool:
         stats = ray.get(new.stats.remote())
-        return bool(stats["completions_dropped_stale"] == 2 and stats["completions_dropped_unknown"] == 2)
+        return bool(
+            stats["completions_dropped_stale"] == 2
+            and stats["completions_dropped_unknown"] == 2
+            and stats["completions_dropped_forged"] == 2
+        )
 
-    wait_until(counted, what="four forged completions dropped and counted")
+    wait_until(counted, what="six forged completions dropped and counted")
 
     # The real push resolves the wait: the forged completions did not.
     ray.get(holder.allocate.remote("d", 2))
     ray.get(holder.fill_random.remote("d", 4))
-    pushed = ray.get(holder.push.remote("d", decode_id, dst, new_incarnation), timeout=NEVER_HANG_S)
+    pushed = ray.get(holder.push.remote(reservation), timeout=NEVER_HANG_S)
     completion = ray.get(waiting, timeout=NEVER_HANG_S)
     assert completion.transfer_id == pushed.transfer_id
-    ray.get(new.kvray_notify.remote(_done("d", decode_id, new_incarnation, pushed.transfer_id)))  # a replay
-    wait_until(lambda: ray.get(new.stats.remote())["completions_dropped_unknown"] == 3, what="replay dropped")
+    with pytest.raises(WriteFailedError):  # a replay, token and all
+        ray.get(new.kvray_notify.remote(_done("d", decode_id, new_incarnation, pushed.transfer_id, token)))
+    assert ray.get(new.stats.remote())["completions_dropped_unknown"] == 3
     (offset, before), (_, after) = canaries[0], ray.get(new.snapshot.remote())[0]
-    mask = canary_mask(info, offset, before.size, [(dst, None)])
+    mask = canary_mask(info, offset, before.size, [(list(reservation.blocks), None)])
     assert np.array_equal(before[~mask], after[~mask])
     stats = ray.get(new.stats.remote())
     figures(
@@ -145,7 +157,7 @@ def test_restarted_decode_refuses_its_old_life(
         f"at the old incarnation refused with StaleIncarnationError (cached descriptors, reserved "
         f"incarnation only, layer-wise), 0 bytes written into the new backing; forged completions "
         f"dropped and counted: stale={stats['completions_dropped_stale']} "
-        f"unknown={stats['completions_dropped_unknown']}"
+        f"unknown={stats['completions_dropped_unknown']} forged={stats['completions_dropped_forged']}"
     )
     ray.get(new.release.remote("d"))
     for actor in (holder, fresh, new):

@@ -76,8 +76,8 @@ def _valid_encodings() -> list[bytes]:
     ids = {"transfer_id": "t", "request_id": "r", "src_engine": "p", "src_incarnation": 1}
     return [
         encode(info),
-        encode(TransferDone(**ids, dst_engine="d", dst_incarnation=5, nbytes=10)),
-        encode(TransferFailed(**ids, dst_engine="d", dst_incarnation=5, reason="x")),
+        encode(TransferDone(**ids, dst_engine="d", dst_incarnation=5, nbytes=10, token=7)),
+        encode(TransferFailed(**ids, dst_engine="d", dst_incarnation=5, reason="x", token=7)),
         encode(
             WriteOps(
                 transfer_id="w",
@@ -87,6 +87,7 @@ def _valid_encodings() -> list[bytes]:
                 remote_offsets=[0, 4096],
                 nbytes=[64, 64],
                 request_id="r",
+                token=7,
             )
         ),
     ]
@@ -454,6 +455,7 @@ def test_actors_fed_garbage_stay_up_and_write_nothing_unnamed(
                 count = int(rng.integers(1, 4))
                 request_id = f"push-{case}"
                 ray.get(prefill.allocate.remote(request_id, count))
+                reservation = ray.get(decode.reserve.remote(request_id, count))
                 if rng.random() < 0.5:
                     remote = rng.choice(8, count, replace=False).tolist()
                 else:
@@ -462,10 +464,15 @@ def test_actors_fed_garbage_stay_up_and_write_nothing_unnamed(
                     None if rng.random() < 0.5 else rng.choice([*layout.layer_names, "bogus"], 2).tolist()
                 )
                 incarnation = info.incarnation if rng.random() < 0.8 else info.incarnation + 1
+                token = reservation.token if rng.random() < 0.8 else reservation.token ^ 1
+                forged = msgspec.structs.replace(
+                    reservation, blocks=tuple(remote), incarnation=incarnation, token=token
+                )
                 try:
-                    ray.get(prefill.push.remote(request_id, "fuzz-d", remote, incarnation, layers=layers))
+                    ray.get(prefill.push.remote(forged, layers=layers))
                 finally:
                     written.append((remote, layers))  # may have landed (shm writes are one-sided)
+                    ray.get(decode.release.remote(request_id))
         except KvrayError as error:
             _outcome("actor", error)
         else:
