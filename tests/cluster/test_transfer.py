@@ -9,6 +9,7 @@ import itertools
 import random
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import ray
@@ -22,7 +23,7 @@ from kvray.errors import (
     UnknownEngineError,
 )
 from kvray.layout import READY_LAYOUTS, BlockOrder, Geometry, KVLayout, LayerSpec, llama_gqa
-from kvray.wire import TransportKind, decode_engine_info
+from kvray.wire import Reservation, TransportKind, decode_engine_info
 from kvray.workers import DecodeActor, PrefillActor
 
 pytestmark = pytest.mark.cluster
@@ -57,7 +58,8 @@ def test_concurrent_requests_land_exactly(
     before = ray.get([d.snapshot.remote() for d in decodes])
 
     rng = random.Random(f"{tag}")
-    requests = []  # (request id, prefill index, decode index, decode blocks, layers, expected bytes)
+    # (request id, prefill index, decode index, decode blocks, reservation, layers, expected bytes)
+    requests = []
     for n in range(8):
         request_id = f"{tag}-r{n}"
         p, d = rng.randrange(2), rng.randrange(2)
@@ -66,13 +68,14 @@ def test_concurrent_requests_land_exactly(
         src_blocks = ray.get(prefills[p].allocate.remote(request_id, count))
         ray.get(prefills[p].fill_random.remote(request_id, n))
         expected = ray.get(prefills[p].read_blocks.remote(src_blocks, layers))
-        dst_blocks, incarnation = ray.get(decodes[d].reserve.remote(request_id, count))
-        requests.append((request_id, p, d, dst_blocks, incarnation, layers, expected))
+        reservation = ray.get(decodes[d].reserve.remote(request_id, count))
+        assert reservation.engine_id == f"d{d}-{tag}"
+        requests.append((request_id, p, d, list(reservation.blocks), reservation, layers, expected))
 
     waits = [decodes[d].wait.remote(rid, 30) for rid, _, d, *_ in requests]
     pushes = [
-        prefills[p].push.remote(rid, f"d{d}-{tag}", blocks, inc, layers=layers, layerwise=(i % 2 == 1))
-        for i, (rid, p, d, blocks, inc, layers, _) in enumerate(requests)
+        prefills[p].push.remote(reservation, layers=layers, layerwise=(i % 2 == 1))
+        for i, (_, p, _, _, reservation, layers, _) in enumerate(requests)
     ]
     results = ray.get(pushes)
     completions = ray.get(waits)
@@ -117,9 +120,10 @@ def test_seed_bug_layers_of_one_geometry_land_apart(local_ray: None) -> None:
     ray.get(prefill.fill_random.remote("seed", 1))
     expected = ray.get(prefill.read_blocks.remote(src, [l0, l1]))
     assert not np.array_equal(expected[l0], expected[l1])
-    dst, inc = ray.get(decode.reserve.remote("seed", 3))
+    reservation = ray.get(decode.reserve.remote("seed", 3))
+    dst = list(reservation.blocks)
     waiting = decode.wait.remote("seed", 30)
-    ray.get(prefill.push.remote("seed", "d-seed", dst, inc, layers=[l0, l1]))
+    ray.get(prefill.push.remote(reservation, layers=[l0, l1]))
     ray.get(waiting)
     landed = ray.get(decode.read_blocks.remote(dst, [l0, l1]))
     assert np.array_equal(landed[l0], expected[l0])
@@ -151,8 +155,22 @@ def test_bad_pushes_are_refused_and_write_nothing(local_ray: None) -> None:
     before = ray.get(decode.snapshot.remote())
 
     def push(request_id: str, engine: str, blocks: list[int]) -> None:
+        """Push into `blocks` of `engine`: a reservation of the engine's, naming those blocks
+        (made up for an engine that does not exist)."""
         ray.get(prefill.allocate.remote(request_id, len(blocks)))
-        ray.get(prefill.push.remote(request_id, engine, blocks))
+        target = {"d-bad": decode, "d-other-geometry": stranger}.get(engine)
+        if target is None:
+            reservation = Reservation(
+                request_id=request_id, engine_id=engine, incarnation=1, blocks=tuple(blocks), token=1
+            )
+        else:
+            reserved = ray.get(target.reserve.remote(request_id, 1))
+            reservation = msgspec.structs.replace(reserved, blocks=tuple(blocks))
+        try:
+            ray.get(prefill.push.remote(reservation))
+        finally:
+            if target is not None:
+                ray.get(target.release.remote(request_id))
 
     with pytest.raises(UnknownEngineError) as unknown:
         push("r-unknown", "nobody", [0])
