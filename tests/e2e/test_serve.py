@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -566,3 +567,18 @@ def test_failures_behind_the_router_answer_the_documented_type_and_a_fixed_messa
     assert answer == (status, kind, kvray_serve.PUBLIC_MESSAGES[status])
     body = msgspec.json.encode({"error": answer[2], "type": answer[1], "request_id": "serve-1"})
     _check_public_error(status, body)
+
+
+def test_the_example_config_documents_every_option() -> None:
+    """examples/serve_config.yaml gives every `ServeOptions` field (so each is documented there),
+    its args build valid options, and it sets the proxy's HTTP request timeout above the app's."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_config.yaml"
+    config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert set(app["args"]) == set(kvray_serve.ServeOptions.__struct_fields__)
+    options = kvray_serve.ServeOptions.from_args(app["args"])
+    assert config["http_options"]["request_timeout_s"] > options.request_timeout_s
