@@ -1318,12 +1318,20 @@ class KVAgent:
         expectation.writer = writer
 
     async def accept_connection(self, request: bytes) -> bytes:
-        """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine."""
+        """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine
+        if the writer is a registered prefill engine at the incarnation it claims."""
         from kvray.transport.verbs import VerbsTransport
+
+        async def registered(engine_id: str, incarnation: int) -> EngineInfo:
+            peer = await self.peer(engine_id, wait_s=0)
+            if peer.info.incarnation != incarnation and self._coordinator is not None:
+                self.forget_peer(engine_id)  # what is cached may be an older life of the writer
+                peer = await self.peer(engine_id, wait_s=0)
+            return peer.info
 
         transport = self._transport(TransportKind.VERBS)
         assert isinstance(transport, VerbsTransport)
-        return await transport.accept(request, self.backing, self.info)
+        return await transport.accept(request, self.backing, self.info, registered)
 
     async def notify(self, message_bytes: bytes) -> None:
         """A completion or failure notice arriving through Ray (see `_receive`): one this engine

@@ -40,7 +40,7 @@ import secrets
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ import msgspec
 
 from kvray.config import Settings
 from kvray.errors import (
+    BackpressureError,
     KvrayError,
     MetadataError,
     PlanError,
@@ -929,9 +930,21 @@ class VerbsTransport(Transport):
 
     # ---- decode side ----
 
-    async def accept(self, request: bytes, backing: Backing, info: EngineInfo) -> bytes:
+    async def accept(
+        self,
+        request: bytes,
+        backing: Backing,
+        info: EngineInfo,
+        registered: Callable[[str, int], Awaitable[EngineInfo]],
+    ) -> bytes:
         """Answer a writer's `VerbsConnect` for the engine `info` describes (whose backing is
-        `backing`): a queue pair facing the writer's, ready to receive, and the regions' keys."""
+        `backing`): a queue pair facing the writer's, ready to receive, and the regions' keys.
+
+        A queue pair is a standing permission to write, so it is made only for a writer that is
+        a registered prefill engine at the incarnation it claims: `registered(engine_id,
+        incarnation)` returns that engine's current registration (looked up afresh when what is
+        known is another incarnation) or raises. At most `max_cached_peers` writers hold one
+        at a time; a writer connecting again replaces its own."""
         message = decode_verbs_handshake(request)
         if not isinstance(message, VerbsConnect):
             raise WireDecodeError("expected verbs_connect", field="$.type")
@@ -949,6 +962,20 @@ class VerbsTransport(Transport):
                 f"engine {info.engine_id!r} ({info.role.value}) exposes no writable region and takes "
                 "no RDMA connections",
                 engine_id=info.engine_id,
+            )
+        await self._check_writer(message, registered)
+        reconnecting = any(
+            accepted.src_engine == message.src_engine and accepted.dst_engine == info.engine_id
+            for accepted in self._accepted.values()
+        )
+        if not reconnecting and len(self._accepted) >= self.settings.max_cached_peers:
+            raise BackpressureError(
+                f"engine {info.engine_id!r} already holds RDMA connections from "
+                f"{len(self._accepted)} writers (max_cached_peers); {message.src_engine!r} must "
+                "wait until one closes, or raise max_cached_peers",
+                engine_id=info.engine_id,
+                src_engine=message.src_engine,
+                limit=self.settings.max_cached_peers,
             )
         self._start_poller()
         registration = self._registration(backing, remote_writable=True)
@@ -985,6 +1012,29 @@ class VerbsTransport(Transport):
                 ),
             )
         )
+
+    @staticmethod
+    async def _check_writer(
+        message: VerbsConnect, registered: Callable[[str, int], Awaitable[EngineInfo]]
+    ) -> None:
+        """Refuse a connection request whose claimed writer is not a registered prefill engine
+        at the incarnation it names."""
+        writer = await registered(message.src_engine, message.src_incarnation)
+        if writer.engine_id != message.src_engine or writer.role is not Role.PREFILL:
+            raise MetadataError(
+                f"an RDMA connection request names writer {message.src_engine!r}, which is "
+                f"registered as a {writer.role.value} engine; only prefill engines write",
+                engine_id=message.src_engine,
+            )
+        if writer.incarnation != message.src_incarnation:
+            raise StaleIncarnationError(
+                f"an RDMA connection request names incarnation {message.src_incarnation} of "
+                f"writer {message.src_engine!r}, which is registered at incarnation "
+                f"{writer.incarnation}; the writer must register before it connects",
+                engine_id=message.src_engine,
+                incarnation=writer.incarnation,
+                stale_incarnation=message.src_incarnation,
+            )
 
     def _post_recv(self, qp: Any) -> None:
         api = self.api

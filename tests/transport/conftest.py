@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ import pytest_asyncio
 import torch
 
 from kvray.config import Settings
-from kvray.errors import TransportUnavailableError
+from kvray.errors import TransportUnavailableError, UnknownEngineError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
@@ -124,9 +124,12 @@ class LocalVerbsHost:
     this engine (the suite's one transport is both the writer and the decode side, its queue pairs
     connected to each other). Errors cross back as Ray would carry them."""
 
-    def __init__(self, transport: Transport, engine: Engine) -> None:
+    def __init__(
+        self, transport: Transport, engine: Engine, registered: Callable[[str, int], Awaitable[EngineInfo]]
+    ) -> None:
         self.transport = transport
         self.engine = engine
+        self.registered = registered
         self.connects = 0
         self.kvray_connect = _RemoteMethod(self._connect)
 
@@ -136,7 +139,9 @@ class LocalVerbsHost:
         self.connects += 1
         assert isinstance(self.transport, VerbsTransport)
         try:
-            return await self.transport.accept(bytes(request), self.engine.backing, self.engine.info)
+            return await self.transport.accept(
+                bytes(request), self.engine.backing, self.engine.info, self.registered
+            )
         except Exception as error:
             raise _as_ray_task_error(error) from None
 
@@ -176,6 +181,8 @@ class TransportUnderTest:
     #: The fake RDMA network, for the `verbs-fake` parameter.
     fabric: Any = None
     _incarnations: Iterator[int] = field(default_factory=lambda: itertools.count(101))
+    #: The latest engine made under each id: the directory a decode side checks writers in.
+    engines: dict[str, Engine] = field(default_factory=dict)
 
     # ---- engines and plans ----
 
@@ -187,6 +194,7 @@ class TransportUnderTest:
         regions = self.transport.register(backing, engine_id, incarnation, remote_writable=remote_writable)
         info = backing.engine_info(engine_id, incarnation, role, "node-a", regions)
         engine = Engine(engine_id, incarnation, role, backing, info)
+        self.engines[engine_id] = engine
         self.refill(engine)
         return engine
 
@@ -217,8 +225,15 @@ class TransportUnderTest:
         if self.kind is TransportKind.RAY:
             host = LocalHost(engine.backing, engine.engine_id, engine.incarnation)
         elif self.kind is TransportKind.VERBS:
-            host = LocalVerbsHost(self.transport, engine)
+            host = LocalVerbsHost(self.transport, engine, self.registered)
         return Peer(info or engine.info, host=host)
+
+    async def registered(self, engine_id: str, incarnation: int) -> EngineInfo:
+        """An engine's current registration, as a decode agent's directory lookup returns it."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise UnknownEngineError(f"engine {engine_id!r} is not registered", engine_id=engine_id)
+        return engine.info
 
     def plan(
         self,

@@ -218,6 +218,7 @@ async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: 
         await prefill.start()
         assert decode.info.verbs is not None and prefill.info.verbs is None  # only decode engines publish
         prefill.add_peer(decode.info, AgentActorStandIn(decode))
+        decode.add_peer(prefill.info)  # the decode side takes connections from registered writers only
         peer = await prefill.peer("decode-0")
         assert prefill.choose_transport(peer) is TransportKind.VERBS
         same_node = Peer(msgspec.structs.replace(decode.info, node_id="node-a"))
@@ -265,7 +266,7 @@ async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
     before = fake.snapshot(destination)
     for garbage in (b"", b"\x93\x01\x02", pickle.dumps({"qp_num": 1}), encode(accept)):
         with pytest.raises(WireDecodeError):
-            await transport.accept(garbage, destination.backing, destination.info)
+            await transport.accept(garbage, destination.backing, destination.info, fake.registered)
     assert transport.stats["connections_accepted"] == 0
     fake.assert_unchanged(destination, before)
 
@@ -382,3 +383,80 @@ async def test_a_layerwise_rdma_push_completes_after_one_immediate_per_layer(
     finally:
         await prefill.close()
         await decode.close()
+
+
+# ---- who may open a queue pair: registered prefill engines, at their current incarnation --------
+
+
+def _connect_request(
+    transport: VerbsTransport, destination: Any, src_engine: str, src_incarnation: int
+) -> bytes:
+    from kvray.wire import VerbsConnect, encode
+
+    return encode(
+        VerbsConnect(
+            src_engine=src_engine,
+            src_incarnation=src_incarnation,
+            dst_engine=destination.engine_id,
+            dst_incarnation=destination.incarnation,
+            endpoint=transport.endpoint,
+            qp_num=4242,
+            psn=7,
+        )
+    )
+
+
+@pytest.mark.parametrize("claim", ["unregistered", "decode-engine", "old-incarnation", "future-incarnation"])
+async def test_accept_refuses_writers_that_are_not_registered_prefill_engines(
+    fake: TransportUnderTest, claim: str
+) -> None:
+    from kvray.errors import MetadataError, StaleIncarnationError, UnknownEngineError
+
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    old_source = fake.source(layout)
+    source = fake.source(layout)  # prefill-0 restarted: the directory names this life
+    destination = fake.destination(layout)
+    other_decode = fake.destination(layout, engine_id="decode-1")
+    transport = verbs(fake)
+    src_engine, src_incarnation, error = {
+        "unregistered": ("prefill-9", 1, UnknownEngineError),
+        "decode-engine": (other_decode.engine_id, other_decode.incarnation, MetadataError),
+        "old-incarnation": ("prefill-0", old_source.incarnation, StaleIncarnationError),
+        "future-incarnation": ("prefill-0", source.incarnation + 1, StaleIncarnationError),
+    }[claim]
+    request = _connect_request(transport, destination, src_engine, src_incarnation)
+    queue_pairs = len(fake.fabric.qps)
+
+    with pytest.raises(error):
+        await transport.accept(request, destination.backing, destination.info, fake.registered)
+
+    assert transport.stats["connections_accepted"] == 0
+    assert len(fake.fabric.qps) == queue_pairs
+    # The registered writer still connects and writes.
+    local, remote = fake.scattered(layout.num_blocks, 3)
+    before = fake.snapshot(destination)
+    plan = fake.plan(source, destination, local, remote)
+    await fake.write(plan, source, destination)
+    fake.assert_landed(plan, source, destination, before, local, remote)
+    assert transport.stats["connections_accepted"] == 1
+
+
+async def test_accept_holds_at_most_max_cached_peers_writers(fake: TransportUnderTest) -> None:
+    from kvray.errors import BackpressureError
+
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    transport = verbs(fake)
+    transport.settings = msgspec.structs.replace(transport.settings, max_cached_peers=1)
+    first, second = fake.source(layout), fake.source(layout, engine_id="prefill-1")
+    destination = fake.destination(layout)
+    local, remote = fake.scattered(layout.num_blocks, 3)
+    await fake.write(fake.plan(first, destination, local, remote), first, destination)
+    assert transport.stats["connections_accepted"] == 1
+
+    request = _connect_request(transport, destination, second.engine_id, second.incarnation)
+    with pytest.raises(BackpressureError, match="max_cached_peers"):
+        await transport.accept(request, destination.backing, destination.info, fake.registered)
+    # The writer that holds the one slot may connect again: it replaces its own queue pair.
+    again = _connect_request(transport, destination, first.engine_id, first.incarnation)
+    await transport.accept(again, destination.backing, destination.info, fake.registered)
+    assert transport.stats["connections_accepted"] == 2
