@@ -186,7 +186,7 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
             decode(payload)
         refused += 1
     with pytest.raises(WireDecodeError):
-        await Coordinator().register(payload)
+        await Coordinator().register(payload, None, b"registrant secret of 32 bytes...")
     refused += 1
     agent = KVAgent(
         "priv-local", Role.DECODE, mixed(4), settings=Settings(shm_dir=str(tmp_path)), use_coordinator=False
