@@ -11,6 +11,7 @@ import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -236,3 +237,56 @@ def test_cuda_backing_region_inside_allocation() -> None:
             first = view.data_ptr()
             assert region.address <= first < region.address + region.nbytes, name
         backing.close()
+
+
+@pytest.mark.parametrize(
+    "decode_process", [pytest.param((mixed(32), _devices()[0], False), id="forged-size")], indirect=True
+)
+@pytest.mark.parametrize("claim", ["64x-storage", "shifted-past-the-end"])
+def test_a_handle_claiming_more_than_its_allocation_is_refused(decode_process: Any, claim: str) -> None:
+    """The exporter's storage size and offsets are claims: the writer asks the driver how large
+    the opened allocation really is and refuses a region that leaves it, before any byte moves."""
+    from kvray.config import Settings
+    from kvray.errors import RegionError
+    from kvray.transport import Peer
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+    from kvray.wire import decode_cuda_ipc_handle
+
+    conn, info = decode_process
+    region = info.regions[0]
+    handle = decode_cuda_ipc_handle(region.handle)
+    if claim == "64x-storage":
+        forged_handle = msgspec.structs.replace(handle, storage_size=64 * handle.storage_size)
+        forged_region = msgspec.structs.replace(
+            region, handle=msgspec.msgpack.encode(forged_handle), length=64 * region.length
+        )
+    else:
+        # As long as it really is, but starting 1 GiB further in: past any allocation a test
+        # process makes, and a claimed storage that reaches that far.
+        shift = 1 << 30
+        forged_handle = msgspec.structs.replace(handle, storage_size=handle.storage_size + shift)
+        forged_region = msgspec.structs.replace(
+            region, handle=msgspec.msgpack.encode(forged_handle), handle_offset=region.handle_offset + shift
+        )
+    forged = msgspec.structs.replace(info, regions=(forged_region,))
+    layout = info.layout
+    source = _source(layout)
+    local = source.engine_info(
+        "prefill",
+        1,
+        Role.PREFILL,
+        "node",
+        source.region_descriptors("prefill", 1, region.transport, remote_writable=False),
+    )
+    conn.send("snapshot")
+    _, before = conn.recv()
+    plan = plan_transfer(local, forged, list(range(8)), list(range(24, 32)))
+    transport = CudaIpcTransport(Settings())
+    with pytest.raises(RegionError, match="did not export"):
+        asyncio.run(transport.write(plan, source, Peer(forged)))
+    conn.send("snapshot")
+    _, after = conn.recv()
+    assert np.array_equal(after, before), "a refused write changed bytes of the exporter"
+    # The honest description of the same memory still takes writes.
+    asyncio.run(transport.write(plan_transfer(local, info, [0], [1]), source, Peer(info)))
+    asyncio.run(transport.close())

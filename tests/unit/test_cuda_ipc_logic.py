@@ -161,3 +161,48 @@ async def test_a_cancelled_write_returns_only_once_its_copies_are_done(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(running.synchronized_on) == 1, "the write was cancelled with its copy still running"
+
+
+# ---- an exporter's claimed sizes are checked against the allocation the driver knows -------------
+
+
+@given(
+    st.integers(0, 2**40),
+    st.integers(1, 2**30),
+    st.integers(-(2**31), 2**31),
+    st.integers(1, 2**31),
+)
+def test_inside_allocation_is_exactly_containment(
+    allocation_start: int, allocation_nbytes: int, offset: int, region_nbytes: int
+) -> None:
+    from kvray.errors import RegionError
+    from kvray.transport.cuda_ipc import check_inside_allocation
+
+    inside = offset >= 0 and offset + region_nbytes <= allocation_nbytes
+    region_start = allocation_start + offset
+    if inside:
+        check_inside_allocation(
+            region_start, region_nbytes, (allocation_start, allocation_nbytes), engine_id="d", region=0
+        )
+    else:
+        with pytest.raises(RegionError, match="did not export") as raised:
+            check_inside_allocation(
+                region_start, region_nbytes, (allocation_start, allocation_nbytes), engine_id="d", region=0
+            )
+        assert raised.value.engine_id == "d" and raised.value.allocation_nbytes == allocation_nbytes
+
+
+def test_a_claim_of_twice_the_allocation_is_refused() -> None:
+    from kvray.errors import RegionError
+    from kvray.transport.cuda_ipc import check_inside_allocation
+
+    allocation = (0x7F0000000000, 512 * 1024)
+    check_inside_allocation(allocation[0], 512 * 1024, allocation, engine_id="d", region=0)
+    for start, nbytes in [
+        (allocation[0], 2 * 512 * 1024),  # twice its size
+        (allocation[0], 64 * 512 * 1024),
+        (allocation[0] + 4096, 512 * 1024),  # shifted past the end
+        (allocation[0] - 4096, 4096),  # before the start
+    ]:
+        with pytest.raises(RegionError):
+            check_inside_allocation(start, nbytes, allocation, engine_id="d", region=0)
