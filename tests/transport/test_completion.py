@@ -165,3 +165,49 @@ def test_the_outbox_still_reaches_a_real_inbox(tmp_path: Path) -> None:
 
     _run(asyncio.new_event_loop, main())
     assert received == [b"early", b"late"]
+
+
+# ---- a decode agent meets a notice nested deeper than Python recurses ---------------------------
+
+
+async def test_a_deeply_nested_notice_is_counted_as_malformed(tmp_path: Path) -> None:
+    from kvray.agent import KVAgent
+    from kvray.config import Settings
+    from kvray.errors import WireDecodeError
+    from kvray.layout import Geometry, KVLayout, LayerSpec
+    from kvray.wire import Role, TransferFailed, encode
+
+    layout = KVLayout(
+        layers=(LayerSpec(name="kv", geometry=Geometry(block_size=1, entry_shape=(64,), dtype="uint8")),),
+        num_blocks=4,
+    )
+    settings = Settings(shm_dir=str(tmp_path), transport="shm")
+    decode = KVAgent("d", Role.DECODE, layout, settings=settings, use_coordinator=False)
+    await decode.start()
+    try:
+        valid = encode(
+            TransferFailed(
+                transfer_id="t",
+                request_id="r",
+                src_engine="p",
+                src_incarnation=1,
+                dst_engine="d",
+                dst_incarnation=decode.incarnation,
+                reason="x",
+            )
+        )
+        # One more field in the map: 20,000 nested one-element arrays (under the inbox's 64 KiB).
+        nested = bytes([valid[0] + 1]) + valid[1:] + b"\xa7unknown" + b"\x91" * 20_000 + b"\x01"
+        with pytest.raises(WireDecodeError, match="nested too deep"):
+            await decode.notify(nested)  # through Ray: the sender is told
+        assert decode.stats["messages_malformed"] == 1
+        outbox = CompletionOutbox(str(tmp_path))
+        try:
+            await outbox.send(decode.info.endpoints["completion_socket"], nested)  # through the inbox
+            async with asyncio.timeout(10):
+                while decode.stats["messages_malformed"] < 2:
+                    await asyncio.sleep(0.01)
+        finally:
+            outbox.close()
+    finally:
+        await decode.close()
