@@ -10,7 +10,7 @@
     │   ├── UnknownLayerError        (never a fallback to offset 0: invariant 3)
     │   ├── StaleIncarnationError    (invariant 4)
     │   ├── RegistrationRefusedError an engine id is held by another live registrant
-    │   └── WireDecodeError (ValueError)
+    │   └── WireDecodeError (ValueError)  bytes from a peer are not one kvray message
     ├── PlanError (ValueError)       a transfer request cannot be planned
     │   ├── BlockIdError
     │   └── GeometryMismatchError
@@ -74,7 +74,8 @@ class BoundsError(RegionError):
 
 
 class MetadataError(KvrayError):
-    """A peer's engine description is missing, stale or inconsistent."""
+    """A peer's engine description is missing, stale or inconsistent: it decoded, but cannot
+    be honoured as a whole (`kvray.plan.validate_engine_info`)."""
 
 
 class UnknownEngineError(MetadataError):
@@ -95,7 +96,8 @@ class RegistrationRefusedError(MetadataError):
 
 
 class WireDecodeError(MetadataError, ValueError):
-    """Bytes from a peer are not a valid kvray message."""
+    """Bytes from a peer are not a valid kvray message: too large, not msgpack, nested too
+    deep, or a field missing, mistyped or out of its own range (see `kvray.wire`)."""
 
 
 class PlanError(KvrayError, ValueError):
