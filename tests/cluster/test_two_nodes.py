@@ -35,13 +35,13 @@ def test_auto_picks_ray_across_nodes(two_node_cluster: Any, canary_mask: Any, or
         src = ray.get(prefill.allocate.remote(request_id, 3 + n))
         ray.get(prefill.fill_random.remote(request_id, n))
         expected = ray.get(prefill.read_blocks.remote(src))
-        dst, incarnation = ray.get(decode.reserve.remote(request_id, 3 + n))
-        requests.append((request_id, dst, incarnation, expected))
+        reservation = ray.get(decode.reserve.remote(request_id, 3 + n))
+        requests.append((request_id, list(reservation.blocks), reservation, expected))
     waits = [decode.wait.remote(rid, 30) for rid, *_ in requests]
     results = ray.get(
         [
-            prefill.push.remote(rid, f"d-{order.value}", dst, inc, layerwise=bool(i % 2))
-            for i, (rid, dst, inc, _) in enumerate(requests)
+            prefill.push.remote(reservation, layerwise=bool(i % 2))
+            for i, (_, _, reservation, _) in enumerate(requests)
         ]
     )
     ray.get(waits)

@@ -85,9 +85,11 @@ def _transfer_and_check(
     src = ray.get(prefill.allocate.remote(request_id, count))
     ray.get(prefill.fill_random.remote(request_id, seed))
     expected = ray.get(prefill.read_blocks.remote(src))
-    dst, incarnation = ray.get(decode.reserve.remote(request_id, count))
+    reservation = ray.get(decode.reserve.remote(request_id, count))
+    assert reservation.engine_id == decode_id
+    dst = list(reservation.blocks)
     waiting = decode.wait.remote(request_id, 30.0)
-    result = ray.get(prefill.push.remote(request_id, decode_id, dst, incarnation), timeout=NEVER_HANG_S)
+    result = ray.get(prefill.push.remote(reservation), timeout=NEVER_HANG_S)
     ray.get(waiting, timeout=NEVER_HANG_S)
     landed = ray.get(decode.read_blocks.remote(dst))
     for layer, data in expected.items():
@@ -114,12 +116,12 @@ def test_prefill_killed_mid_transfer(
 
     src = ray.get(prefill.allocate.remote("doomed", 4))
     ray.get(prefill.fill_random.remote("doomed", 1))
-    dst, incarnation = ray.get(decode.reserve.remote("doomed", 4))
+    reservation = ray.get(decode.reserve.remote("doomed", 4))
     assert ray.get(decode.free_count.remote()) == NUM_BLOCKS - 4
     ray.get(prefill.hold_copies.remote(1))  # the first copy lands, the second waits
     started = time.monotonic()
     waiting = decode.wait.remote("doomed", WAIT_DEADLINE_S)
-    pushing = prefill.push.remote("doomed", decode_id, dst, incarnation)
+    pushing = prefill.push.remote(reservation)
     wait_until(lambda: ray.get(prefill.held.remote()) >= 1, what="a copy held mid-transfer")
     ray.kill(prefill)
 
@@ -137,7 +139,15 @@ def test_prefill_killed_mid_transfer(
     restarted = PrefillActor.remote(prefill_id, layout, settings)
     ray.get(restarted.start.remote())
     moved = _transfer_and_check(
-        restarted, decode, decode_id, "after", 3, 7, canary_mask, settings, also_written=[dst]
+        restarted,
+        decode,
+        decode_id,
+        "after",
+        3,
+        7,
+        canary_mask,
+        settings,
+        also_written=[list(reservation.blocks)],
     )
     assert ray.get(decode.free_count.remote()) == NUM_BLOCKS
     assert ray.get(restarted.free_count.remote()) == NUM_BLOCKS
@@ -166,11 +176,11 @@ def test_decode_killed_mid_transfer(
 
     ray.get(prefill.allocate.remote("doomed", 5))
     ray.get(prefill.fill_random.remote("doomed", 2))
-    dst, incarnation = ray.get(decode.reserve.remote("doomed", 5))
+    reservation = ray.get(decode.reserve.remote("doomed", 5))
     assert ray.get(prefill.free_count.remote()) == NUM_BLOCKS - 5
     ray.get(prefill.hold_copies.remote(1))
     started = time.monotonic()
-    pushing = prefill.push.remote("doomed", decode_id, dst, incarnation)
+    pushing = prefill.push.remote(reservation)
     wait_until(lambda: ray.get(prefill.held.remote()) >= 1, what="a copy held mid-transfer")
     ray.kill(decode)
     wait_until(_dropped(settings, decode_id), what="the coordinator dropping the dead decode")
@@ -224,10 +234,10 @@ def test_coordinator_killed_mid_workload(
                 src = ray.get(prefill.allocate.remote(request_id, 2))
                 ray.get(prefill.fill_random.remote(request_id, 100 * wave + 10 * p + d))
                 expected = ray.get(prefill.read_blocks.remote(src))
-                dst, incarnation = ray.get(decode.reserve.remote(request_id, 2))
+                reservation = ray.get(decode.reserve.remote(request_id, 2))
                 waiting = decode.wait.remote(request_id, 30.0)
-                pushing = prefill.push.remote(request_id, f"coord-d{d}", dst, incarnation)
-                launched.append((request_id, d, dst, expected, pushing, waiting))
+                pushing = prefill.push.remote(reservation)
+                launched.append((request_id, d, list(reservation.blocks), expected, pushing, waiting))
         return launched
 
     outcomes = {"landed": 0, "kvray_error": 0}

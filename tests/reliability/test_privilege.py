@@ -27,7 +27,7 @@ from kvray.coordinator import Coordinator, get_or_create_coordinator
 from kvray.errors import MetadataError, WireDecodeError
 from kvray.layout import BlockOrder, mixed
 from kvray.memory import SHM_PREFIX
-from kvray.wire import EngineInfo, Role, WriteOps, decode_engine_info, decode_message, encode
+from kvray.wire import EngineInfo, Reservation, Role, WriteOps, decode_engine_info, decode_message, encode
 from kvray.workers import DecodeActor, PrefillActor
 
 KVRAY = Path(__file__).resolve().parents[2] / "kvray"
@@ -52,10 +52,14 @@ def test_prefill_exposes_no_writable_region(local_ray: None, figures: Callable[[
     ray.get(prefill.fill_region.remote(3))
     before = ray.get(prefill.snapshot.remote())[0][1]
 
-    # Another engine pushing into it is refused before planning.
+    # Another engine pushing into it (a reservation made up, since a prefill engine makes
+    # none) is refused before planning.
     ray.get(other.allocate.remote("r", 2))
+    made_up = Reservation(
+        request_id="r", engine_id="priv-p", incarnation=info.incarnation, blocks=(0, 1), token=1
+    )
     with pytest.raises(MetadataError, match="no writable region"):
-        ray.get(other.push.remote("r", "priv-p", [0, 1]))
+        ray.get(other.push.remote(made_up))
     # A well-formed write sent straight to its actor is refused by the receiving side too.
     header = WriteOps(
         transfer_id="forged",
@@ -65,6 +69,7 @@ def test_prefill_exposes_no_writable_region(local_ray: None, figures: Callable[[
         remote_offsets=[0],
         nbytes=[64],
         request_id="r",
+        token=made_up.token,
     )
     with pytest.raises(MetadataError, match="not a decode engine"):
         ray.get(prefill.kvray_deliver.remote(encode(header), np.full(64, 7, dtype=np.uint8)))
