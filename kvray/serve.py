@@ -276,14 +276,15 @@ class HostCall(enum.Enum):
 
     DELIVER = "deliver"
     NOTIFY = "notify"
+    CLAIM = "claim"
 
 
 class ReplicaHost:
     """The Ray actor peers and the coordinator call for an agent that lives in a Serve replica.
 
     `kvray_watch` returns when the replica closes its agent (or fails when this actor dies with
-    the replica that owns it); `kvray_deliver` and `kvray_notify` are queued for the replica,
-    which takes them with `take` and answers with `answer`, each within a deadline.
+    the replica that owns it); `kvray_deliver`, `kvray_notify` and `kvray_claim` are queued for
+    the replica, which takes them with `take` and answers with `answer`, each within a deadline.
 
     `owner_token` is a random secret of the replica that creates the host: `take` and `answer`
     require it, so no other Ray client can take or answer a forwarded call, and call ids are
@@ -312,6 +313,9 @@ class ReplicaHost:
 
     async def kvray_notify(self, message: bytes) -> None:
         await self._forward(HostCall.NOTIFY, (message,), self._settings.notify_timeout_s)
+
+    async def kvray_claim(self, message: bytes) -> None:
+        await self._forward(HostCall.CLAIM, (message,), self._settings.notify_timeout_s)
 
     async def take(self, owner_token: bytes, wait_s: float) -> list[tuple[str, HostCall, tuple[Any, ...]]]:
         """The calls queued for the replica; waits up to `wait_s` for the first."""
@@ -536,6 +540,8 @@ class ReplicaEngine(Generic[W]):
         try:
             if call is HostCall.DELIVER:
                 value = await agent.deliver(*args)
+            elif call is HostCall.CLAIM:
+                await agent.claim(*args)
             else:
                 await agent.notify(*args)
         except Exception as failure:

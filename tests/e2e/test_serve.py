@@ -372,7 +372,7 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
     """A decode engine as a replica runs it (here in the test's process): a prefill worker pushes
     over the `ray` transport, so the write and its checks pass through the engine's host actor."""
     # No heartbeat during the test: a lost registration stays lost until looked at.
-    settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=600.0)
+    settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=300.0)
     options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
     engine = await kvray_serve.ReplicaEngine.start(DecodeWorker, "serve-host-d0", options)
     decode = engine.worker
@@ -535,6 +535,13 @@ async def test_replica_host_takes_and_answers_for_its_owner_alone_within_a_bound
     assert await pending[0] is None
     with pytest.raises(WireDecodeError):
         await pending[1]
+
+    # A writer's claim (verbs, from another node) is forwarded like a notice.
+    claim = asyncio.ensure_future(host.kvray_claim(b"claim"))
+    ((call_id, call, args),) = await host.take(owner, 1.0)
+    assert (call, args) == (kvray_serve.HostCall.CLAIM, (b"claim",))
+    await host.answer(owner, call_id, None, None)
+    assert await claim is None
 
 
 @pytest.mark.parametrize(
