@@ -66,7 +66,7 @@ def _check_secret(secret: object) -> bytes:
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         raise RegistrationRefusedError(
             f"a registrant proves itself with a random secret of at least {MIN_SECRET_BYTES} bytes "
-            "(KVAgent sends one); none was given"
+            "(KVAgent sends one); none, or a shorter one, was given"
         )
     return secret
 
@@ -211,8 +211,7 @@ class Coordinator:
         """Hold a call on the engine's host (an `AgentHost`): it returns when the agent closes and
         fails when the actor dies. Any other actor is probed until it is dead (its agent's close
         deregisters it and cancels this). Either way the engine incarnation leaves the directory.
-        (Reading a dead call on a plain actor as its death, as this once did, dropped every such
-        engine right after it registered, and it flickered back at each heartbeat.)"""
+        A plain actor has no `kvray_watch`, so a failed call on it says nothing about its life."""
         died = False
         try:
             try:
