@@ -83,9 +83,9 @@ def test_transfers_show_up_in_prometheus(metrics_url: str) -> None:
     for index, (source, transport) in enumerate([(prefill, "shm"), (prefill, "shm"), (ray_prefill, "ray")]):
         request = f"metrics-{index}"
         ray.get(source.allocate.remote(request, 2))
-        dst, incarnation = ray.get(decode.reserve.remote(request, 2))
+        reservation = ray.get(decode.reserve.remote(request, 2))
         waiting = decode.wait.remote(request, 30.0)
-        result = ray.get(source.push.remote(request, "metrics-d", dst, incarnation, timeout=30.0))
+        result = ray.get(source.push.remote(reservation, timeout=30.0))
         ray.get(waiting)
         assert result.transport.value == transport
         pushed[transport] += result.nbytes
