@@ -28,6 +28,9 @@ pytestmark = [
 ]
 
 CANARY_SEED = 1234
+#: The agent test's request: prefill blocks and the decode blocks they go to.
+LOCAL_BLOCKS = [3, 4, 5, 9]
+REMOTE_BLOCKS = [20, 21, 22, 0]
 
 
 def _pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -65,8 +68,9 @@ async def _decode_agent(conn: Connection, layout: KVLayout, device: int) -> None
     backing = Backing.allocate(layout, MemoryKind.CUDA, device=f"cuda:{device}")
     agent = KVAgent("decode", Role.DECODE, backing=backing, settings=Settings(), use_coordinator=False)
     info = await agent.start()
-    agent.expect("req")
+    reservation = agent.expect("req", REMOTE_BLOCKS)
     conn.send(encode(info))
+    conn.send(msgspec.msgpack.encode(reservation))
     completion = await agent.wait_for_kv("req", timeout=60)
     region = backing.regions[0]
     conn.send((completion.nbytes, region.tensor.cpu().numpy()))
@@ -197,16 +201,18 @@ def test_agents_push_over_cuda_ipc_and_complete(decode_process: Any) -> None:
     """Prefill and decode agents in two processes, no Ray: auto picks cuda_ipc, the completion
     arrives through the decode agent's inbox, the bytes are the prefill's."""
     from kvray.agent import KVAgent
-    from kvray.wire import TransportKind
+    from kvray.wire import Reservation, TransportKind
 
     conn, info = decode_process
+    reservation = msgspec.msgpack.decode(conn.recv(), type=Reservation)
+    assert reservation.blocks == tuple(REMOTE_BLOCKS)
     source = _source(info.layout)
 
     async def push() -> Any:
         agent = KVAgent("prefill", Role.PREFILL, backing=source, use_coordinator=False)
         await agent.start()
         agent.add_peer(info)
-        result = await agent.push("req", [3, 4, 5, 9], "decode", [20, 21, 22, 0])
+        result = await agent.push(reservation, LOCAL_BLOCKS)
         await agent.close()
         return result
 
@@ -218,7 +224,7 @@ def test_agents_push_over_cuda_ipc_and_complete(decode_process: Any) -> None:
     local_placements = source.placements
     for name, remote in info.placements.items():
         local_placement = local_placements[name]
-        for lb, rb in zip([3, 4, 5, 9], [20, 21, 22, 0], strict=True):
+        for lb, rb in zip(LOCAL_BLOCKS, REMOTE_BLOCKS, strict=True):
             for part in range(remote.parts):
                 lo, ro = local_placement.byte_offset(part, lb), remote.byte_offset(part, rb)
                 assert np.array_equal(region[ro : ro + remote.part_nbytes], src[lo : lo + remote.part_nbytes])
