@@ -223,6 +223,67 @@ def test_concurrent_requests_equal_colocated_generation(app_url: str) -> None:
         assert stats["used_blocks"] == 0 and stats["requests"] == 0, stats
 
 
+def _prefill_stats() -> list[dict[str, Any]]:
+    handle = serve.get_deployment_handle("Prefill", app_name="kvray")
+    return list(handle.broadcast("stats").results(timeout_s=30))
+
+
+def _disconnect_after(url: str, body: dict[str, Any], seconds: float) -> None:
+    """Send a whole request, then hang up after `seconds` without reading the answer (Serve's
+    proxy then cancels the request)."""
+    payload = msgspec.json.encode(body)
+    head = f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    connection = _raw_request(url, head)
+    connection.sendall(payload)
+    time.sleep(seconds)
+    connection.close()
+
+
+def test_cancelled_requests_never_change_another_requests_kv(app_url: str) -> None:
+    """Under concurrent load, requests cancelled by their deadline (a decode call given a few
+    milliseconds) and by their client hanging up (at random points of prefill, push and
+    decode) free their blocks on both sides, and no late write of theirs reaches the requests
+    that reuse those blocks: every request that completes equals colocated generation, token
+    for token, and nothing is left held or quarantined."""
+    decode = serve.get_deployment_handle("Decode", app_name="kvray")
+    rng = np.random.default_rng(7)
+    good = _prompts(24, seed=3)
+    long_prompt = [int(t) for t in rng.integers(0, 256, 40)]
+
+    def deadline_cancel(index: int) -> str:
+        deadline_s = 0.002 + 0.004 * (index % 5)
+        response = decode.generate.remote(f"cancel-deadline-{index}", long_prompt, 8, deadline_s)
+        try:
+            response.result(timeout_s=CLIENT_TIMEOUT_S)
+            return "done"
+        except Exception as error:  # the deadline: a kvray TransferTimeoutError (or the prefill's)
+            return type(error).__name__
+
+    def hang_up(index: int) -> str:
+        _disconnect_after(app_url, {"prompt": long_prompt, "max_tokens": 8}, 0.002 * (index % 20))
+        return "hung up"
+
+    with ThreadPoolExecutor(12) as pool:
+        cancelled = [pool.submit(deadline_cancel, i) for i in range(20)]
+        cancelled += [pool.submit(hang_up, i) for i in range(40)]
+        answers = list(pool.map(lambda item: _post(app_url, item[0]), good))
+        outcomes = [future.result() for future in cancelled]
+    for (body, tokens), response in zip(good, answers, strict=True):
+        _check_ok(response, tokens, body["max_tokens"])
+    assert outcomes.count("hung up") == 40
+    assert any(outcome != "done" for outcome in outcomes[:20]), "no request met its deadline"
+
+    def settled() -> bool:
+        decodes, prefills = _decode_stats(), _prefill_stats()
+        return all(s["used_blocks"] == 0 and s["quarantined_requests"] == 0 for s in decodes + prefills)
+
+    _wait_until(settled, "every block of every request back in its pool", seconds=30)
+    # Whatever a late push still tried after its request ended was refused, never written.
+    after = [_post(app_url, body) for body, _ in good[:6]]
+    for (body, tokens), response in zip(good[:6], after, strict=True):
+        _check_ok(response, tokens, body["max_tokens"])
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
