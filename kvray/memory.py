@@ -199,6 +199,8 @@ class Backing:
         self.placements = placements
         self.views = views
         self._closed = False
+        #: The private CUDA memory pool a `allocate`d CUDA backing lives in (see `_cuda_buffer`).
+        self.cuda_pool: object | None = None
 
     # ---- construction ------------------------------------------------------------------
 
@@ -220,6 +222,7 @@ class Backing:
         # One extra alignment unit guarantees an aligned start inside the allocation.
         alloc_nbytes = align_up(layout.nbytes, alignment) + alignment
         shm_path: str | None = None
+        pool: object | None = None
         if kind is MemoryKind.CPU:
             buffer = torch.empty(alloc_nbytes, dtype=torch.uint8)
             _advise_huge_pages(buffer.data_ptr(), alloc_nbytes)
@@ -228,9 +231,11 @@ class Backing:
         else:
             if not torch.cuda.is_available():
                 raise RegionError("a CUDA backing needs a CUDA device, and torch sees none")
-            buffer = torch.empty(alloc_nbytes, dtype=torch.uint8, device=device or "cuda")
+            buffer, pool = _cuda_buffer(alloc_nbytes, device or "cuda")
         try:
-            return cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
+            backing = cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
+            backing.cuda_pool = pool
+            return backing
         except BaseException:
             if shm_path is not None:
                 remove_owned(shm_path)
@@ -523,6 +528,22 @@ def create_owned_folder(shm_dir: str) -> str:
     """A fresh private folder (mode 0700) in `shm_dir`, kept until `remove_owned` or this
     process's exit, and never swept while this process lives."""
     return _create_owned(shm_dir, folder=True)
+
+
+def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor, object | None]:
+    """`nbytes` of device memory in a CUDA allocation of their own: torch's caching allocator
+    would otherwise carve other tensors of this process out of the same allocation, and a
+    peer that opens the backing's IPC handle can reach the whole allocation, not only the
+    exported bytes. A private memory pool that only ever serves this tensor keeps anything
+    else out of it. Returns the tensor and the pool, which must live as long as the backing."""
+    pool_class = getattr(torch.cuda, "MemPool", None)
+    use_pool = getattr(torch.cuda, "use_mem_pool", None)
+    if pool_class is None or use_pool is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    pool = pool_class()
+    with use_pool(pool, device=torch.device(device)):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer, pool
 
 
 def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:

@@ -296,3 +296,24 @@ def test_a_handle_claiming_more_than_its_allocation_is_refused(decode_process: A
     # The honest description of the same memory still takes writes.
     asyncio.run(transport.write(plan_transfer(local, info, [0], [1]), source, Peer(info)))
     asyncio.run(transport.close())
+
+
+def test_a_cuda_backing_has_its_allocation_to_itself() -> None:
+    """A peer that opens a backing's IPC handle can reach the whole CUDA allocation behind it,
+    whatever the handle claims: that allocation holds the backing alone, never another tensor
+    of the process (torch's caching allocator would otherwise carve others out of it)."""
+    from kvray.transport.cuda_ipc import cuda_allocation_range
+
+    freed = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")  # a cached segment to reuse
+    del freed
+    backings = [Backing.allocate(mixed(4), MemoryKind.CUDA) for _ in range(3)]
+    others = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (512, 1 << 16, 1 << 20, 3 << 20)]
+    try:
+        for backing in backings:
+            start, nbytes = cuda_allocation_range(backing.regions[0].address)
+            neighbours = others + [b.regions[0].tensor for b in backings if b is not backing]
+            for other in neighbours:
+                assert not start <= other.data_ptr() < start + nbytes, "another tensor shares the allocation"
+    finally:
+        for backing in backings:
+            backing.close()
