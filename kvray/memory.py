@@ -540,9 +540,12 @@ def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor,
     use_pool = getattr(torch.cuda, "use_mem_pool", None)
     if pool_class is None or use_pool is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    target = torch.device(device)
+    if target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     pool = pool_class()
-    with use_pool(pool, device=torch.device(device)):
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with use_pool(pool, device=target):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=target)
     return buffer, pool
 
 
