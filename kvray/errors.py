@@ -147,6 +147,7 @@ __all__ = [
     "KvrayError",
     "LayoutError",
     "MetadataError",
+    "NotExpectedError",
     "PlanError",
     "RegionError",
     "RegistrationRefusedError",

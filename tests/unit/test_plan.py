@@ -214,8 +214,8 @@ def test_ops_copy_exactly_the_selected_blocks_property(data: st.DataObject, make
     subset = data.draw(st.permutations(names), label="layers")[: data.draw(st.integers(1, len(names)))]
     chosen = data.draw(st.sampled_from([None, subset]), label="layers argument")
 
-    local = Backing.allocate(local_layout, alignment=64)
-    remote = Backing.allocate(remote_layout, alignment=64)
+    local = Backing.allocate(local_layout)
+    remote = Backing.allocate(remote_layout)
     local_info = make_info(local, "prefill-0", 1, Role.PREFILL)
     remote_info = make_info(remote, "decode-0", 1, Role.DECODE)
     plan = check_transfer(local, remote, local_info, remote_info, local_ids, remote_ids, chosen)

@@ -72,7 +72,7 @@ def infos(data: st.DataObject, make_info: Callable[..., EngineInfo]) -> tuple[En
             num_blocks=data.draw(st.integers(1, 24), label=f"{role.value} blocks"),
             block_order=data.draw(st.sampled_from(list(BlockOrder)), label=f"{role.value} order"),
         )
-        backing = Backing.allocate(layout, alignment=64)
+        backing = Backing.allocate(layout)
         sides.append(make_info(backing, f"{role.value}-0", 1, role))
         backing.close()
     return sides[0], sides[1]
