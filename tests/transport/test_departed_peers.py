@@ -178,8 +178,9 @@ async def test_a_lookup_refuses_a_bad_wait(directory: tuple[InProcess, Settings]
     prefill = KVAgent("lk-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
     await prefill.start()
     try:
-        with pytest.raises(ConfigError, match="wait_s"):
-            await prefill.peer("nobody", wait_s=wait_s)
+        async with asyncio.timeout(60):  # the test's own guard: an unchecked inf waits forever
+            with pytest.raises(ConfigError, match="wait_s"):
+                await prefill.peer("nobody", wait_s=wait_s)
     finally:
         await prefill.close()
 

@@ -120,21 +120,22 @@ async def test_agent_entries_refuse_bad_timeouts_before_a_byte_moves(
     agents: tuple[KVAgent, KVAgent], value: Any
 ) -> None:
     prefill, decode = agents
-    decode.backing.regions[0].allocation.numpy()[:] = 0xA5  # type: ignore[union-attr]
-    reservation = decode.expect("r", [2, 3])
-    before = _destination_bytes(decode)
-    first = LAYOUT.layer_names[0]
-    with pytest.raises(ConfigError, match="timeout"):
-        await prefill.push(reservation, [0, 1], timeout=value)
-    with pytest.raises(ConfigError, match="timeout"):
-        await prefill.push_layer(reservation, first, [0, 1], timeout=value)
-    with pytest.raises(ConfigError, match="timeout"):
-        await decode.wait_for_kv("r", timeout=value)
-    assert _destination_bytes(decode) == before
-    # The request is still expected and the push still goes through afterwards.
-    await prefill.push_layer(reservation, first, [0, 1], timeout=2.0)
-    with pytest.raises(ConfigError, match="timeout"):
-        await prefill.finish("r", timeout=value)
+    async with asyncio.timeout(60):  # the test's own guard: an unchecked NaN or inf may wait forever
+        decode.backing.regions[0].allocation.numpy()[:] = 0xA5  # type: ignore[union-attr]
+        reservation = decode.expect("r", [2, 3])
+        before = _destination_bytes(decode)
+        first = LAYOUT.layer_names[0]
+        with pytest.raises(ConfigError, match="timeout"):
+            await prefill.push(reservation, [0, 1], timeout=value)
+        with pytest.raises(ConfigError, match="timeout"):
+            await prefill.push_layer(reservation, first, [0, 1], timeout=value)
+        with pytest.raises(ConfigError, match="timeout"):
+            await decode.wait_for_kv("r", timeout=value)
+        assert _destination_bytes(decode) == before
+        # The request is still expected and the push still goes through afterwards.
+        await prefill.push_layer(reservation, first, [0, 1], timeout=2.0)
+        with pytest.raises(ConfigError, match="timeout"):
+            await prefill.finish("r", timeout=value)
 
 
 async def test_a_huge_wait_is_clamped_to_max_timeout_s(agents: tuple[KVAgent, KVAgent]) -> None:
