@@ -930,12 +930,6 @@ class KVAgent:
         key = (reservation.request_id, reservation.token)
         if key in self._remote_claims:
             return
-        if peer.host is None:
-            raise TransportError(
-                f"engine {peer.info.engine_id!r} has no host to claim request {reservation.request_id!r} "
-                "from; its agent must run in an AgentHost actor (or be added with a host)",
-                engine_id=peer.info.engine_id,
-            )
         claim = WriteClaim(
             request_id=reservation.request_id,
             token=reservation.token,
@@ -944,28 +938,39 @@ class KVAgent:
             dst_engine=reservation.engine_id,
             dst_incarnation=reservation.incarnation,
         )
+        await self._call_host(peer, f"the claim of {reservation.request_id!r}", "kvray_claim", encode(claim))
+        self._remote_claims.add(key)
+
+    async def _call_host(self, peer: Peer, what: str, method: str, message: bytes) -> None:
+        """One call to the actor hosting a peer's agent, within `notify_timeout_s`: a kvray error
+        the peer raised comes back as itself, a timeout as `TransferTimeoutError`, anything
+        else (its actor died) as `TransportError`."""
+        if peer.host is None:
+            raise TransportError(
+                f"engine {peer.info.engine_id!r} has no host to send {what} to; its agent must run in "
+                "an AgentHost actor (or be added with a host)",
+                engine_id=peer.info.engine_id,
+            )
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await peer.host.kvray_claim.remote(encode(claim))
+                await getattr(peer.host, method).remote(message)
         except KvrayError:
             raise
         except TimeoutError as error:
             raise TransferTimeoutError(
-                f"engine {peer.info.engine_id!r} did not answer the claim of {reservation.request_id!r} "
-                f"within {self.settings.notify_timeout_s} s",
+                f"engine {peer.info.engine_id!r} did not take {what} within "
+                f"{self.settings.notify_timeout_s} s",
                 engine_id=peer.info.engine_id,
                 timeout_s=self.settings.notify_timeout_s,
             ) from error
-        except Exception as error:
+        except Exception as error:  # e.g. the peer's actor died
             cause = getattr(error, "cause", None)
             if isinstance(cause, KvrayError):
                 raise cause from error
             raise TransportError(
-                f"could not claim {reservation.request_id!r} at engine {peer.info.engine_id!r}: "
-                f"{type(error).__name__}",
+                f"could not send {what} to engine {peer.info.engine_id!r}: {type(error).__name__}",
                 engine_id=peer.info.engine_id,
             ) from error
-        self._remote_claims.add(key)
 
     async def _write(
         self,
@@ -994,45 +999,28 @@ class KVAgent:
         return DatagramNotice(self._outbox, inbox, encode(notice))
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
+        what = f"a {type(message).__name__} notice"
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
-        same_node = peer.info.node_id == self.node_id
-        if not (inbox and same_node) and peer.host is None:
-            raise TransportError(
-                f"engine {peer.info.engine_id!r} has no host to notify; its agent must run in an "
-                "AgentHost actor (or be added with a host)",
-                engine_id=peer.info.engine_id,
-            )
+        if not inbox or peer.info.node_id != self.node_id:
+            await self._call_host(peer, what, "kvray_notify", encode(message))
+            return
+        if self._outbox is None:
+            self._outbox = CompletionOutbox(self.settings.shm_dir)
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                if inbox and same_node:
-                    if self._outbox is None:
-                        self._outbox = CompletionOutbox(self.settings.shm_dir)
-                    try:
-                        await self._outbox.send(inbox, encode(message))
-                    except TransportError as error:
-                        raise TransportError(
-                            f"could not notify engine {peer.info.engine_id!r}: {error}",
-                            engine_id=peer.info.engine_id,
-                            path=inbox,
-                        ) from error
-                else:
-                    await peer.host.kvray_notify.remote(encode(message))
-        except KvrayError:
-            raise
+                await self._outbox.send(inbox, encode(message))
         except TimeoutError as error:
             raise TransferTimeoutError(
-                f"engine {peer.info.engine_id!r} did not take a {type(message).__name__} notice "
-                f"within {self.settings.notify_timeout_s} s",
+                f"engine {peer.info.engine_id!r} did not take {what} within "
+                f"{self.settings.notify_timeout_s} s",
                 engine_id=peer.info.engine_id,
                 timeout_s=self.settings.notify_timeout_s,
             ) from error
-        except Exception as error:  # e.g. the peer's actor died, or it refused the notice
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, NotExpectedError | StaleIncarnationError):
-                raise cause from error
+        except TransportError as error:
             raise TransportError(
-                f"could not notify engine {peer.info.engine_id!r}: {type(error).__name__}",
+                f"could not notify engine {peer.info.engine_id!r}: {error}",
                 engine_id=peer.info.engine_id,
+                path=inbox,
             ) from error
 
     def _next_transfer_id(self, request_id: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+from process_probes import mappings_of, until
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
@@ -38,25 +39,6 @@ class InProcess:
     def __getattr__(self, name: str) -> SimpleNamespace:
         method: Callable[..., Coroutine[Any, Any, Any]] = getattr(self._target, name)
         return SimpleNamespace(remote=method)
-
-
-def mappings_of(path: str) -> int:
-    """How many mappings of the file `path` (removed or not) this process has."""
-    count = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip().removesuffix(" (deleted)") == path:
-                count += 1
-    return count
-
-
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll `predicate` on the loop (heartbeats run meanwhile); the guard only stops a hang."""
-    async with asyncio.timeout(30):
-        while not predicate():
-            await asyncio.sleep(0.01)
-    assert predicate(), what
 
 
 @pytest_asyncio.fixture(loop_scope="function")

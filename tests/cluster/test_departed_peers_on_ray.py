@@ -5,10 +5,10 @@ heartbeat the prefill agent unmaps their shared memory, so the kernel can return
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 import ray
+from process_probes import mappings_of, until
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
@@ -23,23 +23,6 @@ SETTINGS = Settings(
 )
 #: 16 MiB of KV per decode engine.
 LAYOUT = llama_gqa(64, num_layers=4, block_order=BlockOrder.LAYER_MAJOR)
-
-
-def mappings_of(path: str) -> int:
-    count = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip().removesuffix(" (deleted)") == path:
-                count += 1
-    return count
-
-
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(60):  # only stops a hang; heartbeats run every 0.2 s
-        while not predicate():
-            await asyncio.sleep(0.05)
-    assert predicate(), what
 
 
 async def test_departed_decode_engines_are_unmapped_at_the_next_heartbeat(local_ray: None) -> None:
