@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import socket
 import time
@@ -38,8 +39,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvray.claims import BOARD_NAME, ClaimBoard, ClaimClient
 from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
-from kvray.claims import ClaimBoard, ClaimClient
 from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
 from kvray.completion import CompletionInbox, CompletionOutbox, DatagramNotice
 from kvray.config import Settings
@@ -920,11 +921,30 @@ class KVAgent:
         key = (peer.info.engine_id, peer.info.incarnation)
         claims = self._claims.get(key)
         if claims is None:
+            self._check_board_path(peer, path)
             claims = self._claims[key] = ClaimClient(path, peer.info.engine_id)
         async with claims.hold(
             reservation.request_id, reservation.slot, reservation.token, self.settings.notify_timeout_s
         ):
             yield
+
+    def _check_board_path(self, peer: Peer, path: str) -> None:
+        """A peer's claim board must sit in its completion inbox's folder, which the outbox
+        checks is a private kvray folder of this user in the shared-memory folder."""
+        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT, "")
+        if not inbox or path != os.path.join(os.path.dirname(inbox), BOARD_NAME):
+            raise MetadataError(
+                f"engine {peer.info.engine_id!r} publishes its claim board at {path!r}, not beside its "
+                "completion inbox; kvray opens only the boards it creates",
+                engine_id=peer.info.engine_id,
+                path=path,
+            )
+        self._outbox_here().check_inbox(inbox)
+
+    def _outbox_here(self) -> CompletionOutbox:
+        if self._outbox is None:
+            self._outbox = CompletionOutbox(self.settings.shm_dir)
+        return self._outbox
 
     async def _claim_remote(self, peer: Peer, reservation: Reservation) -> None:
         key = (reservation.request_id, reservation.token)
@@ -994,9 +1014,7 @@ class KVAgent:
         inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
         if not inbox or peer.info.node_id != self.node_id:
             return None
-        if self._outbox is None:
-            self._outbox = CompletionOutbox(self.settings.shm_dir)
-        return DatagramNotice(self._outbox, inbox, encode(notice))
+        return DatagramNotice(self._outbox_here(), inbox, encode(notice))
 
     async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
         what = f"a {type(message).__name__} notice"
@@ -1004,11 +1022,9 @@ class KVAgent:
         if not inbox or peer.info.node_id != self.node_id:
             await self._call_host(peer, what, "kvray_notify", encode(message))
             return
-        if self._outbox is None:
-            self._outbox = CompletionOutbox(self.settings.shm_dir)
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self._outbox.send(inbox, encode(message))
+                await self._outbox_here().send(inbox, encode(message))
         except TimeoutError as error:
             raise TransferTimeoutError(
                 f"engine {peer.info.engine_id!r} did not take {what} within "

@@ -33,6 +33,8 @@ from kvray.errors import BackpressureError, NotExpectedError, TransportError
 
 #: Key of the claim board's path in `EngineInfo.endpoints`.
 ENDPOINT = "claim_board"
+#: The board's file name, inside the engine's private inbox folder (`kvray.completion`).
+BOARD_NAME = "claims"
 SLOT_NBYTES = 16
 #: The most slots a board may have (a writer maps the whole board).
 MAX_SLOTS = 1 << 20
@@ -60,7 +62,7 @@ class ClaimBoard:
     writer holds it. Not thread-safe: one event loop owns it."""
 
     def __init__(self, folder: str, slots: int) -> None:
-        self.path = os.path.join(folder, "claims")
+        self.path = os.path.join(folder, BOARD_NAME)
         self.slots = slots
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self._fd = os.open(self.path, flags, 0o600)

@@ -26,7 +26,14 @@ import pytest_asyncio
 from kvray.agent import KVAgent
 from kvray.claims import ClaimBoard, ClaimClient
 from kvray.config import Settings
-from kvray.errors import BoundsError, KvrayError, NotExpectedError, PlanError, TransferTimeoutError
+from kvray.errors import (
+    BoundsError,
+    KvrayError,
+    MetadataError,
+    NotExpectedError,
+    PlanError,
+    TransferTimeoutError,
+)
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel
 from kvray.wire import Role, TransferDone, WriteOps, encode
@@ -419,3 +426,34 @@ def test_a_board_refuses_more_requests_than_slots(tmp_path: Path) -> None:
             board.open(3)
     finally:
         board.dispose()
+
+
+async def test_a_claim_board_kvray_did_not_create_is_refused(
+    pair: tuple[KVAgent, KVAgent], tmp_path: Path
+) -> None:
+    """A forged board path (elsewhere, or a symbolic link where the board should be) moves no
+    byte: the writer opens only the board beside the peer's checked inbox, without following links."""
+    prefill, decode = pair
+    reservation = decode.expect("r", [4])
+    before = allocation(decode).copy()
+    board = decode.info.endpoints["claim_board"]
+    # Boards that would admit the write: the request's slot open under its token.
+    table = np.zeros((reservation.slot + 1, 2), dtype=np.uint64)
+    table[reservation.slot] = (reservation.token, 1)
+    elsewhere, beside = tmp_path / "claims", Path(board + "2")
+    for forged_path in (elsewhere, beside):
+        forged_path.write_bytes(table.tobytes())
+        endpoints = {**decode.info.endpoints, "claim_board": str(forged_path)}
+        forged = msgspec.structs.replace(decode.info, endpoints=endpoints)
+        prefill.add_peer(forged)
+        with pytest.raises(MetadataError, match="claim board"):
+            await prefill.push(reservation, [0])
+    beside.unlink()
+    os.rename(board, board + ".real")
+    os.symlink(board + ".real", board)
+    prefill.add_peer(decode.info)
+    with pytest.raises(KvrayError):
+        await prefill.push(reservation, [0])
+    np.testing.assert_array_equal(allocation(decode), before)
+    os.unlink(board)
+    os.rename(board + ".real", board)
