@@ -152,6 +152,6 @@ async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KV
     inbox._socket.close()
     os.unlink(inbox.path)
     # Found before the write (checking the claim board's folder) or at the notice.
-    with pytest.raises(TransportError, match="could not notify|is gone"):
+    with pytest.raises(TransportError, match=r"could not notify|is gone"):
         await prefill.push(reservation, local)
     await decode.release("orphan")
