@@ -9,8 +9,11 @@ out. The engine takes the slot's lock exclusively to close it, so closing waits 
 write that had started, and a write that starts later finds the slot closed and writes
 nothing. A request's blocks go back to the engine's pool only once its slot is closed.
 
-Slot `i` is bytes [16 i, 16 i + 16) of the file: the token (uint64), then 1 if open, else 0.
-Only the engine writes them, and only while it holds the slot's lock exclusively.
+Slot `i` is bytes [16 i, 16 i + 16) of the file: the token (uint64), then its state (uint64:
+1 open, 2 closing, 0 closed). Only the engine writes them: the token and the open and closed
+states while it holds the slot's lock exclusively; "closing" before it waits for that lock, so
+a write that would start (or join one of its own process) while the engine waits is refused
+instead of keeping the slot open.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ SLOT_NBYTES = 16
 MAX_SLOTS = 1 << 20
 _OPEN = 1
 _CLOSED = 0
+#: The engine is closing the slot and waits for the writers holding it: no new write may start.
+_CLOSING = 2
 
 
 def _lock(fd: int, kind: int, slot: int, *, wait: bool = False) -> bool:
@@ -111,6 +116,8 @@ class ClaimBoard:
         (or die); True once it is closed, False if a writer still held it at the deadline."""
         if self.try_close(slot):
             return True
+        # An aligned 8-byte store, read whole by writers that check it under their shared lock.
+        self._table[slot, 1] = _CLOSING
         deadline = time.monotonic() + timeout
         pause = 50e-6
         while time.monotonic() < deadline:

@@ -122,6 +122,14 @@ async def test_release_waits_for_a_writer_holding_the_claim(pair: tuple[KVAgent,
     releasing = asyncio.ensure_future(decode.release("r"))
     await asyncio.sleep(0.1)
     assert not releasing.done(), "release returned while a writer still held the request"
+    # While the engine waits, no other write of the request starts: not one joining the held
+    # claim in this process, not one through another file description.
+    other = ClaimClient(decode.info.endpoints["claim_board"], "c-d")
+    for client in (writer, other):
+        with pytest.raises(NotExpectedError):
+            async with client.hold("r", reservation.slot, reservation.token, timeout=1.0):
+                pytest.fail("a write started while the engine was closing the request")
+    other.close()
     await held.__aexit__(None, None, None)
     await asyncio.wait_for(releasing, 2.0)
     with pytest.raises(NotExpectedError):
