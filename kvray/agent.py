@@ -972,17 +972,10 @@ class KVAgent:
                 engine_id=peer.info.engine_id,
             )
         try:
-            async with asyncio.timeout(self.settings.notify_timeout_s):
+            async with self._notify_deadline(peer, what):
                 await getattr(peer.host, method).remote(message)
         except KvrayError:
             raise
-        except TimeoutError as error:
-            raise TransferTimeoutError(
-                f"engine {peer.info.engine_id!r} did not take {what} within "
-                f"{self.settings.notify_timeout_s} s",
-                engine_id=peer.info.engine_id,
-                timeout_s=self.settings.notify_timeout_s,
-            ) from error
         except Exception as error:  # e.g. the peer's actor died
             cause = getattr(error, "cause", None)
             if isinstance(cause, KvrayError):
@@ -1011,33 +1004,47 @@ class KVAgent:
     def _early_notice(self, peer: Peer, notice: TransferDone) -> DatagramNotice | None:
         """A completion notice the transport may send from its copy thread the moment the last
         byte lands (same node, through the peer's inbox; see `Transport.write_then`)."""
-        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
-        if not inbox or peer.info.node_id != self.node_id:
+        inbox = self._inbox_here(peer)
+        if inbox is None:
             return None
         return DatagramNotice(self._outbox_here(), inbox, encode(notice))
 
-    async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
-        what = f"a {type(message).__name__} notice"
-        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
-        if not inbox or peer.info.node_id != self.node_id:
-            await self._call_host(peer, what, "kvray_notify", encode(message))
-            return
+    @contextlib.asynccontextmanager
+    async def _notify_deadline(self, peer: Peer, what: str) -> AsyncIterator[None]:
+        """`notify_timeout_s` for one message to a peer; passing it is `TransferTimeoutError`."""
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self._outbox_here().send(inbox, encode(message))
+                yield
         except TimeoutError as error:
+            if isinstance(error, KvrayError):  # the peer's own timeout, already worded
+                raise
             raise TransferTimeoutError(
                 f"engine {peer.info.engine_id!r} did not take {what} within "
                 f"{self.settings.notify_timeout_s} s",
                 engine_id=peer.info.engine_id,
                 timeout_s=self.settings.notify_timeout_s,
             ) from error
-        except TransportError as error:
-            raise TransportError(
-                f"could not notify engine {peer.info.engine_id!r}: {error}",
-                engine_id=peer.info.engine_id,
-                path=inbox,
-            ) from error
+
+    def _inbox_here(self, peer: Peer) -> str | None:
+        """The peer's completion inbox, when it is on this node (else notices go through Ray)."""
+        inbox = peer.info.endpoints.get(COMPLETION_ENDPOINT)
+        return inbox if inbox and peer.info.node_id == self.node_id else None
+
+    async def _send(self, peer: Peer, message: TransferDone | TransferFailed) -> None:
+        what = f"a {type(message).__name__} notice"
+        inbox = self._inbox_here(peer)
+        if inbox is None:
+            await self._call_host(peer, what, "kvray_notify", encode(message))
+            return
+        async with self._notify_deadline(peer, what):
+            try:
+                await self._outbox_here().send(inbox, encode(message))
+            except TransportError as error:
+                raise TransportError(
+                    f"could not notify engine {peer.info.engine_id!r}: {error}",
+                    engine_id=peer.info.engine_id,
+                    path=inbox,
+                ) from error
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1
@@ -1093,12 +1100,7 @@ class KVAgent:
 
     async def _end_writes(self, request_id: str, expectation: _Expectation) -> None:
         await self._wait_writes_end(request_id)
-        if await self._remote_writer_done(expectation) and (
-            expectation.slot < 0
-            or self._board is None
-            or await self._board.close(expectation.slot, self.settings.transfer_timeout_s)
-        ):
-            self._forget_rdma(request_id)
+        if await self._writes_ended(request_id, expectation):
             return
         self.quarantined[request_id] = asyncio.Event()
         self.stats["releases_quarantined"] += 1
@@ -1112,6 +1114,22 @@ class KVAgent:
             engine_id=self.engine_id,
             timeout_s=self.settings.transfer_timeout_s,
         )
+
+    async def _writes_ended(self, request_id: str, expectation: _Expectation) -> bool:
+        """True once no write for the request can land: a writer on another node that claimed
+        it is done, and its slot in the claim board is closed (each awaited up to
+        `transfer_timeout_s`)."""
+        if not await self._remote_writer_done(expectation):
+            return False
+        board = self._board
+        if (
+            expectation.slot >= 0
+            and board is not None
+            and not await board.close(expectation.slot, self.settings.transfer_timeout_s)
+        ):
+            return False
+        self._forget_rdma(request_id)
+        return True
 
     async def _remote_writer_done(self, expectation: _Expectation) -> bool:
         """True once a writer on another node that claimed the request has sent its notice, or
@@ -1135,15 +1153,9 @@ class KVAgent:
         return False
 
     async def _release_later(self, request_id: str, expectation: _Expectation) -> None:
-        board = self._board
         self._releasing[request_id] = expectation
         while not self._closed.is_set():
-            if await self._remote_writer_done(expectation) and (
-                expectation.slot < 0
-                or board is None
-                or await board.close(expectation.slot, self.settings.transfer_timeout_s)
-            ):
-                self._forget_rdma(request_id)
+            if await self._writes_ended(request_id, expectation):
                 self._releasing.pop(request_id, None)
                 self.quarantined.pop(request_id).set()
                 return
@@ -1296,13 +1308,7 @@ class KVAgent:
             self.metrics.dropped(DropReason.MALFORMED)
             raise
         if claim.dst_engine != self.engine_id or claim.dst_incarnation != self.incarnation:
-            raise StaleIncarnationError(
-                f"claim for {claim.dst_engine!r} incarnation {claim.dst_incarnation} reached "
-                f"{self.engine_id!r} incarnation {self.incarnation}",
-                engine_id=self.engine_id,
-                incarnation=self.incarnation,
-                stale_incarnation=claim.dst_incarnation,
-            )
+            raise self._misaddressed("claim", claim.dst_engine, claim.dst_incarnation)
         expectation = self._pending.get(claim.request_id)
         if expectation is None or expectation.future.done() or expectation.token != claim.token:
             self.stats["claims_refused"] += 1
@@ -1343,6 +1349,15 @@ class KVAgent:
         learns the request was not completed."""
         self._receive(message_bytes, strict=True)
 
+    def _misaddressed(self, what: str, engine_id: str, incarnation: int) -> StaleIncarnationError:
+        return StaleIncarnationError(
+            f"{what} for {engine_id!r} incarnation {incarnation} reached {self.engine_id!r} "
+            f"incarnation {self.incarnation}",
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            stale_incarnation=incarnation,
+        )
+
     def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
         self.stats[stat] += 1
         self.metrics.dropped(reason)
@@ -1370,13 +1385,7 @@ class KVAgent:
                 DropReason.STALE,
                 "completions_dropped_stale",
                 strict,
-                StaleIncarnationError(
-                    f"notice for {message.dst_engine!r} incarnation {message.dst_incarnation} reached "
-                    f"{self.engine_id!r} incarnation {self.incarnation}",
-                    engine_id=self.engine_id,
-                    incarnation=self.incarnation,
-                    stale_incarnation=message.dst_incarnation,
-                ),
+                self._misaddressed("notice", message.dst_engine, message.dst_incarnation),
             )
             return
         expectation = self._pending.get(message.request_id)

@@ -80,10 +80,6 @@ class ClaimBoard:
         self._table = np.frombuffer(self._mm, dtype=np.uint64).reshape(slots, 2)
         self._free: deque[int] = deque(range(slots))
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def open(self, token: int) -> int:
         """A slot holding `token`, open to writers."""
         # A closed slot can still be read-locked for a moment by a writer that came too late
@@ -118,6 +114,8 @@ class ClaimBoard:
             return True
         # An aligned 8-byte store, read whole by writers that check it under their shared lock.
         self._table[slot, 1] = _CLOSING
+        # Polled: a lock gives the event loop nothing to wait on, and a thread blocked in
+        # F_OFD_SETLKW could not be abandoned at the deadline.
         deadline = time.monotonic() + timeout
         pause = 50e-6
         while time.monotonic() < deadline:

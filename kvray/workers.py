@@ -227,9 +227,7 @@ class _Worker(AgentHost):
             return await asyncio.shield(compute)
         finally:
             # The thread writes into these blocks until it ends, cancelled caller or not.
-            while not compute.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(compute)
+            await _outlast(compute)
             self.pool.free(blocks)
 
     def _model(self) -> ReferenceModel:
@@ -246,6 +244,15 @@ class _Worker(AgentHost):
             for region in self.kvray_agent.backing.regions
             if region.allocation is not None
         ]
+
+
+async def _outlast(future: asyncio.Future[Any]) -> None:
+    """Return once `future` is done, whatever it raised and however often the caller is
+    cancelled meanwhile (the caller's own cancellation goes on from where it was raised): the
+    thread or pushes behind it may still touch a request's blocks."""
+    while not future.done():
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(future)
 
 
 def _blocks_of(view: torch.Tensor, blocks: Sequence[int], parts: int) -> torch.Tensor:
@@ -450,10 +457,7 @@ class PrefillWorker(_Worker):
         if compute is not None and not compute.done():
             waiting.append(compute)
         if waiting:
-            gathered = asyncio.gather(*waiting, return_exceptions=True)
-            while not gathered.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(gathered)
+            await _outlast(asyncio.gather(*waiting, return_exceptions=True))
 
 
 class DecodeWorker(_Worker):
@@ -526,9 +530,8 @@ class DecodeWorker(_Worker):
             tokens = await asyncio.shield(compute)
         finally:
             # The thread writes the new tokens' KV into these blocks: they wait for it.
-            while compute is not None and not compute.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(compute)
+            if compute is not None:
+                await _outlast(compute)
             await self._shielded_release(request_id)
         return DecodeResult(
             tokens=tokens,
