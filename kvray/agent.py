@@ -1249,22 +1249,26 @@ class KVAgent:
         if expectation is None or expectation.future.done():
             # Its wait ended (done, failed, timed out) or it was never reserved: its blocks may
             # belong to another request by now.
-            self.stats["writes_refused_unexpected"] += 1
-            self.metrics.dropped(DropReason.UNEXPECTED_WRITE)
-            raise NotExpectedError(
-                f"engine {self.engine_id!r} does not expect KV for request {request_id!r} (never "
-                "reserved, or its wait has ended); nothing was written",
-                request_id=request_id,
-                engine_id=self.engine_id,
+            raise self._counted(
+                DropReason.UNEXPECTED_WRITE,
+                "writes_refused_unexpected",
+                NotExpectedError(
+                    f"engine {self.engine_id!r} does not expect KV for request {request_id!r} (never "
+                    "reserved, or its wait has ended); nothing was written",
+                    request_id=request_id,
+                    engine_id=self.engine_id,
+                ),
             )
         if message.token != expectation.token:
-            self.stats["writes_refused_forged"] += 1
-            self.metrics.dropped(DropReason.FORGED)
-            raise NotExpectedError(
-                f"a write for request {request_id!r} did not carry its reservation's token; "
-                "nothing was written",
-                request_id=request_id,
-                engine_id=self.engine_id,
+            raise self._counted(
+                DropReason.FORGED,
+                "writes_refused_forged",
+                NotExpectedError(
+                    f"a write for request {request_id!r} did not carry its reservation's token; "
+                    "nothing was written",
+                    request_id=request_id,
+                    engine_id=self.engine_id,
+                ),
             )
         self._writing[request_id] += 1
         try:
@@ -1358,9 +1362,14 @@ class KVAgent:
             stale_incarnation=incarnation,
         )
 
-    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
+    def _counted(self, reason: DropReason, stat: str, error: KvrayError) -> KvrayError:
+        """`error`, after counting what it refuses (in `stats` and the drop metric)."""
         self.stats[stat] += 1
         self.metrics.dropped(reason)
+        return error
+
+    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
+        self._counted(reason, stat, error)
         if strict:
             raise error
 
