@@ -12,11 +12,17 @@ import enum
 import functools
 import math
 from collections.abc import Mapping
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, overload
 
 import msgspec
 
 from kvray.errors import LayoutError, UnknownLayerError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    Int64Array = npt.NDArray[np.int64]
 
 #: Bytes per element of every dtype a geometry may use.
 DTYPE_ITEMSIZE: Mapping[str, int] = {
@@ -47,8 +53,18 @@ MAX_LAYERS = 1024
 SEGMENT_ALIGNMENT = 64
 
 
+@overload
+def ceil_div(numerator: int, denominator: int) -> int: ...
+@overload
+def ceil_div(numerator: Int64Array, denominator: int) -> Int64Array: ...
+def ceil_div(numerator: int | Int64Array, denominator: int) -> int | Int64Array:
+    """`numerator / denominator` rounded up (a positive `denominator`), in integers only: exact
+    for any byte count, where `math.ceil` of a float is not. Element-wise on an array."""
+    return -(-numerator // denominator)
+
+
 def align_up(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
+    return ceil_div(value, alignment) * alignment
 
 
 def align_down(value: int, alignment: int) -> int:

@@ -649,7 +649,7 @@ _HUGE_PAGE = 2 * 1024 * 1024
 def huge_page_span(address: int, nbytes: int) -> tuple[int, int] | None:
     """The 2 MiB-aligned (start, length) inside [address, address + nbytes), or None when the
     allocation holds no whole huge page."""
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    start = align_up(address, _HUGE_PAGE)
     length = (address + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
     return (start, length) if length > 0 else None
 

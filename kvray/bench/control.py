@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 
 from kvray.bench.workload import deepseek_request
-from kvray.layout import BlockOrder, KVLayout
+from kvray.layout import BlockOrder, KVLayout, align_up, ceil_div
 from kvray.plan import OffsetCache, plan_transfer
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 
 def engine_info(layout: KVLayout, engine_id: str, role: Role) -> EngineInfo:
     """An engine description with one region exactly the layout's size (no memory needed)."""
-    length = -(-layout.nbytes // 4096) * 4096
+    length = align_up(layout.nbytes, 4096)
     region = RegionDescriptor(
         engine_id=engine_id,
         incarnation=1,
@@ -126,7 +126,7 @@ def plan_figures(tokens: int, repeat: int) -> dict[str, Any]:
         }
         rows.append({"order": order.value, "case": "ops", **ops})
     return {
-        "request": f"DeepSeek-V3, {tokens} tokens ({-(-tokens // 64)} scattered blocks of 64, pool 1.5x)",
+        "request": f"DeepSeek-V3, {tokens} tokens ({ceil_div(tokens, 64)} scattered blocks of 64, pool 1.5x)",
         "repeat": repeat,
         "rows": rows,
     }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, deepseek_v3
+from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, ceil_div, deepseek_v3
 
 ByteArray = npt.NDArray[np.uint8]
 IdArray = npt.NDArray[np.int64]
@@ -151,7 +151,7 @@ def uniform(key: str, family: str, total_nbytes: int, block_nbytes: int, seed: i
 def deepseek_request(tokens: int, seed: int, block_order: BlockOrder = BlockOrder.LAYER_MAJOR) -> Workload:
     """A DeepSeek-V3-style request (61 MLA layers + indexer, 64 tokens a block), scattered over a
     pool half as large again (an 8k-token request is 550 MB, its pool 825 MB a side)."""
-    count = -(-tokens // 64)
+    count = ceil_div(tokens, 64)
     pool = count + max(1, count // 2)
     layout = deepseek_v3(pool, block_order)
     src, dst = _scattered(pool, count, seed)

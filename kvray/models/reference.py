@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvray.errors import BlockIdError, ConfigError, LayoutError
-from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec
+from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, ceil_div
 from kvray.memory import TORCH_DTYPES
 
 #: The name of the indexer's cache layer.
@@ -242,7 +242,7 @@ class ReferenceModel:
         return KVLayout(layers=layers, num_blocks=num_blocks, block_order=block_order)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
+        return ceil_div(num_tokens, self.config.block_size)
 
     # ---- generation --------------------------------------------------------------------
 

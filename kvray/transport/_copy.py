@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.completion import DatagramNotice, resolve_once
+from kvray.layout import ceil_div
 
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
@@ -110,7 +111,7 @@ async def scatter_copy_async(
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="kvray-copy")
     loop = asyncio.get_running_loop()
-    share_nbytes = -(-total // threads)
+    share_nbytes = ceil_div(total, threads)
     if int(nbytes.max()) > share_nbytes:
         dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
     # Cut at op boundaries: with every op at most one share, each cut is off by less than one.

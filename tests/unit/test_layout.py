@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,8 @@ from kvray.layout import (
     KVLayout,
     LayerPlacement,
     LayerSpec,
+    align_up,
+    ceil_div,
     deepseek_v3,
     llama_gqa,
     per_layer_placement,
@@ -26,6 +29,17 @@ from kvray.layout import (
 MLA = Geometry(block_size=64, entry_shape=(576,), dtype="bfloat16")
 INDEXER = Geometry(block_size=64, entry_shape=(132,), dtype="uint8")
 LLAMA_KV = Geometry(block_size=16, entry_shape=(8, 128), dtype="float16", parts=2)
+
+
+# ---- rounding -------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 2**70), st.integers(1, 2**40))
+def test_ceil_div_and_align_up_are_exact(value: int, divisor: int) -> None:
+    quotient = ceil_div(value, divisor)
+    assert quotient - 1 < Fraction(value, divisor) <= quotient
+    aligned = align_up(value, divisor)
+    assert aligned % divisor == 0 and value <= aligned < value + divisor
 
 
 # ---- geometry sizes -------------------------------------------------------------------------

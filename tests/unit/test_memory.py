@@ -803,7 +803,7 @@ def test_huge_page_advice_stays_inside_the_allocation(address: int, nbytes: int)
     huge = 2 * 1024 * 1024
     if span is None:
         # No whole 2 MiB page fits.
-        first = -(-address // huge) * huge
+        first = align_up(address, huge)
         assert first + huge > address + nbytes
         return
     start, length = span
