@@ -33,7 +33,7 @@ from kvray.errors import (
     UnknownLayerError,
     WireDecodeError,
 )
-from kvray.layout import Geometry, LayerPlacement
+from kvray.layout import Geometry, LayerPlacement, ceil_div
 from kvray.wire import MAX_REGIONS, EngineInfo, writer_target
 
 _native: ModuleType | None
@@ -745,6 +745,22 @@ def _merge_numpy(ops: OpTable, order: Int64Array | None) -> OpTable:
         remote_region[run_starts],
         remote_offset[run_starts],
         np.add.reduceat(nbytes, run_starts),
+    )
+
+
+def split_ops(
+    dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, piece_nbytes: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The same copies, in order, with every op longer than `piece_nbytes` cut into pieces of at
+    most `piece_nbytes` (so that the threads or kernel programs sharing a batch get even work)."""
+    pieces = ceil_div(nbytes, piece_nbytes)
+    op = np.repeat(np.arange(nbytes.size, dtype=np.int64), pieces)
+    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1])).astype(np.int64)
+    delta = (np.arange(op.size, dtype=np.int64) - first_piece[op]) * piece_nbytes
+    return (
+        dst_offsets[op] + delta,
+        src_offsets[op] + delta,
+        np.minimum(nbytes[op] - delta, piece_nbytes),
     )
 
 

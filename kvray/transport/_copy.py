@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from kvray.completion import DatagramNotice, resolve_once
 from kvray.layout import ceil_div
+from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
@@ -113,7 +114,7 @@ async def scatter_copy_async(
     loop = asyncio.get_running_loop()
     share_nbytes = ceil_div(total, threads)
     if int(nbytes.max()) > share_nbytes:
-        dst_offsets, src_offsets, nbytes = _split_large(dst_offsets, src_offsets, nbytes, share_nbytes)
+        dst_offsets, src_offsets, nbytes = split_ops(dst_offsets, src_offsets, nbytes, share_nbytes)
     # Cut at op boundaries: with every op at most one share, each cut is off by less than one.
     ends = np.cumsum(nbytes)
     cuts = np.searchsorted(ends, [share_nbytes * k for k in range(1, threads)], side="left") + 1
@@ -230,18 +231,3 @@ class StagingBuffers:
     def _drop(self, buffer: npt.NDArray[np.uint8]) -> None:
         # By identity: `list.remove` compares arrays with ==, element by element.
         self._free = [candidate for candidate in self._free if candidate is not buffer]
-
-
-def _split_large(
-    dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, piece: int
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """The same copies with every op longer than `piece` bytes cut into pieces of at most `piece`."""
-    pieces = -(-nbytes // piece)
-    op = np.repeat(np.arange(nbytes.size), pieces)
-    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1]))
-    delta = (np.arange(op.size) - first_piece[op]) * piece
-    return (
-        dst_offsets[op] + delta,
-        src_offsets[op] + delta,
-        np.minimum(nbytes[op] - delta, piece),
-    )

@@ -37,7 +37,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan
+from kvray.plan import TransferPlan, split_ops
 from kvray.transport.base import Peer, Transport, check_write, region_pairs
 from kvray.wire import CudaIpcHandle, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
 
@@ -81,17 +81,6 @@ def pick_unit(*arrays: Int64Array, bases: tuple[int, ...] = ()) -> int:
         if combined % unit == 0:
             return unit
     return 1
-
-
-def chunk_ops(
-    dst_offsets: Int64Array, src_offsets: Int64Array, nbytes: Int64Array, chunk: int
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """The same copies cut into pieces of at most `chunk` bytes."""
-    pieces = -(-nbytes // chunk)
-    op = np.repeat(np.arange(nbytes.size), pieces)
-    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1])).astype(np.int64)
-    delta = (np.arange(op.size, dtype=np.int64) - first_piece[op]) * chunk
-    return dst_offsets[op] + delta, src_offsets[op] + delta, np.minimum(nbytes[op] - delta, chunk)
 
 
 @functools.cache
@@ -203,7 +192,7 @@ def launch_copy(
     unit = min(8, unit)
     if int(nbytes.max()) > MAX_PIECE_NBYTES:
         # Long ops are cut so that no program copies much more than the others.
-        dst_offsets, src_offsets, nbytes = chunk_ops(dst_offsets, src_offsets, nbytes, MAX_PIECE_NBYTES)
+        dst_offsets, src_offsets, nbytes = split_ops(dst_offsets, src_offsets, nbytes, MAX_PIECE_NBYTES)
     # Remote loads need more bytes in flight per program than local ones.
     block, warps = (4096, 16) if reader != owner else (2048, 8)
     with torch.cuda.device(dst.device):

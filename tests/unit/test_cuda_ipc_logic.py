@@ -1,4 +1,4 @@
-"""The parts of the cuda_ipc transport that need no GPU: chunking, element width, handle
+"""The parts of the cuda_ipc transport that need no GPU: element width, handle
 encoding, availability, and when `auto` picks it."""
 
 from __future__ import annotations
@@ -16,27 +16,8 @@ from kvray.config import Settings
 from kvray.layout import mixed
 from kvray.memory import MemoryKind
 from kvray.transport import Peer, availability, cuda_ipc
-from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, chunk_ops, pick_unit, wait_for_events
+from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, pick_unit, wait_for_events
 from kvray.wire import RegionDescriptor, Role, TransportKind
-
-
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 10**9), st.integers(0, 10**9), st.integers(1, 300_000)),
-        min_size=1,
-        max_size=40,
-    ),
-    st.sampled_from([4096, 65536, 100_000]),
-)
-def test_chunks_cover_exactly_the_ops(ops: list[tuple[int, int, int]], chunk: int) -> None:
-    dst = np.array([o[0] for o in ops], dtype=np.int64)
-    src = np.array([o[1] for o in ops], dtype=np.int64)
-    nbytes = np.array([o[2] for o in ops], dtype=np.int64)
-    piece_dst, piece_src, piece_n = chunk_ops(dst, src, nbytes, chunk)
-    assert (piece_n > 0).all() and (piece_n <= chunk).all()
-    assert int(piece_n.sum()) == int(nbytes.sum())
-    expected = {(d + k, s + k) for d, s, n in ops for k in range(0, n, chunk)}
-    assert set(zip(piece_dst.tolist(), piece_src.tolist(), strict=True)) == expected
 
 
 def test_pick_unit_is_the_widest_common_divisor() -> None:

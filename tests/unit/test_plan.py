@@ -43,6 +43,7 @@ from kvray.plan import (
     check_ops,
     check_row_bounds,
     plan_transfer,
+    split_ops,
     validate_engine_info,
 )
 from kvray.wire import EngineInfo, Role, TransportKind, decode_engine_info, encode
@@ -284,6 +285,25 @@ def test_whole_layer_major_pool_merges_across_parts_and_layers(make_info: MakeIn
     _, _, local_info, remote_info = pair(make_info, layout, layout)
     plan = plan_transfer(local_info, remote_info, [0, 1, 2, 3], [0, 1, 2, 3])
     assert plan.ops.rows() == [(0, 0, 0, 0, layout.nbytes)]
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 10**9), st.integers(0, 10**9), st.integers(1, 300_000)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from([4096, 65536, 100_000]),
+)
+def test_split_ops_cover_exactly_the_ops(ops: list[tuple[int, int, int]], piece_nbytes: int) -> None:
+    dst = np.array([o[0] for o in ops], dtype=np.int64)
+    src = np.array([o[1] for o in ops], dtype=np.int64)
+    nbytes = np.array([o[2] for o in ops], dtype=np.int64)
+    piece_dst, piece_src, piece_n = split_ops(dst, src, nbytes, piece_nbytes)
+    assert (piece_n > 0).all() and (piece_n <= piece_nbytes).all()
+    assert int(piece_n.sum()) == int(nbytes.sum())
+    expected = {(d + k, s + k) for d, s, n in ops for k in range(0, n, piece_nbytes)}
+    assert set(zip(piece_dst.tolist(), piece_src.tolist(), strict=True)) == expected
 
 
 # ---- (c) the seed bug's shape: same geometry, different layers --------------------------------
