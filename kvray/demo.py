@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ import numpy as np
 from kvray.config import Settings
 from kvray.layout import BlockOrder
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
+from kvray.progress import Progress
 from kvray.wire import Role
 
 _TEXTS = (
@@ -74,26 +74,6 @@ class RequestOutcome:
         return self.tokens == self.reference
 
 
-class Progress:
-    """A one-line progress bar on stderr (a line per tenth when stderr is not a terminal)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.tty = sys.stderr.isatty()
-        self._last_tenth = -1
-
-    def step(self) -> None:
-        self.done += 1
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        line = f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-        if self.tty:
-            print(f"\r{line}", end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
-        elif 10 * self.done // max(1, self.total) != self._last_tenth:
-            self._last_tenth = 10 * self.done // max(1, self.total)
-            print(line, file=sys.stderr, flush=True)
-
-
 def _percentiles(values: Sequence[float]) -> str:
     if not values:
         return "-"
@@ -128,7 +108,7 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     await asyncio.gather(*(actor.start.remote() for actor in prefills + decodes))
 
     prompts = make_prompts(args.prompts, config.block_size, args.seed)
-    progress = Progress(len(prompts), "colocated ")
+    progress = Progress(len(prompts), "colocated")
     limit = asyncio.Semaphore(args.concurrency)
 
     async def reference(index: int, prompt: list[int]) -> list[int]:

@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from kvray.bench import control
-from kvray.bench.results import CaseResult, Progress, Skipped, format_case, plot, summary_rows
+from kvray.bench.results import CaseResult, Skipped, format_case, plot, summary_rows
 from kvray.bench.workload import MIB, Workload, workloads
+from kvray.progress import Progress
 
 FAMILIES = ("memcpy", "kvray", "ray-object-store", "rdt-gloo", "nixl", "control")
 

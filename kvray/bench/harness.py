@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvray.bench.results import CaseResult, Progress, describe
+from kvray.bench.results import CaseResult, describe
 from kvray.bench.verify import Verdict, failed
 from kvray.bench.workload import Workload
+from kvray.progress import Progress
 
 
 @dataclass

@@ -4,7 +4,6 @@ the plot the command writes."""
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,34 +78,6 @@ def describe(error: BaseException) -> str:
         error = cause
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
-
-
-class Progress:
-    """One progress bar on stderr, relabelled per contender and case (a line per tenth when
-    stderr is not a terminal)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.label = ""
-        self.tty = sys.stderr.isatty()
-        self._last_tenth = -1
-
-    def step(self, label: str) -> None:
-        self.done = min(self.total, self.done + 1)
-        self.label = label
-        width = 30
-        filled = width * self.done // self.total
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {100 * self.done // self.total:3d}% {label}"
-        if self.tty:
-            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
-        elif 10 * self.done // self.total != self._last_tenth:
-            self._last_tenth = 10 * self.done // self.total
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)
 
 
 BASELINE = "memcpy, 1 thread"

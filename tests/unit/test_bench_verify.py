@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvray.bench.harness import Contender, Run, run_cases
-from kvray.bench.results import Progress, format_case, summary_rows
+from kvray.bench.results import format_case, summary_rows
 from kvray.bench.verify import (
     compare_payload,
     expected_payload,
@@ -21,6 +21,7 @@ from kvray.bench.verify import (
 )
 from kvray.bench.workload import KIB, Workload, deepseek_request, gather, scatter, uniform
 from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.progress import Progress
 
 
 def small_cases() -> list[Workload]:
