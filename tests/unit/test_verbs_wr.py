@@ -1,4 +1,4 @@
-"""Work requests of the verbs transport (`kvray.transport._verbs_wr`, pure code): every op's bytes
+"""Work requests of the verbs transport (`kvray.transport.verbs.requests`, pure code): every op's bytes
 are written exactly once, from inside the local region to inside the remote one, within the
 device's limits, signalled every N, the last one carrying the immediate."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvray.errors import BoundsError, ConfigError
 from kvray.plan import OpTable
-from kvray.transport._verbs_wr import (
+from kvray.transport.verbs.requests import (
     MAX_SGE_NBYTES,
     DeviceLimits,
     RegisteredRegion,
