@@ -1,9 +1,13 @@
-"""What tests read off their own process: its memory mappings of a file, and a bounded wait
-for a condition that background tasks (heartbeats, releases) make true."""
+"""What tests read off processes: this one's memory mappings of a file, whether another is gone,
+and a bounded wait for a condition that background tasks or other processes (heartbeats,
+releases, a restarting coordinator) make true: `until` on an event loop, `wait_until` from a
+thread that may block."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Callable
 
 
@@ -24,3 +28,24 @@ async def until(predicate: Callable[[], bool], what: str, seconds: float = 60.0)
         while not predicate():
             await asyncio.sleep(0.01)
     assert predicate(), what
+
+
+def wait_until(predicate: Callable[[], object], what: str = "condition", seconds: float = 30.0) -> None:
+    """Poll `predicate` (which may call Ray) until true; a Ray error counts as not yet (an actor
+    or the coordinator may be restarting). The bound only turns a hang into a failure."""
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except ray.exceptions.RayError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached within {seconds} s")
+
+
+def pid_gone(pid: int) -> bool:
+    """True once the process is gone and reaped: the next start on this node sweeps its files."""
+    return not os.path.exists(f"/proc/{pid}")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 import ray
+from process_probes import wait_until
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
@@ -25,18 +26,6 @@ from kvray.workers import DecodeActor, PrefillActor
 pytestmark = pytest.mark.cluster
 
 SETTINGS = Settings(heartbeat_s=0.3, lookup_timeout_s=1.0, coordinator_name="kvray-coordinator-tests")
-
-
-def _wait_until(predicate: object, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if predicate():  # type: ignore[operator]
-                return
-        except ray.exceptions.RayError:  # e.g. the coordinator is restarting
-            pass
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 def test_lookup_register_deregister_and_death(local_ray: None) -> None:
@@ -65,7 +54,10 @@ def test_lookup_register_deregister_and_death(local_ray: None) -> None:
     # A killed actor is dropped by the coordinator, without any deregistration.
     dead_before = ray.get(coordinator.stats.remote())["dropped_dead"]
     ray.kill(decode)
-    _wait_until(lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1)
+    wait_until(
+        lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1,
+        "the dead engine dropped",
+    )
     with pytest.raises(UnknownEngineError, match="dir-d0"):
         ray.get(coordinator.lookup.remote("dir-d0", 0.5))
 
@@ -94,7 +86,10 @@ def test_an_agent_in_a_plain_actor_stays_listed_until_its_actor_dies(local_ray: 
     assert ray.get(actor.stats.remote()).get("reregistered", 0) == 0
 
     ray.kill(actor)
-    _wait_until(lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1)
+    wait_until(
+        lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1,
+        "the dead engine dropped",
+    )
     with pytest.raises(UnknownEngineError, match="plain-p0"):
         ray.get(coordinator.lookup.remote("plain-p0", 0.5))
 
@@ -108,8 +103,8 @@ def test_agents_register_again_after_a_coordinator_restart(local_ray: None) -> N
     epoch = ray.get(coordinator.stats.remote())["epoch"]
 
     ray.kill(coordinator, no_restart=False)  # Ray restarts it (max_restarts=-1), empty
-    _wait_until(lambda: ray.get(coordinator.stats.remote())["epoch"] != epoch)
-    _wait_until(lambda: ray.get(coordinator.stats.remote())["engines"] >= 2)
+    wait_until(lambda: ray.get(coordinator.stats.remote())["epoch"] != epoch, "a restarted coordinator")
+    wait_until(lambda: ray.get(coordinator.stats.remote())["engines"] >= 2, "both engines registered again")
     assert ray.get(decode.stats.remote())["reregistered"] >= 1
 
     # And transfers work again, through the new directory.

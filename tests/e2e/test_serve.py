@@ -15,7 +15,7 @@ import re
 import select
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import ray
 import requests
+from process_probes import wait_until
 
 from kvray import errors
 from kvray.config import Settings
@@ -85,15 +86,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not reached within {seconds} s")
 
 
 def colocated(tokens: Sequence[int], max_tokens: int) -> list[int]:
@@ -277,7 +269,7 @@ def test_cancelled_requests_never_change_another_requests_kv(app_url: str) -> No
         decodes, prefills = _decode_stats(), _prefill_stats()
         return all(s["used_blocks"] == 0 and s["quarantined_requests"] == 0 for s in decodes + prefills)
 
-    _wait_until(settled, "every block of every request back in its pool", seconds=30)
+    wait_until(settled, "every block of every request back in its pool", seconds=30)
     # Whatever a late push still tried after its request ended was refused, never written.
     after = [_post(app_url, body) for body, _ in good[:6]]
     for (body, tokens), response in zip(good[:6], after, strict=True):
@@ -389,7 +381,7 @@ def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> No
             busy[:] = [stats["engine_id"] for stats in _decode_stats() if stats["requests"] > 0]
             return bool(busy)
 
-        _wait_until(holds_a_request, "a decode replica holds the long request")
+        wait_until(holds_a_request, "a decode replica holds the long request", seconds=60.0)
         futures = [pool.submit(_post, app_url, body) for body, _ in prompts]
         victim = busy[0]
         ray.kill(_replica_actor(victim), no_restart=True)
@@ -411,8 +403,8 @@ def test_killed_decode_replica_fails_cleanly_and_is_replaced(app_url: str) -> No
     assert long_response.status_code == 503 and long_response.json()["type"] == "ReplicaDied"
 
     # Its engine leaves the directory (its host died with it); Serve's replacement registers.
-    _wait_until(lambda: victim not in _engines(Role.DECODE), "the killed engine is dropped")
-    _wait_until(
+    wait_until(lambda: victim not in _engines(Role.DECODE), "the killed engine is dropped", seconds=60.0)
+    wait_until(
         lambda: len(_engines(Role.DECODE) - before) == 1 and len(_engines(Role.DECODE)) == 2,
         "a replacement decode engine registers",
         seconds=120.0,
@@ -518,7 +510,9 @@ def test_decode_scales_up_and_down_in_place(app_url: str) -> None:
     assert count == OPTIONS.decode_replicas
 
     _redeploy(count + 1)
-    _wait_until(lambda: len(_directory(Role.DECODE)) == count + 1, "a new decode engine registers")
+    wait_until(
+        lambda: len(_directory(Role.DECODE)) == count + 1, "a new decode engine registers", seconds=60.0
+    )
     scaled_up = _directory(Role.DECODE)
     assert {engine: scaled_up.get(engine) for engine in before} == before  # not restarted
     (added,) = set(scaled_up) - set(before)
@@ -539,7 +533,7 @@ def test_decode_scales_up_and_down_in_place(app_url: str) -> None:
     assert served <= set(scaled_up)
 
     _redeploy(count)
-    _wait_until(lambda: len(_directory(Role.DECODE)) == count, "one decode engine deregisters")
+    wait_until(lambda: len(_directory(Role.DECODE)) == count, "one decode engine deregisters", seconds=60.0)
     scaled_down = _directory(Role.DECODE)
     (removed,) = set(scaled_up) - set(scaled_down)
     assert scaled_down == {engine: scaled_up[engine] for engine in scaled_up if engine != removed}

@@ -1,5 +1,5 @@
-"""Fixtures of the reliability suite: the figures each test reports, and helpers shared by the
-kill, fencing, privilege and backpressure tests.
+"""Fixtures of the reliability suite: the figures each test reports, and the faulty workers that
+the kill, fencing, privilege and backpressure tests start.
 
 Every test here states a number (cases tried, transfers moved, bytes found corrupt, blocks
 leaked, ...). `figures` records one line per test; the lines are printed at the end of the
@@ -8,8 +8,6 @@ pytest run and written to `.kvray-reports/reliability.txt`, which `.ci/run` prin
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,23 +50,3 @@ def workers_by_value(local_ray: None) -> Iterator[Any]:
     ray.cloudpickle.register_pickle_by_value(faulty_workers)
     yield faulty_workers
     ray.cloudpickle.unregister_pickle_by_value(faulty_workers)
-
-
-def wait_until(predicate: Callable[[], object], seconds: float = 30.0, what: str = "condition") -> None:
-    """Poll `predicate` until true; a generous bound turns a hang into a failure, nothing more."""
-    import ray
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except ray.exceptions.RayError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {seconds} s")
-
-
-def pid_gone(pid: int) -> bool:
-    """True once the process is gone and reaped: the next start on this node sweeps its files."""
-    return not os.path.exists(f"/proc/{pid}")

@@ -22,6 +22,8 @@ import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
+from agent_pair import agent_pair
+from process_probes import until
 
 from kvray.agent import KVAgent
 from kvray.claims import ClaimBoard, ClaimClient
@@ -62,16 +64,10 @@ def fill(agent: KVAgent, seed: int) -> None:
 @pytest_asyncio.fixture(loop_scope="function")
 async def pair(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
     settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=2.0, transfer_timeout_s=5.0)
-    prefill = KVAgent("c-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
-    decode = KVAgent("c-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
-    await prefill.start()
-    await decode.start()
-    prefill.add_peer(decode.info)
-    fill(prefill, 1)
-    fill(decode, 2)
-    yield prefill, decode
-    await prefill.close()
-    await decode.close()
+    async with agent_pair("c", LAYOUT, settings) as (prefill, decode):
+        fill(prefill, 1)
+        fill(decode, 2)
+        yield prefill, decode
 
 
 async def test_a_push_after_release_fails_at_the_writer_and_writes_nothing(
@@ -332,12 +328,6 @@ async def workers(tmp_path: Path) -> AsyncIterator[tuple[PrefillWorker, DecodeWo
     await decode.close()
 
 
-async def _until(condition: Any, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
-
-
 async def test_a_cancelled_decode_wait_lets_no_late_layer_into_the_next_request(
     workers: tuple[PrefillWorker, DecodeWorker, SlowLayers],
 ) -> None:
@@ -348,7 +338,7 @@ async def test_a_cancelled_decode_wait_lets_no_late_layer_into_the_next_request(
     count = decode.pool.num_blocks
     first = await decode.reserve("r1", count)
     pushing = asyncio.ensure_future(prefill.prefill(tokens, first, layerwise=True))
-    await _until(lambda: prefill.kvray_agent.stats["bytes_pushed"] > 0)
+    await until(lambda: prefill.kvray_agent.stats["bytes_pushed"] > 0, "a first layer pushed", seconds=5.0)
     waiting = asyncio.ensure_future(decode.wait("r1", timeout=5.0))
     await asyncio.sleep(0)
     waiting.cancel()
@@ -375,7 +365,7 @@ async def test_a_cancelled_prefill_stops_pushing_and_frees_its_blocks_after_its_
     prefill, decode, _ = workers
     reservation = await decode.reserve("r1", decode.pool.num_blocks)
     pushing = asyncio.ensure_future(prefill.prefill(list(range(1, 25)), reservation, layerwise=True))
-    await _until(lambda: prefill.kvray_agent.stats["bytes_pushed"] > 0)
+    await until(lambda: prefill.kvray_agent.stats["bytes_pushed"] > 0, "a first layer pushed", seconds=5.0)
     pushing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pushing

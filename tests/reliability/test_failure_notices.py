@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
@@ -25,14 +26,8 @@ LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
 @pytest_asyncio.fixture(loop_scope="function")
 async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent, Settings]]:
     settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0)
-    prefill = KVAgent("notice-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
-    decode = KVAgent("notice-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
-    await prefill.start()
-    await decode.start()
-    prefill.add_peer(decode.info)
-    yield prefill, decode, settings
-    await prefill.close()
-    await decode.close()
+    async with agent_pair("notice", LAYOUT, settings) as (prefill, decode):
+        yield prefill, decode, settings
 
 
 def _allocation(agent: KVAgent) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from conftest import pid_gone, wait_until
+from process_probes import pid_gone, wait_until
 
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator

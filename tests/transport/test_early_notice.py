@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.completion import CompletionOutbox, DatagramNotice
@@ -22,7 +23,6 @@ from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.transport import _copy
-from kvray.wire import Role
 
 # 16 KiB blocks: a 512-block request is 8 MiB, above the size that is copied by pool threads.
 LAYOUT = KVLayout(
@@ -35,17 +35,11 @@ BLOCK = LAYOUT.layer("kv").geometry.block_nbytes
 @pytest_asyncio.fixture(loop_scope="function")
 async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
     settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=2.0, copy_threads=2)
-    prefill = KVAgent("e-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
-    decode = KVAgent("e-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
-    await prefill.start()
-    await decode.start()
-    prefill.add_peer(decode.info)
-    source = prefill.backing.regions[0].tensor.numpy()
-    source[:] = np.random.default_rng(5).integers(0, 256, source.size, dtype=np.uint8)
-    decode.backing.regions[0].tensor.numpy()[:] = 0xA5
-    yield prefill, decode
-    await prefill.close()
-    await decode.close()
+    async with agent_pair("e", LAYOUT, settings) as (prefill, decode):
+        source = prefill.backing.regions[0].tensor.numpy()
+        source[:] = np.random.default_rng(5).integers(0, 256, source.size, dtype=np.uint8)
+        decode.backing.regions[0].tensor.numpy()[:] = 0xA5
+        yield prefill, decode
 
 
 def blocks(pool: Any, ids: np.ndarray) -> np.ndarray:

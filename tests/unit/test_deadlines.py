@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.config import TIMEOUT_CEILING_S, Settings
 from kvray.errors import ConfigError, TransferTimeoutError
 from kvray.layout import BlockOrder, mixed
-from kvray.wire import Role
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
 
@@ -99,14 +99,8 @@ async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
         notify_timeout_s=2.0,
         heartbeat_s=2.0,
     )
-    prefill = KVAgent("t-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False)
-    decode = KVAgent("t-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False)
-    await prefill.start()
-    await decode.start()
-    prefill.add_peer(decode.info)
-    yield prefill, decode
-    await prefill.close()
-    await decode.close()
+    async with agent_pair("t", LAYOUT, settings) as pair:
+        yield pair
 
 
 def _destination_bytes(decode: KVAgent) -> bytes:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import msgspec
 import pytest
 import pytest_asyncio
+from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
@@ -31,7 +32,6 @@ from kvray.metrics import (
     MetricKind,
     RaySink,
 )
-from kvray.wire import Role
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
 
@@ -40,16 +40,8 @@ LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
 async def agents(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent, MemorySink]]:
     sink = MemorySink()
     settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0)
-    prefill = KVAgent(
-        "m-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False, metrics_sink=sink
-    )
-    decode = KVAgent("m-d", Role.DECODE, LAYOUT, settings=settings, use_coordinator=False, metrics_sink=sink)
-    await prefill.start()
-    await decode.start()
-    prefill.add_peer(decode.info)
-    yield prefill, decode, sink
-    await prefill.close()
-    await decode.close()
+    async with agent_pair("m", LAYOUT, settings, metrics_sink=sink) as (prefill, decode):
+        yield prefill, decode, sink
 
 
 def test_metric_names_and_tags() -> None:
