@@ -1,10 +1,13 @@
 """kvray: KV-cache transfer for disaggregated LLM inference, as one-sided writes on Ray.
 
-Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> completion.
+Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> completion ->
+agent (what an engine embeds: `KVAgent`).
 """
 
+from kvray.agent import AgentHost, Completion, KVAgent, PushResult
 from kvray.config import Settings
 from kvray.errors import (
+    AgentNotRunningError,
     BackpressureError,
     BlockIdError,
     BoundsError,
@@ -17,6 +20,7 @@ from kvray.errors import (
     PlanError,
     RegionError,
     RegistrationRefusedError,
+    RequestCancelledError,
     StaleIncarnationError,
     TransferTimeoutError,
     TransportError,
@@ -39,26 +43,33 @@ from kvray.layout import (
 )
 from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
+from kvray.transport.loopback import LoopbackNetwork, LoopbackTransport
 from kvray.wire import EngineInfo, RegionDescriptor, Reservation, Role, TransportKind
 
 __version__ = "0.1.0"
 
 __all__ = [
     "READY_LAYOUTS",
+    "AgentHost",
+    "AgentNotRunningError",
     "BackpressureError",
     "Backing",
     "BlockIdError",
     "BlockOrder",
     "BoundsError",
+    "Completion",
     "ConfigError",
     "EngineInfo",
     "Geometry",
     "GeometryMismatchError",
+    "KVAgent",
     "KVLayout",
     "KvrayError",
     "LayerPlacement",
     "LayerSpec",
     "LayoutError",
+    "LoopbackNetwork",
+    "LoopbackTransport",
     "MemoryKind",
     "MemoryRegion",
     "MetadataError",
@@ -66,10 +77,12 @@ __all__ = [
     "OffsetCache",
     "OpTable",
     "PlanError",
+    "PushResult",
     "RegionDescriptor",
     "RegionError",
     "RegionSpan",
     "RegistrationRefusedError",
+    "RequestCancelledError",
     "Reservation",
     "Role",
     "Settings",

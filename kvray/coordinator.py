@@ -35,7 +35,7 @@ from kvray.errors import (
     StaleIncarnationError,
     UnknownEngineError,
 )
-from kvray.plan import validate_engine_info
+from kvray.validation import validate_engine_info
 from kvray.wire import EngineInfo, Role, decode_engine_info
 
 #: Seconds between two liveness probes of an engine whose actor is not an `AgentHost` (it has

@@ -2,6 +2,8 @@
 
     KvrayError
     ├── ConfigError                  a setting is invalid
+    ├── AgentNotRunningError         the agent has not started, or has closed
+    ├── RequestCancelledError        the request was cancelled or released while it waited
     ├── LayoutError (ValueError)     a geometry or layout cannot describe a KV cache
     ├── RegionError                  memory cannot be registered without breaking invariant 1
     │   └── BoundsError              a write would leave its region (invariant 2)
@@ -57,6 +59,14 @@ class KvrayError(Exception):
         return self.message
 
 
+class AgentNotRunningError(KvrayError):
+    """The agent has not started (`await agent.start()`), or has closed."""
+
+
+class RequestCancelledError(KvrayError):
+    """The request was cancelled or released while its KV was awaited."""
+
+
 class ConfigError(KvrayError, ValueError):
     """A setting (argument or KVRAY_* variable) is invalid."""
 
@@ -75,7 +85,7 @@ class BoundsError(RegionError):
 
 class MetadataError(KvrayError):
     """A peer's engine description is missing, stale or inconsistent: it decoded, but cannot
-    be honoured as a whole (`kvray.plan.validate_engine_info`)."""
+    be honoured as a whole (`kvray.validation.validate_engine_info`)."""
 
 
 class UnknownEngineError(MetadataError):
@@ -139,6 +149,7 @@ class BackpressureError(TransportError):
 
 
 __all__ = [
+    "AgentNotRunningError",
     "BackpressureError",
     "BlockIdError",
     "BoundsError",
@@ -151,6 +162,7 @@ __all__ = [
     "PlanError",
     "RegionError",
     "RegistrationRefusedError",
+    "RequestCancelledError",
     "StaleIncarnationError",
     "TransferTimeoutError",
     "TransportError",

@@ -1,7 +1,8 @@
 """Wire: the msgspec structs engines and the coordinator exchange (control plane only).
 
 Region descriptors say what a peer may write into; `EngineInfo` is what an engine publishes;
-`Message` is the tagged union of transfer messages. Bytes from a peer are decoded here and
+each receiver decodes one family: `Notice` (a decode engine's completion inbox), `WriteOps`
+(a `ray`-transport write), `WriteClaim`, `VerbsHandshake`. Bytes from a peer are decoded here and
 nowhere else, into these types only (never pickle). New fields go last, with defaults.
 
 Which error means what:
@@ -14,7 +15,7 @@ Which error means what:
 - `MetadataError` (and its other subclasses): the message decoded, but the description as a
   whole cannot be honoured: regions of another engine or numbered out of order, two regions
   or two layers over the same bytes, a layer that leaves its region (`BoundsError`).
-  `kvray.plan.validate_engine_info` raises these; the coordinator runs it on every
+  `kvray.validation.validate_engine_info` raises these; the coordinator runs it on every
   registration and a writer on every peer before its first write.
 
 The bounds keep one message cheap to decode and to validate: a peer cannot make a receiver
@@ -55,11 +56,8 @@ class TransportKind(enum.Enum):
     CUDA_IPC = "cuda_ipc"
     VERBS = "verbs"
     RAY = "ray"
-
-
-class TransferStatus(enum.Enum):
-    OK = "ok"
-    FAILED = "failed"
+    #: In-process, for tests and embedding (`kvray.transport.loopback`); never across processes.
+    LOOPBACK = "loopback"
 
 
 class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,8 +200,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     slot: ByteCount = 0
 
 
-class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
-    """Sent to the decode engine after every byte of a transfer has been written."""
+class TransferNotice(msgspec.Struct, frozen=True, kw_only=True):
+    """What every notice to a decode engine says: which transfer of which request, from which
+    writer incarnation to which decode incarnation, under which reservation."""
 
     transfer_id: str
     request_id: str
@@ -211,28 +210,29 @@ class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     src_incarnation: int
     dst_engine: str
     dst_incarnation: int
+    #: The secret of the decode engine's `Reservation`: a notice without it is dropped.
+    token: ByteCount = 0
+
+
+class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
+    """Sent to the decode engine after every byte of a transfer has been written."""
+
     nbytes: int
     #: True when this is the last part of the request (layer-wise pushes send several).
     final: bool = True
     #: RDMA WRITE WITH IMMEDIATE requests the writer issued for the request (`verbs`): the
     #: decode side completes it only once that many immediates have arrived.
     immediates: ByteCount = 0
-    #: The secret of the decode engine's `Reservation`: a notice without it is dropped.
-    token: ByteCount = 0
 
 
-class TransferFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
+class TransferFailed(TransferNotice, frozen=True, kw_only=True, tag="failed"):
     """Sent to the decode engine when a transfer it waits for cannot complete."""
 
-    transfer_id: str
-    request_id: str
-    src_engine: str
-    src_incarnation: int
-    dst_engine: str
-    dst_incarnation: int
     reason: str
-    #: The secret of the decode engine's `Reservation`: a notice without it is dropped.
-    token: ByteCount = 0
+
+
+#: What a decode engine's completion inbox (and `AgentHost.kvray_notify`) takes.
+Notice = TransferDone | TransferFailed
 
 
 class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
@@ -252,9 +252,6 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     request_id: str = ""
     #: The secret of the decode engine's `Reservation`: a write without it is refused.
     token: ByteCount = 0
-
-
-Message = TransferDone | TransferFailed | WriteOps
 
 
 class WriteClaim(msgspec.Struct, frozen=True, kw_only=True, tag="claim"):
@@ -306,7 +303,8 @@ class VerbsAccept(msgspec.Struct, frozen=True, kw_only=True, tag="verbs_accept")
 VerbsHandshake = VerbsConnect | VerbsAccept
 
 _message_encoder = msgspec.msgpack.Encoder()
-_message_decoder = msgspec.msgpack.Decoder(Message)
+_notice_decoder = msgspec.msgpack.Decoder(Notice)
+_write_ops_decoder = msgspec.msgpack.Decoder(WriteOps)
 _engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
 _handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
 _claim_decoder = msgspec.msgpack.Decoder(WriteClaim)
@@ -314,12 +312,16 @@ _claim_decoder = msgspec.msgpack.Decoder(WriteClaim)
 T = TypeVar("T")
 
 
-def encode(value: Message | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim) -> bytes:
+def encode(value: Notice | WriteOps | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim) -> bytes:
     return _message_encoder.encode(value)
 
 
-def decode_message(data: bytes) -> Message:
-    return _decode(_message_decoder, data, "message", MAX_MESSAGE_BYTES)
+def decode_notice(data: bytes) -> Notice:
+    return _decode(_notice_decoder, data, "notice", MAX_MESSAGE_BYTES)
+
+
+def decode_write_ops(data: bytes) -> WriteOps:
+    return _decode(_write_ops_decoder, data, "write_ops header", MAX_MESSAGE_BYTES)
 
 
 def decode_engine_info(data: bytes) -> EngineInfo:

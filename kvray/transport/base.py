@@ -1,27 +1,47 @@
-"""Transport interface (sixth step of the data flow): register regions, write a plan's ops.
+"""Transport interface (sixth step of the data flow): both halves of a one-sided write.
 
-A transport is small: `register` turns a backing's regions into descriptors a peer can
-write through, `write` issues a plan's ops into a peer's regions as one-sided writes, and
-`close` releases what it opened. Everything a transport needs to reach a peer arrives in a
-`Peer` (the peer's published `EngineInfo` and, under Ray, the actor hosting its agent).
+A transport is small, and each half is a handful of methods:
+
+    writer    `register` turns a backing's regions into descriptors a peer can write through;
+              `write` (or `write_then`) issues a plan's ops into a peer's regions; `forget`
+              drops what was opened for a peer; `close` releases everything.
+    receiver  a decode engine's side: `publish` adds what writers need to reach it (an RDMA
+              port) to the info it publishes; `expect` and `release` bracket one request;
+              `deliver` takes a write that arrives as a message (`ray`), `accept` a writer's
+              connection request (`verbs`); `complete` returns once the transport's own proof
+              that a notice's writes have landed has come (`verbs` immediates). The defaults
+              do nothing: a transport whose writes land with no help from the receiver
+              (`shm`, `cuda_ipc`) leaves them alone.
+
+Everything a writer needs to reach a peer arrives in a `Peer` (its published `EngineInfo` and,
+under Ray, the actor hosting its agent); everything a receiving transport needs from the
+engine it serves comes through the `Receiver` protocol, which the agent implements. The
+capability flags on each class (`reach`, `source_kinds`, `destination_kinds`, `registers`,
+`accepts`) are what `kvray.transport.choose_transport` reads.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvray.config import Settings
-from kvray.errors import RegionError, StaleIncarnationError
+from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, check_op_table
-from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
+from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
+
+Int64Array = npt.NDArray[np.int64]
+#: Raises unless every op (region, offset, nbytes) lies inside what one request may change.
+OpsCheck = Callable[[Int64Array, Int64Array, Int64Array], None]
 
 
 @dataclass(frozen=True)
@@ -33,24 +53,67 @@ class Peer:
     host: Any = None
 
 
+class Reach(enum.Enum):
+    """Where a transport's two ends may be."""
+
+    #: Both on one node (shared memory, CUDA IPC).
+    SAME_NODE = "same_node"
+    #: On different nodes (RDMA: on one node a same-node transport is always the better pick).
+    OTHER_NODES = "other_nodes"
+    #: Anywhere.
+    ANYWHERE = "anywhere"
+
+
+class Receiver(Protocol):
+    """The decode engine a receiving transport serves (the agent implements it)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def backing(self) -> Backing: ...
+
+    def admit(self, request_id: str, token: int) -> AbstractAsyncContextManager[OpsCheck]:
+        """Enter before a write of `request_id` moves a byte: refuses (`NotExpectedError`) a
+        request the engine does not expect under `token`; yields the check that the write's ops
+        stay inside the request's blocks; a failed wait for the request outlasts the block."""
+        ...
+
+    async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
+        """The registered info of a writer at the incarnation it claims, or a kvray error."""
+        ...
+
+
 class Transport(abc.ABC):
-    """Moves bytes from a local backing into a peer's registered regions."""
+    """Moves bytes from a local backing into a peer's registered regions (writer half), and
+    helps a decode engine take them in (receiver half)."""
 
     kind: ClassVar[TransportKind]
-    #: True when both ends must share a node (shared memory, CUDA IPC).
-    same_node_only: ClassVar[bool]
+    #: Where the two ends may be.
+    reach: ClassVar[Reach]
+    #: Memory the writer's backing may live in.
+    source_kinds: ClassVar[frozenset[MemoryKind]]
     #: Memory the destination backing may live in.
     destination_kinds: ClassVar[frozenset[MemoryKind]]
+    #: Backings whose regions this transport describes at registration (an engine publishes its
+    #: regions through exactly one transport).
+    registers: ClassVar[frozenset[MemoryKind]] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        #: Peers with cached entries (mappings, handles, connections), least recently used first.
-        self._peers_used: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
     @abc.abstractmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
         """None when the transport can run here, else one sentence saying why not."""
+
+    @classmethod
+    def accepts(cls, peer: EngineInfo) -> bool:
+        """Whether the peer published what this transport writes through (by default, nothing
+        beyond its regions)."""
+        return True
+
+    # ---- writer half ------------------------------------------------------------------
 
     def register(
         self, backing: Backing, engine_id: str, incarnation: int, *, remote_writable: bool
@@ -78,21 +141,92 @@ class Transport(abc.ABC):
         """Drop whatever is cached for a peer (it restarted, left or failed). A write still
         using an entry keeps it until the write ends."""
 
-    def _used(self, engine_id: str) -> None:
-        """Record that a peer's cached entries are being used; a transport that caches per peer
-        calls this before it looks its entries up. Past `max_cached_peers` peers, the least
-        recently used one is forgotten."""
-        peers = self._peers_used
-        if engine_id in peers:
-            peers.move_to_end(engine_id)
-            return
-        peers[engine_id] = None
-        while len(peers) > self.settings.max_cached_peers:
-            oldest, _ = peers.popitem(last=False)
-            self.forget(oldest)
-
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything the transport opened."""
+
+    # ---- receiver half (a decode engine's) --------------------------------------------
+
+    def publish(self, info: EngineInfo, receiver: Receiver) -> EngineInfo:
+        """The engine `receiver` starts taking writes through this transport (once, at its
+        start): `info` with whatever writers need to reach it added."""
+        return info
+
+    def expect(self, receiver: Receiver, request_id: str) -> None:  # noqa: B027 - optional hook
+        """The engine expects writes of `request_id` from now on (may refuse with a kvray error)."""
+
+    def release(self, receiver: Receiver, request_id: str) -> None:  # noqa: B027 - optional hook
+        """The engine expects no more writes of `request_id`."""
+
+    async def complete(self, receiver: Receiver, notice: TransferDone) -> None:  # noqa: B027
+        """Return once this transport's own proof that the notice's writes have landed has
+        come (the caller bounds the wait)."""
+
+    async def deliver(self, receiver: Receiver, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
+        """A write that arrives as a message: check it, then apply it; the bytes written."""
+        raise TransportError(
+            f"the {self.kind.value} transport takes no delivered writes", transport=self.kind.value
+        )
+
+    async def accept(self, receiver: Receiver, request: bytes) -> bytes:
+        """A writer's connection request, and the answer that lets it write."""
+        raise TransportError(
+            f"the {self.kind.value} transport takes no connection requests", transport=self.kind.value
+        )
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class PeerCache(Generic[K, V]):
+    """What a transport opened for its peers (mappings, handles, connections), each entry
+    under (engine, incarnation, part): one incarnation per engine (opening another drops the
+    old one's entries) and at most `max_peers` engines, the least recently used forgotten
+    first. A dropped entry goes to `drop` (e.g. to unmap it once its last user is done)."""
+
+    def __init__(self, max_peers: int, drop: Callable[[V], None] | None = None) -> None:
+        self._max_peers = max_peers
+        self._drop = drop
+        self._entries: dict[tuple[str, int, K], V] = {}
+        #: Engines with entries, least recently used first.
+        self._engines: OrderedDict[str, int] = OrderedDict()
+
+    def get(self, engine_id: str, incarnation: int, part: K) -> V | None:
+        """The entry, if one is open; counts as a use of the engine."""
+        if self._engines.get(engine_id) == incarnation:
+            self._engines.move_to_end(engine_id)
+        return self._entries.get((engine_id, incarnation, part))
+
+    def put(self, engine_id: str, incarnation: int, part: K, value: V) -> None:
+        if self._engines.get(engine_id, incarnation) != incarnation:
+            self.forget(engine_id)
+        self._entries[(engine_id, incarnation, part)] = value
+        self._engines[engine_id] = incarnation
+        self._engines.move_to_end(engine_id)
+        while len(self._engines) > self._max_peers:
+            self.forget(next(iter(self._engines)))
+
+    def pop(self, engine_id: str, incarnation: int, part: K) -> None:
+        """Drop one entry."""
+        value = self._entries.pop((engine_id, incarnation, part), None)
+        if value is not None and self._drop is not None:
+            self._drop(value)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop every entry of an engine."""
+        self._engines.pop(engine_id, None)
+        for key in [key for key in self._entries if key[0] == engine_id]:
+            self.pop(*key)
+
+    def clear(self) -> None:
+        for engine_id in list(self._engines):
+            self.forget(engine_id)
+
+    def values(self) -> Iterator[V]:
+        return iter(list(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:

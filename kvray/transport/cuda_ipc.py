@@ -38,8 +38,8 @@ from kvray.errors import (
 )
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, split_ops
-from kvray.transport.base import Peer, Transport, check_write, region_pairs
-from kvray.wire import CudaIpcHandle, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
+from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
+from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -333,8 +333,10 @@ class _Opened:
 
 class CudaIpcTransport(Transport):
     kind = TransportKind.CUDA_IPC
-    same_node_only = True
+    reach = Reach.SAME_NODE
+    source_kinds = frozenset({MemoryKind.CUDA})
     destination_kinds = frozenset({MemoryKind.CUDA})
+    registers = frozenset({MemoryKind.CUDA})
 
     def __init__(
         self,
@@ -344,7 +346,12 @@ class CudaIpcTransport(Transport):
         """`allocation_range`: (start, nbytes) of the CUDA allocation holding a device address."""
         super().__init__(settings)
         self._allocation_range = allocation_range
-        self._opened: dict[tuple[str, int, int], _Opened] = {}
+        #: The peers' regions opened here, by region index.
+        self._opened: PeerCache[int, _Opened] = PeerCache(settings.max_cached_peers)
+
+    @classmethod
+    def accepts(cls, peer: EngineInfo) -> bool:
+        return all(region.transport is cls.kind and region.handle for region in peer.regions)
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -432,12 +439,9 @@ class CudaIpcTransport(Transport):
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info
-        self._used(info.engine_id)
-        key = (info.engine_id, info.incarnation, index)
-        opened = self._opened.get(key)
+        opened = self._opened.get(info.engine_id, info.incarnation, index)
         if opened is not None:
             return opened
-        self.forget_others(info.engine_id, info.incarnation)
         region = info.regions[index]
         if not region.handle:
             raise TransportError(
@@ -488,17 +492,11 @@ class CudaIpcTransport(Transport):
         tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
         tensor.set_(storage, region.handle_offset, (region.length,), (1,))
         opened = _Opened(storage, tensor)
-        self._opened[key] = opened
+        self._opened.put(info.engine_id, info.incarnation, index, opened)
         return opened
 
-    def forget_others(self, engine_id: str, incarnation: int) -> None:
-        for key in [k for k in self._opened if k[0] == engine_id and k[1] != incarnation]:
-            del self._opened[key]
-
     def forget(self, engine_id: str) -> None:
-        self._peers_used.pop(engine_id, None)
-        for key in [k for k in self._opened if k[0] == engine_id]:
-            del self._opened[key]
+        self._opened.forget(engine_id)
 
     async def close(self) -> None:
         for index in range(torch.cuda.device_count()):

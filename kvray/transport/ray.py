@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,8 +17,8 @@ from kvray.errors import BoundsError, StaleIncarnationError, TransportError, Wir
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, check_ops
 from kvray.transport._copy import StagingBuffers, scatter_copy_async
-from kvray.transport.base import Peer, Transport, check_write
-from kvray.wire import TransportKind, WriteOps, decode_message, encode
+from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
+from kvray.wire import TransportKind, WriteOps, decode_write_ops, encode
 
 if TYPE_CHECKING:
     import ray
@@ -29,8 +28,10 @@ CANCEL_RETRY_S = 0.5
 
 class RayTransport(Transport):
     kind = TransportKind.RAY
-    same_node_only = False
+    reach = Reach.ANYWHERE
+    source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
     destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
+    registers = frozenset({MemoryKind.CPU})
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -134,6 +135,15 @@ class RayTransport(Transport):
             for delivery in list(self._abandoned):
                 _cancel(delivery)
 
+    async def deliver(self, receiver: Receiver, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
+        """A write arriving at the decode engine: it must name the engine's incarnation, a
+        request the engine expects and that request's token (`Receiver.admit`), and every op
+        must lie inside its region and inside the request's blocks; then it is scattered."""
+        info = receiver.info
+        message = read_header(header, info.engine_id, info.incarnation)
+        async with receiver.admit(message.request_id, message.token) as within:
+            return await apply_ops(receiver.backing, info.engine_id, message, payload, within=within)
+
     async def close(self) -> None:
         if self._canceller is not None:
             self._canceller.cancel()
@@ -162,9 +172,7 @@ async def apply_write(
 
 def read_header(header: bytes, engine_id: str, incarnation: int) -> WriteOps:
     """A write's header, decoded (msgspec, never pickle) and checked to name this engine incarnation."""
-    message = decode_message(header)
-    if not isinstance(message, WriteOps):
-        raise WireDecodeError(f"expected write_ops, got {type(message).__name__}", field="$.type")
+    message = decode_write_ops(header)
     if message.dst_engine != engine_id or message.dst_incarnation != incarnation:
         raise StaleIncarnationError(
             f"write for engine {message.dst_engine!r} incarnation {message.dst_incarnation} reached "
@@ -181,8 +189,7 @@ async def apply_ops(
     engine_id: str,
     message: WriteOps,
     payload: npt.NDArray[np.uint8],
-    within: Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], None]
-    | None = None,
+    within: OpsCheck | None = None,
 ) -> int:
     """`apply_write` after `read_header`: check every op and the payload, then scatter.
     `within(regions, offsets, nbytes)`, when given, raises for ops outside what the write's

@@ -36,8 +36,8 @@ from kvray.errors import (
 from kvray.memory import Backing, MemoryKind, is_owned_name
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
-from kvray.transport.base import Peer, Transport, check_write, region_pairs
-from kvray.wire import RegionDescriptor, TransportKind
+from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
+from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 
 @dataclass
@@ -93,12 +93,19 @@ class _Mapping:
 
 class ShmTransport(Transport):
     kind = TransportKind.SHM
-    same_node_only = True
+    reach = Reach.SAME_NODE
+    source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
     destination_kinds = frozenset({MemoryKind.SHM})
+    registers = frozenset({MemoryKind.SHM})
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self._mappings: dict[tuple[str, int, int], _Mapping] = {}
+        #: The peers' regions mapped here, by region index.
+        self._mappings: PeerCache[int, _Mapping] = PeerCache(settings.max_cached_peers, _Mapping.retire)
+
+    @classmethod
+    def accepts(cls, peer: EngineInfo) -> bool:
+        return all(region.transport is cls.kind and region.handle for region in peer.regions)
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -165,13 +172,11 @@ class ShmTransport(Transport):
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
-        self._used(info.engine_id)
-        key = (info.engine_id, info.incarnation, index)
-        mapping = self._mappings.get(key)
+        mapping = self._mappings.get(info.engine_id, info.incarnation, index)
         if mapping is not None:
             size = mapping.file_state()
             if size is None:
-                self._mappings.pop(key).retire()
+                self._mappings.pop(info.engine_id, info.incarnation, index)
                 raise StaleIncarnationError(
                     f"incarnation {info.incarnation} of engine {info.engine_id!r} is over: its "
                     f"shared memory {mapping.path} was removed (the engine closed or restarted); "
@@ -181,7 +186,7 @@ class ShmTransport(Transport):
                 )
             if size < mapping.file_end:
                 # Touching a mapped page past the file's end raises SIGBUS, which kills the process.
-                self._mappings.pop(key).retire()
+                self._mappings.pop(info.engine_id, info.incarnation, index)
                 raise RegionError(
                     f"engine {info.engine_id!r} shrank its shared memory {mapping.path} to {size} "
                     f"bytes, short of region {index}'s end at {mapping.file_end}; nothing was "
@@ -192,7 +197,6 @@ class ShmTransport(Transport):
                     file_nbytes=size,
                 )
             return mapping
-        self._forget_other_incarnations(info.engine_id, info.incarnation)
         region = info.regions[index]
         path = region.handle.decode()
         if not path:
@@ -261,7 +265,7 @@ class ShmTransport(Transport):
             (status.st_dev, status.st_ino),
             file_end,
         )
-        self._mappings[key] = mapping
+        self._mappings.put(info.engine_id, info.incarnation, index, mapping)
         return mapping
 
     def _check_peer_path(self, engine_id: str, index: int, path: str) -> None:
@@ -278,17 +282,8 @@ class ShmTransport(Transport):
                 path=path,
             )
 
-    def _forget_other_incarnations(self, engine_id: str, incarnation: int) -> None:
-        for key in [k for k in self._mappings if k[0] == engine_id and k[1] != incarnation]:
-            self._mappings.pop(key).retire()
-
     def forget(self, engine_id: str) -> None:
-        self._peers_used.pop(engine_id, None)
-        for key in [k for k in self._mappings if k[0] == engine_id]:
-            self._mappings.pop(key).retire()
+        self._mappings.forget(engine_id)
 
     async def close(self) -> None:
-        for mapping in self._mappings.values():
-            mapping.retire()
         self._mappings.clear()
-        self._peers_used.clear()

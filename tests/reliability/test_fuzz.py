@@ -27,10 +27,11 @@ from kvray.config import Settings
 from kvray.errors import KvrayError
 from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, mixed
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan, plan_transfer, validate_engine_info
+from kvray.plan import TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport
 from kvray.transport.ray import RayTransport, apply_write
 from kvray.transport.shm import ShmTransport
+from kvray.validation import validate_engine_info
 from kvray.wire import (
     EngineInfo,
     Role,
@@ -38,7 +39,8 @@ from kvray.wire import (
     TransferFailed,
     WriteOps,
     decode_engine_info,
-    decode_message,
+    decode_notice,
+    decode_write_ops,
     encode,
 )
 
@@ -121,7 +123,7 @@ def mutated(draw: st.DrawFn) -> bytes:
 @settings(CAMPAIGN, max_examples=700)
 @given(st.one_of(st.binary(max_size=512), mutated()))
 def test_wire_bytes_decode_or_raise_kvray_errors(data: bytes) -> None:
-    for decode in (decode_message, decode_engine_info):
+    for decode in (decode_notice, decode_write_ops, decode_engine_info):
         try:
             value = decode(data)
             if isinstance(value, EngineInfo):

@@ -27,7 +27,16 @@ from kvray.coordinator import Coordinator, get_or_create_coordinator
 from kvray.errors import MetadataError, WireDecodeError
 from kvray.layout import BlockOrder, mixed
 from kvray.memory import SHM_PREFIX
-from kvray.wire import EngineInfo, Reservation, Role, WriteOps, decode_engine_info, decode_message, encode
+from kvray.wire import (
+    EngineInfo,
+    Reservation,
+    Role,
+    WriteOps,
+    decode_engine_info,
+    decode_notice,
+    decode_write_ops,
+    encode,
+)
 from kvray.workers import DecodeActor, PrefillActor
 
 KVRAY = Path(__file__).resolve().parents[2] / "kvray"
@@ -186,7 +195,7 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
     payload = pickle.dumps(_Marker())
 
     refused = 0
-    for decode in (decode_message, decode_engine_info):
+    for decode in (decode_notice, decode_write_ops, decode_engine_info):
         with pytest.raises(WireDecodeError):
             decode(payload)
         refused += 1

@@ -11,7 +11,7 @@ import torch
 
 from kvray.layout import BlockOrder, KVLayout, align_up, mixed
 from kvray.memory import TORCH_DTYPES, Backing, MemoryKind
-from kvray.plan import validate_engine_info
+from kvray.validation import validate_engine_info
 
 if TYPE_CHECKING:
     from conftest import TransportUnderTest

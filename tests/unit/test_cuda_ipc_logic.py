@@ -1,5 +1,5 @@
-"""The parts of the cuda_ipc transport that need no GPU: element width, handle
-encoding, availability, and when `auto` picks it."""
+"""The parts of the cuda_ipc transport that need no GPU: element width, handle encoding,
+availability (when `auto` picks it: tests/unit/test_transport_choice.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.layout import mixed
-from kvray.memory import MemoryKind
-from kvray.transport import Peer, availability, cuda_ipc
-from kvray.transport.cuda_ipc import CudaIpcHandle, CudaIpcTransport, pick_unit, wait_for_events
-from kvray.wire import RegionDescriptor, Role, TransportKind
+from kvray.transport import availability, cuda_ipc
+from kvray.transport.cuda_ipc import CudaIpcHandle, pick_unit, wait_for_events
+from kvray.wire import TransportKind
 
 
 def test_pick_unit_is_the_widest_common_divisor() -> None:
@@ -51,50 +48,6 @@ def test_unavailable_without_a_gpu_says_why() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert reason is not None and "CUDA" in reason
-
-
-async def test_auto_picks_cuda_ipc_only_between_gpu_backings_on_one_node() -> None:
-    agent = KVAgent("p", Role.PREFILL, mixed(8), use_coordinator=False)
-    await agent.start()
-    peer_info = agent.info
-
-    def peer(kind: TransportKind, node: str, handle: bytes = b"h") -> Peer:
-        regions = tuple(
-            RegionDescriptor(
-                engine_id="d",
-                incarnation=1,
-                transport=kind,
-                index=r.index,
-                address=r.address,
-                length=r.length,
-                handle=handle,
-                remote_writable=True,
-            )
-            for r in peer_info.regions
-        )
-        return Peer(
-            type(peer_info)(
-                engine_id="d",
-                incarnation=1,
-                role=Role.DECODE,
-                node_id=node,
-                layout=peer_info.layout,
-                regions=regions,
-                placements=peer_info.placements,
-            )
-        )
-
-    here = agent.node_id
-    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, here)) is TransportKind.RAY  # CPU backing
-    assert agent.choose_transport(peer(TransportKind.SHM, here)) is TransportKind.SHM
-    assert agent.choose_transport(peer(TransportKind.SHM, "elsewhere")) is TransportKind.RAY
-    agent.backing.kind = MemoryKind.CUDA  # as if the backing lived on a GPU
-    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, here)) is TransportKind.CUDA_IPC
-    assert agent.choose_transport(peer(TransportKind.CUDA_IPC, "elsewhere")) is TransportKind.RAY
-    assert agent.choose_transport(peer(TransportKind.SHM, here)) is TransportKind.RAY
-    agent.backing.kind = MemoryKind.CPU
-    await agent.close()
-    assert CudaIpcTransport.kind is TransportKind.CUDA_IPC
 
 
 class _Event:

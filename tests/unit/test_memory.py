@@ -42,7 +42,7 @@ from kvray.memory import (
     remove_owned,
     remove_stale_shm_files,
 )
-from kvray.plan import validate_engine_info
+from kvray.validation import validate_engine_info
 from kvray.wire import Role, TransportKind
 
 CANARY = 0xA5

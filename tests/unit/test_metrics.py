@@ -19,7 +19,7 @@ from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.errors import BlockIdError, TransferTimeoutError
+from kvray.errors import BlockIdError, TransferTimeoutError, WireDecodeError
 from kvray.layout import BlockOrder, mixed
 from kvray.metrics import (
     BLOCKS_IN_USE,
@@ -75,7 +75,8 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
     decode.expect("never", [6])
     with pytest.raises(TransferTimeoutError):  # nothing is ever pushed for it
         await decode.wait_for_kv("never", timeout=0.01)
-    decode._receive(b"not a message")
+    with pytest.raises(WireDecodeError):  # as a malformed datagram in its inbox would be
+        await decode.notify(b"not a message")
     await asyncio.sleep(0)
 
     pushed = whole.nbytes + layerwise.nbytes

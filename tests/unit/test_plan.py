@@ -44,8 +44,8 @@ from kvray.plan import (
     check_row_bounds,
     plan_transfer,
     split_ops,
-    validate_engine_info,
 )
+from kvray.validation import validate_engine_info
 from kvray.wire import EngineInfo, Role, TransportKind, decode_engine_info, encode
 
 MakeInfo = Callable[..., EngineInfo]

@@ -9,7 +9,8 @@ import pytest
 
 from kvray.errors import LayoutError, MetadataError, WireDecodeError
 from kvray.layout import MAX_BLOCKS, MAX_LAYERS, Geometry, KVLayout, LayerPlacement, LayerSpec
-from kvray.plan import OpTable, merge_ops, validate_engine_info
+from kvray.plan import OpTable, merge_ops
+from kvray.validation import validate_engine_info
 from kvray.wire import (
     MAX_ENGINE_INFO_BYTES,
     CudaIpcHandle,
@@ -18,7 +19,7 @@ from kvray.wire import (
     Role,
     TransportKind,
     decode_engine_info,
-    decode_message,
+    decode_notice,
     decode_verbs_handshake,
     encode,
 )
@@ -229,7 +230,7 @@ def test_deeply_nested_unknown_fields_are_wire_decode_errors(decoder: str) -> No
             dst_incarnation=1,
             reason="x",
         )
-        valid, decode = encode(message), decode_message  # type: ignore[assignment]
+        valid, decode = encode(message), decode_notice  # type: ignore[assignment]
     else:
         endpoint = VerbsEndpoint(device="d", port=1, gid="g", gid_index=0, lid=0, mtu=5, link_layer=2)
         accept = VerbsAccept(

@@ -22,7 +22,8 @@ from kvray.wire import (
     TransportKind,
     WriteOps,
     decode_engine_info,
-    decode_message,
+    decode_notice,
+    decode_write_ops,
     encode,
 )
 
@@ -123,7 +124,8 @@ def test_engine_info_round_trip_keeps_endpoints_and_descriptor_fields(small_info
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda message: type(message).__name__)
 def test_every_message_round_trips(message: Any) -> None:
-    decoded = decode_message(encode(message))
+    decode = decode_write_ops if isinstance(message, WriteOps) else decode_notice
+    decoded = decode(encode(message))
     assert decoded == message
     assert type(decoded) is type(message)
 
@@ -151,7 +153,7 @@ def test_region_descriptor_defaults_are_least_privilege() -> None:
     ids=["empty", "reserved-byte", "truncated-map", "garbage", "truncated", "trailing"],
 )
 def test_malformed_bytes_raise_wire_decode_error(data: bytes) -> None:
-    for decode in (decode_message, decode_engine_info):
+    for decode in (decode_notice, decode_write_ops, decode_engine_info):
         with pytest.raises(WireDecodeError) as caught:
             decode(data)
         assert isinstance(caught.value, MetadataError) and isinstance(caught.value, ValueError)
@@ -159,10 +161,9 @@ def test_malformed_bytes_raise_wire_decode_error(data: bytes) -> None:
 
 @pytest.mark.parametrize("data", ["a string", None, 42, [1, 2], {"type": "done"}])
 def test_non_bytes_raise_wire_decode_error(data: Any) -> None:
-    with pytest.raises(WireDecodeError, match="bytes"):
-        decode_message(data)
-    with pytest.raises(WireDecodeError, match="bytes"):
-        decode_engine_info(data)
+    for decode in (decode_notice, decode_write_ops, decode_engine_info):
+        with pytest.raises(WireDecodeError, match="bytes"):
+            decode(data)
 
 
 def test_wrong_field_type_names_the_field(small_info: EngineInfo) -> None:
@@ -238,13 +239,13 @@ def test_message_field_errors_name_their_path() -> None:
     raw = raw_of(MESSAGES[0])
     raw["nbytes"] = "lots"
     with pytest.raises(WireDecodeError) as caught:
-        decode_message(msgspec.msgpack.encode(raw))
+        decode_notice(msgspec.msgpack.encode(raw))
     assert caught.value.field == "$.nbytes"
 
     raw = raw_of(MESSAGES[3])
     raw["remote_offsets"][1] = 1.5
     with pytest.raises(WireDecodeError) as caught:
-        decode_message(msgspec.msgpack.encode(raw))
+        decode_write_ops(msgspec.msgpack.encode(raw))
     assert caught.value.field == "$.remote_offsets[1]"
 
 
@@ -252,10 +253,17 @@ def test_unknown_message_tag_and_wrong_family_raise(small_info: EngineInfo) -> N
     raw = raw_of(MESSAGES[0])
     raw["type"] = "pickle"
     with pytest.raises(WireDecodeError) as caught:
-        decode_message(msgspec.msgpack.encode(raw))
+        decode_notice(msgspec.msgpack.encode(raw))
     assert caught.value.field == "$.type"
     with pytest.raises(WireDecodeError):
-        decode_message(encode(small_info))
+        decode_notice(encode(small_info))
+    # One union per receiver: a write header is not a notice, and a notice is not a write.
+    with pytest.raises(WireDecodeError) as caught:
+        decode_notice(encode(MESSAGES[3]))
+    assert caught.value.field == "$.type"
+    with pytest.raises(WireDecodeError) as caught:
+        decode_write_ops(encode(MESSAGES[0]))
+    assert caught.value.field == "$.type"
     with pytest.raises(WireDecodeError):
         decode_engine_info(encode(MESSAGES[0]))
 
@@ -263,8 +271,9 @@ def test_unknown_message_tag_and_wrong_family_raise(small_info: EngineInfo) -> N
 def test_a_pickle_is_not_a_message() -> None:
     import pickle
 
-    with pytest.raises(WireDecodeError):
-        decode_message(pickle.dumps(MESSAGES[0]))
+    for decode in (decode_notice, decode_write_ops):
+        with pytest.raises(WireDecodeError):
+            decode(pickle.dumps(MESSAGES[0]))
 
 
 # ---- fuzzing --------------------------------------------------------------------------------
@@ -302,12 +311,13 @@ def mutated(draw: st.DrawFn) -> bytes:
 
 
 def check_decodes_or_refuses(data: bytes) -> None:
-    try:
-        message = decode_message(data)
-    except WireDecodeError:
-        pass
-    else:
-        assert isinstance(message, MESSAGE_TYPES)
+    for decode in (decode_notice, decode_write_ops):
+        try:
+            message = decode(data)
+        except WireDecodeError:
+            pass
+        else:
+            assert isinstance(message, MESSAGE_TYPES)
     try:
         info = decode_engine_info(data)
     except WireDecodeError as error:

@@ -1,0 +1,26 @@
+"""The agent: what an engine embeds to take part in kvray (steps three to seven of the data flow).
+
+directory   registration with the coordinator, peers and their cache
+transports  the transports an agent writes and receives through, and the choice per peer
+push        plan, write, notify: whole requests and layer-wise
+messages    claims and notices from a writer to a decode engine
+receive     expected requests, incoming writes and notices, `wait_for_kv`, release
+host        `AgentHost`: the Ray actor entry points peers and the coordinator call
+kvagent     `KVAgent`, the facade over them
+"""
+
+from kvray.agent.directory import DirectoryService, RemoteDirectory
+from kvray.agent.host import AgentHost
+from kvray.agent.kvagent import KVAgent
+from kvray.agent.push import Blocks, PushResult
+from kvray.agent.receive import Completion
+
+__all__ = [
+    "AgentHost",
+    "Blocks",
+    "Completion",
+    "DirectoryService",
+    "KVAgent",
+    "PushResult",
+    "RemoteDirectory",
+]

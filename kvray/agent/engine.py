@@ -1,0 +1,75 @@
+"""What every step of an agent shares: the engine's identity, memory and settings, its counters,
+and the background tasks it must cancel when it closes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvray.config import Settings
+from kvray.errors import AgentNotRunningError
+from kvray.memory import Backing
+from kvray.metrics import EngineMetrics
+from kvray.wire import EngineInfo, Role
+
+
+def node_id() -> str:
+    """This node's id: Ray's, inside a Ray worker; the host name otherwise."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # outside a Ray worker: the host name is the node
+        pass
+    return socket.gethostname()
+
+
+@dataclass
+class Engine:
+    """One engine as its agent's steps see it."""
+
+    engine_id: str
+    role: Role
+    settings: Settings
+    backing: Backing
+    node_id: str
+    metrics: EngineMetrics
+    stats: Counter[str] = field(default_factory=Counter)
+    incarnation: int = 0
+    #: What the engine published, once it has started.
+    published: EngineInfo | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Tasks running on the engine's behalf (notices, releases), cancelled when it closes.
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def info(self) -> EngineInfo:
+        if self.published is None:
+            raise AgentNotRunningError(
+                f"agent {self.engine_id!r} has not started; await agent.start() first",
+                engine_id=self.engine_id,
+            )
+        return self.published
+
+    @property
+    def running(self) -> bool:
+        return self.published is not None and not self.closed.is_set()
+
+    def check_running(self) -> None:
+        if not self.running:
+            raise AgentNotRunningError(
+                f"agent {self.engine_id!r} is not running; "
+                + ("it has closed" if self.closed.is_set() else "await agent.start() first"),
+                engine_id=self.engine_id,
+            )
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the background until it ends or the engine closes."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)

@@ -1,0 +1,518 @@
+"""Push (plan, write, notify: steps five to seven on the prefill side): a request's blocks go
+into the blocks a decode engine reserved for it, whole (`push`) or a layer at a time as the
+forward pass produces them (`push_layer`, then `finish`).
+
+Every push runs under a deadline and a bounded slot (`max_concurrent_transfers` running,
+`max_queued_transfers` waiting, more are refused with `BackpressureError`). A push that fails
+once its peer is known tells the peer in the background (`TransferFailed`, naming the
+incarnation it planned against) after its last byte has stopped moving, so the decode side
+frees the request's blocks at once instead of at its deadline; a failed layer-wise push
+refuses its later layers until it is finished or aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.agent.directory import Directory
+from kvray.agent.engine import Engine
+from kvray.agent.messages import Messenger
+from kvray.agent.transports import TransportSet
+from kvray.errors import (
+    BackpressureError,
+    KvrayError,
+    MetadataError,
+    NotExpectedError,
+    PlanError,
+    StaleIncarnationError,
+    TransferTimeoutError,
+    TransportError,
+    WriteFailedError,
+)
+from kvray.metrics import NO_TRANSPORT, Outcome, PushCall
+from kvray.plan import OffsetCache, TransferPlan, plan_transfer
+from kvray.transport import Peer, Transport
+from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind
+
+Blocks = Sequence[int] | npt.NDArray[np.integer]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one push (or one finished layer-wise push) moved."""
+
+    request_id: str
+    transfer_id: str
+    dst_engine: str
+    dst_incarnation: int
+    transport: TransportKind
+    nbytes: int
+    ops: int
+    unmerged_ops: int
+    #: Planning, writing and notifying (layer-wise: summed over the layers, plus the finish).
+    seconds: float
+
+
+@dataclass
+class _Layerwise:
+    reservation: Reservation
+    #: The reservation's block ids as an array, converted once for every layer.
+    remote_ids: npt.NDArray[np.int64]
+    transfer_id: str
+    transport: TransportKind
+    #: Seconds spent planning and writing, summed over the layers pushed so far.
+    busy_s: float = 0.0
+    nbytes: int = 0
+    ops: int = 0
+    unmerged_ops: int = 0
+    #: Layers written over `verbs`, each ending in one WRITE WITH IMMEDIATE.
+    immediates: int = 0
+    layers: set[str] = field(default_factory=set)
+    #: When the first layer's push call began (`time.perf_counter`).
+    started: float = 0.0
+    #: Layer writes in progress, and an event set whenever there are none.
+    writing: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+@dataclass
+class _Attempt:
+    """How far one push got: the peer it planned against (whose incarnation a failure notice
+    names) and its transfer id, once known."""
+
+    reservation: Reservation
+    layerwise: bool = False
+    peer: Peer | None = None
+    transfer_id: str | None = None
+    transport: TransportKind | None = None
+    #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
+    started: float = 0.0
+
+
+class _NoticeHeader(TypedDict):
+    """The fields of `kvray.wire.TransferNotice`, for either kind of notice."""
+
+    transfer_id: str
+    request_id: str
+    src_engine: str
+    src_incarnation: int
+    dst_engine: str
+    dst_incarnation: int
+    token: int
+
+
+def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
+    """A reservation's block ids as the array the planner takes (it checks them)."""
+    return np.fromiter(reservation.blocks, dtype=np.int64, count=len(reservation.blocks))
+
+
+class Pusher:
+    """One engine's pushes into decode engines."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        directory: Directory,
+        messenger: Messenger,
+        transports: TransportSet,
+        cache: OffsetCache,
+    ) -> None:
+        self.engine = engine
+        self.directory = directory
+        self.messenger = messenger
+        self.transports = transports
+        self.cache = cache
+        self._slots = asyncio.Semaphore(engine.settings.max_concurrent_transfers)
+        self._waiting = 0
+        self._layerwise: dict[str, _Layerwise] = {}
+        #: Layer-wise requests that failed (why), until `finish` or `abort`: later layers are refused.
+        self._failed_layerwise: dict[str, str] = {}
+        self._transfer_count = 0
+
+    @property
+    def layerwise_requests(self) -> set[str]:
+        """Requests with a layer-wise push begun (or failed) and not yet finished or aborted."""
+        return set(self._layerwise) | set(self._failed_layerwise)
+
+    async def push(
+        self,
+        reservation: Reservation,
+        local_blocks: Blocks,
+        layers: Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> PushResult:
+        request_id = reservation.request_id
+        async with self._transfer(reservation, timeout, call=PushCall.WHOLE) as attempt:
+            started = time.perf_counter()
+            peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
+            transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
+            notice = self._done(
+                reservation, transfer_id, plan.nbytes, int(transport.kind is TransportKind.VERBS)
+            )
+            try:
+                async with self.messenger.claim(self.engine.info, peer, reservation, transport.kind):
+                    early = self.messenger.early_notice(peer, notice)
+                    await self._write(reservation, peer, transport, plan, then=early)
+                    if early is None or not early.sent:
+                        await self.messenger.send(peer, notice)
+            finally:
+                self.messenger.end_claim(reservation)
+            self._count_bytes(transport.kind, peer, plan.nbytes)
+            self.engine.stats["pushes_ok"] += 1
+            return PushResult(
+                request_id,
+                transfer_id,
+                peer.info.engine_id,
+                peer.info.incarnation,
+                transport.kind,
+                plan.nbytes,
+                len(plan.ops),
+                len(plan.unmerged),
+                time.perf_counter() - started,
+            )
+
+    async def push_layer(
+        self,
+        reservation: Reservation,
+        layer: str,
+        local_blocks: Blocks,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        request_id = reservation.request_id
+        async with self._transfer(reservation, timeout, call=PushCall.LAYER) as attempt:
+            started = time.perf_counter()
+            state = self._layerwise.get(request_id)
+            self._check_same_reservation(state, reservation)
+            remote_ids = state.remote_ids if state is not None else _ids(reservation)
+            peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, [layer])
+            state = self._layerwise.get(request_id)
+            if state is None:
+                state = _Layerwise(
+                    reservation,
+                    remote_ids,
+                    self._next_transfer_id(request_id),
+                    transport.kind,
+                    started=attempt.started,
+                )
+                self._layerwise[request_id] = state
+            self._check_same_reservation(state, reservation)
+            attempt.transfer_id = state.transfer_id
+            if layer in state.layers:
+                raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
+            failed = self._failed_layerwise.get(request_id)
+            if failed is not None:
+                # A PlanError: the peer is fine, the request is not (finish or abort it).
+                raise PlanError(
+                    f"request {request_id!r} already failed ({failed}); its layers are no longer written",
+                    request_id=request_id,
+                    engine_id=reservation.engine_id,
+                )
+            # From here to the write's start nothing awaits but the claim: a failure recorded
+            # meanwhile is seen by the failure notice, which waits for this write to end.
+            state.writing += 1
+            state.idle.clear()
+            try:
+                async with self.messenger.claim(self.engine.info, peer, reservation, transport.kind):
+                    await self._write(reservation, peer, transport, plan)
+            finally:
+                state.writing -= 1
+                if state.writing == 0:
+                    state.idle.set()
+            state.layers.add(layer)
+            state.immediates += int(transport.kind is TransportKind.VERBS)
+            state.nbytes += plan.nbytes
+            state.ops += len(plan.ops)
+            state.unmerged_ops += len(plan.unmerged)
+            state.busy_s += time.perf_counter() - started
+            self._count_bytes(transport.kind, peer, plan.nbytes)
+            return plan.nbytes
+
+    @staticmethod
+    def _check_same_reservation(state: _Layerwise | None, reservation: Reservation) -> None:
+        if state is not None and state.reservation != reservation:
+            raise PlanError(
+                f"request {reservation.request_id!r} is being pushed layer-wise into "
+                f"{state.reservation.engine_id!r} incarnation {state.reservation.incarnation} under "
+                "another reservation; finish or abort it first",
+                request_id=reservation.request_id,
+                engine_id=reservation.engine_id,
+            )
+
+    async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
+        state = self._layerwise.pop(request_id, None)
+        failed = self._failed_layerwise.pop(request_id, None)
+        if failed is not None:
+            raise WriteFailedError(
+                f"layer-wise push of {request_id!r} failed: {failed}", request_id=request_id
+            )
+        if state is None:
+            raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
+        reservation = state.reservation
+        async with self._transfer(reservation, timeout, call=PushCall.FINISH) as attempt:
+            attempt.transfer_id = state.transfer_id
+            attempt.transport = state.transport
+            attempt.started = state.started
+            started = time.perf_counter()
+            peer = await self.directory.peer(reservation.engine_id)
+            if peer.info.incarnation != reservation.incarnation:
+                raise StaleIncarnationError(
+                    f"engine {reservation.engine_id!r} restarted (incarnation {peer.info.incarnation}) "
+                    f"while request {request_id!r} was pushed layer-wise into incarnation "
+                    f"{reservation.incarnation}",
+                    request_id=request_id,
+                    engine_id=reservation.engine_id,
+                    incarnation=peer.info.incarnation,
+                    stale_incarnation=reservation.incarnation,
+                )
+            attempt.peer = peer
+            if set(self.engine.backing.layout.layer_names) - state.layers:
+                self.engine.stats["layerwise_partial"] += 1
+            notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
+            # Under the claim: a request its decode engine stopped expecting is not reported done.
+            try:
+                async with self.messenger.claim(self.engine.info, peer, reservation):
+                    await self.messenger.send(peer, notice)
+            finally:
+                self.messenger.end_claim(reservation)
+            self.engine.stats["pushes_ok"] += 1
+            return PushResult(
+                request_id,
+                state.transfer_id,
+                reservation.engine_id,
+                reservation.incarnation,
+                state.transport,
+                state.nbytes,
+                state.ops,
+                state.unmerged_ops,
+                state.busy_s + time.perf_counter() - started,
+            )
+
+    async def abort(self, reservation: Reservation, reason: str) -> None:
+        request_id = reservation.request_id
+        state = self._layerwise.pop(request_id, None)
+        self._failed_layerwise.pop(request_id, None)
+        self.messenger.end_claim(reservation)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.engine.settings.notify_timeout_s):
+                peer = await self.directory.peer(reservation.engine_id, wait_s=0.0)
+            if peer.info.incarnation != reservation.incarnation:
+                self.engine.stats["failure_notices_stale"] += 1
+                return
+            transfer_id = state.transfer_id if state else self._next_transfer_id(request_id)
+            await self._notify_failure(peer, reservation, transfer_id, reason, state)
+
+    # ---- one transfer -----------------------------------------------------------------
+
+    def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, immediates: int) -> TransferDone:
+        return TransferDone(**self._header(reservation, transfer_id), nbytes=nbytes, immediates=immediates)
+
+    def _header(self, reservation: Reservation, transfer_id: str) -> _NoticeHeader:
+        """The fields every notice about a transfer into `reservation` carries."""
+        info = self.engine.info
+        return {
+            "transfer_id": transfer_id,
+            "request_id": reservation.request_id,
+            "src_engine": info.engine_id,
+            "src_incarnation": info.incarnation,
+            "dst_engine": reservation.engine_id,
+            "dst_incarnation": reservation.incarnation,
+            "token": reservation.token,
+        }
+
+    def _count_bytes(self, kind: TransportKind, peer: Peer, nbytes: int) -> None:
+        self.engine.stats["bytes_pushed"] += nbytes
+        self.engine.metrics.bytes_pushed(kind.value, peer.info.engine_id, nbytes)
+
+    def _abort_soon(self, attempt: _Attempt, reason: str) -> None:
+        """`abort` for a push that failed, in the background, so the caller's error is not held
+        up by a peer that does not answer (the notice has its own deadline)."""
+        request_id = attempt.reservation.request_id
+        state = self._layerwise.get(request_id)
+        if attempt.layerwise or state is not None:
+            self._failed_layerwise.setdefault(request_id, reason)
+        peer = attempt.peer
+        if peer is None or self.engine.closed.is_set():
+            return
+        transfer_id = attempt.transfer_id or (
+            state.transfer_id if state is not None else self._next_transfer_id(request_id)
+        )
+        self.engine.spawn(self._notify_failure(peer, attempt.reservation, transfer_id, reason, state))
+
+    async def _notify_failure(
+        self, peer: Peer, reservation: Reservation, transfer_id: str, reason: str, state: _Layerwise | None
+    ) -> None:
+        """Send `TransferFailed` once no layer of the request is still being written: the peer
+        frees the blocks when it reads it, so no byte may arrive after."""
+        try:
+            async with asyncio.timeout(self.engine.settings.notify_timeout_s):
+                if state is not None:
+                    await state.idle.wait()
+            await self.messenger.send(
+                peer, TransferFailed(**self._header(reservation, transfer_id), reason=reason)
+            )
+            self.engine.stats["failure_notices_sent"] += 1
+        except Exception:  # best effort: a peer that is gone has nobody waiting
+            self.engine.stats["failure_notices_lost"] += 1
+
+    @contextlib.asynccontextmanager
+    async def _transfer(
+        self, reservation: Reservation, timeout: float | None, *, call: PushCall
+    ) -> AsyncIterator[_Attempt]:
+        """A bounded slot and a deadline for one transfer; failures are kvray errors, and once
+        the peer is known it is told (in the background) so it does not wait for its deadline.
+        Every call that gets this far is counted once in the metrics, by outcome."""
+        engine = self.engine
+        engine.check_running()
+        if not isinstance(reservation, Reservation):
+            raise PlanError(
+                f"push into a decode engine's Reservation (what its expect() returned), not "
+                f"{type(reservation).__name__}"
+            )
+        request_id = reservation.request_id
+        remote_engine = reservation.engine_id
+        settings = engine.settings
+        if self._waiting >= settings.max_queued_transfers:
+            engine.stats["rejected_backpressure"] += 1
+            engine.metrics.transfer(call, Outcome.REJECTED, NO_TRANSPORT, remote_engine)
+            raise BackpressureError(
+                f"agent {engine.engine_id!r} already has {self._waiting} transfers waiting "
+                f"(max_queued_transfers={settings.max_queued_transfers})",
+                request_id=request_id,
+            )
+        deadline = settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
+        attempt = _Attempt(reservation, call is PushCall.LAYER, started=time.perf_counter())
+        outcome = Outcome.FAILED
+        try:
+            async with asyncio.timeout(deadline):
+                self._waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self._waiting -= 1
+                try:
+                    yield attempt
+                except TransportError as error:
+                    await self._raise_if_restarted(attempt, error)
+                    raise
+                finally:
+                    self._slots.release()
+            outcome = Outcome.OK
+        except KvrayError as error:
+            if isinstance(error, TransferTimeoutError):
+                outcome = Outcome.TIMED_OUT
+            engine.stats["pushes_failed"] += 1
+            if isinstance(error, TransportError | MetadataError) and not isinstance(error, NotExpectedError):
+                self.directory.forget(remote_engine)
+            self._abort_soon(attempt, f"{type(error).__name__}: {error}")
+            raise
+        except TimeoutError as error:
+            outcome = Outcome.TIMED_OUT
+            engine.stats["pushes_timed_out"] += 1
+            self._abort_soon(attempt, f"transfer passed its {deadline} s deadline")
+            raise TransferTimeoutError(
+                f"transfer of {request_id!r} to {remote_engine!r} passed its {deadline} s deadline",
+                request_id=request_id,
+                engine_id=remote_engine,
+                timeout_s=deadline,
+            ) from error
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            self._abort_soon(attempt, "the push was cancelled")
+            raise
+        except Exception as error:
+            engine.stats["pushes_failed"] += 1
+            self.directory.forget(remote_engine)
+            self._abort_soon(attempt, f"{type(error).__name__}: {error}")
+            raise WriteFailedError(
+                f"transfer of {request_id!r} to {remote_engine!r} failed: {type(error).__name__}: {error}",
+                request_id=request_id,
+                engine_id=remote_engine,
+            ) from error
+        finally:
+            transport = attempt.transport.value if attempt.transport is not None else NO_TRANSPORT
+            seconds = time.perf_counter() - attempt.started
+            engine.metrics.transfer(call, outcome, transport, remote_engine, seconds)
+
+    async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:
+        """After a transport failure, ask the directory whether the peer has a new incarnation
+        by now: then the push was aimed at a life that is over, and that is the error to report."""
+        peer = attempt.peer
+        if peer is None or self.directory.service is None or isinstance(error, BackpressureError):
+            return
+        try:
+            await self.directory.check(peer.info.engine_id, peer.info.incarnation)
+        except StaleIncarnationError as stale:
+            current = getattr(stale, "cause", stale).facts.get("incarnation")
+            raise StaleIncarnationError(
+                f"engine {peer.info.engine_id!r} restarted: this push was aimed at incarnation "
+                f"{peer.info.incarnation}, the engine is now incarnation {current} ({error})",
+                engine_id=peer.info.engine_id,
+                incarnation=current,
+                stale_incarnation=peer.info.incarnation,
+            ) from error
+        except Exception:  # gone, or the coordinator is away: the transport's error stands
+            return
+
+    async def _plan(
+        self,
+        attempt: _Attempt,
+        local_blocks: Blocks,
+        remote_ids: npt.NDArray[np.int64],
+        layers: Sequence[str] | None,
+    ) -> tuple[Peer, Transport, TransferPlan]:
+        reservation = attempt.reservation
+        remote_engine = reservation.engine_id
+        peer = await self.directory.current(remote_engine, reservation.incarnation)
+        if peer.info.incarnation != reservation.incarnation:
+            raise StaleIncarnationError(
+                f"engine {remote_engine!r} is incarnation {peer.info.incarnation}, but the blocks "
+                f"were reserved in incarnation {reservation.incarnation}",
+                engine_id=remote_engine,
+                incarnation=peer.info.incarnation,
+                stale_incarnation=reservation.incarnation,
+            )
+        if peer.info.role is not Role.DECODE or not all(r.remote_writable for r in peer.info.regions):
+            raise MetadataError(
+                f"engine {remote_engine!r} ({peer.info.role.value}) exposes no writable region; "
+                "push into decode engines only",
+                engine_id=remote_engine,
+            )
+        attempt.peer = peer
+        plan = plan_transfer(self.engine.info, peer.info, local_blocks, remote_ids, layers, self.cache)
+        transport = self.transports.choose(peer.info, self.engine.node_id)
+        attempt.transport = transport.kind
+        return peer, transport, plan
+
+    async def _write(
+        self,
+        reservation: Reservation,
+        peer: Peer,
+        transport: Transport,
+        plan: TransferPlan,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        # The request id and token travel with the write: a receiver that checks writes itself
+        # (`Receiver.admit`) takes them only for requests it still expects, from the holder of
+        # their reservation.
+        plan = replace(plan, request_id=reservation.request_id, token=reservation.token)
+        if then is None:
+            await transport.write(plan, self.engine.backing, peer)
+        else:
+            await transport.write_then(plan, self.engine.backing, peer, then)
+
+    def _next_transfer_id(self, request_id: str) -> str:
+        self._transfer_count += 1
+        return f"{request_id}@{self.engine.engine_id}:{self.engine.incarnation:x}:{self._transfer_count}"

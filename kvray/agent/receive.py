@@ -1,0 +1,501 @@
+"""Receive (seventh step, the decode side): the requests a decode engine expects, the writes and
+notices it takes for them, and `wait_for_kv`.
+
+A request is expected from `expect` (its blocks are reserved; the writer gets a `Reservation`
+with a secret token) until `release`, which returns only once no write of it can land any more:
+a same-node writer's claim (`kvray.claims`) has ended, a claiming writer on another node has
+sent its notice or left, and no write delivered as a message is still being scattered. Writes
+and notices for a request the engine does not expect under that token are refused, counted and
+dropped. A writer still holding a request past `transfer_timeout_s` leaves it quarantined: its
+blocks must stay out of the pool until the writer is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.agent.directory import Directory
+from kvray.agent.engine import Engine
+from kvray.agent.transports import TransportSet
+from kvray.claims import ClaimBoard
+from kvray.completion import CompletionInbox
+from kvray.errors import (
+    AgentNotRunningError,
+    KvrayError,
+    MetadataError,
+    NotExpectedError,
+    PlanError,
+    RequestCancelledError,
+    StaleIncarnationError,
+    TransferTimeoutError,
+    WireDecodeError,
+    WriteFailedError,
+)
+from kvray.memory import Backing
+from kvray.metrics import DropReason, Outcome
+from kvray.plan import OffsetCache, block_ids, check_ops_within, request_spans
+from kvray.transport.base import Int64Array, OpsCheck
+from kvray.wire import (
+    EngineInfo,
+    Reservation,
+    Role,
+    TransferDone,
+    TransferFailed,
+    decode_notice,
+    decode_write_claim,
+)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the decode side learns when a request's KV has arrived."""
+
+    request_id: str
+    transfer_id: str
+    src_engine: str
+    nbytes: int
+
+
+@dataclass
+class _Expectation:
+    """A request a decode agent expects: what its writer must show, and where it may write."""
+
+    future: asyncio.Future[Completion]
+    token: int
+    #: Its slot in the claim board (-1: the agent has no board, e.g. it never started an inbox).
+    slot: int
+    blocks: npt.NDArray[np.int64]
+    #: (region, start, end) byte spans of the request's blocks, built at its first checked write.
+    spans: tuple[Int64Array, Int64Array, Int64Array] | None = None
+    #: A writer on another node that claimed the request (`verbs`), and an event set once its
+    #: notice (done or failed) has arrived: until then its one-sided writes may still land.
+    writer: tuple[str, int] | None = None
+    writer_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Receiving:
+    """A decode engine's expected requests, and the writes and notices it takes for them. It
+    is the `Receiver` its transports hand incoming writes to."""
+
+    def __init__(
+        self, engine: Engine, directory: Directory, transports: TransportSet, cache: OffsetCache
+    ) -> None:
+        self.engine = engine
+        self.directory = directory
+        self.transports = transports
+        self.cache = cache
+        self._pending: dict[str, _Expectation] = {}
+        #: Requests being released (their writers may still send their notice).
+        self._releasing: dict[str, _Expectation] = {}
+        #: Requests that could not be released yet (a writer still held their claim), each with
+        #: an event set once it is released after all.
+        self.quarantined: dict[str, asyncio.Event] = {}
+        #: Writes being applied by this engine itself, per request (a failed wait outlasts them).
+        self._writing: Counter[str] = Counter()
+        self._writes_done = asyncio.Condition()
+        self.inbox: CompletionInbox | None = None
+        self.board: ClaimBoard | None = None
+
+    # ---- the Receiver protocol ----------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def backing(self) -> Backing:
+        return self.engine.backing
+
+    @contextlib.asynccontextmanager
+    async def admit(self, request_id: str, token: int) -> AsyncIterator[OpsCheck]:
+        expectation = self._pending.get(request_id)
+        if expectation is None or expectation.future.done():
+            # Its wait ended (done, failed, timed out) or it was never reserved: its blocks may
+            # belong to another request by now.
+            raise self._counted(
+                DropReason.UNEXPECTED_WRITE,
+                "writes_refused_unexpected",
+                NotExpectedError(
+                    f"engine {self.engine.engine_id!r} does not expect KV for request {request_id!r} "
+                    "(never reserved, or its wait has ended); nothing was written",
+                    request_id=request_id,
+                    engine_id=self.engine.engine_id,
+                ),
+            )
+        if token != expectation.token:
+            raise self._counted(
+                DropReason.FORGED,
+                "writes_refused_forged",
+                NotExpectedError(
+                    f"a write for request {request_id!r} did not carry its reservation's token; "
+                    "nothing was written",
+                    request_id=request_id,
+                    engine_id=self.engine.engine_id,
+                ),
+            )
+        self._writing[request_id] += 1
+        try:
+            yield self._within(request_id, expectation)
+        finally:
+            self._writing[request_id] -= 1
+            if not self._writing[request_id]:
+                del self._writing[request_id]
+                async with self._writes_done:
+                    self._writes_done.notify_all()
+
+    async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
+        peer = await self.directory.current(engine_id, incarnation, wait_s=0)
+        return peer.info
+
+    def _within(self, request_id: str, expectation: _Expectation) -> OpsCheck:
+        """A check that a write's ops stay inside the request's blocks (spans built once)."""
+
+        def check(regions: Int64Array, offsets: Int64Array, nbytes: Int64Array) -> None:
+            if expectation.spans is None:
+                rows = self.cache.rows(self.info, self.engine.backing.layout.layer_names)
+                expectation.spans = request_spans(rows, expectation.blocks)
+            check_ops_within(
+                expectation.spans,
+                regions,
+                offsets,
+                nbytes,
+                request_id=request_id,
+                engine_id=self.engine.engine_id,
+            )
+
+        return check
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def expect(self, request_id: str, blocks: npt.ArrayLike) -> Reservation:
+        engine = self.engine
+        if engine.role is not Role.DECODE:
+            raise PlanError(f"engine {engine.engine_id!r} is not a decode engine and expects no KV")
+        engine.check_running()
+        if request_id in self._pending:
+            raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
+        ids = block_ids(blocks, engine.backing.layout.num_blocks, "decode", engine.engine_id)  # type: ignore[arg-type]
+        token = secrets.randbits(62) or 1
+        for transport in self.transports.receiving:
+            transport.expect(self, request_id)
+        slot = self.board.open(token) if self.board is not None else -1
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Expectation(future, token, slot, ids)
+        return Reservation(
+            request_id=request_id,
+            engine_id=engine.engine_id,
+            incarnation=engine.incarnation,
+            blocks=tuple(ids.tolist()),
+            token=token,
+            slot=max(slot, 0),
+        )
+
+    async def release(self, request_id: str) -> None:
+        expectation = self._pending.pop(request_id, None)
+        if expectation is None:
+            return
+        if not expectation.future.done():
+            expectation.future.cancel()
+        # A claiming writer's notice may still come: it ends the claim (see `receive`).
+        self._releasing[request_id] = expectation
+        try:
+            await self._end_writes(request_id, expectation)
+        finally:
+            if self._releasing.get(request_id) is expectation:
+                del self._releasing[request_id]
+
+    def cancel(self, request_id: str) -> None:
+        expectation = self._pending.get(request_id)
+        if expectation is not None and not expectation.future.done():
+            expectation.future.cancel()
+
+    async def _end_writes(self, request_id: str, expectation: _Expectation) -> None:
+        if self._writing[request_id]:
+            async with self._writes_done:
+                await self._writes_done.wait_for(lambda: not self._writing[request_id])
+        if await self._writes_ended(request_id, expectation):
+            return
+        self.quarantined[request_id] = asyncio.Event()
+        self.engine.stats["releases_quarantined"] += 1
+        self.engine.spawn(self._release_later(request_id, expectation))
+        raise TransferTimeoutError(
+            f"a writer still holds request {request_id!r} at {self.engine.engine_id!r} after "
+            f"{self.engine.settings.transfer_timeout_s} s; its blocks must stay out of the pool",
+            request_id=request_id,
+            engine_id=self.engine.engine_id,
+            timeout_s=self.engine.settings.transfer_timeout_s,
+        )
+
+    async def _writes_ended(self, request_id: str, expectation: _Expectation) -> bool:
+        """True once no write for the request can land: a writer on another node that claimed
+        it is done, and its slot in the claim board is closed (each awaited up to
+        `transfer_timeout_s`)."""
+        if not await self._remote_writer_done(expectation):
+            return False
+        board = self.board
+        if (
+            expectation.slot >= 0
+            and board is not None
+            and not await board.close(expectation.slot, self.engine.settings.transfer_timeout_s)
+        ):
+            return False
+        for transport in self.transports.receiving:
+            transport.release(self, request_id)
+        return True
+
+    async def _remote_writer_done(self, expectation: _Expectation) -> bool:
+        """True once a writer on another node that claimed the request has sent its notice, or
+        has left the directory (its process died: no write of it can still be issued)."""
+        if expectation.writer is None or expectation.writer_done.is_set():
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.engine.settings.transfer_timeout_s):
+                await expectation.writer_done.wait()
+                return True
+        if self.directory.service is None:
+            return False
+        try:
+            await self.directory.check(*expectation.writer)
+        except KvrayError:
+            return True  # gone or restarted: that life issues no more writes
+        except Exception:
+            return False
+        return False
+
+    async def _release_later(self, request_id: str, expectation: _Expectation) -> None:
+        self._releasing[request_id] = expectation
+        while not self.engine.closed.is_set():
+            if await self._writes_ended(request_id, expectation):
+                self._releasing.pop(request_id, None)
+                self.quarantined.pop(request_id).set()
+                return
+
+    async def wait_for_kv(self, request_id: str, timeout: float | None = None) -> Completion:
+        engine = self.engine
+        expectation = self._pending.get(request_id)
+        if expectation is None:
+            raise PlanError(
+                f"request {request_id!r} is not expected at {engine.engine_id!r}; expect() it first",
+                request_id=request_id,
+                engine_id=engine.engine_id,
+            )
+        future = expectation.future
+        deadline = engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
+        started = time.perf_counter()
+        outcome = Outcome.FAILED
+        try:
+            # The future itself, not a shield around it: a shield puts one more hop through the
+            # event loop between the completion and this task. A timed-out or cancelled wait
+            # cancels the future: the request is no longer expected, and later writes for it
+            # are refused.
+            async with asyncio.timeout(deadline):
+                completion = await future
+            outcome = Outcome.OK
+            return completion
+        except TimeoutError:
+            outcome = Outcome.TIMED_OUT
+            engine.stats["waits_timed_out"] += 1
+            raise TransferTimeoutError(
+                f"KV for request {request_id!r} did not arrive at {engine.engine_id!r} within {deadline} s",
+                request_id=request_id,
+                engine_id=engine.engine_id,
+                timeout_s=deadline,
+            ) from None
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            task = asyncio.current_task()
+            if future.cancelled() and (task is None or not task.cancelling()):
+                # `cancel` or `release` (the request is over), not a cancelled caller.
+                raise RequestCancelledError(
+                    f"request {request_id!r} was cancelled at {engine.engine_id!r} while waiting for its KV",
+                    request_id=request_id,
+                    engine_id=engine.engine_id,
+                ) from None
+            raise
+        finally:
+            # Recorded after the caller resumes: the metric is off the path from the completion
+            # to the decode side's next step.
+            asyncio.get_running_loop().call_soon(engine.metrics.wait, outcome, time.perf_counter() - started)
+            if not future.done():
+                future.cancel()
+
+    def close(self) -> None:
+        """Fail every wait (the agent closed) and release the inbox and claim board."""
+        for request_id, expectation in list(self._pending.items()):
+            if not expectation.future.done():
+                expectation.future.set_exception(
+                    AgentNotRunningError(
+                        f"agent {self.engine.engine_id!r} closed while {request_id!r} waited for KV",
+                        request_id=request_id,
+                        engine_id=self.engine.engine_id,
+                    )
+                )
+        self._pending.clear()
+        if self.board is not None:
+            self.board.dispose()
+        if self.inbox is not None:
+            self.inbox.close()
+
+    # ---- what writers send ------------------------------------------------------------
+
+    def claim(self, message_bytes: bytes) -> None:
+        """A writer on another node claims a request before its first one-sided write of it
+        (`verbs`): refused unless the request is expected under the claim's token; the request's
+        blocks are then kept (see `release`) until the writer's notice arrives."""
+        try:
+            claim = decode_write_claim(message_bytes)
+        except WireDecodeError:
+            self.engine.stats["messages_malformed"] += 1
+            self.engine.metrics.dropped(DropReason.MALFORMED)
+            raise
+        if claim.dst_engine != self.engine.engine_id or claim.dst_incarnation != self.engine.incarnation:
+            raise self._misaddressed("claim", claim.dst_engine, claim.dst_incarnation)
+        expectation = self._pending.get(claim.request_id)
+        if expectation is None or expectation.future.done() or expectation.token != claim.token:
+            self.engine.stats["claims_refused"] += 1
+            raise NotExpectedError(
+                f"engine {self.engine.engine_id!r} does not expect request {claim.request_id!r} under "
+                "this reservation; nothing may be written",
+                request_id=claim.request_id,
+                engine_id=self.engine.engine_id,
+            )
+        writer = (claim.src_engine, claim.src_incarnation)
+        if expectation.writer is not None and expectation.writer != writer:
+            raise NotExpectedError(
+                f"request {claim.request_id!r} is already claimed by {expectation.writer[0]!r}",
+                request_id=claim.request_id,
+                engine_id=self.engine.engine_id,
+            )
+        expectation.writer = writer
+
+    def receive(self, message_bytes: bytes, strict: bool = False) -> None:
+        """A completion or failure notice; unknown, stale, forged or malformed ones are dropped
+        and counted (`strict`: they also raise, for a caller that can be told)."""
+        engine = self.engine
+        try:
+            message = decode_notice(message_bytes)
+        except WireDecodeError as error:
+            self._drop(DropReason.MALFORMED, "messages_malformed", strict, error)
+            return
+        if message.dst_engine != engine.engine_id or message.dst_incarnation != engine.incarnation:
+            self._drop(
+                DropReason.STALE,
+                "completions_dropped_stale",
+                strict,
+                self._misaddressed("notice", message.dst_engine, message.dst_incarnation),
+            )
+            return
+        expectation = self._pending.get(message.request_id)
+        if expectation is None or expectation.future.done():
+            ending = expectation or self._releasing.get(message.request_id)
+            if ending is not None and ending.writer is not None and ending.token == message.token:
+                # The claiming writer's last word (done or failed): its writes have ended.
+                ending.writer_done.set()
+            self._drop(
+                DropReason.UNKNOWN,
+                "completions_dropped_unknown",
+                strict,
+                NotExpectedError(
+                    f"engine {engine.engine_id!r} does not expect request {message.request_id!r} "
+                    "(never reserved, or its wait has ended)",
+                    request_id=message.request_id,
+                    engine_id=engine.engine_id,
+                ),
+            )
+            return
+        if message.token != expectation.token:
+            self._drop(
+                DropReason.FORGED,
+                "completions_dropped_forged",
+                strict,
+                NotExpectedError(
+                    f"a notice for request {message.request_id!r} did not carry its reservation's token",
+                    request_id=message.request_id,
+                    engine_id=engine.engine_id,
+                ),
+            )
+            return
+        future = expectation.future
+        if isinstance(message, TransferFailed):
+            if expectation.writer is not None:
+                expectation.writer_done.set()  # sent once its last write had stopped moving
+            engine.stats["completions_failed"] += 1
+            future.set_exception(
+                WriteFailedError(
+                    f"engine {message.src_engine!r} could not deliver {message.request_id!r}: "
+                    f"{message.reason}",
+                    request_id=message.request_id,
+                    engine_id=message.src_engine,
+                )
+            )
+            future.exception()  # retrieved here; wait_for_kv re-raises it
+        elif message.immediates:
+            # The writer's transport gives the decode side its own proof of arrival (RDMA
+            # immediates), which the notice can overtake: complete once that has come too
+            # (wait_for_kv's deadline bounds the wait).
+            engine.spawn(self._complete_after_arrival(message, expectation))
+        else:
+            self._complete(message, future)
+
+    def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
+        self.engine.stats["completions_ok"] += 1
+        future.set_result(
+            Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
+        )
+        # After the waiter's wake-up in the loop's queue (see `wait_for_kv`).
+        asyncio.get_running_loop().call_soon(
+            self.engine.metrics.bytes_received, message.src_engine, message.nbytes
+        )
+
+    async def _complete_after_arrival(self, message: TransferDone, expectation: _Expectation) -> None:
+        future = expectation.future
+        try:
+            if self.engine.published is None or self.engine.published.verbs is None:
+                raise MetadataError(
+                    f"engine {message.src_engine!r} wrote {message.request_id!r} over RDMA, but "
+                    f"engine {self.engine.engine_id!r} has no RDMA port",
+                    request_id=message.request_id,
+                    engine_id=self.engine.engine_id,
+                )
+            for transport in self.transports.receiving:
+                await transport.complete(self, message)
+        except asyncio.CancelledError:
+            return  # the wait ended (deadline, cancel, close): its own path reports it
+        except KvrayError as error:
+            if not future.done():
+                future.set_exception(error)
+                future.exception()
+            return
+        # Every write posted before the last immediate has landed: the writer is done here.
+        expectation.writer_done.set()
+        if not future.done():
+            self._complete(message, future)
+
+    def _misaddressed(self, what: str, engine_id: str, incarnation: int) -> StaleIncarnationError:
+        return StaleIncarnationError(
+            f"{what} for {engine_id!r} incarnation {incarnation} reached {self.engine.engine_id!r} "
+            f"incarnation {self.engine.incarnation}",
+            engine_id=self.engine.engine_id,
+            incarnation=self.engine.incarnation,
+            stale_incarnation=incarnation,
+        )
+
+    def _counted(self, reason: DropReason, stat: str, error: KvrayError) -> KvrayError:
+        """`error`, after counting what it refuses (in `stats` and the drop metric)."""
+        self.engine.stats[stat] += 1
+        self.engine.metrics.dropped(reason)
+        return error
+
+    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
+        self._counted(reason, stat, error)
+        if strict:
+            raise error
