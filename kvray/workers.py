@@ -46,6 +46,8 @@ ByteArray = npt.NDArray[np.uint8]
 class PrefillResult:
     """What a prefill worker reports for one request."""
 
+    #: The prefill engine that ran it.
+    engine_id: str
     first_token: int
     #: The forward pass over the prompt.
     compute_s: float
@@ -434,6 +436,7 @@ class PrefillWorker(_Worker):
             finished = time.perf_counter()
             digest = await self.kv_digest(blocks)
             return PrefillResult(
+                engine_id=agent.engine_id,
                 first_token=first_token,
                 compute_s=computed - started,
                 exposed_transfer_s=finished - computed,

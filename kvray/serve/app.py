@@ -1,5 +1,5 @@
-"""Ray Serve application: an HTTP router, a prefill and a decode deployment around the reference
-model, each prefill and decode replica embedding a kvray agent (where users meet kvray).
+"""Reference application: an HTTP router, a prefill and a decode deployment around the reference
+model, each replica's worker hosted by the library host (`kvray.serve.host`).
 
 Needs the `serve` extra (`pip install -e '.[serve]'`). Build it with `build_app(args)`, the
 application builder `serve run examples/serve_config.yaml` imports.
@@ -20,13 +20,9 @@ holding its blocks, asks a prefill replica (through its own handle) to fill them
 it sends is its own, so the push lands where the blocks are. Serve's routing still chooses both
 replicas (least loaded of two), and a replica that is gone is no longer chosen.
 
-Peers reach a replica through its host. A Serve replica's actor is Serve's own wrapper, without
-kvray's entry points, so each replica starts a small `ReplicaHost` actor that stands in for it:
-the coordinator registers the engine with the host as its actor, holds its watch call on it and
-drops the engine when it returns (the agent closed) or fails (the host died; it is owned by the
-replica, so Ray ends it with the replica). `ray`-transport writes and completion notices that
-reach the host are forwarded into the replica over a long-poll call the replica keeps open
-(on one node, shared-memory writes and completions do not pass through it).
+Each replica runs a reference-model worker (`kvray.workers`) whose agent a `ReplicaEngine`
+hosts: peers reach the replica through its `ReplicaHost` actor (see `kvray.serve.host`), and
+`check_health` follows the engine's.
 
 Scaling in place: `build_app` versions its deployments by `deployment_version`, which only the
 replica counts leave unchanged, so redeploying with another count keeps the running replicas.
@@ -60,36 +56,29 @@ the names below or a kvray error class (`kvray.errors`), never a wrapper's name:
          queue bound with a plain-text 503.)
     504  TransferTimeoutError: the request passed its deadline
     500  InternalError, or another kvray error: anything else
-
-Health: `check_health` raises when the agent is closed, its host is gone, or the coordinator
-does not have this engine incarnation registered (Serve replaces a replica after three failed
-checks in a row; a coordinator restart is re-registered within a heartbeat).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import ray
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import (
     BackpressureError,
     ConfigError,
@@ -102,8 +91,9 @@ from kvray.errors import (
 )
 from kvray.layout import BlockOrder
 from kvray.models.reference import MODEL_PRESETS, ModelConfig, ReferenceModel, decode_text
+from kvray.serve.host import ReplicaDirectory, ReplicaEngine, replica_engine_id
 from kvray.wire import Reservation
-from kvray.workers import DecodeWorker, PrefillWorker
+from kvray.workers import DecodeWorker, PrefillResult, PrefillWorker
 
 #: Serve writes this logger's records into each replica's log file.
 logger = logging.getLogger("ray.serve")
@@ -243,334 +233,53 @@ def _check_positions(prompt_tokens: int, request: GenerateRequest, config: Model
 
 
 @dataclass(frozen=True)
-class PrefillReply:
-    """What a prefill replica answers for one request."""
-
-    engine_id: str
-    first_token: int
-    transport: str
-    nbytes: int
-    compute_s: float
-    exposed_transfer_s: float
-    #: Per layer, a hash of the prompt's blocks as prefill wrote them.
-    kv_digest: dict[str, str]
-
-
-@dataclass(frozen=True)
 class GenerateReply:
     """What a decode replica answers for one request."""
 
     tokens: list[int]
     decode_engine: str
-    prefill: PrefillReply
+    prefill: PrefillResult
     #: From the decode call to the first token (blocks reserved, prefill answered).
     ttft_s: float
     decode_s: float
 
 
-# ---- the actor that stands in for a replica ----------------------------------------------------
-
-
-class HostCall(enum.Enum):
-    """Calls a `ReplicaHost` forwards into its replica's agent."""
-
-    DELIVER = "deliver"
-    NOTIFY = "notify"
-    CLAIM = "claim"
-
-
-class ReplicaHost:
-    """The Ray actor peers and the coordinator call for an agent that lives in a Serve replica.
-
-    `kvray_watch` returns when the replica closes its agent (or fails when this actor dies with
-    the replica that owns it); `kvray_deliver`, `kvray_notify` and `kvray_claim` are queued for
-    the replica, which takes them with `take` and answers with `answer`, each within a deadline.
-
-    `owner_token` is a random secret of the replica that creates the host: `take` and `answer`
-    require it, so no other Ray client can take or answer a forwarded call, and call ids are
-    random, so none can be guessed. At most `settings.max_queued_transfers` forwarded calls are
-    outstanding at once (more are refused with `BackpressureError`), and a call whose caller
-    gave up (its deadline passed) leaves the queue at once."""
-
-    def __init__(self, settings: Settings, owner_token: bytes) -> None:
-        self._settings = settings
-        self._owner_token = owner_token
-        self._closed = asyncio.Event()
-        #: Calls not taken yet, by call id, oldest first.
-        self._queued: dict[str, tuple[HostCall, tuple[Any, ...]]] = {}
-        self._queue_changed = asyncio.Condition()
-        #: Every outstanding call (queued or taken), by call id.
-        self._answers: dict[str, asyncio.Future[Any]] = {}
-
-    async def kvray_watch(self) -> None:
-        await self._closed.wait()
-
-    async def kvray_deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
-        written: int = await self._forward(
-            HostCall.DELIVER, (header, payload), self._settings.transfer_timeout_s
-        )
-        return written
-
-    async def kvray_notify(self, message: bytes) -> None:
-        await self._forward(HostCall.NOTIFY, (message,), self._settings.notify_timeout_s)
-
-    async def kvray_claim(self, message: bytes) -> None:
-        await self._forward(HostCall.CLAIM, (message,), self._settings.notify_timeout_s)
-
-    async def take(self, owner_token: bytes, wait_s: float) -> list[tuple[str, HostCall, tuple[Any, ...]]]:
-        """The calls queued for the replica; waits up to `wait_s` for the first."""
-        self._check_owner(owner_token)
-        try:
-            async with asyncio.timeout(wait_s), self._queue_changed:
-                await self._queue_changed.wait_for(lambda: bool(self._queued))
-                calls = [(call_id, call, args) for call_id, (call, args) in self._queued.items()]
-                self._queued.clear()
-        except TimeoutError:
-            return []
-        return calls
-
-    async def answer(self, owner_token: bytes, call_id: str, value: Any, error: BaseException | None) -> None:
-        self._check_owner(owner_token)
-        future = self._answers.get(call_id)
-        if future is None or future.done():  # its caller gave up
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-    async def close(self) -> None:
-        self._closed.set()
-
-    async def ping(self) -> bool:
-        return not self._closed.is_set()
-
-    def _check_owner(self, owner_token: object) -> None:
-        if not isinstance(owner_token, bytes) or not secrets.compare_digest(owner_token, self._owner_token):
-            raise KvrayError(
-                "only the Serve replica that owns this host may take or answer its forwarded calls"
-            )
-
-    async def _forward(self, call: HostCall, args: tuple[Any, ...], timeout_s: float) -> Any:
-        if self._closed.is_set():
-            raise KvrayError("this engine's Serve replica has closed its agent; nothing was delivered")
-        bound = self._settings.max_queued_transfers
-        if len(self._answers) >= bound:
-            raise BackpressureError(
-                f"{bound} forwarded calls already wait for this Serve replica; retry later",
-                queued=len(self._answers),
-            )
-        call_id = secrets.token_hex(16)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._answers[call_id] = future
-        async with self._queue_changed:
-            self._queued[call_id] = (call, args)
-            self._queue_changed.notify_all()
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await future
-        except TimeoutError:
-            raise TransferTimeoutError(
-                f"the Serve replica did not take a forwarded {call.value} call within {timeout_s} s",
-                timeout_s=timeout_s,
-            ) from None
-        finally:
-            del self._answers[call_id]
-            self._queued.pop(call_id, None)
-
-
-_HostActor = ray.remote(ReplicaHost)
-
-
-class ReplicaDirectory:
-    """The coordinator as the agent of a Serve replica sees it: the same calls, made on the
-    named coordinator actor (found again by name after it dies), except that a registration
-    names the replica's `ReplicaHost` as the engine's actor."""
-
-    def __init__(self, settings: Settings, host: Any) -> None:
-        self._settings = settings
-        self._host = host
-        self._actor: Any = None
-        self.register = _RemoteMethod(self._register)
-        self.deregister = _RemoteMethod(self._calling("deregister"))
-        self.heartbeat = _RemoteMethod(self._calling("heartbeat"))
-        self.lookup = _RemoteMethod(self._calling("lookup"))
-        self.check = _RemoteMethod(self._calling("check"))
-        self.engines = _RemoteMethod(self._calling("engines"))
-
-    async def _register(self, info_bytes: bytes, host: Any, secret: bytes) -> Any:
-        return await self._call("register", info_bytes, self._host, secret)
-
-    def _calling(self, method: str) -> Callable[..., Awaitable[Any]]:
-        async def call(*args: Any) -> Any:
-            return await self._call(method, *args)
-
-        return call
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        if self._actor is None:
-            self._actor = await asyncio.to_thread(get_or_create_coordinator, self._settings)
-        actor = self._actor
-        try:
-            return await getattr(actor, method).remote(*args)
-        except ray.exceptions.RayActorError:
-            if self._actor is actor:  # killed or restarting: look it up by name next time
-                self._actor = None
-            raise
-
-
-class _RemoteMethod:
-    """`.remote(...)` returning an awaitable, as an actor method does."""
-
-    def __init__(self, call: Callable[..., Awaitable[Any]]) -> None:
-        self.remote = call
-
-
-# ---- a replica's engine ------------------------------------------------------------------------
-
-
-#: The worker a replica engine runs.
-W = TypeVar("W", PrefillWorker, DecodeWorker)
-
-
-class ReplicaEngine(Generic[W]):
-    """A prefill or decode worker (block pool, agent, model) inside a Serve replica, and its host.
-
-    `await ReplicaEngine.start(...)` creates the host, starts the agent (fresh incarnation,
-    registered through the host) and the loop that serves forwarded calls; `close` undoes it."""
-
-    #: Seconds one `take` long-poll waits for forwarded calls before asking again.
-    POLL_S = 5.0
-
-    def __init__(
-        self, worker: W, host: Any, owner_token: bytes, directory: ReplicaDirectory, settings: Settings
-    ) -> None:
-        self.worker: W = worker
-        self.host = host
-        self._owner_token = owner_token
-        self.directory = directory
-        self.settings = settings
-        self._pump: asyncio.Task[None] | None = None
-        self._serving: set[asyncio.Task[None]] = set()
-        self._pump_error: BaseException | None = None
-
-    @classmethod
-    async def start(cls, worker_class: type[W], engine_id: str, options: ServeOptions) -> ReplicaEngine[W]:
-        settings = options.settings
-        # Owned by this replica (not detached): Ray ends it when the replica dies.
-        owner_token = secrets.token_bytes(32)
-        host = _HostActor.options(num_cpus=0).remote(settings, owner_token)
-        config = options.model_config
-        layout = ReferenceModel(config).layout(options.num_blocks, options.block_order)
-        directory = ReplicaDirectory(settings, host)
-        worker: W = worker_class(engine_id, layout, settings, model=config, coordinator=directory)
-        engine = cls(worker, host, owner_token, directory, settings)
-        try:
-            await worker.start()
-        except BaseException:
-            await engine.close()
-            raise
-        engine._pump = asyncio.get_running_loop().create_task(engine._serve_host())
-        return engine
-
-    @property
-    def engine_id(self) -> str:
-        return self.worker.kvray_agent.engine_id
-
-    async def check_health(self) -> None:
-        """Raise unless the agent runs, its host answers and the coordinator has this incarnation."""
-        agent = self.worker.kvray_agent
-        if not agent.started:
-            raise KvrayError(f"engine {self.engine_id!r}: the kvray agent is not running")
-        if self._pump is None or self._pump.done():
-            raise KvrayError(
-                f"engine {self.engine_id!r}: its host actor is gone ({self._pump_error!r}); peers "
-                "cannot reach this replica"
-            )
-        bound = self.settings.notify_timeout_s
-        try:
-            async with asyncio.timeout(bound):
-                await self.directory.check.remote(self.engine_id, agent.incarnation)
-        except TimeoutError:
-            raise MetadataError(
-                f"engine {self.engine_id!r}: the coordinator did not answer within {bound} s",
-                engine_id=self.engine_id,
-            ) from None
-        except KvrayError as error:
-            raise MetadataError(
-                f"engine {self.engine_id!r} is not registered with the coordinator: {error}",
-                engine_id=self.engine_id,
-            ) from error
-
-    async def close(self) -> None:
-        """Close the agent (deregisters), stop serving forwarded calls, close the host."""
-        await self.worker.close()
-        if self._pump is not None:
-            self._pump.cancel()
-        for task in list(self._serving):
-            task.cancel()
-        try:
-            async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self.host.close.remote()
-        except Exception:  # gone already: nothing to close
-            pass
-        ray.kill(self.host)
-
-    async def _serve_host(self) -> None:
-        """Take the calls forwarded by the host and run each on the agent, until the host dies."""
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                async with asyncio.timeout(self.POLL_S + self.settings.notify_timeout_s):
-                    calls = await self.host.take.remote(self._owner_token, self.POLL_S)
-            except TimeoutError:  # a slow answer: ask again (a dead host raises instead)
-                continue
-            except ray.exceptions.RayActorError as error:
-                self._pump_error = error
-                return
-            for call_id, call, args in calls:
-                task = loop.create_task(self._serve_call(call_id, call, args))
-                self._serving.add(task)
-                task.add_done_callback(self._serving.discard)
-
-    async def _serve_call(self, call_id: str, call: HostCall, args: tuple[Any, ...]) -> None:
-        agent = self.worker.kvray_agent
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            if call is HostCall.DELIVER:
-                value = await agent.deliver(*args)
-            elif call is HostCall.CLAIM:
-                await agent.claim(*args)
-            else:
-                await agent.notify(*args)
-        except Exception as failure:
-            error = failure
-        try:
-            async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self.host.answer.remote(self._owner_token, call_id, value, error)
-        except Exception:  # the host is gone; its caller's call failed with it
-            pass
-
-
-def _engine_id() -> str:
-    """`<app>-<deployment>-<replica id>`: unique per replica (a replacement gets a new id)."""
-    context = serve.get_replica_context()
-    return f"{context.app_name}-{context.deployment}-{context.replica_id.unique_id}"
-
-
 # ---- the deployments ---------------------------------------------------------------------------
 
 
-class _EngineReplica:
+#: The reference-model worker a replica runs.
+W = TypeVar("W", PrefillWorker, DecodeWorker)
+
+
+async def start_worker(
+    worker_class: type[W], engine_id: str, options: ServeOptions
+) -> tuple[W, ReplicaEngine]:
+    """A reference-model worker of `options` whose agent a `ReplicaEngine` hosts in this process
+    (a Serve replica), started and registered; `close` the engine to undo it."""
+    config = options.model_config
+    layout = ReferenceModel(config).layout(options.num_blocks, options.block_order)
+    built: list[W] = []
+
+    def worker_agent(directory: ReplicaDirectory) -> KVAgent:
+        worker = worker_class(engine_id, layout, options.settings, model=config, coordinator=directory)
+        built.append(worker)
+        return worker.kvray_agent
+
+    engine = await ReplicaEngine.start_agent(worker_agent, options.settings)
+    (worker,) = built
+    return worker, engine
+
+
+class _EngineReplica(Generic[W]):
     """What every prefill and decode replica answers besides its own work: Serve's health
     checks, its stats, and its removal (`__del__`: the engine deregisters)."""
 
-    engine: ReplicaEngine[Any]
+    worker: W
+    engine: ReplicaEngine
 
     async def stats(self) -> dict[str, Any]:
         """This replica's engine id, agent counters and block pool (e.g. for `handle.broadcast`)."""
-        return {"engine_id": self.engine.engine_id, **await self.engine.worker.stats()}
+        return {"engine_id": self.engine.engine_id, **await self.worker.stats()}
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -579,32 +288,23 @@ class _EngineReplica:
         await self.engine.close()
 
 
-class PrefillReplica(_EngineReplica):
+class PrefillReplica(_EngineReplica[PrefillWorker]):
     """Runs prompts and pushes their KV into the decode replica named in the call."""
 
     # Serve awaits an async constructor: the replica is ready once its engine is registered.
     async def __init__(self, options: ServeOptions) -> None:  # type: ignore[misc]
         self.options = options
-        self.engine = await ReplicaEngine.start(PrefillWorker, _engine_id(), options)
+        self.worker, self.engine = await start_worker(PrefillWorker, replica_engine_id(), options)
 
     async def prefill(
         self, tokens: Sequence[int], reservation: Reservation, timeout_s: float
-    ) -> PrefillReply:
-        result = await self.engine.worker.prefill(
+    ) -> PrefillResult:
+        return await self.worker.prefill(
             tokens, reservation, layerwise=self.options.layerwise, timeout=timeout_s
         )
-        return PrefillReply(
-            engine_id=self.engine.engine_id,
-            first_token=result.first_token,
-            transport=result.transport.value,
-            nbytes=result.nbytes,
-            compute_s=result.compute_s,
-            exposed_transfer_s=result.exposed_transfer_s,
-            kv_digest=result.kv_digest,
-        )
 
 
-class DecodeReplica(_EngineReplica):
+class DecodeReplica(_EngineReplica[DecodeWorker]):
     """The decode side of a request in one call: reserve blocks, have a prefill replica fill
     them, wait for the KV, decode, free the blocks."""
 
@@ -612,12 +312,12 @@ class DecodeReplica(_EngineReplica):
         self.options = options
         self.prefill = prefill
         self.model = ReferenceModel(options.model_config)
-        self.engine = await ReplicaEngine.start(DecodeWorker, _engine_id(), options)
+        self.worker, self.engine = await start_worker(DecodeWorker, replica_engine_id(), options)
 
     async def generate(
         self, request_id: str, tokens: Sequence[int], max_tokens: int, timeout_s: float
     ) -> GenerateReply:
-        worker = self.engine.worker
+        worker = self.worker
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.settings.deadline(timeout_s, 0.0, "timeout_s")
         started = time.perf_counter()
@@ -627,7 +327,7 @@ class DecodeReplica(_EngineReplica):
             kv_blocks=self.model.blocks_needed(len(tokens)),
         )
         try:
-            prefilled: PrefillReply = await _call_with_deadline(
+            prefilled: PrefillResult = await _call_with_deadline(
                 self.prefill.prefill.remote(list(tokens), reservation, max(0.001, deadline - loop.time())),
                 deadline - loop.time(),
                 f"the prefill of {request_id!r}",
@@ -710,7 +410,7 @@ class Router:
                 "prompt_tokens": len(tokens),
                 "decode_engine": reply.decode_engine,
                 "prefill_engine": reply.prefill.engine_id,
-                "transport": reply.prefill.transport,
+                "transport": reply.prefill.transport.value,
                 "kv_bytes": reply.prefill.nbytes,
                 "ttft_ms": round(reply.ttft_s * 1e3, 2),
                 "decode_ms": round(reply.decode_s * 1e3, 2),
@@ -736,7 +436,13 @@ async def read_body(request: Request, limit: int) -> bytes | None:
 
 
 async def _call_with_deadline(response: Any, timeout_s: float, what: str) -> Any:
-    """Await a deployment response; past `timeout_s` cancel it and raise TransferTimeoutError."""
+    """Await a deployment response; past `timeout_s` cancel it and raise TransferTimeoutError.
+
+    Cancelling the task that awaits a `DeploymentResponse` stops only the wait: the replica
+    called goes on (holding blocks, pushing) unless `response.cancel()` is called, so every
+    way out calls it. This can go once Serve cancels a response whose awaiting task is
+    cancelled (its parent-request cancellation covers only a whole request, not a deadline
+    inside one)."""
     try:
         async with asyncio.timeout(max(0.0, timeout_s)):
             return await response
@@ -765,7 +471,8 @@ def http_error(error: BaseException) -> tuple[int, str, str]:
     """(HTTP status, error type, public message) for a failure behind the router. The type is a
     kvray error class name (`kvray.errors`) or one of the names documented in this module, never
     the name of a Ray wrapper; the message is fixed per status (see `PUBLIC_MESSAGES`)."""
-    cause = _kvray_cause(error)
+    # A replica that died answers ReplicaDied, whatever error its death carries.
+    cause = _cause(error, KvrayError, stop=(ray.exceptions.RayActorError,))
     if cause is not None:
         name = _kvray_class(cause).__name__
         if isinstance(cause, ConfigError | PlanError):
@@ -779,11 +486,11 @@ def http_error(error: BaseException) -> tuple[int, str, str]:
         else:
             status = 500
         return status, name, PUBLIC_MESSAGES[status]
-    if _caused_by(error, ray.exceptions.RayActorError | serve.exceptions.ReplicaUnavailableError):
+    if _cause(error, (ray.exceptions.RayActorError, serve.exceptions.ReplicaUnavailableError)):
         return 503, "ReplicaDied", "a replica serving this request died before answering; retry"
-    if _caused_by(error, serve.exceptions.BackPressureError):
+    if _cause(error, serve.exceptions.BackPressureError):
         return 503, "BackPressureError", PUBLIC_MESSAGES[503]
-    if _caused_by(error, serve.exceptions.DeploymentUnavailableError):
+    if _cause(error, serve.exceptions.DeploymentUnavailableError):
         return 503, "DeploymentUnavailableError", PUBLIC_MESSAGES[503]
     return 500, "InternalError", PUBLIC_MESSAGES[500]
 
@@ -797,26 +504,21 @@ def _kvray_class(error: KvrayError) -> type[KvrayError]:
     return KvrayError
 
 
-def _caused_by(error: BaseException, kinds: Any) -> bool:
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None:
-            return False
-        if isinstance(seen, kinds):
-            return True
-        seen = getattr(seen, "cause", None) or seen.__cause__
-    return False
+E = TypeVar("E", bound=BaseException)
 
 
-def _kvray_cause(error: BaseException) -> KvrayError | None:
-    """The kvray error behind a failure that crossed one or more Ray calls, if any."""
+def _cause(
+    error: BaseException, kinds: type[E] | tuple[type[E], ...], stop: tuple[type[BaseException], ...] = ()
+) -> E | None:
+    """The first error of `kinds` behind a failure that crossed one or more Ray calls (Ray's
+    `cause`, then Python's `__cause__`), looking no further than an error of a `stop` type."""
     seen: BaseException | None = error
     for _ in range(8):
         if seen is None:
             return None
-        if isinstance(seen, KvrayError):
+        if isinstance(seen, kinds):
             return seen
-        if isinstance(seen, ray.exceptions.RayActorError):
+        if isinstance(seen, stop):
             return None
         seen = getattr(seen, "cause", None) or seen.__cause__
     return None
@@ -833,7 +535,7 @@ def _error_response(status: int, kind: str, message: str, request_id: str | None
 def _source_digest() -> str:
     """kvray's Python sources as this process first read them. Read once: a process runs the
     code it imported, and a new deploying process (the script rerun, `serve run`) reads edits."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # kvray/, above serve/
     digest = hashlib.sha256()
     for source in sorted(package.rglob("*.py")):
         digest.update(source.relative_to(package).as_posix().encode())
@@ -856,55 +558,35 @@ def deployment_version(options: ServeOptions) -> str:
 def build_app(args: Mapping[str, Any] | ServeOptions | None = None) -> Any:
     """The Serve application (`serve.Application`) for `args` (see `ServeOptions`)."""
     options = args if isinstance(args, ServeOptions) else ServeOptions.from_args(args)
+    replica_cpus = {"num_cpus": options.replica_cpus}
+    prefill = _deployment(
+        PrefillReplica,
+        options,
+        name="Prefill",
+        num_replicas=options.prefill_replicas,
+        ray_actor_options=replica_cpus,
+    ).bind(options)
+    decode = _deployment(
+        DecodeReplica,
+        options,
+        name="Decode",
+        num_replicas=options.decode_replicas,
+        ray_actor_options=replica_cpus,
+    ).bind(options, prefill)
+    router = _deployment(Router, options, name="Router", ray_actor_options={"num_cpus": 0})
+    return router.bind(options, decode)
+
+
+def _deployment(cls: type, options: ServeOptions, **deployment_options: Any) -> Any:
+    """`cls` as a deployment of `build_app(options)`: bounded and versioned by the options."""
+    deployment = serve.deployment(
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queued_requests,
+        **deployment_options,
+    )(cls)
     # Without an explicit version `serve.run` gives each deployment a random one, so a redeploy
-    # that only changes a replica count replaces every replica. Ray 2.60 took `version` out of
-    # the public options but still honours it with `_internal=True` (a config deploy, `serve
-    # deploy`, versions by its own digest of the import path and args instead).
-    version = deployment_version(options)
-    replica_actor_options = {"num_cpus": options.replica_cpus}
-    bounds: dict[str, Any] = {
-        "max_ongoing_requests": options.max_ongoing_requests,
-        "max_queued_requests": options.max_queued_requests,
-    }
-    prefill = (
-        serve.deployment(
-            name="Prefill",
-            num_replicas=options.prefill_replicas,
-            ray_actor_options=replica_actor_options,
-            **bounds,
-        )(PrefillReplica)
-        .options(version=version, _internal=True)
-        .bind(options)
-    )
-    decode = (
-        serve.deployment(
-            name="Decode",
-            num_replicas=options.decode_replicas,
-            ray_actor_options=replica_actor_options,
-            **bounds,
-        )(DecodeReplica)
-        .options(version=version, _internal=True)
-        .bind(options, prefill)
-    )
-    router = serve.deployment(name="Router", ray_actor_options={"num_cpus": 0}, **bounds)(Router)
-    return router.options(version=version, _internal=True).bind(options, decode)
-
-
-__all__ = [
-    "DecodeReplica",
-    "GenerateReply",
-    "GenerateRequest",
-    "PrefillReplica",
-    "PrefillReply",
-    "ReplicaDirectory",
-    "ReplicaEngine",
-    "ReplicaHost",
-    "Router",
-    "ServeOptions",
-    "build_app",
-    "deployment_version",
-    "http_error",
-    "prompt_tokens",
-    "read_body",
-    "tokenize",
-]
+    # that only changes a replica count would replace every replica. Serve's public `options`
+    # refuse `version`; `_internal=True` is its private way in. This can go once `serve.run`
+    # keeps the replicas of a deployment whose code and options are unchanged (a config deploy,
+    # `serve deploy`, already versions by its own digest of the import path and args).
+    return deployment.options(version=deployment_version(options), _internal=True)

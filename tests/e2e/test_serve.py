@@ -427,8 +427,7 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
     # No heartbeat during the test: a lost registration stays lost until looked at.
     settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=300.0)
     options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
-    engine = await kvray_serve.ReplicaEngine.start(DecodeWorker, "serve-host-d0", options)
-    decode = engine.worker
+    decode, engine = await kvray_serve.start_worker(DecodeWorker, "serve-host-d0", options)
     prefill = PrefillWorker(
         "serve-host-p0",
         decode.kvray_agent.layout,
