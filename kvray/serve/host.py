@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ import numpy.typing as npt
 import ray
 from ray import serve
 
-from kvray.agent import KVAgent
+from kvray.agent import DirectoryService, KVAgent
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import BackpressureError, KvrayError, MetadataError, TransferTimeoutError
@@ -170,8 +170,8 @@ class ReplicaHost:
 _HostActor = ray.remote(ReplicaHost)
 
 
-class ReplicaDirectory:
-    """The coordinator as the agent of a Serve replica sees it: the same calls, made on the
+class ReplicaDirectory(DirectoryService):
+    """The coordinator as the agent of a Serve replica sees it (a `DirectoryService`): the
     named coordinator actor (found again by name after it dies), except that a registration
     names the replica's `ReplicaHost` as the engine's actor."""
 
@@ -179,21 +179,29 @@ class ReplicaDirectory:
         self._settings = settings
         self._host = host
         self._actor: Any = None
-        self.register = _RemoteMethod(self._register)
-        self.deregister = _RemoteMethod(self._calling("deregister"))
-        self.heartbeat = _RemoteMethod(self._calling("heartbeat"))
-        self.lookup = _RemoteMethod(self._calling("lookup"))
-        self.check = _RemoteMethod(self._calling("check"))
-        self.engines = _RemoteMethod(self._calling("engines"))
 
-    async def _register(self, info_bytes: bytes, host: Any, secret: bytes) -> Any:
-        return await self._call("register", info_bytes, self._host, secret)
+    async def register(self, info_bytes: bytes, host: Any, secret: bytes) -> int:
+        epoch: int = await self._call("register", info_bytes, self._host, secret)
+        return epoch
 
-    def _calling(self, method: str) -> Callable[..., Awaitable[Any]]:
-        async def call(*args: Any) -> Any:
-            return await self._call(method, *args)
+    async def deregister(self, engine_id: str, incarnation: int, secret: bytes) -> bool:
+        removed: bool = await self._call("deregister", engine_id, incarnation, secret)
+        return removed
 
-        return call
+    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
+        found: tuple[bytes, Any] = await self._call("lookup", engine_id, timeout_s)
+        return found
+
+    async def heartbeat(self, engine_id: str, incarnation: int, secret: bytes) -> int | None:
+        epoch: int | None = await self._call("heartbeat", engine_id, incarnation, secret)
+        return epoch
+
+    async def check(self, engine_id: str, incarnation: int) -> None:
+        await self._call("check", engine_id, incarnation)
+
+    async def departed(self, known: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        gone: list[tuple[str, int]] = await self._call("departed", known)
+        return gone
 
     async def _call(self, method: str, *args: Any) -> Any:
         if self._actor is None:
@@ -205,13 +213,6 @@ class ReplicaDirectory:
             if self._actor is actor:  # killed or restarting: look it up by name next time
                 self._actor = None
             raise
-
-
-class _RemoteMethod:
-    """`.remote(...)` returning an awaitable, as an actor method does."""
-
-    def __init__(self, call: Callable[..., Awaitable[Any]]) -> None:
-        self.remote = call
 
 
 # ---- a replica's engine ------------------------------------------------------------------------
@@ -312,7 +313,7 @@ class ReplicaEngine:
         bound = self.settings.notify_timeout_s
         try:
             async with asyncio.timeout(bound):
-                await self.directory.check.remote(self.engine_id, self.agent.incarnation)
+                await self.directory.check(self.engine_id, self.agent.incarnation)
         except TimeoutError:
             raise MetadataError(
                 f"engine {self.engine_id!r}: the coordinator did not answer within {bound} s",

@@ -3,10 +3,12 @@ prefill and a decode `ReplicaEngine` over a layout of their own (two layers of o
 a split K/V layer), run in this process as two Serve replicas would run them. The prefill
 engine's own compute writes the prompt's blocks, its agent pushes them, and the decode engine's
 blocks then hold exactly those bytes while every other byte of its allocation (canaries) is
-unchanged; over `ray` the write reaches the decode agent through its host actor."""
+unchanged; over `ray` the write reaches the decode agent through its host actor. A replica's
+directory answers which peers departed, and its host forwards RDMA connection requests."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +24,7 @@ from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.wire import Role, TransportKind
 
 pytest.importorskip("ray.serve", reason="the library host needs the serve extra")
-from kvray.serve import ReplicaEngine
+from kvray.serve import HostCall, ReplicaDirectory, ReplicaEngine, ReplicaHost
 
 pytestmark = pytest.mark.cluster
 
@@ -129,9 +131,23 @@ async def test_own_engine_pushes_kv_between_replica_engines(
             assert np.array_equal(old[~mask], new[~mask])  # canaries: nothing else changed
             assert not np.array_equal(old[mask], new[mask])
         await decode.agent.release("req-1")
+        gone = (decode.engine_id, decode.agent.incarnation)
     finally:
         await prefill.close()
         await decode.close()
     coordinator = get_or_create_coordinator(SETTINGS)
     with pytest.raises(UnknownEngineError):
-        await coordinator.lookup.remote(f"own-decode-{transport}", 0.1)
+        await coordinator.lookup.remote(decode.engine_id, 0.1)
+    # What a replica's agent asks on its heartbeat, to forget the peers that left.
+    assert await ReplicaDirectory(SETTINGS, None).departed([gone]) == [gone]
+
+
+async def test_host_forwards_a_connection_request_and_returns_the_answer() -> None:
+    """No Ray needed: an RDMA connection request (`verbs`) reaches the replica like a notice,
+    and the replica's answer (its queue pair) goes back to the writer."""
+    host = ReplicaHost(SETTINGS, b"o" * 32)
+    connect = asyncio.ensure_future(host.kvray_connect(b"request"))
+    ((call_id, call, args),) = await host.take(b"o" * 32, 1.0)
+    assert (call, args) == (HostCall.CONNECT, (b"request",))
+    await host.answer(b"o" * 32, call_id, b"queue pair", None)
+    assert await connect == b"queue pair"

@@ -465,7 +465,7 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
         # Registration lost (e.g. the coordinator restarted and the next heartbeat is not due yet).
         # Only the registrant may deregister: with the agent's own secret.
         agent = decode.kvray_agent
-        await coordinator.deregister.remote("serve-host-d0", agent.incarnation, agent._registrant_secret)
+        await coordinator.deregister.remote("serve-host-d0", agent.incarnation, agent.registrant_secret)
         with pytest.raises(MetadataError, match="not registered"):
             await engine.check_health()
     finally:
