@@ -43,6 +43,8 @@ class Contender(abc.ABC):
     names: tuple[str, ...]
     #: Where each row's clock runs (the table's note).
     timed: ClassVar[Mapping[str, str]]
+    #: The actors `start` created: `teardown` calls each one's `teardown`, `close` kills them.
+    actors: tuple[Any, ...] = ()
 
     def start(self) -> str | None:
         """Create the actors; None when ready, else why this family cannot run here."""
@@ -56,11 +58,20 @@ class Contender(abc.ABC):
     def run(self, name: str, run: int) -> Run:
         """Scrub the destination, time one transfer of row `name`, verify the destination."""
 
-    def teardown(self) -> None:  # noqa: B027 - optional hook
+    def teardown(self) -> None:
         """Release the case's memory."""
+        if self.actors:
+            import ray
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+            ray.get([actor.teardown.remote() for actor in self.actors])
+
+    def close(self) -> None:
         """Kill the actors."""
+        if self.actors:
+            import ray
+
+            for actor in self.actors:
+                ray.kill(actor)
 
 
 def run_cases(

@@ -172,6 +172,7 @@ class KvrayTransports(Contender):
     def start(self) -> str | None:
         self.decode: Any = DecodeActor.remote()
         self.prefill: Any = PrefillActor.remote()
+        self.actors = (self.prefill, self.decode)
         return None
 
     def setup(self, workload: Workload) -> None:
@@ -195,7 +196,7 @@ class KvrayTransports(Contender):
     def teardown(self) -> None:
         if self.workload.family == "a" and self.completion_runs:
             self._completion_latency()
-        ray.get([self.prefill.teardown.remote(), self.decode.teardown.remote()])
+        super().teardown()
 
     def _completion_latency(self) -> None:
         for path, name in ((COMPLETION_SHM, SHM), (COMPLETION_RAY, RAY), (COMPLETION_RAY_CALL, None)):
@@ -210,7 +211,3 @@ class KvrayTransports(Contender):
                 seen_at = ray.get(self.decode.seen.remote(request_id))
                 if run:
                     self.latency[path].append(seen_at - written_at)
-
-    def close(self) -> None:
-        ray.kill(self.prefill)
-        ray.kill(self.decode)

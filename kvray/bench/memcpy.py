@@ -101,6 +101,7 @@ class InProcessCopies(Contender):
 
     def start(self) -> str | None:
         self.actor: Any = InProcessActor.remote()
+        self.actors = (self.actor,)
         return None
 
     def setup(self, workload: Workload) -> None:
@@ -109,9 +110,3 @@ class InProcessCopies(Contender):
     def run(self, name: str, run: int) -> Run:
         seconds, verdict, facts = ray.get(self.actor.run.remote(name, run))
         return Run(seconds, verdict, facts)
-
-    def teardown(self) -> None:
-        ray.get(self.actor.teardown.remote())
-
-    def close(self) -> None:
-        ray.kill(self.actor)

@@ -162,6 +162,7 @@ class NixlUcx(Contender):
             return "NIXL is not installed (pip install 'kvray[bench]', or pip install nixl)"
         self.initiator: Any = NixlActor.remote()
         self.target: Any = NixlActor.remote()
+        self.actors = (self.initiator, self.target)
         probe: Any = self.initiator.probe
         return ray.get(probe.remote())  # type: ignore[no-any-return]
 
@@ -183,10 +184,3 @@ class NixlUcx(Contender):
             ray.get(self.target.verify.remote()),
             {"descriptors": self.workload.descriptors},
         )
-
-    def teardown(self) -> None:
-        ray.get([self.initiator.teardown.remote(), self.target.teardown.remote()])
-
-    def close(self) -> None:
-        ray.kill(self.initiator)
-        ray.kill(self.target)

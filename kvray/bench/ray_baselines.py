@@ -145,6 +145,7 @@ class ObjectStore(Contender):
     def start(self) -> str | None:
         self.sender: Any = SenderActor.remote()
         self.receiver: Any = ReceiverActor.remote()
+        self.actors = (self.sender, self.receiver)
         return None
 
     def setup(self, workload: Workload) -> None:
@@ -158,13 +159,6 @@ class ObjectStore(Contender):
         else:
             started, done = ray.get(self.sender.push.remote(self.receiver))
         return Run(done - started, ray.get(self.receiver.verify.remote(payload_only)))
-
-    def teardown(self) -> None:
-        ray.get([self.sender.teardown.remote(), self.receiver.teardown.remote()])
-
-    def close(self) -> None:
-        ray.kill(self.sender)
-        ray.kill(self.receiver)
 
 
 class RdtGloo(Contender):
@@ -182,6 +176,7 @@ class RdtGloo(Contender):
             return "this torch build has no gloo backend"
         self.sender: Any = GlooSenderActor.remote()
         self.receiver: Any = GlooReceiverActor.remote()
+        self.actors = (self.sender, self.receiver)
         create_collective_group([self.sender, self.receiver], backend="torch_gloo")
         return None
 
@@ -195,10 +190,3 @@ class RdtGloo(Contender):
         started = ray.get(self.sender.start_time.remote())
         del tensor
         return Run(done - started, ray.get(self.receiver.verify.remote(False)))
-
-    def teardown(self) -> None:
-        ray.get([self.sender.teardown.remote(), self.receiver.teardown.remote()])
-
-    def close(self) -> None:
-        ray.kill(self.sender)
-        ray.kill(self.receiver)

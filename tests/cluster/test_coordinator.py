@@ -9,6 +9,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -26,6 +27,19 @@ from kvray.workers import DecodeActor, PrefillActor
 pytestmark = pytest.mark.cluster
 
 SETTINGS = Settings(heartbeat_s=0.3, lookup_timeout_s=1.0, coordinator_name="kvray-coordinator-tests")
+
+
+def kill_and_see_dropped(coordinator: Any, actor: Any, engine_id: str) -> None:
+    """Kill the actor hosting `engine_id`: the coordinator drops the engine (one more
+    `dropped_dead`) without any deregistration, and a lookup no longer finds it."""
+    dead_before = ray.get(coordinator.stats.remote())["dropped_dead"]
+    ray.kill(actor)
+    wait_until(
+        lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1,
+        "the dead engine dropped",
+    )
+    with pytest.raises(UnknownEngineError, match=engine_id):
+        ray.get(coordinator.lookup.remote(engine_id, 0.5))
 
 
 def test_lookup_register_deregister_and_death(local_ray: None) -> None:
@@ -52,14 +66,7 @@ def test_lookup_register_deregister_and_death(local_ray: None) -> None:
         ray.get(coordinator.lookup.remote("dir-p0", 0.5))
 
     # A killed actor is dropped by the coordinator, without any deregistration.
-    dead_before = ray.get(coordinator.stats.remote())["dropped_dead"]
-    ray.kill(decode)
-    wait_until(
-        lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1,
-        "the dead engine dropped",
-    )
-    with pytest.raises(UnknownEngineError, match="dir-d0"):
-        ray.get(coordinator.lookup.remote("dir-d0", 0.5))
+    kill_and_see_dropped(coordinator, decode, "dir-d0")
 
 
 def test_an_agent_in_a_plain_actor_stays_listed_until_its_actor_dies(local_ray: None) -> None:
@@ -85,13 +92,7 @@ def test_an_agent_in_a_plain_actor_stays_listed_until_its_actor_dies(local_ray: 
     assert ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before
     assert ray.get(actor.stats.remote()).get("reregistered", 0) == 0
 
-    ray.kill(actor)
-    wait_until(
-        lambda: ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before + 1,
-        "the dead engine dropped",
-    )
-    with pytest.raises(UnknownEngineError, match="plain-p0"):
-        ray.get(coordinator.lookup.remote("plain-p0", 0.5))
+    kill_and_see_dropped(coordinator, actor, "plain-p0")
 
 
 def test_agents_register_again_after_a_coordinator_restart(local_ray: None) -> None:

@@ -6,35 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kvray_command import run_kvray
 
 pytestmark = pytest.mark.cluster
 
 
 def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvray.cli",
-            "bench",
-            "--quick",
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    result = run_kvray("bench", "--quick", "--json", str(out_json), "--plot", str(out_png))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RESULT: PASS" in result.stdout
     for contender in ("memcpy, 1 thread", "kvray shm", "kvray ray transport", "Ray object store"):
