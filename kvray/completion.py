@@ -21,7 +21,8 @@ import stat
 from collections.abc import Callable
 
 from kvray.errors import MetadataError, TransportError
-from kvray.memory import create_owned_folder, is_owned_name, remove_owned
+from kvray.owned import create_owned_folder, is_owned_name, remove_owned
+from kvray.transport._copy import resolve_once
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"
@@ -189,10 +190,3 @@ class DatagramNotice:
     def datagram(self) -> tuple[int, bytes, bytes]:
         """(socket, peer path, message) for a sender outside Python."""
         return self._outbox.fileno(), os.fsencode(self.path), self.message
-
-
-def resolve_once(future: asyncio.Future[None]) -> None:
-    """A reader or writer callback: resolve `future` the first time the descriptor is ready
-    (the loop may call it again before the callback is removed)."""
-    if not future.done():
-        future.set_result(None)

@@ -8,19 +8,12 @@ typed torch tensors over that region, which is what the model reads and writes.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import enum
-import fcntl
 import itertools
 import os
-import re
-import secrets
-import shutil
-import stat
 import sys
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +29,7 @@ from kvray.layout import (
     align_up,
     per_layer_placement,
 )
+from kvray.owned import create_owned_file, remove_owned
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
@@ -47,17 +41,6 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
-
-SHM_PREFIX = "kvray-"
-#: Names kvray gives its shared-memory files and completion-inbox folders: prefix, creator's
-#: pid (for people reading a listing; liveness is proven by a lock, not by the pid), random part.
-_OWNED_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}[0-9]+-[0-9a-z_]+", re.ASCII)
-
-
-def is_owned_name(name: str) -> bool:
-    """Whether `name` is one kvray gives the files and folders it creates in the shared-memory
-    folder: a peer's published path is refused unless it names one (see the shm transport)."""
-    return _OWNED_NAME.fullmatch(name) is not None
 
 
 class MemoryKind(enum.Enum):
@@ -473,63 +456,6 @@ def _layer_view(
     return typed.as_strided(shape, strides, typed.storage_offset() + placement.offset // itemsize)
 
 
-# ---- shared-memory files and folders -------------------------------------------------------
-#
-# Each file or folder kvray makes in the shared-memory folder is locked (flock, exclusive) by
-# its owner for as long as it exists. The kernel drops the lock when the owner dies, in any pid
-# namespace, so a lock that can be taken is the proof that the owner is gone; a pid is not (a
-# process of another container sharing /dev/shm has a pid this one cannot see, or sees as
-# someone else's).
-
-#: Path -> (locked descriptor, pid of the process that made it).
-_OWNED: dict[str, tuple[int, int]] = {}
-_OWNED_LOCK = threading.Lock()
-
-
-def _create_owned(shm_dir: str, folder: bool) -> str:
-    """Make a fresh `kvray-<pid>-<random>` file (mode 0600, empty) or folder (mode 0700) in
-    `shm_dir`, locked by this process before it can be seen under that name: it is made under a
-    hidden name, locked, then renamed."""
-    remove_stale_shm_files(shm_dir)
-    token = secrets.token_hex(8)
-    hidden = os.path.join(shm_dir, f".{SHM_PREFIX}new-{os.getpid()}-{token}")
-    path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-{token}")
-    fd = -1
-    try:
-        if folder:
-            os.mkdir(hidden, 0o700)
-            fd = os.open(hidden, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        else:
-            fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            os.fchmod(fd, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.path.lexists(path):  # a rename would replace it (64 random bits: never, in practice)
-            raise FileExistsError(path)
-        os.rename(hidden, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            if folder:
-                os.rmdir(hidden)
-            else:
-                os.unlink(hidden)
-        if fd >= 0:
-            os.close(fd)
-        raise RegionError(
-            f"cannot create a shared-memory {'folder' if folder else 'file'} in {shm_dir}: {error}; "
-            "set KVRAY_SHM_DIR to a writable tmpfs",
-            path=path,
-        ) from error
-    with _OWNED_LOCK:
-        _OWNED[path] = (fd, os.getpid())
-    return path
-
-
-def create_owned_folder(shm_dir: str) -> str:
-    """A fresh private folder (mode 0700) in `shm_dir`, kept until `remove_owned` or this
-    process's exit, and never swept while this process lives."""
-    return _create_owned(shm_dir, folder=True)
-
-
 def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor, object | None]:
     """`nbytes` of device memory in a CUDA allocation of their own: torch's caching allocator
     would otherwise carve other tensors of this process out of the same allocation, and a
@@ -551,7 +477,7 @@ def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor,
 
 def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
     """A fresh owned file in `shm_dir` of `nbytes`, mapped shared."""
-    path = _create_owned(shm_dir, folder=False)
+    path = create_owned_file(shm_dir)
     try:
         os.truncate(path, nbytes)
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -564,81 +490,6 @@ def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
             ) from error
         raise
     return path, buffer
-
-
-def remove_owned(path: str) -> None:
-    """Remove a file or folder made by `_create_owned`, then release its lock (in that order: an
-    unlocked entry is fair game for a sweeper)."""
-    with _OWNED_LOCK:
-        owned = _OWNED.pop(path, None)
-    if owned is None:
-        return
-    fd, creator = owned
-    if creator == os.getpid():  # a forked child shares the lock, not the ownership
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    os.close(fd)
-
-
-def remove_stale_shm_files(shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove the kvray files and inbox folders in `shm_dir` whose owner is gone; return them.
-
-    An entry goes only if its name is one kvray gives, it belongs to this user, it is a regular
-    file or a folder (never a symbolic link), and its owner's lock can be taken without waiting
-    (the owner's process has ended). The lock is held while it is removed.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    uid = os.geteuid()
-    for name in names:
-        if not _OWNED_NAME.fullmatch(name):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            status = os.lstat(path)
-        except OSError:
-            continue
-        is_folder = stat.S_ISDIR(status.st_mode)
-        if status.st_uid != uid or not (is_folder or stat.S_ISREG(status.st_mode)):
-            continue
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-        try:
-            fd = os.open(path, flags | (os.O_DIRECTORY if is_folder else 0))
-        except OSError:
-            continue
-        try:
-            if not os.path.samestat(status, os.fstat(fd)):
-                continue  # replaced since it was looked at
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # its owner lives
-            if not os.path.samestat(status, os.lstat(path)):
-                continue
-            if is_folder:
-                shutil.rmtree(path)  # a dead decode engine's completion inbox
-            else:
-                os.unlink(path)
-            removed.append(path)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return removed
-
-
-@atexit.register
-def _remove_own_shm_files() -> None:
-    with _OWNED_LOCK:
-        paths = list(_OWNED)
-    for path in paths:
-        remove_owned(path)
 
 
 #: Linux's MADV_HUGEPAGE.

@@ -10,12 +10,11 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from kvray.completion import DatagramNotice, resolve_once
 from kvray.layout import ceil_div
 from kvray.plan import split_ops
 
@@ -28,6 +27,26 @@ except ImportError:  # built by `pip install`; a source checkout without a build
     _scatter_copy = _start_copy = None
 
 Int64Array = npt.NDArray[np.int64]
+
+
+@runtime_checkable
+class Datagram(Protocol):
+    """A `then` the C pool's thread can send itself, without Python, once the last byte is
+    copied (`kvray.completion.DatagramNotice`): the socket, the inbox path and the message;
+    `sent` records whether it went."""
+
+    sent: bool
+
+    def datagram(self) -> tuple[int, bytes, bytes]: ...
+
+    def __call__(self) -> None: ...
+
+
+def resolve_once(future: asyncio.Future[None]) -> None:
+    """A reader or writer callback: resolve `future` the first time the descriptor is ready
+    (the loop may call it again before the callback is removed)."""
+    if not future.done():
+        future.set_result(None)
 
 #: Ops smaller than this many bytes in total are copied on the calling thread.
 _PARALLEL_THRESHOLD = 4 * 2**20
@@ -88,7 +107,7 @@ async def scatter_copy_async(
 ) -> None:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
     `then()`, if given, is called once every byte is copied (see `Transport.write_then`); a
-    `DatagramNotice` is sent by the C pool's thread that copied the last byte.
+    `Datagram` is sent by the C pool's thread that copied the last byte.
 
     With the C copy, the threads of its pool share the op list and each claims the next ops as
     it goes (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks
@@ -149,7 +168,7 @@ async def _pool_copy(
     then: Callable[[], None] | None,
 ) -> None:
     assert _start_copy is not None
-    notice = then if isinstance(then, DatagramNotice) else None
+    notice = then if isinstance(then, Datagram) else None
     job = _start_copy(
         dst_base,
         src_base,

@@ -33,7 +33,8 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.memory import Backing, MemoryKind, is_owned_name
+from kvray.memory import Backing, MemoryKind
+from kvray.owned import is_owned_name
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs

@@ -27,6 +27,8 @@ from process_probes import until
 
 from kvray.agent import KVAgent
 from kvray.claims import ClaimBoard, ClaimClient
+from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
+from kvray.completion import CompletionOutbox
 from kvray.config import Settings
 from kvray.errors import (
     BoundsError,
@@ -203,7 +205,9 @@ async def test_only_the_reservation_holder_completes_a_request(pair: tuple[KVAge
         nbytes=0,
         token=reservation.token ^ 1,
     )
-    decode._receive(encode(forged))
+    outbox = CompletionOutbox(decode.settings.shm_dir)
+    await outbox.send(decode.info.endpoints[COMPLETION_ENDPOINT], encode(forged))
+    outbox.close()
     untokened = msgspec.structs.replace(forged, token=0)
     with pytest.raises(NotExpectedError):
         await decode.notify(encode(untokened))
@@ -356,7 +360,7 @@ async def test_a_cancelled_decode_wait_lets_no_late_layer_into_the_next_request(
     for layer, data in after.items():
         np.testing.assert_array_equal(data, r2_kv[layer], err_msg=f"R1 wrote into R2's {layer}")
     assert prefill.pool.used_count == 0
-    assert not prefill.kvray_agent._layerwise
+    assert not prefill.kvray_agent.layerwise_requests
 
 
 async def test_a_cancelled_prefill_stops_pushing_and_frees_its_blocks_after_its_thread(
@@ -379,7 +383,7 @@ async def test_a_cancelled_prefill_stops_pushing_and_frees_its_blocks_after_its_
     assert pushed < whole, "every layer was computed and pushed after the cancel"
     await asyncio.sleep(0.2)
     assert prefill.kvray_agent.stats["bytes_pushed"] == pushed, "layers kept being pushed after the cancel"
-    assert not prefill.kvray_agent._layerwise and not prefill.kvray_agent._failed_layerwise
+    assert not prefill.kvray_agent.layerwise_requests
     await decode.release("r1")
 
 

@@ -26,7 +26,7 @@ from kvray.config import Settings
 from kvray.coordinator import Coordinator, get_or_create_coordinator
 from kvray.errors import MetadataError, WireDecodeError
 from kvray.layout import BlockOrder, mixed
-from kvray.memory import SHM_PREFIX
+from kvray.owned import SHM_PREFIX
 from kvray.wire import (
     EngineInfo,
     Reservation,

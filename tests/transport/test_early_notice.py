@@ -86,7 +86,7 @@ async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
 
     monkeypatch.setattr(CompletionOutbox, "try_send", spying_try_send)
     monkeypatch.setattr(CompletionOutbox, "send", spying_send)
-    inbox = decode._inbox
+    inbox = decode._receiving.inbox
     assert inbox is not None
     handle = inbox._handler
 
@@ -140,7 +140,7 @@ async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KV
     prefill, decode = agents
     local, remote = request(512, seed=3)
     reservation = decode.expect("orphan", remote)
-    inbox = decode._inbox
+    inbox = decode._receiving.inbox
     assert inbox is not None
     # Only the inbox goes: the claim board next to it stays, so the write itself is allowed.
     inbox._socket.close()

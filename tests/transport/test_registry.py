@@ -11,6 +11,7 @@ from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
 from kvray.memory import MemoryKind
 from kvray.transport import Transport, availability, open_transport, transport_class, unavailable_reason
+from kvray.transport.base import Reach
 from kvray.wire import TransportKind
 
 
@@ -31,7 +32,7 @@ def built(kind: TransportKind) -> bool:
 def test_availability_accounts_for_every_kind() -> None:
     settings = Settings()
     report = availability(settings)
-    assert list(report) == list(TransportKind)
+    assert set(report) == set(TransportKind)
     for kind, reason in report.items():
         assert reason == unavailable_reason(kind, settings)
         if reason is not None:
@@ -57,8 +58,10 @@ def test_kind_without_a_back_end_says_why_and_does_not_open(kind: TransportKind)
 def test_back_end_is_what_its_kind_says(kind: TransportKind) -> None:
     cls = transport_class(kind)
     assert issubclass(cls, Transport) and cls.kind is kind
-    assert isinstance(cls.same_node_only, bool)
-    assert cls.destination_kinds and all(isinstance(memory, MemoryKind) for memory in cls.destination_kinds)
+    assert isinstance(cls.reach, Reach)
+    for kinds in (cls.source_kinds, cls.destination_kinds):
+        assert kinds and all(isinstance(memory, MemoryKind) for memory in kinds)
+    assert all(isinstance(memory, MemoryKind) for memory in cls.registers)
     reason = cls.unavailable_reason(Settings())
     if reason is not None:
         assert_one_sentence(reason)

@@ -31,17 +31,8 @@ from kvray.layout import (
     llama_gqa,
     mixed,
 )
-from kvray.memory import (
-    SHM_PREFIX,
-    TORCH_DTYPES,
-    Backing,
-    MemoryKind,
-    cover_region,
-    create_owned_folder,
-    place_region,
-    remove_owned,
-    remove_stale_shm_files,
-)
+from kvray.memory import TORCH_DTYPES, Backing, MemoryKind, cover_region, place_region
+from kvray.owned import SHM_PREFIX, create_owned_folder, remove_owned, remove_stale_shm_files
 from kvray.validation import validate_engine_info
 from kvray.wire import Role, TransportKind
 

@@ -1,0 +1,149 @@
+"""kvray's own imports follow the data flow (layout -> backing -> region -> coordinator -> plan ->
+transport -> completion -> agent -> workers / serve / demo) and have no cycle: read from the
+source with `ast`, so a new import against the flow fails here before it is reviewed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kvray"
+
+#: Each tier may import its own and the tiers before it, never a later one.
+TIERS: list[tuple[str, ...]] = [
+    # foundations: errors, settings, counters, the C extensions
+    ("kvray.errors", "kvray.config", "kvray.metrics", "kvray._copy", "kvray._plan"),
+    ("kvray.layout",),
+    # what engines publish (descriptors, engine info and its checks) and the shm folder's entries
+    ("kvray.wire", "kvray.validation", "kvray.owned"),
+    ("kvray.memory",),
+    ("kvray.coordinator",),
+    ("kvray.plan",),
+    ("kvray.transport",),
+    ("kvray.completion", "kvray.claims"),
+    ("kvray.agent",),
+    # what is built on the agent: ready workers, the model, Serve, the command line, engines
+    (
+        "kvray.models",
+        "kvray.workers",
+        "kvray.serve",
+        "kvray.demo",
+        "kvray.faults",
+        "kvray.progress",
+        "kvray.bench",
+        "kvray.doctor",
+        "kvray.cli",
+        "kvray.integrations",
+        "kvray",
+    ),
+]
+
+
+def tier_of(module: str) -> int:
+    """The tier of a kvray module: that of the longest listed name it is or lies under."""
+    best, best_length = -1, -1
+    for index, names in enumerate(TIERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_length:
+                best, best_length = index, len(name)
+    if best < 0:
+        raise AssertionError(f"{module} is in no tier of the data flow: add it to TIERS")
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, *, top_level_only: bool) -> set[str]:
+    """The kvray modules a file imports (`from kvray import x` counts as `kvray.x` when x is a
+    module); with `top_level_only`, only those run when the module itself is imported."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "kvray"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "kvray":
+                continue
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                target = PACKAGE / Path(*candidate.split(".")[1:])
+                # A module, a package, or a C extension (its .pyi stub is in the source tree).
+                is_module = target.is_dir() or any(
+                    target.with_suffix(suffix).exists() for suffix in (".py", ".pyi")
+                )
+                found.add(candidate if is_module else node.module)
+    return found
+
+
+def sources() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def against_the_flow(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} (tier {tier_of(module)}) imports {target} (tier {tier_of(target)})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if tier_of(target) > tier_of(module)
+    ]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle found by a depth-first walk (each reported once, from where it closes)."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the walk's path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                found.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_every_import_follows_the_data_flow() -> None:
+    graph = {name: imports_of(path, top_level_only=False) - {name} for name, path in sources().items()}
+    assert against_the_flow(graph) == []
+
+
+def test_no_module_imports_itself_back() -> None:
+    modules = sources()
+    graph = {
+        name: {target for target in imports_of(path, top_level_only=True) if target in modules} - {name}
+        for name, path in modules.items()
+    }
+    # A package imports its submodules to re-export them; what matters is a submodule that
+    # needs its package's __init__ while that is still running it, or two modules each other.
+    graph = {
+        name: {target for target in targets if not name.startswith(target + ".")}
+        for name, targets in graph.items()
+    }
+    assert cycles(graph) == []
+
+
+def test_the_checks_catch_what_they_look_for() -> None:
+    assert against_the_flow({"kvray.plan": {"kvray.agent.push"}}) == [
+        "kvray.plan (tier 5) imports kvray.agent.push (tier 8)"
+    ]
+    assert against_the_flow({"kvray.agent.push": {"kvray.plan"}}) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    with pytest.raises(AssertionError, match="no tier"):
+        tier_of("elsewhere.module")
