@@ -18,9 +18,8 @@
  *   trip through Python). When every thread has left the job, its `fileno()` (an eventfd)
  *   becomes readable: that is what an event loop waits on.
  *
- * The pool's threads never take the GIL: a Python thread pool's workers need ~0.12 ms here to
- * wake and get the GIL after a copy is handed over, a pthread woken on a condition variable
- * ~0.03 ms.
+ * The pool's threads never take the GIL: a pthread woken on a condition variable starts copying
+ * sooner than a Python pool worker, which must wake and then get the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -47,11 +46,9 @@
  * eviction of the writer's cache, which is what lets glibc's memcpy of one big buffer beat a
  * loop of 16 KiB memcpys. Scattered blocks defeat the hardware prefetcher at every block
  * boundary, so while one block is copied the next block's source is prefetched, with the
- * non-temporal hint: the bytes are read once, and fetched into the nearest cache they would push
- * out the block being copied (two threads, 4096 scattered 16 KiB blocks into shared memory,
- * alternating runs here: median 4.26-4.54 ms against 4.44-4.93 with the T0 hint). 32-byte AVX2
- * stores where the CPU has them (checked once at import), else 16-byte SSE2. Unaligned heads
- * and tails fall back to memcpy. */
+ * non-temporal hint: the bytes are read once, and fetched into the nearest cache (the T0 hint)
+ * they would push out the block being copied. 32-byte AVX2 stores where the CPU has them
+ * (checked once at import), else 16-byte SSE2. Unaligned heads and tails fall back to memcpy. */
 #ifdef KVRAY_STREAMING
 static int have_avx2 = 0;
 

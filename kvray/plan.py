@@ -397,7 +397,7 @@ def _paired_ids(
         raise PlanError(
             f"kvray._plan refused block ids that the numpy check accepts: {local_ids}, {remote_ids}"
         )
-    order = np.argsort(local_ids, kind="stable")  # 53 us against 121 for 4096 ids here
+    order = np.argsort(local_ids, kind="stable")  # timsort: quickest on the sorted runs ids mostly come in
     remote_ids = remote_ids[order]
     return local_ids[order], remote_ids, (int(remote_ids.min()), int(remote_ids.max()))
 

@@ -60,10 +60,9 @@ _MAX_THREADS = 4
 
 
 def copy_threads() -> int:
-    """Threads a copy uses unless told (`Settings.copy_threads`): every core, 1 to 4. On this
-    project's 2-core machine two threads beat one when the machine is otherwise quiet (a 64 MiB
-    push of 16 KiB blocks: 6.35-6.53 ms against 7.48 ms) and lose when it is busy; engines that
-    share their cores with a model's compute may want fewer."""
+    """Threads a copy uses unless told (`Settings.copy_threads`): every core, 1 to 4. A further
+    thread speeds a large copy only while a core is idle for it; engines that share their cores
+    with a model's compute may want fewer."""
     return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
 
 

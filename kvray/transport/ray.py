@@ -110,9 +110,8 @@ class RayTransport(Transport):
         """Cancel a delivery, and keep cancelling it until it has ended.
 
         Ray drops a cancel that reaches the peer between the call's arrival and the start of its
-        coroutine (measured here: a delivery submitted a few ms before its deadline stayed parked
-        at a stalled peer for over 30 s), so one `ray.cancel` is not enough to guarantee that no
-        payload stays parked at a slow peer."""
+        coroutine, so one `ray.cancel` is not enough to guarantee that no payload stays parked at
+        a slow peer."""
         import ray
 
         if not isinstance(delivery, ray.ObjectRef):  # an in-process stand-in: cancelled with us
