@@ -11,6 +11,9 @@ The per-op loops run in C where `kvray._plan` is built (`pip install` builds it)
 checking block ids, expanding rows into ops, merging, and the bounds check. Each has a numpy twin
 here that gives the same answer; the twin runs when the module is missing, and whenever a C
 check fails, so that every error is raised, and worded, by the numpy code alone.
+
+It is longer than kvray's other modules because each of those loops and its numpy twin are
+kept side by side, where one can be read against the other.
 """
 
 from __future__ import annotations

@@ -321,7 +321,8 @@ class KVAgent:
         """A `ray`-transport write arriving (checked by the transport and `Receiver.admit`)."""
         if self.role is not Role.DECODE:
             raise MetadataError(f"engine {self.engine_id!r} is not a decode engine and takes no writes")
-        written = await self._transports.get(TransportKind.RAY).deliver(self._receiving, header, payload)
+        ray_transport = self._transports.get(TransportKind.RAY, to_write=False)
+        written = await ray_transport.deliver(self._receiving, header, payload)
         self.stats["bytes_received"] += written
         return written
 

@@ -43,12 +43,14 @@ class TransportSet:
         self._candidates: tuple[type[Transport], ...] | None = None
         self._chosen: dict[tuple[str, int], TransportKind] = {}
 
-    def get(self, kind: TransportKind) -> Transport:
-        """The agent's transport of `kind`, opened now if it is not yet (a kvray error says why
-        it cannot run here)."""
+    def get(self, kind: TransportKind, *, to_write: bool = True) -> Transport:
+        """The agent's transport of `kind`, opened now if it is not yet: to write, only where it
+        can run here (else a kvray error says why); to take a write that has arrived, as it is
+        (e.g. a `ray`-transport write handed over by a host that is not a Ray actor)."""
         transport = self._open.get(kind)
         if transport is None:
-            transport = self._open[kind] = open_transport(kind, self.settings)
+            opened = open_transport(kind, self.settings) if to_write else transport_class(kind)(self.settings)
+            transport = self._open[kind] = opened
         return transport
 
     def registrar(self) -> Transport:

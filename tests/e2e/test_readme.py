@@ -28,3 +28,20 @@ def test_minimal_example_runs() -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Completion(request_id='req-1'" in result.stdout
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_every_name_the_readme_imports_exists() -> None:
+    """Each `from kvray... import ...` and `import kvray...` in the README's Python examples."""
+    imports = [
+        line.strip()
+        for block in _python_blocks(README.read_text())
+        for line in block.splitlines()
+        if re.match(r"\s*(from kvray[\w.]* import |import kvray)", line)
+    ]
+    assert imports, "the README's examples import nothing from kvray"
+    for statement in imports:
+        exec(statement, {})
