@@ -14,6 +14,7 @@ the canary it was filled with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import pickle
@@ -34,7 +35,8 @@ from kvray.errors import TransportUnavailableError, UnknownEngineError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
-from kvray.transport import Peer, Transport, transport_class
+from kvray.transport import Peer, Receiver, Transport, transport_class
+from kvray.transport.base import OpsCheck
 from kvray.wire import EngineInfo, Role, TransportKind
 
 ByteArray = npt.NDArray[np.uint8]
@@ -121,27 +123,19 @@ class LocalHost:
 class LocalVerbsHost:
     """IN-PROCESS STAND-IN for the Ray actor hosting a decode agent, for the `verbs` transport:
     `kvray_connect.remote(request)` answers the handshake with the transport's own `accept` for
-    this engine (the suite's one transport is both the writer and the decode side, its queue pairs
+    `receiver` (the suite's one transport is both the writer and the decode side, its queue pairs
     connected to each other). Errors cross back as Ray would carry them."""
 
-    def __init__(
-        self, transport: Transport, engine: Engine, registered: Callable[[str, int], Awaitable[EngineInfo]]
-    ) -> None:
+    def __init__(self, transport: Transport, receiver: Receiver) -> None:
         self.transport = transport
-        self.engine = engine
-        self.registered = registered
+        self.receiver = receiver
         self.connects = 0
         self.kvray_connect = _RemoteMethod(self._connect)
 
     async def _connect(self, request: bytes) -> bytes:
-        from kvray.transport.verbs import VerbsTransport
-
         self.connects += 1
-        assert isinstance(self.transport, VerbsTransport)
         try:
-            return await self.transport.accept(
-                bytes(request), self.engine.backing, self.engine.info, self.registered
-            )
+            return await self.transport.accept(self.receiver, bytes(request))
         except Exception as error:
             raise _as_ray_task_error(error) from None
 
@@ -166,6 +160,31 @@ class Engine:
     role: Role
     backing: Backing
     info: EngineInfo
+
+
+class EngineReceiver:
+    """IN-PROCESS STAND-IN for the agent a receiving transport serves (`kvray.transport.Receiver`):
+    one engine's info (read when asked: tests may forge it) and backing; writers are looked up in
+    `writers` (the suite's directory); every request is admitted and its ops are not checked."""
+
+    def __init__(self, engine: Engine, writers: Callable[[str, int], Awaitable[EngineInfo]]) -> None:
+        self.engine = engine
+        self._writers = writers
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def backing(self) -> Backing:
+        return self.engine.backing
+
+    @contextlib.asynccontextmanager
+    async def admit(self, request_id: str, token: int) -> AsyncIterator[OpsCheck]:
+        yield lambda regions, offsets, nbytes: None
+
+    async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
+        return await self._writers(engine_id, incarnation)
 
 
 @dataclass
@@ -225,8 +244,12 @@ class TransportUnderTest:
         if self.kind is TransportKind.RAY:
             host = LocalHost(engine.backing, engine.engine_id, engine.incarnation)
         elif self.kind is TransportKind.VERBS:
-            host = LocalVerbsHost(self.transport, engine, self.registered)
+            host = LocalVerbsHost(self.transport, self.receiver(engine))
         return Peer(info or engine.info, host=host)
+
+    def receiver(self, engine: Engine) -> EngineReceiver:
+        """`engine` as the transport's receiving half sees it (its agent, in a real run)."""
+        return EngineReceiver(engine, self.registered)
 
     async def registered(self, engine_id: str, incarnation: int) -> EngineInfo:
         """An engine's current registration, as a decode agent's directory lookup returns it."""

@@ -1,7 +1,8 @@
 """What only the `verbs` transport has, on the FAKE RDMA device (tests/transport/fake_verbs.py):
 immediates matched against expected transfers, errors the device reports (a write past a memory
-region, a key without REMOTE_WRITE), the handshake refusing engines that expose nothing, device
-choice, and two agents choosing verbs across nodes and moving a request through it.
+region, a key without REMOTE_WRITE), the handshake refusing engines that expose nothing and
+writers that are not registered prefill engines, device choice. Two agents moving requests
+through it: test_verbs_agents.py.
 
 The contract suite (test_contract.py) runs the shared guarantees on this device too
 (`verbs-fake`), and on a real RDMA device through pyverbs (`verbs`, skipped without one)."""
@@ -10,26 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 from fake_verbs import ENUMS, FakeFabric
 from test_contract import ready_layout, with_ops
 
-from kvray.agent import KVAgent
 from kvray.config import Settings
 from kvray.errors import RegionError, WriteFailedError
 from kvray.layout import BlockOrder
-from kvray.plan import plan_transfer
-from kvray.transport.base import Peer
+from kvray.memory import MemoryKind
+from kvray.transport.base import Peer, Reach
 from kvray.transport.verbs import VerbsTransport, probe
-from kvray.wire import Reservation, Role, TransportKind
+from kvray.wire import TransferDone
 
 if TYPE_CHECKING:
-    from conftest import TransportUnderTest
+    from conftest import Engine, TransportUnderTest
 
 
 @pytest.fixture
@@ -42,6 +42,20 @@ def verbs(tut: TransportUnderTest) -> VerbsTransport:
     return tut.transport
 
 
+def done(plan: Any, immediates: int) -> TransferDone:
+    """The writer's completion notice for `plan`, naming `immediates` WRITE WITH IMMEDIATE requests."""
+    return TransferDone(
+        transfer_id=f"{plan.request_id}@test",
+        request_id=plan.request_id,
+        src_engine=plan.src_engine,
+        src_incarnation=plan.src_incarnation,
+        dst_engine=plan.dst_engine,
+        dst_incarnation=plan.dst_incarnation,
+        nbytes=plan.nbytes,
+        immediates=immediates,
+    )
+
+
 async def test_the_last_request_carries_the_immediate_the_decode_side_expects(
     fake: TransportUnderTest,
 ) -> None:
@@ -50,22 +64,46 @@ async def test_the_last_request_carries_the_immediate_the_decode_side_expects(
     local, remote = fake.scattered(layout.num_blocks, 9)
     plan = dataclasses.replace(fake.plan(source, destination, local, remote), request_id="req-1")
     before = fake.snapshot(destination)
-    arrival = verbs(fake).expect_transfer("decode-0", destination.incarnation, "req-1")
+    transport, receiver = verbs(fake), fake.receiver(destination)
+    transport.expect(receiver, "req-1")
 
     await fake.write(plan, source, destination)
 
     fake.assert_landed(plan, source, destination, before, local, remote)
-    landed = await asyncio.wait_for(arrival, 10)
-    assert (landed.request_id, landed.src_engine, landed.src_incarnation) == (
-        "req-1",
-        "prefill-0",
-        source.incarnation,
-    )
+    # The one immediate came, from this writer incarnation; a notice naming none waits for none.
+    await asyncio.wait_for(transport.complete(receiver, done(plan, immediates=1)), 10)
+    await transport.complete(receiver, done(plan, immediates=0))
+    assert transport.expected_requests("decode-0", destination.incarnation) == ["req-1"]
+    transport.release(receiver, "req-1")
+    assert transport.expected_requests("decode-0", destination.incarnation) == []
     opcodes = [opcode for opcode, *_ in fake.fabric.executed]
     assert opcodes[-1] == ENUMS.IBV_WR_RDMA_WRITE_WITH_IMM
     assert opcodes.count(ENUMS.IBV_WR_RDMA_WRITE_WITH_IMM) == 1 and len(opcodes) > 1
     assert max(sges for _, sges, _, _ in fake.fabric.executed) <= fake.fabric.max_sge
     assert sum(nbytes for _, _, nbytes, _ in fake.fabric.executed) == plan.nbytes
+
+
+async def test_expected_requests_are_told_apart_by_tag(fake: TransportUnderTest) -> None:
+    """Immediates carry a 32-bit tag of the request id: two expected requests may not share one,
+    and an immediate for a request that is not expected completes nothing."""
+    from kvray.errors import PlanError
+    from kvray.transport.verbs import transfer_tag
+
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source, destination = fake.source(layout), fake.destination(layout)
+    plan = fake.plan(source, destination, *fake.scattered(layout.num_blocks, 2))
+    transport, receiver = verbs(fake), fake.receiver(destination)
+    assert transfer_tag("req-104381") == transfer_tag("req-105609")
+    transport.expect(receiver, "req-104381")
+    transport.expect(receiver, "req-104381")  # again: the same request, nothing new
+    with pytest.raises(PlanError, match="share the 32-bit RDMA transfer tag"):
+        transport.expect(receiver, "req-105609")
+    with pytest.raises(PlanError, match="does not expect RDMA writes"):
+        await transport.complete(receiver, done(dataclasses.replace(plan, request_id="req-105609"), 1))
+    transport.release(receiver, "req-104381")
+    transport.release(receiver, "req-104381")  # a request no longer expected: nothing to do
+    transport.expect(receiver, "req-105609")
+    assert transport.expected_requests("decode-0", destination.incarnation) == ["req-105609"]
 
 
 async def test_unknown_and_stale_immediates_are_dropped(fake: TransportUnderTest) -> None:
@@ -75,7 +113,7 @@ async def test_unknown_and_stale_immediates_are_dropped(fake: TransportUnderTest
     new = fake.destination(layout, engine_id="decode-0")
     local, remote = fake.scattered(layout.num_blocks, 3)
     transport = verbs(fake)
-    expected = transport.expect_transfer("decode-0", new.incarnation, "req-a")
+    transport.expect(fake.receiver(new), "req-a")
 
     def plan(destination: Any, request_id: str) -> Any:
         return dataclasses.replace(fake.plan(source, destination, local, remote), request_id=request_id)
@@ -83,10 +121,14 @@ async def test_unknown_and_stale_immediates_are_dropped(fake: TransportUnderTest
     await fake.write(plan(old, "req-a"), source, old)  # the right id, for the old life
     await fake.write(plan(new, "req-b"), source, new)  # the new life, an id nobody expects
     await fake.write(plan(new, "req-a"), source, new)
-    await asyncio.wait_for(expected, 10)
+    await asyncio.wait_for(transport.complete(fake.receiver(new), done(plan(new, "req-a"), 1)), 10)
 
     assert transport.stats["immediates_dropped_unknown"] == 2
     assert transport.stats["immediates_matched"] == 1
+
+
+def writer(engine: Engine) -> tuple[str, int]:
+    return engine.engine_id, engine.incarnation
 
 
 async def test_device_refuses_a_write_past_the_memory_region(fake: TransportUnderTest) -> None:
@@ -96,7 +138,8 @@ async def test_device_refuses_a_write_past_the_memory_region(fake: TransportUnde
     local, remote = fake.scattered(layout.num_blocks, 4)
     plan = fake.plan(source, destination, local, remote)
     await fake.write(plan, source, destination)  # connects
-    connection = verbs(fake)._connections[("decode-0", destination.incarnation)]
+    connection = verbs(fake)._connections.get("decode-0", destination.incarnation, writer(source))
+    assert connection is not None
     region = destination.info.regions[0]
     connection.regions = tuple(
         msgspec.structs.replace(key, length=key.length + 4096) for key in connection.regions
@@ -136,8 +179,9 @@ async def test_device_refuses_a_key_without_remote_write(fake: TransportUnderTes
     plan = fake.plan(source, destination, local, remote)
     await fake.write(plan, source, destination)
     transport = verbs(fake)
-    connection = transport._connections[("decode-0", destination.incarnation)]
-    registration = transport._registrations[id(source.backing)]
+    connection = transport._connections.get("decode-0", destination.incarnation, writer(source))
+    registration = transport.registrations.get(source.backing)
+    assert connection is not None and registration is not None
     connection.regions = tuple(
         msgspec.structs.replace(key, address=registration.addresses[0], rkey=int(registration.mrs[0].rkey))
         for key in connection.regions
@@ -172,6 +216,74 @@ async def test_a_prefill_engine_takes_no_rdma_connection(fake: TransportUnderTes
     fake.assert_unchanged(other, before, "prefill engine")
 
 
+def test_verbs_writes_across_nodes_into_engines_that_publish_a_port(fake: TransportUnderTest) -> None:
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    destination = fake.destination(layout)
+    transport = verbs(fake)
+    assert VerbsTransport.reach is Reach.OTHER_NODES and VerbsTransport.registers == frozenset()
+    every = {MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA}
+    assert VerbsTransport.source_kinds == every and VerbsTransport.destination_kinds == every
+    assert not VerbsTransport.accepts(destination.info)
+    published = transport.publish(destination.info, fake.receiver(destination))
+    assert published.verbs == transport.endpoint and VerbsTransport.accepts(published)
+    assert msgspec.structs.replace(published, verbs=None) == destination.info
+
+
+async def test_a_writer_keeps_connections_to_at_most_max_cached_peers_engines(
+    fake: TransportUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `max_cached_peers` decode engines the least recently used one's connection is
+    retired: a write still using it ends as it would have, then its queue pair closes; the next
+    write to that engine connects again."""
+    from kvray.transport import _copy
+
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source = fake.source(layout)
+    first, second = fake.destination(layout), fake.destination(layout, engine_id="decode-1")
+    writing = VerbsTransport(Settings(max_cached_peers=1), api=fake.fabric.api())
+    local, remote = fake.scattered(layout.num_blocks, 4)
+    gate, entered = threading.Event(), threading.Event()
+    copy = _copy.scatter_copy
+
+    def gated_copy(*args: Any) -> None:  # what the fake NIC copies with, on its thread
+        entered.set()
+        assert gate.wait(10), "the test never opened the gate"
+        copy(*args)
+
+    try:
+        into_first = fake.plan(source, first, local, remote)
+        before = fake.snapshot(first)
+        monkeypatch.setattr(_copy, "scatter_copy", gated_copy)
+        held = asyncio.ensure_future(writing.write(into_first, source.backing, fake.peer(first)))
+        assert await asyncio.to_thread(entered.wait, 10)
+        connection = writing._connections.get("decode-0", first.incarnation, writer(source))
+        assert connection is not None and connection.in_flight
+
+        into_second = asyncio.ensure_future(
+            writing.write(fake.plan(source, second, local, remote), source.backing, fake.peer(second))
+        )
+        for _ in range(100):  # until the second engine's connection is made (no byte moves yet)
+            if writing._connections.get("decode-1", second.incarnation, writer(source)) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert connection.retired and not connection.qp.closed, "retired while a write used it"
+        assert writing._connections.get("decode-0", first.incarnation, writer(source)) is None
+
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(held, into_second), 10)
+        fake.assert_landed(into_first, source, first, before, local, remote)
+        assert connection.qp.closed, "the retired connection's queue pair outlived its last write"
+
+        fake.refill(source)
+        before = fake.snapshot(first)
+        await writing.write(into_first, source.backing, fake.peer(first))
+        fake.assert_landed(into_first, source, first, before, local, remote)
+        assert writing._connections.get("decode-0", first.incarnation, writer(source)) is not connection
+    finally:
+        gate.set()
+        await writing.close()
+
+
 def test_device_by_name_by_locality_and_none() -> None:
     fabric = FakeFabric(devices=("fake_rdma0", "fake_rdma1"))
     chosen = VerbsTransport(Settings(verbs_device="fake_rdma1"), api=fabric.api())
@@ -183,67 +295,6 @@ def test_device_by_name_by_locality_and_none() -> None:
     # With no device, pyverbs' get_device_list raises; that is "no device", not a crash.
     assert probe(Settings(), FakeFabric(devices=()).api()) == "pyverbs sees no RDMA device on this machine"
     assert probe(Settings(), fabric.api()) is None
-
-
-# ---- two agents on two "nodes", through the agent's verbs path ----------------------------------
-
-
-class _Method:
-    def __init__(self, function: Any) -> None:
-        self.remote = function
-
-
-class AgentActorStandIn:
-    """IN-PROCESS STAND-IN for the Ray actor hosting an agent (`AgentHost`): its verbs handshake
-    and completion entry points, called directly."""
-
-    def __init__(self, agent: KVAgent) -> None:
-        self.kvray_connect = _Method(agent.accept_connection)
-        self.kvray_notify = _Method(agent.notify)
-        self.kvray_claim = _Method(agent.claim)
-
-
-async def test_agents_on_two_nodes_choose_verbs_and_move_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    fabric = FakeFabric()
-    monkeypatch.setattr(VerbsTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
-    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
-    settings = Settings()
-    prefill = KVAgent("prefill-0", Role.PREFILL, layout, settings=settings, use_coordinator=False)
-    decode = KVAgent("decode-0", Role.DECODE, layout, settings=settings, use_coordinator=False)
-    for agent, node in ((prefill, "node-a"), (decode, "node-b")):
-        agent.node_id = node
-        agent._transports[TransportKind.VERBS] = VerbsTransport(settings, api=fabric.api())
-    try:
-        await decode.start()
-        await prefill.start()
-        assert decode.info.verbs is not None and prefill.info.verbs is None  # only decode engines publish
-        prefill.add_peer(decode.info, AgentActorStandIn(decode))
-        decode.add_peer(prefill.info)  # the decode side takes connections from registered writers only
-        peer = await prefill.peer("decode-0")
-        assert prefill.choose_transport(peer) is TransportKind.VERBS
-        same_node = Peer(msgspec.structs.replace(decode.info, node_id="node-a"))
-        assert prefill.choose_transport(same_node) is TransportKind.SHM
-        no_device = Peer(msgspec.structs.replace(decode.info, verbs=None))
-        assert prefill.choose_transport(no_device) is TransportKind.RAY
-
-        rng = np.random.default_rng(7)
-        for index in range(len(prefill.backing.regions)):
-            data = prefill.backing.regions[index].tensor.numpy()
-            data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
-        src, dst = np.array([3, 1, 4]), np.array([10, 11, 5])
-        reservation = decode.expect("req-1", dst)
-        result = await prefill.push(reservation, src)
-        completion = await decode.wait_for_kv("req-1", timeout=10)
-
-        assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
-        for layer in layout.layer_names:
-            sent, landed = prefill.backing.view(layer), decode.backing.view(layer)
-            parts = layout.layer(layer).geometry.parts
-            sent, landed = (sent[:, src], landed[:, dst]) if parts == 2 else (sent[src], landed[dst])
-            assert torch.equal(sent.contiguous().view(torch.uint8), landed.contiguous().view(torch.uint8))
-    finally:
-        await prefill.close()
-        await decode.close()
 
 
 async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
@@ -266,123 +317,9 @@ async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
     before = fake.snapshot(destination)
     for garbage in (b"", b"\x93\x01\x02", pickle.dumps({"qp_num": 1}), encode(accept)):
         with pytest.raises(WireDecodeError):
-            await transport.accept(garbage, destination.backing, destination.info, fake.registered)
+            await transport.accept(fake.receiver(destination), garbage)
     assert transport.stats["connections_accepted"] == 0
     fake.assert_unchanged(destination, before)
-
-
-async def _two_agents(monkeypatch: pytest.MonkeyPatch) -> tuple[KVAgent, KVAgent]:
-    """A prefill agent on "node-a" and a decode agent on "node-b", both on one fake fabric."""
-    fabric = FakeFabric()
-    monkeypatch.setattr(VerbsTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
-    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
-    prefill = KVAgent("prefill-0", Role.PREFILL, layout, use_coordinator=False)
-    decode = KVAgent("decode-0", Role.DECODE, layout, use_coordinator=False)
-    for agent, node in ((prefill, "node-a"), (decode, "node-b")):
-        agent.node_id = node
-        agent._transports[TransportKind.VERBS] = VerbsTransport(Settings(), api=fabric.api())
-    await decode.start()
-    await prefill.start()
-    prefill.add_peer(decode.info, AgentActorStandIn(decode))
-    decode.add_peer(prefill.info)
-    rng = np.random.default_rng(11)
-    data = prefill.backing.regions[0].tensor.numpy()
-    data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
-    return prefill, decode
-
-
-def _done(prefill: KVAgent, reservation: Reservation, immediates: int) -> bytes:
-    from kvray.wire import TransferDone, encode
-
-    request_id = reservation.request_id
-    return encode(
-        TransferDone(
-            transfer_id=f"{request_id}@forged",
-            request_id=request_id,
-            src_engine=prefill.engine_id,
-            src_incarnation=prefill.incarnation,
-            dst_engine=reservation.engine_id,
-            dst_incarnation=reservation.incarnation,
-            nbytes=1,
-            immediates=immediates,
-            token=reservation.token,
-        )
-    )
-
-
-async def test_a_notice_alone_does_not_complete_an_rdma_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over verbs the decode side needs its own proof that the bytes landed: the writer's notice
-    names how many WRITE WITH IMMEDIATE requests it issued, and wait_for_kv resolves only once
-    that many have arrived from that writer incarnation."""
-    from kvray.errors import TransferTimeoutError
-
-    prefill, decode = await _two_agents(monkeypatch)
-    try:
-        # A notice that claims an RDMA write nobody made: the request never completes.
-        claimed = decode.expect("req-claimed", [0])
-        await decode.notify(_done(prefill, claimed, immediates=1))
-        with pytest.raises(TransferTimeoutError):
-            await decode.wait_for_kv("req-claimed", timeout=0.5)
-        await decode.release("req-claimed")
-
-        # One layer written over RDMA (one immediate), a notice asking for two: no completion.
-        layer = prefill.layout.layer_names[0]
-        src, dst = np.array([1, 2]), np.array([3, 4])
-        short = decode.expect("req-short", dst)
-        await prefill.push_layer(short, layer, src)
-        await decode.notify(_done(prefill, short, immediates=2))
-        with pytest.raises(TransferTimeoutError):
-            await decode.wait_for_kv("req-short", timeout=0.5)
-        # The writer's last word ends its claim on the request, so the release need not wait.
-        await prefill.abort(short, "the request timed out")
-        await decode.release("req-short")
-
-        # The same with a notice asking for the one that came: it completes.
-        one = decode.expect("req-one", dst)
-        await prefill.push_layer(one, layer, src)
-        await decode.notify(_done(prefill, one, immediates=1))
-        assert (await decode.wait_for_kv("req-one", timeout=10)).request_id == "req-one"
-        await prefill.abort(one, "completed by the notice above")
-        await decode.release("req-one")
-        rdma = decode._transports[TransportKind.VERBS]
-        assert isinstance(rdma, VerbsTransport)
-        assert rdma._expected[(decode.engine_id, decode.incarnation)] == {}  # nothing left behind
-    finally:
-        await prefill.close()
-        await decode.close()
-
-
-async def test_a_layerwise_rdma_push_completes_after_one_immediate_per_layer(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    prefill, decode = await _two_agents(monkeypatch)
-    try:
-        src, dst = np.array([5, 0, 7]), np.array([2, 9, 6])
-        before = decode.backing.regions[0].tensor.numpy().copy()
-        reservation = decode.expect("req-layers", dst)
-        for layer in prefill.layout.layer_names:
-            await prefill.push_layer(reservation, layer, src)
-        result = await prefill.finish("req-layers")
-        completion = await decode.wait_for_kv("req-layers", timeout=10)
-        assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
-        rdma = decode._transports[TransportKind.VERBS]
-        assert isinstance(rdma, VerbsTransport)
-        assert rdma.stats["immediates_matched"] == len(prefill.layout.layer_names)
-        for layer in prefill.layout.layer_names:
-            sent, landed = prefill.backing.view(layer), decode.backing.view(layer)
-            parts = prefill.layout.layer(layer).geometry.parts
-            sent, landed = (sent[:, src], landed[:, dst]) if parts == 2 else (sent[src], landed[dst])
-            assert torch.equal(sent.contiguous().view(torch.uint8), landed.contiguous().view(torch.uint8))
-        # Canaries: no byte outside the request's blocks changed.
-        written = np.zeros(before.size, dtype=bool)
-        plan = plan_transfer(prefill.info, decode.info, src, dst)
-        for _, _, _, offset, nbytes in plan.ops.rows():
-            written[offset : offset + nbytes] = True
-        after = decode.backing.regions[0].tensor.numpy()
-        assert np.array_equal(after[~written], before[~written])
-    finally:
-        await prefill.close()
-        await decode.close()
 
 
 # ---- who may open a queue pair: registered prefill engines, at their current incarnation --------
@@ -428,7 +365,7 @@ async def test_accept_refuses_writers_that_are_not_registered_prefill_engines(
     queue_pairs = len(fake.fabric.qps)
 
     with pytest.raises(error):
-        await transport.accept(request, destination.backing, destination.info, fake.registered)
+        await transport.accept(fake.receiver(destination), request)
 
     assert transport.stats["connections_accepted"] == 0
     assert len(fake.fabric.qps) == queue_pairs
@@ -455,8 +392,8 @@ async def test_accept_holds_at_most_max_cached_peers_writers(fake: TransportUnde
 
     request = _connect_request(transport, destination, second.engine_id, second.incarnation)
     with pytest.raises(BackpressureError, match="max_cached_peers"):
-        await transport.accept(request, destination.backing, destination.info, fake.registered)
+        await transport.accept(fake.receiver(destination), request)
     # The writer that holds the one slot may connect again: it replaces its own queue pair.
     again = _connect_request(transport, destination, first.engine_id, first.incarnation)
-    await transport.accept(again, destination.backing, destination.info, fake.registered)
+    await transport.accept(fake.receiver(destination), again)
     assert transport.stats["connections_accepted"] == 2

@@ -51,13 +51,9 @@ class VerbsTransport(Transport):
     accepted, and immediates matched or dropped (by reason)."""
 
     kind = TransportKind.VERBS
-    reach: ClassVar[Reach] = Reach.OTHER_NODES
-    source_kinds: ClassVar[frozenset[MemoryKind]] = frozenset(
-        {MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA}
-    )
-    destination_kinds: ClassVar[frozenset[MemoryKind]] = frozenset(
-        {MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA}
-    )
+    reach = Reach.OTHER_NODES
+    source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
+    destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
     # An engine's regions are described by the transport of its memory; verbs publishes a port.
     registers: ClassVar[frozenset[MemoryKind]] = frozenset()
 
@@ -286,9 +282,9 @@ class VerbsTransport(Transport):
             )
         )
 
-    def expected_requests(self, receiver: Receiver) -> list[str]:
-        """The requests whose immediates are being counted for `receiver`."""
-        return self._inbound.expected(_engine(receiver))
+    def expected_requests(self, engine_id: str, incarnation: int) -> list[str]:
+        """The requests whose immediates are being counted for that engine incarnation."""
+        return self._inbound.expected((engine_id, incarnation))
 
     # ---- closing ----
 
