@@ -51,7 +51,7 @@ def unavailable_reason(kind: TransportKind, settings: Settings) -> str | None:
 
 def availability(settings: Settings) -> dict[TransportKind, str | None]:
     """Every transport kvray knows, with the reason it cannot run here (None: it can)."""
-    return {kind: unavailable_reason(kind, settings) for kind in _BACKENDS}
+    return {kind: unavailable_reason(kind, settings) for kind in TransportKind}
 
 
 def open_transport(kind: TransportKind, settings: Settings) -> Transport:
