@@ -47,7 +47,6 @@ from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import BackpressureError, KvrayError, MetadataError, TransferTimeoutError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import OffsetCache
 from kvray.wire import Role
 
 # ---- the actor that stands in for a replica ----------------------------------------------------
@@ -254,7 +253,6 @@ class ReplicaEngine:
         backing: Backing | None = None,
         memory: MemoryKind | None = None,
         settings: Settings | None = None,
-        offset_cache: OffsetCache | None = None,
     ) -> ReplicaEngine:
         """An engine over `layout` (kvray allocates the backing) or the caller's `backing`."""
         settings = settings or Settings.from_env()
@@ -268,7 +266,6 @@ class ReplicaEngine:
                 memory=memory,
                 settings=settings,
                 coordinator=directory,
-                offset_cache=offset_cache,
             )
 
         return await cls.start_agent(agent, settings)
