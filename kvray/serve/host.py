@@ -44,7 +44,13 @@ from ray import serve
 from kvray.agent import DirectoryService, KVAgent
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
-from kvray.errors import BackpressureError, KvrayError, MetadataError, TransferTimeoutError
+from kvray.errors import (
+    AgentNotRunningError,
+    BackpressureError,
+    KvrayError,
+    MetadataError,
+    TransferTimeoutError,
+)
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.wire import Role
@@ -140,7 +146,9 @@ class ReplicaHost:
 
     async def _forward(self, call: HostCall, args: tuple[Any, ...], timeout_s: float) -> Any:
         if self._closed.is_set():
-            raise KvrayError("this engine's Serve replica has closed its agent; nothing was delivered")
+            raise AgentNotRunningError(
+                "this engine's Serve replica has closed its agent; nothing was delivered"
+            )
         bound = self._settings.max_queued_transfers
         if len(self._answers) >= bound:
             raise BackpressureError(
@@ -301,7 +309,9 @@ class ReplicaEngine:
     async def check_health(self) -> None:
         """Raise unless the agent runs, its host answers and the coordinator has this incarnation."""
         if not self.agent.started:
-            raise KvrayError(f"engine {self.engine_id!r}: the kvray agent is not running")
+            raise AgentNotRunningError(
+                f"engine {self.engine_id!r}: the kvray agent is not running", engine_id=self.engine_id
+            )
         if self._pump is None or self._pump.done():
             raise KvrayError(
                 f"engine {self.engine_id!r}: its host actor is gone ({self._pump_error!r}); peers "
