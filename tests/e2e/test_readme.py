@@ -45,3 +45,11 @@ def test_every_name_the_readme_imports_exists() -> None:
     assert imports, "the README's examples import nothing from kvray"
     for statement in imports:
         exec(statement, {})
+
+
+def test_the_loopback_example_runs_without_ray() -> None:
+    (example,) = [block for block in _python_blocks(README.read_text()) if "LoopbackNetwork" in block]
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "transport=<TransportKind.LOOPBACK" in result.stdout
+    assert "Completion(request_id='req-1'" in result.stdout
