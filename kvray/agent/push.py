@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypedDict
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -98,18 +98,6 @@ class _Attempt:
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
-
-
-class _NoticeHeader(TypedDict):
-    """The fields of `kvray.wire.TransferNotice`, for either kind of notice."""
-
-    transfer_id: str
-    request_id: str
-    src_engine: str
-    src_incarnation: int
-    dst_engine: str
-    dst_incarnation: int
-    token: int
 
 
 def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
@@ -319,8 +307,9 @@ class Pusher:
     def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, immediates: int) -> TransferDone:
         return TransferDone(**self._header(reservation, transfer_id), nbytes=nbytes, immediates=immediates)
 
-    def _header(self, reservation: Reservation, transfer_id: str) -> _NoticeHeader:
-        """The fields every notice about a transfer into `reservation` carries."""
+    def _header(self, reservation: Reservation, transfer_id: str) -> dict[str, Any]:
+        """The fields every notice about a transfer into `reservation` carries
+        (`kvray.wire.TransferNotice`)."""
         info = self.engine.info
         return {
             "transfer_id": transfer_id,
