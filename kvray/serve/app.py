@@ -89,7 +89,7 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.layout import BlockOrder
+from kvray.layout import BlockOrder, ceil_div
 from kvray.models.reference import MODEL_PRESETS, ModelConfig, ReferenceModel, decode_text
 from kvray.serve.host import ReplicaDirectory, ReplicaEngine, replica_engine_id
 from kvray.wire import Reservation
@@ -212,7 +212,7 @@ def prompt_tokens(request: GenerateRequest, options: ServeOptions) -> list[int]:
     bad = [token for token in tokens if not 0 <= token < config.vocab_size]
     if bad:
         raise ConfigError(f"token ids must lie in [0, {config.vocab_size}), got {bad[:5]}", tokens=bad[:5])
-    blocks = -(-(len(tokens) + request.max_tokens) // config.block_size)
+    blocks = ceil_div(len(tokens) + request.max_tokens, config.block_size)
     if blocks > options.num_blocks:
         raise ConfigError(
             f"the request needs {blocks} KV blocks, a replica has {options.num_blocks}",
