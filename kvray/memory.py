@@ -29,7 +29,7 @@ from kvray.layout import (
     align_up,
     per_layer_placement,
 )
-from kvray.owned import create_owned_file, remove_owned
+from kvray.owned import create_owned_file, is_owned_name, remove_owned
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
@@ -263,8 +263,14 @@ class Backing:
         *,
         settings: Settings | None = None,
         alignment: int | None = None,
+        shm_path: str | None = None,
     ) -> Backing:
         """The caller's own per-layer tensors: one region per storage they live in.
+
+        `shm_path`: the tensors are views of one storage that maps a shared-memory file kvray
+        made (`kvray.owned.create_owned_file`) from its first byte; the region is then
+        described by that file, so same-node writers can map it, and closing the backing
+        removes the file.
 
         Engines often carve every layer out of one pool (views of one storage, packed back to
         back); rounding each layer's bytes out to the alignment on its own would make
@@ -299,6 +305,14 @@ class Backing:
         if len(kinds) != 1:
             raise LayoutError("adopted tensors must all live on the same kind of device")
         kind = kinds.pop()
+        if shm_path is not None:
+            if kind is not MemoryKind.CPU or not is_owned_name(os.path.basename(shm_path)):
+                raise RegionError(
+                    f"{shm_path!r} is not a kvray shared-memory file holding CPU tensors; make it "
+                    "with kvray.owned.create_owned_file and map it from its first byte",
+                    path=shm_path,
+                )
+            kind = MemoryKind.SHM
         settings = settings or Settings()
         if alignment is None:
             alignment = settings.gpu_alignment if kind is MemoryKind.CUDA else settings.alignment
@@ -320,6 +334,12 @@ class Backing:
             storage = tensors[name].untyped_storage()
             key = (tensors[name].device, storage.data_ptr(), storage.nbytes())
             storages.setdefault(key, []).append(name)
+        if shm_path is not None and len(storages) != 1:
+            raise RegionError(
+                f"tensors adopted from {shm_path!r} must be views of one storage (the file's "
+                f"mapping), not {len(storages)}",
+                path=shm_path,
+            )
         regions: list[MemoryRegion] = []
         placements: dict[str, LayerPlacement] = {}
         for index, names in enumerate(storages.values()):
@@ -335,7 +355,14 @@ class Backing:
             allocation = torch.empty(0, dtype=torch.uint8, device=device)
             allocation.set_(storage, 0, (storage.nbytes(),), (1,))
             regions.append(
-                MemoryRegion(index=index, kind=kind, span=span, tensor=region_tensor, allocation=allocation)
+                MemoryRegion(
+                    index=index,
+                    kind=kind,
+                    span=span,
+                    tensor=region_tensor,
+                    allocation=allocation,
+                    shm_path=shm_path,
+                )
             )
             for name in names:
                 placement = per_layer_placement(layout, name, index)

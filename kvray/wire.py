@@ -267,6 +267,24 @@ class WriteClaim(msgspec.Struct, frozen=True, kw_only=True, tag="claim"):
     dst_incarnation: ByteCount
 
 
+class PushRequest(msgspec.Struct, frozen=True, kw_only=True, tag="push_request"):
+    """A decode engine asks a prefill engine to push one finished request's KV into the blocks
+    it reserved (engine integrations where the decode side learns of the request first, e.g.
+    vLLM's). Fenced by both incarnations: the prefill engine pushes only a request it holds
+    under `src_incarnation`, into `reservation` (which carries the decode side's token)."""
+
+    #: The request's id at the prefill engine.
+    request_id: str
+    src_engine: str
+    src_incarnation: ByteCount
+    reservation: Reservation
+    #: The prefill engine's block (in the request's block list) the reservation's first
+    #: block takes: blocks the decode side already holds (its own prefix cache) are skipped.
+    first_block: ByteCount = 0
+    #: The decode engine's encoded `EngineInfo`, where no coordinator is shared.
+    decode_info: bytes = b""
+
+
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
     """One region of a decode engine as its RDMA memory region exposes it."""
 
@@ -308,11 +326,14 @@ _write_ops_decoder = msgspec.msgpack.Decoder(WriteOps)
 _engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
 _handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
 _claim_decoder = msgspec.msgpack.Decoder(WriteClaim)
+_push_request_decoder = msgspec.msgpack.Decoder(PushRequest)
 
 T = TypeVar("T")
 
 
-def encode(value: Notice | WriteOps | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim) -> bytes:
+def encode(
+    value: Notice | WriteOps | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim | PushRequest,
+) -> bytes:
     return _message_encoder.encode(value)
 
 
@@ -330,6 +351,10 @@ def decode_engine_info(data: bytes) -> EngineInfo:
 
 def decode_write_claim(data: bytes) -> WriteClaim:
     return _decode(_claim_decoder, data, "write claim")
+
+
+def decode_push_request(data: bytes) -> PushRequest:
+    return _decode(_push_request_decoder, data, "push request")
 
 
 def decode_verbs_handshake(data: bytes) -> VerbsHandshake:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,8 +175,9 @@ class KVAgent:
 
     # ---- life cycle -------------------------------------------------------------------
 
-    async def start(self) -> EngineInfo:
-        """Take a fresh incarnation, register regions, publish this engine's info."""
+    async def start(self, *, endpoints: Mapping[str, str] | None = None) -> EngineInfo:
+        """Take a fresh incarnation, register regions, publish this engine's info (with
+        `endpoints`: channels of the embedding engine's own its peers need, e.g. an inbox)."""
         engine = self._engine
         if engine.published is not None:
             return engine.published
@@ -185,7 +186,7 @@ class KVAgent:
         regions = self._transports.registrar().register(
             engine.backing, engine.engine_id, engine.incarnation, remote_writable=decode
         )
-        endpoints: dict[str, str] = {}
+        endpoints = dict(endpoints or {})
         receiving = self._receiving
         if decode:
             receiving.inbox = CompletionInbox(engine.settings.shm_dir, receiving.receive)

@@ -1,0 +1,297 @@
+"""`KvrayConnector`: kvray as a vLLM KV connector (v1 interface), loaded by module path:
+
+    --kv-transfer-config '{"kv_connector": "KvrayConnector",
+                           "kv_connector_module_path": "kvray.integrations.vllm.connector",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
+
+`kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`), plus
+`lease_s`: how long a prefill engine holds a finished request's blocks for a decode engine.
+
+The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
+
+    client -> P   request with kv_transfer_params {"do_remote_decode": true}, max_tokens 1
+    P scheduler   request_finished: holds the blocks, returns params naming P's engine,
+                  incarnation, request and info (they reach the client as kv_transfer_params)
+    client -> D   the request with those params
+    D scheduler   get_num_new_matched_tokens: the prompt's tokens load asynchronously;
+                  update_state_after_alloc: the blocks vLLM allocated for them
+    D worker      expects the request (a Reservation over those blocks) and sends P a
+                  PushRequest (fenced by both incarnations, carrying D's token)
+    P worker      pushes its blocks of the request into the reservation (plan per layer and
+                  geometry, one-sided write, notify); reports the request finished sending
+    D worker      wait_for_kv, release; reports it finished receiving (or failed: its blocks
+                  are load errors, and vLLM's kv_load_failure_policy applies)
+
+A prefill engine frees a held request's blocks once it has pushed them, or when no decode
+engine asked within `lease_s`. Both sides need to share a node (the `shm` transport writes into
+the decode engine's KV cache, which kvray places in a shared-memory file).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvray.errors import ConfigError
+from kvray.integrations.vllm.worker import (
+    CONNECTOR_KEYS,
+    ConnectorWorker,
+    LoadSpec,
+    SendSpec,
+    settings_from,
+)
+from kvray.layout import ceil_div
+from kvray.wire import Role
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import torch
+
+log = logging.getLogger("kvray.vllm")
+
+#: The kv_transfer_params keys kvray reads and writes.
+PREFILL_ENGINE = "kvray_prefill_engine"
+PREFILL_INCARNATION = "kvray_prefill_incarnation"
+PREFILL_REQUEST = "kvray_prefill_request"
+PREFILL_INFO = "kvray_prefill_info"
+
+
+@dataclass
+class KvrayHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells its scheduler once its agent has started."""
+
+    engine_id: str
+    incarnation: int
+    info: bytes
+
+
+@dataclass
+class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's hand-offs, from the scheduler to the workers."""
+
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    sends: dict[str, SendSpec] = field(default_factory=dict)
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """A request's block ids of its (only) KV cache group."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) != 1:
+            raise ConfigError("kvray moves models with one KV cache group (no hybrid attention yet)")
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvray's vLLM connector: the scheduler side in the engine-core process, the worker side
+    in each worker process (vLLM builds one of each)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ConfigError("KvrayConnector runs with tensor_parallel_size 1 (one worker per engine)")
+        self.engine_id = f"vllm-{transfer.engine_id}"
+        self.block_size = int(vllm_config.cache_config.block_size)
+        lease_s = float(extra.get("lease_s", 60.0))
+        self._scheduler: _Scheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _Scheduler(self.engine_id, self.block_size)
+        else:
+            settings = settings_from({k: v for k, v in extra.items() if k not in CONNECTOR_KEYS})
+            # A pure producer exposes nothing writable (least privilege); otherwise the engine
+            # takes writes, and pushes too.
+            worker_role = Role.PREFILL if transfer.kv_role == "kv_producer" else Role.DECODE
+            self._worker = ConnectorWorker(self.engine_id, worker_role, settings, lease_s)
+            self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+
+    # ---- worker side ------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> AbstractContextManager[None] | None:
+        if self._worker is None or self._worker.role is not Role.DECODE:
+            return None
+        return self._worker.allocation_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
+        info = self._worker.register(kv_caches, num_blocks, self.block_size)
+        log.info(
+            "kvray: engine %s registered %d layers, %d regions",
+            info.engine_id,
+            len(kv_caches),
+            len(info.regions),
+        )
+
+    def get_handshake_metadata(self) -> KvrayHandshake | None:
+        if self._worker is None:
+            return None
+        from kvray.wire import encode
+
+        info = self._worker.info
+        return KvrayHandshake(info.engine_id, info.incarnation, encode(info))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvrayMetadata)
+        self._worker.begin(meta.loads, meta.sends)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sent, received, errors, failed = self._worker.finished()
+        self._load_errors = getattr(self, "_load_errors", set()) | errors
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = getattr(self, "_load_errors", set())
+        self._load_errors = set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ---------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self._scheduler is not None
+        handshake = metadata.get(0)
+        if isinstance(handshake, KvrayHandshake):
+            self._scheduler.handshake = handshake
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvrayMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.step()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.reported(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending()
+
+
+class _Scheduler:
+    """The scheduler side: which requests load from a prefill engine (decode) and which
+    finished requests are held for a decode engine (prefill)."""
+
+    def __init__(self, engine_id: str, block_size: int) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.handshake: KvrayHandshake | None = None
+        #: Decode: local prefix-cache hits at the time of the match, per request.
+        self._local_tokens: dict[str, int] = {}
+        self._loads: dict[str, LoadSpec] = {}
+        self._sends: dict[str, SendSpec] = {}
+        #: Requests whose hand-off the workers have not reported finished.
+        self._held: set[str] = set()
+        self._loading: set[str] = set()
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or PREFILL_ENGINE not in params:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_tokens[request.request_id] = num_computed_tokens
+        return count, True
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # once: a re-entry after the load loads nothing
+        if num_external_tokens <= 0:
+            return
+        local = self._local_tokens.pop(request.request_id, 0)
+        first = local // self.block_size
+        count = ceil_div(local + num_external_tokens, self.block_size) - first
+        block_ids = _first_group(blocks.get_block_ids())[first : first + count]
+        self._loads[request.request_id] = LoadSpec(
+            request_id=request.request_id,
+            prefill_engine=str(params[PREFILL_ENGINE]),
+            prefill_incarnation=int(params[PREFILL_INCARNATION]),
+            prefill_request_id=str(params[PREFILL_REQUEST]),
+            prefill_info=base64.b64decode(params[PREFILL_INFO]),
+            block_ids=tuple(block_ids),
+            first_block=first,
+        )
+        self._loading.add(request.request_id)
+
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        blocks = _first_group(block_ids)
+        if not blocks or self.handshake is None:
+            return False, None
+        self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks))
+        self._held.add(request.request_id)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PREFILL_ENGINE: self.handshake.engine_id,
+            PREFILL_INCARNATION: self.handshake.incarnation,
+            PREFILL_REQUEST: request.request_id,
+            PREFILL_INFO: base64.b64encode(self.handshake.info).decode(),
+        }
+
+    def step(self) -> KvrayMetadata:
+        meta = KvrayMetadata(loads=self._loads, sends=self._sends)
+        self._loads, self._sends = {}, {}
+        return meta
+
+    def reported(self, output: Any) -> None:
+        for request_id in getattr(output, "finished_sending", None) or ():
+            self._held.discard(request_id)
+        for request_id in getattr(output, "finished_recving", None) or ():
+            self._loading.discard(request_id)
+
+    def pending(self) -> bool:
+        return bool(self._held or self._loads or self._sends)

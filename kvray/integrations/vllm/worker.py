@@ -1,0 +1,461 @@
+"""The worker side of `KvrayConnector` (runs in each vLLM worker process): the engine's KV cache
+as one kvray backing, a kvray agent on an event loop of its own, and the two halves of a P/D
+hand-off — the decode side reserves the blocks vLLM allocated and asks the prefill engine to
+push; the prefill side pushes the finished request's blocks, once, then lets vLLM free them.
+
+vLLM's forward path never waits for kvray: every agent call is submitted to the agent's loop
+thread, and results come back through thread-safe sets that `get_finished` drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvray.agent import KVAgent
+from kvray.completion import CompletionInbox, CompletionOutbox
+from kvray.config import Settings
+from kvray.errors import ConfigError, KvrayError, NotExpectedError, StaleIncarnationError
+from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.memory import TORCH_DTYPES, Backing
+from kvray.owned import create_owned_file, remove_owned
+from kvray.wire import (
+    EngineInfo,
+    PushRequest,
+    Role,
+    decode_engine_info,
+    decode_push_request,
+    encode,
+)
+
+log = logging.getLogger("kvray.vllm")
+
+#: Key of a prefill engine's push-request inbox in its `EngineInfo.endpoints`.
+PUSH_ENDPOINT = "push_requests"
+
+T = TypeVar("T")
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the decode side's worker needs to receive one request (from its scheduler)."""
+
+    request_id: str
+    prefill_engine: str
+    prefill_incarnation: int
+    prefill_request_id: str
+    prefill_info: bytes
+    #: The blocks vLLM allocated here for the request's pushed tokens, in order.
+    block_ids: tuple[int, ...]
+    #: Which of the prefill engine's blocks of the request the first of them takes.
+    first_block: int
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """A finished request the prefill side holds for a decode engine (from its scheduler)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+def layout_of(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
+) -> tuple[KVLayout, dict[str, torch.Tensor]]:
+    """A kvray layout read from vLLM's real per-layer cache tensors, and the tensors viewed as
+    that layout's shapes. A block of a layer must be one contiguous run (`[num_blocks, ...]`)
+    or two, K and V (`[2, num_blocks, ...]`); what lies inside a block is vLLM's business,
+    since whole blocks move."""
+    layers: list[LayerSpec] = []
+    views: dict[str, torch.Tensor] = {}
+    for name, tensor in kv_caches.items():
+        if not tensor.is_contiguous():
+            raise ConfigError(
+                f"vLLM's KV cache of layer {name!r} is not contiguous (strides {tensor.stride()}); "
+                "kvray moves whole blocks of a contiguous per-layer cache",
+                layer=name,
+            )
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"layer {name!r} caches {tensor.dtype}, which kvray does not know", layer=name)
+        shape: tuple[int, ...]
+        if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
+            parts, shape = 1, (num_blocks, block_size)
+        elif tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+            parts, shape = 2, (2, num_blocks, block_size)
+        else:
+            raise ConfigError(
+                f"vLLM's KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvray needs the "
+                f"block axis ({num_blocks} blocks) first, or second after a K/V axis of 2",
+                layer=name,
+            )
+        per_token = tensor.numel() // (parts * num_blocks * block_size)
+        if per_token * parts * num_blocks * block_size != tensor.numel():
+            raise ConfigError(
+                f"layer {name!r}: {tensor.numel()} elements are not whole tokens of blocks of {block_size}",
+                layer=name,
+            )
+        geometry = Geometry(
+            block_size=block_size, entry_shape=(per_token,), dtype=_DTYPE_NAMES[tensor.dtype], parts=parts
+        )
+        layers.append(LayerSpec(name=name, geometry=geometry))
+        views[name] = tensor.view(*shape, per_token)
+    return KVLayout(layers=tuple(layers), num_blocks=num_blocks), views
+
+
+class AgentLoop:
+    """An asyncio event loop on a daemon thread of its own, for the agent."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    def run(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `work` on the loop and wait for it here (set-up and shut-down only)."""
+        return self.submit(work).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@dataclass
+class _Sending:
+    """A finished request the prefill side holds, until pushed or its lease ends."""
+
+    spec: SendSpec
+    lease_ends: float
+    pushing: bool = False
+
+
+@dataclass
+class _Results:
+    """What the agent's loop reports back to vLLM's thread (guarded by `lock`)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    load_errors: set[int] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+    def take(self) -> tuple[set[str], set[str], set[int], set[str]]:
+        with self.lock:
+            taken = (self.finished_sending, self.finished_recving, self.load_errors, self.failed_recving)
+            self.finished_sending, self.finished_recving = set(), set()
+            self.load_errors, self.failed_recving = set(), set()
+        return taken
+
+
+class ConnectorWorker:
+    """One vLLM worker's kvray side. `role`: PREFILL takes no writes (a pure producer);
+    DECODE takes writes and may push too (`kv_both`)."""
+
+    def __init__(self, engine_id: str, role: Role, settings: Settings, lease_s: float) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.settings = settings
+        self.lease_s = lease_s
+        self._shm_path: str | None = None
+        self._agent: KVAgent | None = None
+        self._loop: AgentLoop | None = None
+        self._inbox: CompletionInbox | None = None
+        self._outbox: CompletionOutbox | None = None
+        self._results = _Results()
+        #: Loop thread only: requests held for a decode engine, and push requests that came
+        #: before their request's hand-over from the scheduler.
+        self._sending: dict[str, _Sending] = {}
+        self._early: dict[str, tuple[PushRequest, float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- memory -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def allocation_context(self) -> Iterator[None]:
+        """While vLLM allocates its KV cache (one `torch.zeros` of the whole size on CPU),
+        place that buffer in a kvray shared-memory file, so that prefill engines on this node
+        write straight into it. Other allocations pass through."""
+        original = torch.zeros
+        worker = self
+
+        def zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
+            dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+            device = torch.device(kwargs.get("device") or "cpu")
+            if (
+                worker._shm_path is None
+                and len(dims) == 1
+                and kwargs.get("dtype") == torch.int8
+                and device.type == "cpu"
+                and int(dims[0]) >= 1 << 20
+            ):
+                return worker._shared_buffer(int(dims[0]))
+            return original(*size, **kwargs)
+
+        torch.zeros = zeros
+        try:
+            yield
+        finally:
+            torch.zeros = original
+
+    def _shared_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of zeroed int8 in a fresh kvray shared-memory file, at an aligned offset."""
+        alignment = self.settings.alignment
+        path = create_owned_file(self.settings.shm_dir)
+        try:
+            size = nbytes + alignment
+            with open(path, "r+b") as file:
+                file.truncate(size)
+            mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except BaseException:
+            remove_owned(path)
+            raise
+        self._shm_path = path
+        skip = -mapped.data_ptr() % alignment
+        return mapped[skip : skip + nbytes].view(torch.int8)
+
+    # ---- start and stop ---------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int) -> EngineInfo:
+        """Describe vLLM's KV cache as one kvray backing and start the agent."""
+        layout, views = layout_of(kv_caches, num_blocks, block_size)
+        backing = Backing.adopt(layout, views, settings=self.settings, shm_path=self._shm_path)
+        self._loop = AgentLoop(f"kvray-{self.engine_id}")
+        self._agent = KVAgent(
+            self.engine_id, self.role, backing=backing, settings=self.settings, use_coordinator=False
+        )
+        return self._loop.run(self._start(), timeout=self.settings.lookup_timeout_s + 30)
+
+    async def _start(self) -> EngineInfo:
+        assert self._agent is not None
+        # Every engine may prefill (kv_both too): decode engines reach it through this inbox.
+        self._inbox = CompletionInbox(self.settings.shm_dir, self._on_push_request)
+        self._outbox = CompletionOutbox(self.settings.shm_dir)
+        return await self._agent.start(endpoints={PUSH_ENDPOINT: self._inbox.path})
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self._agent is not None
+        return self._agent.info
+
+    def shutdown(self) -> None:
+        if self._loop is None:
+            return
+        with contextlib.suppress(Exception):
+            self._loop.run(self._close(), timeout=30)
+        self._loop.stop()
+        self._loop = None
+
+    async def _close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._inbox is not None:
+            self._inbox.close()
+        if self._outbox is not None:
+            self._outbox.close()
+        if self._agent is not None:
+            await self._agent.close()
+
+    # ---- each step --------------------------------------------------------------------
+
+    def begin(self, loads: Mapping[str, LoadSpec], sends: Mapping[str, SendSpec]) -> None:
+        """This step's new hand-offs, from the scheduler (called from vLLM's thread)."""
+        if self._loop is None or not (loads or sends):
+            return
+        self._loop.loop.call_soon_threadsafe(self._begin, dict(loads), dict(sends))
+
+    def _begin(self, loads: dict[str, LoadSpec], sends: dict[str, SendSpec]) -> None:
+        now = time.monotonic()
+        for request_id, spec in sends.items():
+            self._sending[request_id] = _Sending(spec, now + self.lease_s)
+            early = self._early.pop(request_id, None)
+            if early is not None:
+                self._spawn(self._push(early[0]))
+        for load in loads.values():
+            self._spawn(self._receive(load))
+
+    def finished(self) -> tuple[set[str], set[str], set[int], set[str]]:
+        """(sent, received, blocks that failed to load, requests that failed to load) since the
+        last call; held requests whose lease ended count as sent (their blocks may go)."""
+        if self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._expire)
+        return self._results.take()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for request_id, sending in list(self._sending.items()):
+            if not sending.pushing and sending.lease_ends <= now:
+                del self._sending[request_id]
+                self._done_sending(request_id)
+                log.warning("kvray: no decode engine asked for %s within its lease; freed", request_id)
+        grace = self.settings.notify_timeout_s
+        for request_id, (request, arrived) in list(self._early.items()):
+            if arrived + grace <= now:
+                del self._early[request_id]
+                self._spawn(self._refuse(request, "the prefill engine holds no such finished request"))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _done_sending(self, request_id: str) -> None:
+        with self._results.lock:
+            self._results.finished_sending.add(request_id)
+
+    # ---- decode side ------------------------------------------------------------------
+
+    async def _receive(self, spec: LoadSpec) -> None:
+        """Reserve the blocks, ask the prefill engine to push, wait, and report; the blocks are
+        vLLM's again only once no write of the request can land."""
+        agent = self._agent
+        assert agent is not None
+        ok = False
+        reserved = False
+        try:
+            prefill = decode_engine_info(spec.prefill_info)
+            if (prefill.engine_id, prefill.incarnation) != (spec.prefill_engine, spec.prefill_incarnation):
+                raise StaleIncarnationError(
+                    f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} "
+                    f"incarnation {spec.prefill_incarnation}, but carries the info of "
+                    f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
+                    engine_id=spec.prefill_engine,
+                )
+            inbox = prefill.endpoints.get(PUSH_ENDPOINT)
+            if not inbox:
+                raise NotExpectedError(
+                    f"prefill engine {prefill.engine_id!r} takes no push requests",
+                    engine_id=prefill.engine_id,
+                )
+            reservation = agent.expect(spec.request_id, list(spec.block_ids))
+            reserved = True
+            request = PushRequest(
+                request_id=spec.prefill_request_id,
+                src_engine=prefill.engine_id,
+                src_incarnation=prefill.incarnation,
+                reservation=reservation,
+                first_block=spec.first_block,
+                decode_info=encode(agent.info),
+            )
+            assert self._outbox is not None
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await self._outbox.send(inbox, encode(request))
+            await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
+            ok = True
+        except Exception as error:
+            log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
+        finally:
+            if reserved:
+                try:
+                    await agent.release(spec.request_id)
+                except KvrayError as error:  # a writer still holds it: keep the blocks out
+                    ok = False
+                    log.error("kvray: %s could not be released: %s", spec.request_id, error)
+            with self._results.lock:
+                self._results.finished_recving.add(spec.request_id)
+                if not ok:
+                    self._results.failed_recving.add(spec.request_id)
+                    self._results.load_errors.update(spec.block_ids)
+
+    # ---- prefill side -----------------------------------------------------------------
+
+    def _on_push_request(self, message: bytes) -> None:
+        """A decode engine's push request, from the inbox (on the loop thread)."""
+        try:
+            request = decode_push_request(message)
+        except KvrayError as error:
+            log.warning("kvray: dropped a malformed push request: %s", error)
+            return
+        if (request.src_engine, request.src_incarnation) != (self.engine_id, self._incarnation()):
+            self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
+            return
+        if request.request_id in self._sending:
+            self._spawn(self._push(request))
+        else:  # its hand-over from the scheduler may be a step behind
+            self._early[request.request_id] = (request, time.monotonic())
+
+    def _incarnation(self) -> int:
+        return self._agent.incarnation if self._agent is not None else 0
+
+    async def _push(self, request: PushRequest) -> None:
+        agent = self._agent
+        assert agent is not None
+        sending = self._sending.get(request.request_id)
+        if sending is None or sending.pushing:
+            await self._refuse(request, "the request is not held here, or is already being pushed")
+            return
+        sending.pushing = True
+        reservation = request.reservation
+        try:
+            blocks = sending.spec.block_ids[
+                request.first_block : request.first_block + len(reservation.blocks)
+            ]
+            if len(blocks) != len(reservation.blocks):
+                raise NotExpectedError(
+                    f"request {request.request_id!r} holds {len(sending.spec.block_ids)} blocks here; "
+                    f"the decode engine reserved {len(reservation.blocks)} from block {request.first_block}",
+                    request_id=request.request_id,
+                )
+            if request.decode_info:
+                decode = decode_engine_info(request.decode_info)
+                if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
+                    raise NotExpectedError(
+                        "a push request's decode info does not match its reservation",
+                        request_id=request.request_id,
+                    )
+                agent.add_peer(decode)
+            await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+        except Exception as error:  # the push told the decode side, or this does
+            log.warning("kvray: push of %s failed: %s", request.request_id, error)
+            if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
+                await agent.abort(reservation, f"{type(error).__name__}: {error}")
+        finally:
+            self._sending.pop(request.request_id, None)
+            self._done_sending(request.request_id)
+
+    async def _refuse(self, request: PushRequest, why: str) -> None:
+        """Tell the decode side at once that its request's KV will not come."""
+        agent = self._agent
+        if agent is None:
+            return
+        with contextlib.suppress(Exception):
+            if request.decode_info:
+                agent.add_peer(decode_engine_info(request.decode_info))
+            await agent.abort(request.reservation, f"push of {request.request_id!r} refused: {why}")
+
+
+#: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
+CONNECTOR_KEYS = frozenset({"lease_s"})
+
+
+def settings_from(extra: Mapping[str, Any]) -> Settings:
+    """`kvray.Settings` from the environment, then the connector's `kv_connector_extra_config`
+    (keys named like the settings' fields); an unknown key is an error, not ignored."""
+    import msgspec
+
+    settings = Settings.from_env()
+    known = {field.name for field in msgspec.structs.fields(Settings)}
+    chosen = {key: value for key, value in extra.items() if key not in CONNECTOR_KEYS}
+    unknown = sorted(set(chosen) - known)
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has keys kvray does not know: {unknown}; use kvray.Settings "
+            f"field names ({', '.join(sorted(known))})",
+            unknown=unknown,
+        )
+    try:
+        return msgspec.convert({**msgspec.structs.asdict(settings), **chosen}, Settings)
+    except msgspec.ValidationError as error:
+        raise ConfigError(f"kv_connector_extra_config: {error}") from None
