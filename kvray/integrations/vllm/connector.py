@@ -5,7 +5,10 @@
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
 `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`), plus
-`lease_s`: how long a prefill engine holds a finished request's blocks for a decode engine.
+`lease_s` (how long a prefill engine holds a finished request's blocks for a decode engine),
+`digest_log` (a file to append per-layer digests of the KV each side sent and received, to
+compare them) and `seed_bug` (plan with offsets cached by geometry alone: the bug kvray exists
+to stop, for demonstrations).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
 
@@ -115,7 +118,14 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # A pure producer exposes nothing writable (least privilege); otherwise the engine
             # takes writes, and pushes too.
             worker_role = Role.PREFILL if transfer.kv_role == "kv_producer" else Role.DECODE
-            self._worker = ConnectorWorker(self.engine_id, worker_role, settings, lease_s)
+            self._worker = ConnectorWorker(
+                self.engine_id,
+                worker_role,
+                settings,
+                lease_s,
+                digest_log=extra.get("digest_log"),
+                seed_bug=bool(extra.get("seed_bug", False)),
+            )
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
 
     # ---- worker side ------------------------------------------------------------------

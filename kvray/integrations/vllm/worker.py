@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -164,11 +166,26 @@ class ConnectorWorker:
     """One vLLM worker's kvray side. `role`: PREFILL takes no writes (a pure producer);
     DECODE takes writes and may push too (`kv_both`)."""
 
-    def __init__(self, engine_id: str, role: Role, settings: Settings, lease_s: float) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        role: Role,
+        settings: Settings,
+        lease_s: float,
+        *,
+        digest_log: str | None = None,
+        seed_bug: bool = False,
+    ) -> None:
         self.engine_id = engine_id
         self.role = role
         self.settings = settings
         self.lease_s = lease_s
+        #: Where to append per-layer digests of every request's KV as sent and as received
+        #: (JSON lines), to compare both sides; None: no digests.
+        self.digest_log = digest_log
+        #: Plan with offsets cached by block geometry alone (`kvray.faults`): the bug kvray
+        #: exists to stop, for demonstrations and the tests that must catch it.
+        self.seed_bug = seed_bug
         self._shm_path: str | None = None
         self._agent: KVAgent | None = None
         self._loop: AgentLoop | None = None
@@ -233,8 +250,18 @@ class ConnectorWorker:
         layout, views = layout_of(kv_caches, num_blocks, block_size)
         backing = Backing.adopt(layout, views, settings=self.settings, shm_path=self._shm_path)
         self._loop = AgentLoop(f"kvray-{self.engine_id}")
+        cache = None
+        if self.seed_bug:
+            from kvray.faults import SeedBugOffsetCache
+
+            cache = SeedBugOffsetCache()
         self._agent = KVAgent(
-            self.engine_id, self.role, backing=backing, settings=self.settings, use_coordinator=False
+            self.engine_id,
+            self.role,
+            backing=backing,
+            settings=self.settings,
+            use_coordinator=False,
+            offset_cache=cache,
         )
         return self._loop.run(self._start(), timeout=self.settings.lookup_timeout_s + 30)
 
@@ -354,6 +381,7 @@ class ConnectorWorker:
                 await self._outbox.send(inbox, encode(request))
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
+            self._log_digests("received", spec.request_id, spec.prefill_request_id, spec.block_ids)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
         finally:
@@ -417,6 +445,7 @@ class ConnectorWorker:
                     )
                 agent.add_peer(decode)
             await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+            self._log_digests("sent", request.request_id, request.request_id, blocks)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
@@ -424,6 +453,20 @@ class ConnectorWorker:
         finally:
             self._sending.pop(request.request_id, None)
             self._done_sending(request.request_id)
+
+    def _log_digests(self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int]) -> None:
+        """Append the per-layer digests of a request's blocks (see `digest_log`)."""
+        if self.digest_log is None or self._agent is None:
+            return
+        index = torch.as_tensor(list(blocks), dtype=torch.long)
+        digests = {}
+        for name, view in self._agent.backing.views.items():
+            block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
+            picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
+            digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
+        record = {"side": side, "request": request_id, "prefill_request": prefill_request, "layers": digests}
+        with open(self.digest_log, "a") as file:
+            file.write(json.dumps(record) + "\n")
 
     async def _refuse(self, request: PushRequest, why: str) -> None:
         """Tell the decode side at once that its request's KV will not come."""
@@ -437,7 +480,7 @@ class ConnectorWorker:
 
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
-CONNECTOR_KEYS = frozenset({"lease_s"})
+CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "seed_bug"})
 
 
 def settings_from(extra: Mapping[str, Any]) -> Settings:
