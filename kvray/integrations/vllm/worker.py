@@ -377,11 +377,13 @@ class ConnectorWorker:
                 decode_info=encode(agent.info),
             )
             assert self._outbox is not None
+            asked = time.perf_counter()
             async with asyncio.timeout(self.settings.notify_timeout_s):
                 await self._outbox.send(inbox, encode(request))
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
-            self._log_digests("received", spec.request_id, spec.prefill_request_id, spec.block_ids)
+            waited = time.perf_counter() - asked
+            self._log_digests("received", spec.request_id, spec.prefill_request_id, spec.block_ids, waited)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
         finally:
@@ -444,8 +446,8 @@ class ConnectorWorker:
                         request_id=request.request_id,
                     )
                 agent.add_peer(decode)
-            await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
-            self._log_digests("sent", request.request_id, request.request_id, blocks)
+            result = await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+            self._log_digests("sent", request.request_id, request.request_id, blocks, result.seconds)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
@@ -454,8 +456,11 @@ class ConnectorWorker:
             self._sending.pop(request.request_id, None)
             self._done_sending(request.request_id)
 
-    def _log_digests(self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int]) -> None:
-        """Append the per-layer digests of a request's blocks (see `digest_log`)."""
+    def _log_digests(
+        self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int], seconds: float
+    ) -> None:
+        """Append the per-layer digests of a request's blocks and how long its side of the
+        transfer took (see `digest_log`)."""
         if self.digest_log is None or self._agent is None:
             return
         index = torch.as_tensor(list(blocks), dtype=torch.long)
@@ -464,7 +469,13 @@ class ConnectorWorker:
             block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
             picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
             digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
-        record = {"side": side, "request": request_id, "prefill_request": prefill_request, "layers": digests}
+        record = {
+            "side": side,
+            "request": request_id,
+            "prefill_request": prefill_request,
+            "seconds": seconds,
+            "layers": digests,
+        }
         with open(self.digest_log, "a") as file:
             file.write(json.dumps(record) + "\n")
 

@@ -1,0 +1,139 @@
+"""Prefill/decode with vLLM engines and `KvrayConnector`: an engine wrapper to run inside a Ray
+actor (or in-process), and the P/D generation that the example, the tests and the benchmark
+share. P runs the prompt (one token) and holds its KV; D gets P's `kv_transfer_params`, has
+the KV pushed into the blocks it allocated, and decodes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CONNECTOR_MODULE = "kvray.integrations.vllm.connector"
+
+
+def transfer_config(
+    extra: Mapping[str, Any] | None = None, *, kv_role: str = "kv_both", failure_policy: str = "fail"
+) -> dict[str, Any]:
+    """The `--kv-transfer-config` of an engine using `KvrayConnector`."""
+    return {
+        "kv_connector": "KvrayConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": kv_role,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": dict(extra or {}),
+    }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's output."""
+
+    prompt: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None
+
+
+class Engine:
+    """One vLLM engine (`vllm.LLM`), with `KvrayConnector` unless `transfer` is None. Meant to
+    be the body of a Ray actor (`ray.remote(num_cpus=0)(Engine)`): vLLM starts its own engine
+    core and worker processes under it.
+
+    `dtype` is float32 by default: a decode engine computes a request's first token from the
+    prompt's KV loaded into its cache, which in bfloat16 rounds differently from the prefill
+    pass that produced the KV (a single engine's own prefix cache does the same), so greedy
+    text can part from a single engine's even though every byte of the KV arrived; float32
+    keeps the two paths to the same tokens."""
+
+    def __init__(
+        self,
+        model: str,
+        transfer: Mapping[str, Any] | None = None,
+        *,
+        max_model_len: int = 2048,
+        kv_cache_gib: int = 1,
+        dtype: str = "float32",
+    ) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        options: dict[str, Any] = {}
+        if transfer is not None:
+            options["kv_transfer_config"] = KVTransferConfig(**transfer)
+        self.llm = LLM(
+            model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, **options
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        params: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> list[Generation]:
+        """Greedy generations of `prompts`, each with its `kv_transfer_params` (if any)."""
+        from vllm import SamplingParams
+
+        params = params if params is not None else [None] * len(prompts)
+        sampling = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                extra_args=None if p is None else {"kv_transfer_params": dict(p)},
+            )
+            for p in params
+        ]
+        outputs = self.llm.generate(list(prompts), sampling, use_tqdm=False)
+        return [
+            Generation(
+                prompt=prompt,
+                token_ids=tuple(output.outputs[0].token_ids),
+                text=output.outputs[0].text,
+                finish_reason=output.outputs[0].finish_reason,
+                kv_transfer_params=output.kv_transfer_params,
+            )
+            for prompt, output in zip(prompts, outputs, strict=True)
+        ]
+
+    def processes(self) -> list[int]:
+        """The pids of this engine's own processes (engine core, workers), for fault tests."""
+        import psutil
+
+        return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A P/D generation of a batch: the outputs and how long each half took."""
+
+    prefill: list[Generation]
+    decode: list[Generation]
+    prefill_s: float
+    decode_s: float
+
+
+def prefill_then_decode(prefill: Any, decode: Any, prompts: Sequence[str], max_tokens: int) -> Handoff:
+    """Run `prompts` on the prefill engine (one token, KV held for the decode side), then on
+    the decode engine with the prefill's `kv_transfer_params`. `prefill`/`decode` are `Engine`
+    Ray actor handles or `Engine` objects."""
+    started = time.perf_counter()
+    first = _call(prefill, "generate", list(prompts), 1, [{"do_remote_decode": True}] * len(prompts))
+    middle = time.perf_counter()
+    params = [generation.kv_transfer_params for generation in first]
+    second = _call(decode, "generate", list(prompts), max_tokens, params)
+    return Handoff(first, second, middle - started, time.perf_counter() - middle)
+
+
+def _call(engine: Any, method: str, *args: Any) -> Any:
+    bound = getattr(engine, method)
+    remote = getattr(bound, "remote", None)
+    if remote is None:
+        return bound(*args)
+    import ray
+
+    return ray.get(remote(*args))

