@@ -117,11 +117,14 @@ def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(eng
     for pid in ray.get(victim.processes.remote()):
         os.kill(pid, signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(Exception) as failed:
-        ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS, [g.kv_transfer_params for g in first]))
+    orphaned = ray.get(
+        engines["decode"].generate.remote(prompts, NEW_TOKENS, [g.kv_transfer_params for g in first])
+    )
     waited = time.monotonic() - started
     assert waited < DEADLINE_S + 30, f"the decode side waited {waited:.0f} s for a dead prefill engine"
+    # kv_load_failure_policy "fail": each request ends with an error, no text made up.
+    assert [(g.finish_reason, g.token_ids) for g in orphaned] == [("error", ())] * len(prompts), orphaned
     # The decode engine serves the next hand-off from a live prefill engine as before.
     healthy = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
-    assert [g.token_ids for g in healthy.decode] == [g.token_ids for g in single], str(failed.value)[:300]
+    assert [g.token_ids for g in healthy.decode] == [g.token_ids for g in single]

@@ -60,6 +60,7 @@ class Engine:
         dtype: str = "float32",
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local folder: never fetch
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
