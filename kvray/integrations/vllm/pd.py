@@ -73,12 +73,14 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[str | Sequence[int]],
         max_tokens: int,
         params: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[Generation]:
-        """Greedy generations of `prompts`, each with its `kv_transfer_params` (if any)."""
+        """Greedy generations of `prompts` (text, or token ids), each with its
+        `kv_transfer_params` (if any)."""
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         params = params if params is not None else [None] * len(prompts)
         sampling = [
@@ -89,10 +91,11 @@ class Engine:
             )
             for p in params
         ]
-        outputs = self.llm.generate(list(prompts), sampling, use_tqdm=False)
+        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
         return [
             Generation(
-                prompt=prompt,
+                prompt=prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>",
                 token_ids=tuple(output.outputs[0].token_ids),
                 text=output.outputs[0].text,
                 finish_reason=output.outputs[0].finish_reason,
@@ -118,7 +121,9 @@ class Handoff:
     decode_s: float
 
 
-def prefill_then_decode(prefill: Any, decode: Any, prompts: Sequence[str], max_tokens: int) -> Handoff:
+def prefill_then_decode(
+    prefill: Any, decode: Any, prompts: Sequence[str | Sequence[int]], max_tokens: int
+) -> Handoff:
     """Run `prompts` on the prefill engine (one token, KV held for the decode side), then on
     the decode engine with the prefill's `kv_transfer_params`. `prefill`/`decode` are `Engine`
     Ray actor handles or `Engine` objects."""

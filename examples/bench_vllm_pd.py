@@ -1,0 +1,108 @@
+"""Benchmark: a prefill/decode pair of vLLM engines with `KvrayConnector` against a single engine,
+for prompts of 128, 512 and 2048 tokens (random token ids, fresh for every run, so no prefix
+cache helps either side). Per length, medians with min and max over the runs:
+
+- KV transfer: the prefill engine's push (plan, write, notify) and the decode engine's wait,
+  from sending its push request to the KV in its cache (the connector's transfer log);
+- time to first token: a single engine's (one request, one token) against the pair's (the
+  prefill engine's pass, then the decode engine's first token after the hand-off).
+
+    python examples/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--json PATH]
+
+Needs the vllm extra (see the README's *vLLM* section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from kvray.integrations.vllm.model import smollm2
+from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def records(log: Path) -> dict[str, float]:
+    found: dict[str, float] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            found[record["prefill_request"]] = float(record["seconds"])
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    max_model_len = max(args.lengths) + 64
+    model = str(smollm2())
+    ray.init(include_dashboard=False, log_to_driver=False)
+    logs = Path(tempfile.mkdtemp(prefix="kvray-vllm-bench-"))
+    actor = ray.remote(num_cpus=0)(Engine)
+    prefill = actor.remote(
+        model, transfer_config({"digest_log": str(logs / "p.jsonl")}), max_model_len=max_model_len
+    )
+    decode = actor.remote(
+        model, transfer_config({"digest_log": str(logs / "d.jsonl")}), max_model_len=max_model_len
+    )
+    single = actor.remote(model, None, max_model_len=max_model_len)
+    ray.get([engine.processes.remote() for engine in (prefill, decode, single)])
+    rng = np.random.default_rng(0)
+    vocabulary = 49000  # inside SmolLM2's 49,152 tokens, clear of the special ones at the end
+
+    results: dict[int, dict[str, Any]] = {}
+    for length in args.lengths:
+        single_ttft, pair_ttft, requests = [], [], []
+        for run in range(args.runs + 1):  # the first run of each length warms up, untimed
+            prompt = rng.integers(0, vocabulary, length).tolist()
+            began = time.perf_counter()
+            ray.get(single.generate.remote([prompt], 1))
+            alone = time.perf_counter() - began
+            began = time.perf_counter()
+            handoff = prefill_then_decode(prefill, decode, [prompt], 1)
+            both = time.perf_counter() - began
+            if run:
+                single_ttft.append(alone)
+                pair_ttft.append(both)
+                requests.append((handoff.prefill[0].kv_transfer_params or {})["kvray_prefill_request"])
+        pushed, waited = records(logs / "p.jsonl"), records(logs / "d.jsonl")
+        push_s = [pushed[request] for request in requests if request in pushed]
+        wait_s = [waited[request] for request in requests if request in waited]
+        results[length] = {
+            "single_ttft_s": spread(single_ttft),
+            "pd_ttft_s": spread(pair_ttft),
+            "push_s": spread(push_s),
+            "decode_wait_s": spread(wait_s),
+            "ttft_ratio": statistics.median(pair_ttft) / statistics.median(single_ttft),
+        }
+    print(f"vLLM P/D with kvray vs a single engine, {args.runs} runs per length (medians [min, max], ms)")
+    print(f"{'tokens':>6}  {'push (P)':>22}  {'wait (D)':>22}  {'TTFT single':>22}  {'TTFT P/D':>22}  ratio")
+    for length, row in results.items():
+        cells = [
+            f"{row[key]['median'] * 1e3:7.1f} [{row[key]['min'] * 1e3:5.1f}, {row[key]['max'] * 1e3:5.1f}]"
+            for key in ("push_s", "decode_wait_s", "single_ttft_s", "pd_ttft_s")
+        ]
+        print(f"{length:>6}  " + "  ".join(f"{cell:>22}" for cell in cells) + f"  {row['ttft_ratio']:.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"runs": args.runs, "results": results}, indent=2))
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
