@@ -383,7 +383,7 @@ class ConnectorWorker:
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
             waited = time.perf_counter() - asked
-            self._log_digests("received", spec.request_id, spec.prefill_request_id, spec.block_ids, waited)
+            await self._record("received", spec.request_id, spec.prefill_request_id, spec.block_ids, waited)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
         finally:
@@ -447,7 +447,7 @@ class ConnectorWorker:
                     )
                 agent.add_peer(decode)
             result = await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
-            self._log_digests("sent", request.request_id, request.request_id, blocks, result.seconds)
+            await self._record("sent", request.request_id, request.request_id, blocks, result.seconds)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
@@ -456,13 +456,19 @@ class ConnectorWorker:
             self._sending.pop(request.request_id, None)
             self._done_sending(request.request_id)
 
-    def _log_digests(
+    async def _record(
         self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int], seconds: float
     ) -> None:
         """Append the per-layer digests of a request's blocks and how long its side of the
-        transfer took (see `digest_log`)."""
-        if self.digest_log is None or self._agent is None:
-            return
+        transfer took (see `digest_log`), hashing on a thread: the loop keeps moving other
+        requests' KV meanwhile. The caller holds the blocks until this returns."""
+        if self.digest_log is not None and self._agent is not None:
+            await asyncio.to_thread(self._log_digests, side, request_id, prefill_request, blocks, seconds)
+
+    def _log_digests(
+        self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int], seconds: float
+    ) -> None:
+        assert self.digest_log is not None and self._agent is not None
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         digests = {}
         for name, view in self._agent.backing.views.items():
