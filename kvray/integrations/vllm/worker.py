@@ -24,16 +24,23 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvray.agent import KVAgent
+from kvray.agent import KVAgent, PushResult
 from kvray.completion import CompletionInbox, CompletionOutbox
 from kvray.config import Settings
-from kvray.errors import ConfigError, KvrayError, NotExpectedError, StaleIncarnationError
+from kvray.errors import (
+    BackpressureError,
+    ConfigError,
+    KvrayError,
+    NotExpectedError,
+    StaleIncarnationError,
+)
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.memory import TORCH_DTYPES, Backing
 from kvray.owned import create_owned_file, remove_owned
 from kvray.wire import (
     EngineInfo,
     PushRequest,
+    Reservation,
     Role,
     decode_engine_info,
     decode_push_request,
@@ -41,6 +48,9 @@ from kvray.wire import (
 )
 
 log = logging.getLogger("kvray.vllm")
+
+#: How long a push waits before asking again while the agent's transfer queue is full.
+BACKPRESSURE_RETRY_S = 0.01
 
 #: Key of a prefill engine's push-request inbox in its `EngineInfo.endpoints`.
 PUSH_ENDPOINT = "push_requests"
@@ -446,7 +456,7 @@ class ConnectorWorker:
                         request_id=request.request_id,
                     )
                 agent.add_peer(decode)
-            result = await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+            result = await self._push_when_room(agent, reservation, blocks, sending.lease_ends)
             await self._record("sent", request.request_id, request.request_id, blocks, result.seconds)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
@@ -484,6 +494,20 @@ class ConnectorWorker:
         }
         with open(self.digest_log, "a") as file:
             file.write(json.dumps(record) + "\n")
+
+    @staticmethod
+    async def _push_when_room(
+        agent: KVAgent, reservation: Reservation, blocks: Sequence[int], until: float
+    ) -> PushResult:
+        """Push, waiting while the agent's queue of transfers is full (a batch of decode
+        requests asks for many at once), up to the request's lease."""
+        while True:
+            try:
+                return await agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+            except BackpressureError:
+                if time.monotonic() >= until:
+                    raise
+                await asyncio.sleep(BACKPRESSURE_RETRY_S)
 
     async def _refuse(self, request: PushRequest, why: str) -> None:
         """Tell the decode side at once that its request's KV will not come."""
