@@ -67,9 +67,7 @@ class Engine:
         options: dict[str, Any] = {}
         if transfer is not None:
             options["kv_transfer_config"] = KVTransferConfig(**transfer)
-        self.llm = LLM(
-            model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, **options
-        )
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, **options)
 
     def generate(
         self,
