@@ -484,7 +484,7 @@ def _sort_order(region: Int64Array, offset: Int64Array, known_sorted: bool | Non
     largest_region = int(region.max())
     span = int(offset.max()) + 1
     if int(region.min()) < 0 or int(offset.min()) < 0 or largest_region * span + span > 2**63 - 1:
-        order = np.lexsort((offset, region))
+        order: Int64Array = np.lexsort((offset, region))
         if known_sorted is None and bool((order[1:] > order[:-1]).all()):
             return None
         return order

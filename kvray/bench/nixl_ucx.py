@@ -54,7 +54,8 @@ def _descriptors(base: int, workload: Workload, blocks: npt.NDArray[np.int64]) -
         rows.append(
             np.stack([addresses, np.full(blocks.size, segment.nbytes), np.zeros(blocks.size)], axis=1)
         )
-    return np.concatenate(rows).astype(np.int64)
+    table: npt.NDArray[np.int64] = np.concatenate(rows).astype(np.int64)
+    return table
 
 
 class NixlEndpoint:
