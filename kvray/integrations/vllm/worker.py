@@ -423,6 +423,8 @@ class ConnectorWorker:
             return
         if request.request_id in self._sending:
             self._spawn(self._push(request))
+        elif len(self._early) >= self.settings.max_expected_requests:
+            self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
         else:  # its hand-over from the scheduler may be a step behind
             self._early[request.request_id] = (request, time.monotonic())
 
