@@ -1,0 +1,132 @@
+"""The parts of the vLLM connector's worker side that need no vLLM: the layout read from vLLM's
+cache tensors, the shared-memory placement of its KV allocation and its adoption as one backing,
+the settings from `kv_connector_extra_config`, and the push request on the wire."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from kvray.config import Settings
+from kvray.errors import ConfigError, RegionError, WireDecodeError
+from kvray.integrations.vllm.worker import ConnectorWorker, layout_of, settings_from
+from kvray.memory import Backing, MemoryKind
+from kvray.owned import is_owned_name
+from kvray.wire import (
+    PushRequest,
+    Reservation,
+    Role,
+    TransportKind,
+    decode_notice,
+    decode_push_request,
+    encode,
+)
+
+NUM_BLOCKS, BLOCK_SIZE = 6, 16
+
+
+def vllm_cpu_caches(buffer: torch.Tensor, layers: int = 3) -> dict[str, torch.Tensor]:
+    """Per-layer views of one int8 buffer, as vLLM's CPU backend lays them out: [blocks, KV heads,
+    tokens, 2 x head_dim] bf16, layer after layer."""
+    per_layer = NUM_BLOCKS * 2 * BLOCK_SIZE * 8
+    typed = buffer.view(torch.bfloat16)
+    return {
+        f"model.layers.{i}.self_attn": typed[i * per_layer : (i + 1) * per_layer].view(
+            NUM_BLOCKS, 2, BLOCK_SIZE, 8
+        )
+        for i in range(layers)
+    }
+
+
+def test_the_layout_comes_from_the_real_cache_tensors() -> None:
+    caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
+    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    assert layout.layer_names == tuple(caches)
+    geometry = layout.layer("model.layers.0.self_attn").geometry
+    assert (geometry.block_size, geometry.entry_shape, geometry.dtype, geometry.parts) == (
+        BLOCK_SIZE,
+        (16,),
+        "bfloat16",
+        1,
+    )
+    for name, view in views.items():
+        assert view.shape == (NUM_BLOCKS, BLOCK_SIZE, 16) and view.data_ptr() == caches[name].data_ptr()
+    split = {"k_and_v": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8, dtype=torch.float16)}
+    layout, _ = layout_of(split, NUM_BLOCKS, BLOCK_SIZE)
+    assert layout.layer("k_and_v").geometry.parts == 2
+
+
+@pytest.mark.parametrize(
+    ("tensor", "match"),
+    [
+        (torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 8).transpose(1, 2), "not contiguous"),
+        (torch.zeros(NUM_BLOCKS + 1, 2, BLOCK_SIZE, 8), "block axis"),
+        (torch.zeros(NUM_BLOCKS, 3, dtype=torch.float32), "whole tokens"),
+    ],
+    ids=["strided", "block-axis", "partial-block"],
+)
+def test_a_cache_kvray_cannot_move_whole_blocks_of_is_refused(tensor: torch.Tensor, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        layout_of({"layer": tensor}, NUM_BLOCKS, BLOCK_SIZE)
+
+
+def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(tmp_path: Path) -> None:
+    settings = Settings(shm_dir=str(tmp_path))
+    worker = ConnectorWorker("vllm-test", Role.DECODE, settings, lease_s=1.0)
+    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2 + 4096 * 300
+    with worker.allocation_context():
+        small = torch.zeros(10, dtype=torch.int8)
+        other = torch.zeros(nbytes, dtype=torch.float32)
+        buffer = torch.zeros(nbytes, dtype=torch.int8)
+    assert small.untyped_storage().filename is None and other.untyped_storage().filename is None
+    assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
+    path = buffer.untyped_storage().filename
+    assert (
+        path is not None and os.path.dirname(path) == str(tmp_path) and is_owned_name(os.path.basename(path))
+    )
+    assert torch.zeros(4, dtype=torch.int8).untyped_storage().filename is None  # the patch is gone
+    caches = vllm_cpu_caches(buffer)
+    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    backing = Backing.adopt(layout, views, settings=settings, shm_path=path)
+    assert backing.kind is MemoryKind.SHM and len(backing.regions) == 1
+    (region,) = backing.region_descriptors("vllm-test", 1, TransportKind.SHM, remote_writable=True)
+    assert region.handle == path.encode()
+    assert region.handle_offset + region.length <= os.path.getsize(path)
+    backing.close()
+    assert not os.path.exists(path)
+
+
+def test_only_a_kvray_shared_memory_file_is_adopted_as_one(tmp_path: Path) -> None:
+    caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
+    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    with pytest.raises(RegionError, match="not a kvray shared-memory file"):
+        Backing.adopt(layout, views, shm_path=str(tmp_path / "someone-elses-file"))
+
+
+def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> None:
+    settings = settings_from({"transfer_timeout_s": 7.5, "lease_s": 3.0, "digest_log": "x"})
+    assert settings.transfer_timeout_s == 7.5
+    with pytest.raises(ConfigError, match="bogus"):
+        settings_from({"bogus": 1})
+    with pytest.raises(ConfigError):
+        settings_from({"transfer_timeout_s": "soon"})
+
+
+def test_a_push_request_round_trips_and_is_its_own_family() -> None:
+    reservation = Reservation(
+        request_id="d-1", engine_id="vllm-d", incarnation=5, blocks=(3, 4), token=99, slot=2
+    )
+    request = PushRequest(
+        request_id="p-1", src_engine="vllm-p", src_incarnation=7, reservation=reservation, first_block=1
+    )
+    assert decode_push_request(encode(request)) == request
+    with pytest.raises(WireDecodeError):
+        decode_notice(encode(request))
+    raw = msgspec.msgpack.decode(encode(request))
+    raw["reservation"]["blocks"] = [-1]
+    with pytest.raises(WireDecodeError):
+        decode_push_request(msgspec.msgpack.encode(raw))
