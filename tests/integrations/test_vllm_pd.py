@@ -34,7 +34,10 @@ pytestmark = pytest.mark.cluster
 NEW_TOKENS = 32
 #: How long a decode engine waits for a request's KV (seconds): a dead prefill must fail the
 #: request within it.
-DEADLINE_S = 20.0
+DEADLINE_S = 60.0
+#: Digests for one request in this many (hashing every request's KV on both sides of a batch
+#: of 50 costs seconds of the two cores the engines share).
+DIGEST_EVERY = 4
 
 
 def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
@@ -53,7 +56,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = str(smollm2())
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor = ray.remote(num_cpus=0)(Engine)
-    extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0}
+    extra = {
+        "transfer_timeout_s": DEADLINE_S,
+        "notify_timeout_s": 5.0,
+        "lease_s": 120.0,
+        "digest_every": DIGEST_EVERY,
+    }
     started = {
         "prefill": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})),
         "decode": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})),
@@ -82,16 +90,18 @@ def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str,
     ]
     assert not mismatched, mismatched
     assert all(len(g.token_ids) == NEW_TOKENS or g.finish_reason == "stop" for g in handoff.decode)
-    # Every request's KV as the prefill engine sent it and as the decode engine received it.
+    # The sampled requests' KV as the prefill engine sent it and as the decode engine received it.
     sent, received = digests(engines["logs"] / "p.jsonl"), digests(engines["logs"] / "d.jsonl")
     requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
-    for request in requests:
+    sampled = [request for request in requests if sent[("sent", request)]]
+    assert len(sampled) >= len(requests) // (2 * DIGEST_EVERY), sampled
+    for request in sampled:
         assert sent[("sent", request)] == received[("received", request)], request
-    assert len({len(layers) for layers in sent.values()}) == 1 and len(next(iter(sent.values()))) == 30
+        assert len(sent[("sent", request)]) == 30
 
 
 def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
-    prompts = load_prompts()[:8]
+    prompts = load_prompts()[:16]
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
     handoff = prefill_then_decode(engines["seed_bug"], engines["decode"], prompts, NEW_TOKENS)
     differing = [
@@ -99,7 +109,8 @@ def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: 
     ]
     assert differing, "the seed bug left every generation intact: the KV did not come from the push"
     sent, received = digests(engines["logs"] / "bug.jsonl"), digests(engines["logs"] / "d.jsonl")
-    request = handoff.prefill[0].kv_transfer_params["kvray_prefill_request"]
+    requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    request = next(request for request in requests if sent[("sent", request)])
     wrong = sorted(
         layer
         for layer, digest in sent[("sent", request)].items()

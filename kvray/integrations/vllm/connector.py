@@ -7,8 +7,9 @@
 `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`), plus
 `lease_s` (how long a prefill engine holds a finished request's blocks for a decode engine),
 `digest_log` (a file to append per-layer digests of the KV each side sent and received, to
-compare them) and `seed_bug` (plan with offsets cached by geometry alone: the bug kvray exists
-to stop, for demonstrations).
+compare them, and each side's time), `digest_every` (hash one request in this many) and
+`seed_bug` (plan with offsets cached by geometry alone: the bug kvray exists to stop, for
+demonstrations).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
 
@@ -124,6 +125,7 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 settings,
                 lease_s,
                 digest_log=extra.get("digest_log"),
+                digest_every=int(extra.get("digest_every", 1)),
                 seed_bug=bool(extra.get("seed_bug", False)),
             )
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)

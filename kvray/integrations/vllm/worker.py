@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -184,6 +185,7 @@ class ConnectorWorker:
         lease_s: float,
         *,
         digest_log: str | None = None,
+        digest_every: int = 1,
         seed_bug: bool = False,
     ) -> None:
         self.engine_id = engine_id
@@ -193,6 +195,9 @@ class ConnectorWorker:
         #: Where to append per-layer digests of every request's KV as sent and as received
         #: (JSON lines), to compare both sides; None: no digests.
         self.digest_log = digest_log
+        #: Hash one request in this many (chosen by the prefill request's id, so both sides
+        #: hash the same ones); every request's times are logged.
+        self.digest_every = max(1, digest_every)
         #: Plan with offsets cached by block geometry alone (`kvray.faults`): the bug kvray
         #: exists to stop, for demonstrations and the tests that must catch it.
         self.seed_bug = seed_bug
@@ -483,7 +488,8 @@ class ConnectorWorker:
         assert self.digest_log is not None and self._agent is not None
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         digests = {}
-        for name, view in self._agent.backing.views.items():
+        sampled = zlib.crc32(prefill_request.encode()) % self.digest_every == 0
+        for name, view in self._agent.backing.views.items() if sampled else ():
             block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
             picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
             digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
@@ -523,7 +529,7 @@ class ConnectorWorker:
 
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
-CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "seed_bug"})
+CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "digest_every", "seed_bug"})
 
 
 def settings_from(extra: Mapping[str, Any]) -> Settings:
