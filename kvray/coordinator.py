@@ -240,7 +240,6 @@ class Coordinator:
         if entry is not None and watching and entry.watch is not None:
             entry.watch.cancel()
 
-
     async def departed(self, known: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of the (engine id, incarnation) pairs an agent has cached, those no longer registered
         (the engine left, died, or registered a new incarnation): the agent forgets them and

@@ -402,9 +402,7 @@ class PrefillWorker(_Worker):
         def start_push(layer: str) -> None:
             if ended.is_set():
                 return
-            pushes.append(
-                loop.create_task(agent.push_layer(reservation, layer, blocks, timeout=timeout))
-            )
+            pushes.append(loop.create_task(agent.push_layer(reservation, layer, blocks, timeout=timeout)))
 
         def on_layer(layer: str) -> None:  # runs on the compute thread, once per cache layer
             if ended.is_set():
@@ -484,9 +482,7 @@ class DecodeWorker(_Worker):
         if request_id in self.requests:
             raise PlanError(f"request {request_id!r} already holds blocks", request_id=request_id)
         if kv_blocks is not None and not 0 < kv_blocks <= count:
-            raise BlockIdError(
-                f"kv_blocks must be within 1..{count}, got {kv_blocks}", request_id=request_id
-            )
+            raise BlockIdError(f"kv_blocks must be within 1..{count}, got {kv_blocks}", request_id=request_id)
         blocks = self.pool.allocate(count)
         try:
             reservation = self.kvray_agent.expect(request_id, blocks[: kv_blocks or count])

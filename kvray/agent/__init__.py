@@ -10,9 +10,10 @@ kvagent     `KVAgent`, the facade over them
 """
 
 from kvray.agent.directory import DirectoryService, RemoteDirectory
+from kvray.agent.engine import Blocks
 from kvray.agent.host import AgentHost
 from kvray.agent.kvagent import KVAgent
-from kvray.agent.push import Blocks, PushResult
+from kvray.agent.push import PushResult
 from kvray.agent.receive import Completion
 
 __all__ = [

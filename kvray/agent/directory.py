@@ -281,6 +281,3 @@ class Directory:
         assert self.service is not None
         async with asyncio.timeout(self.settings.notify_timeout_s):
             await self.service.check(engine_id, incarnation)
-
-    def cached(self) -> list[Peer]:
-        return list(self._peers.values())

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvray.config import Settings
 from kvray.errors import AgentNotRunningError
@@ -27,6 +30,10 @@ def node_id() -> str:
     except Exception:  # outside a Ray worker: the host name is the node
         pass
     return socket.gethostname()
+
+
+#: Block ids as callers give them.
+Blocks = Sequence[int] | npt.NDArray[np.integer]
 
 
 @dataclass

@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory, directory_service
-from kvray.agent.engine import Engine, node_id
+from kvray.agent.engine import Blocks, Engine, node_id
 from kvray.agent.messages import Messenger
-from kvray.agent.push import Blocks, Pusher, PushResult
+from kvray.agent.push import Pusher, PushResult
 from kvray.agent.receive import Completion, Receiving
 from kvray.agent.transports import TransportSet
 from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory
-from kvray.agent.engine import Engine
+from kvray.agent.engine import Blocks, Engine
 from kvray.agent.messages import Messenger
 from kvray.agent.transports import TransportSet
 from kvray.errors import (
@@ -41,8 +41,6 @@ from kvray.metrics import NO_TRANSPORT, Outcome, PushCall
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind
-
-Blocks = Sequence[int] | npt.NDArray[np.integer]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory
-from kvray.agent.engine import Engine
+from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
 from kvray.claims import ClaimBoard
 from kvray.completion import CompletionInbox
@@ -176,14 +176,14 @@ class Receiving:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def expect(self, request_id: str, blocks: npt.ArrayLike) -> Reservation:
+    def expect(self, request_id: str, blocks: Blocks) -> Reservation:
         engine = self.engine
         if engine.role is not Role.DECODE:
             raise PlanError(f"engine {engine.engine_id!r} is not a decode engine and expects no KV")
         engine.check_running()
         if request_id in self._pending:
             raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
-        ids = block_ids(blocks, engine.backing.layout.num_blocks, "decode", engine.engine_id)  # type: ignore[arg-type]
+        ids = block_ids(blocks, engine.backing.layout.num_blocks, "decode", engine.engine_id)
         token = secrets.randbits(62) or 1
         for transport in self.transports.receiving:
             transport.expect(self, request_id)

@@ -115,9 +115,6 @@ class TransportSet:
         for transport in self._open.values():
             transport.forget(engine_id)
 
-    def opened(self) -> list[Transport]:
-        return list(self._open.values())
-
     async def close(self) -> None:
         for transport in self._open.values():
             await transport.close()

@@ -48,6 +48,7 @@ def resolve_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
+
 #: Ops smaller than this many bytes in total are copied on the calling thread.
 _PARALLEL_THRESHOLD = 4 * 2**20
 #: Threads sharing a batch claim at most this many bytes at a time (longer ops are split).

@@ -55,7 +55,7 @@ from kvray.integrations.vllm.worker import (
     settings_from,
 )
 from kvray.layout import ceil_div
-from kvray.wire import Role
+from kvray.wire import Role, encode
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -112,6 +112,8 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         lease_s = float(extra.get("lease_s", 60.0))
         self._scheduler: _Scheduler | None = None
         self._worker: ConnectorWorker | None = None
+        #: Blocks that failed to load since vLLM last asked (worker side).
+        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _Scheduler(self.engine_id, self.block_size)
         else:
@@ -151,8 +153,6 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_handshake_metadata(self) -> KvrayHandshake | None:
         if self._worker is None:
             return None
-        from kvray.wire import encode
-
         info = self._worker.info
         return KvrayHandshake(info.engine_id, info.incarnation, encode(info))
 
@@ -178,14 +178,13 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sent, received, errors, failed = self._worker.finished()
-        self._load_errors = getattr(self, "_load_errors", set()) | errors
+        self._load_errors |= errors
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=received, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors: set[int] = getattr(self, "_load_errors", set())
-        self._load_errors = set()
+        errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:

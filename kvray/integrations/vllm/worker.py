@@ -423,7 +423,8 @@ class ConnectorWorker:
         except KvrayError as error:
             log.warning("kvray: dropped a malformed push request: %s", error)
             return
-        if (request.src_engine, request.src_incarnation) != (self.engine_id, self._incarnation()):
+        assert self._agent is not None  # the inbox opens once the agent has started
+        if (request.src_engine, request.src_incarnation) != (self.engine_id, self._agent.incarnation):
             self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
             return
         if request.request_id in self._sending:
@@ -432,9 +433,6 @@ class ConnectorWorker:
             self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
         else:  # its hand-over from the scheduler may be a step behind
             self._early[request.request_id] = (request, time.monotonic())
-
-    def _incarnation(self) -> int:
-        return self._agent.incarnation if self._agent is not None else 0
 
     async def _push(self, request: PushRequest) -> None:
         agent = self._agent
