@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import stat
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvray.errors import MetadataError, TransportError
@@ -31,6 +32,8 @@ INBOX_NAME = "inbox.sock"
 _MAX_MESSAGE = 64 * 1024
 #: Inbox paths an outbox remembers as checked (a few per peer engine on the node).
 _MAX_CHECKED_PATHS = 1024
+#: Inboxes an outbox keeps a connected socket to (those it had to wait on recently).
+_MAX_CONNECTED = 64
 
 
 class CompletionInbox:
@@ -47,9 +50,13 @@ class CompletionInbox:
         self._socket.setblocking(False)
         self._socket.bind(self.path)
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._socket.fileno(), self._on_readable)
+        self._loop.add_reader(self._socket.fileno(), self.drain)
 
-    def _on_readable(self) -> None:
+    def fileno(self) -> int:
+        return self._socket.fileno()
+
+    def drain(self) -> None:
+        """Hand every queued message to the handler (the loop calls this when one arrives)."""
         while True:
             try:
                 message = self._socket.recv(_MAX_MESSAGE)
@@ -75,9 +82,11 @@ class CompletionOutbox:
     def __init__(self, shm_dir: str) -> None:
         self._shm_dir = os.path.normpath(shm_dir)
         self._checked: set[str] = set()
+        #: Unbound: `try_send` and senders outside Python address each datagram with `sendto`.
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
-        self._writable: asyncio.Future[None] | None = None
+        #: One socket connected to each inbox `send` has waited on, least recently used first.
+        self._connected: OrderedDict[str, _Connected] = OrderedDict()
 
     def check_inbox(self, path: str) -> None:
         """Refuse an inbox path kvray did not make (`MetadataError`), or one that is gone
@@ -123,28 +132,59 @@ class CompletionOutbox:
     async def send(self, path: str, message: bytes) -> None:
         """Queue `message` in the peer's inbox (waits while the inbox is full; the caller bounds it).
 
-        A non-blocking `sendto` and a writer callback, not `loop.sock_sendto`: uvloop, the loop
-        Ray gives async actors whenever it is installed (ray[serve] installs it), lacks that."""
+        A socket connected to the inbox, because only a connected datagram socket reads as
+        not writable while its peer's queue is full (and is woken when the peer reads): an
+        unbound one reads as writable, so waiting on it would spin. A non-blocking `send` and a
+        writer callback, not `loop.sock_sendall`: uvloop, the loop Ray gives async actors
+        whenever it is installed (ray[serve] installs it), lacks the datagram variants."""
         self.check_inbox(path)
+        connected = self._connect(path)
         loop = asyncio.get_running_loop()
-        fileno = self._socket.fileno()
         while True:
             try:
-                self._socket.sendto(message, path)
+                connected.socket.send(message)
                 return
             except (FileNotFoundError, ConnectionRefusedError) as error:
+                self._disconnect(path)
                 raise TransportError(
                     f"the completion inbox {path} is gone: the decode engine closed or died",
                     path=path,
                 ) from error
             except (BlockingIOError, InterruptedError):
-                # One writer callback per socket: concurrent senders share its wake-up.
-                writable = self._writable
-                if writable is None or writable.done():
-                    writable = self._writable = loop.create_future()
-                    loop.add_writer(fileno, resolve_once, writable)
-                    writable.add_done_callback(lambda _: loop.remove_writer(fileno))
-                await asyncio.shield(writable)
+                await asyncio.shield(connected.writable(loop))
+
+    def _connect(self, path: str) -> _Connected:
+        connected = self._connected.get(path)
+        if connected is not None:
+            self._connected.move_to_end(path)
+            return connected
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+        except OSError as error:
+            sock.close()
+            raise TransportError(
+                f"the completion inbox {path} is gone: the decode engine closed or died", path=path
+            ) from error
+        connected = self._connected[path] = _Connected(sock)
+        self._evict()
+        return connected
+
+    def _evict(self) -> None:
+        """Close the least recently used connections beyond the cap (none a sender waits on)."""
+        excess = len(self._connected) - _MAX_CONNECTED
+        for path, connected in list(self._connected.items()):
+            if excess <= 0:
+                break
+            if not connected.waiting:
+                self._disconnect(path)
+                excess -= 1
+
+    def _disconnect(self, path: str) -> None:
+        connected = self._connected.pop(path, None)
+        if connected is not None:
+            connected.close()
 
     def try_send(self, path: str, message: bytes) -> bool:
         """One non-blocking `sendto`, from any thread: True if the message is in the peer's
@@ -164,7 +204,35 @@ class CompletionOutbox:
         return self._socket.fileno()
 
     def close(self) -> None:
+        for path in list(self._connected):
+            self._disconnect(path)
         self._socket.close()
+
+
+class _Connected:
+    """A socket connected to one inbox, and the wake-up its senders share while it is full."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+        self._writable: asyncio.Future[None] | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self._writable is not None and not self._writable.done()
+
+    def writable(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future that resolves once the inbox has room; one writer callback per socket."""
+        if self._writable is None or self._writable.done():
+            writable = self._writable = loop.create_future()
+            fileno = self.socket.fileno()
+            loop.add_writer(fileno, resolve_once, writable)
+            writable.add_done_callback(lambda _: loop.remove_writer(fileno))
+        return self._writable
+
+    def close(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.cancel()
+        self.socket.close()
 
 
 class DatagramNotice:

@@ -44,11 +44,20 @@ DIGEST_EVERY = 4
 def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
     """(side, prefill request id) -> per-layer digest, from a connector's digest log."""
     found: dict[tuple[str, str], dict[str, str]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+    for record in _records(path):
+        if "layers" in record:
             found[(record["side"], record["prefill_request"])] = record["layers"]
     return found
+
+
+def failures(*paths: Path) -> list[str]:
+    """Why hand-offs failed, as the connectors logged it (for assertion messages)."""
+    records = [record for path in paths for record in _records(path)]
+    return [f"{r['side']} {r['request']}: {r['error']}" for r in records if "error" in r]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +94,11 @@ def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str,
         g.kv_transfer_params and g.kv_transfer_params.get("kvray_prefill_engine") for g in handoff.prefill
     )
     mismatched = [
-        (prompt[:40], alone.text[:40], pd.text[:40])
+        (prompt[:40], pd.finish_reason, alone.text[:40], pd.text[:40])
         for prompt, alone, pd in zip(prompts, single, handoff.decode, strict=True)
         if alone.token_ids != pd.token_ids
     ]
-    assert not mismatched, mismatched
+    assert not mismatched, (mismatched, failures(engines["logs"] / "p.jsonl", engines["logs"] / "d.jsonl"))
     assert all(len(g.token_ids) == NEW_TOKENS or g.finish_reason == "stop" for g in handoff.decode)
     # The sampled requests' KV as the prefill engine sent it and as the decode engine received it.
     sent, received = digests(engines["logs"] / "p.jsonl"), digests(engines["logs"] / "d.jsonl")

@@ -7,6 +7,7 @@ import asyncio
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,39 @@ def test_every_notice_arrives_through_a_full_inbox(
 
     _run(new_loop, main())
     assert sorted(received) == sorted(b"notice-%d" % i for i in range(count))
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+def test_a_sender_waits_for_a_full_inbox_without_spinning(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], tmp_path: Any
+) -> None:
+    # While nobody reads a full inbox, a waiting sender sleeps (it must not take a core from
+    # the engine that should drain it); once the inbox is read, every message goes.
+    count = 40
+    received: list[bytes] = []
+
+    async def main() -> None:
+        inbox = CompletionInbox(str(tmp_path), received.append)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(inbox.fileno())  # nobody reads for now
+        outbox = CompletionOutbox(str(tmp_path))
+        try:
+            sending = asyncio.gather(*(outbox.send(inbox.path, b"m-%d" % i) for i in range(count)))
+            cpu = time.process_time()
+            await asyncio.sleep(1.0)
+            assert not sending.done()
+            assert time.process_time() - cpu < 0.5, "the waiting senders spun"
+            loop.add_reader(inbox.fileno(), inbox.drain)
+            async with asyncio.timeout(30):
+                await sending
+                while len(received) < count:
+                    await asyncio.sleep(0.01)
+        finally:
+            outbox.close()
+            inbox.close()
+
+    _run(new_loop, main())
+    assert sorted(received) == sorted(b"m-%d" % i for i in range(count))
 
 
 @pytest.mark.parametrize("new_loop", _loops())

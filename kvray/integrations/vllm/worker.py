@@ -401,6 +401,7 @@ class ConnectorWorker:
             await self._record("received", spec.request_id, spec.prefill_request_id, spec.block_ids, waited)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
+            self._log_failure("receive failed", spec.request_id, spec.prefill_request_id, error)
         finally:
             if reserved:
                 try:
@@ -465,6 +466,7 @@ class ConnectorWorker:
             await self._record("sent", request.request_id, request.request_id, blocks, result.seconds)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
+            self._log_failure("push failed", request.request_id, request.request_id, error)
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
                 await agent.abort(reservation, f"{type(error).__name__}: {error}")
         finally:
@@ -499,6 +501,19 @@ class ConnectorWorker:
             "layers": digests,
         }
         with open(self.digest_log, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def _log_failure(self, side: str, request_id: str, prefill_request: str, error: BaseException) -> None:
+        """Append why a request's hand-off failed to the digest log (if any), beside the digests."""
+        if self.digest_log is None:
+            return
+        record = {
+            "side": side,
+            "request": request_id,
+            "prefill_request": prefill_request,
+            "error": f"{type(error).__name__}: {error}",
+        }
+        with contextlib.suppress(OSError), open(self.digest_log, "a") as file:
             file.write(json.dumps(record) + "\n")
 
     @staticmethod
