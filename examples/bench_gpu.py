@@ -9,8 +9,12 @@ out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB
 Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory:
 - `ceiling`: one device-to-device copy of the same number of bytes between two plain
   allocations on the two GPUs (peer-to-peer over NVLink), or within the GPU;
-- `kvray cuda_ipc`: plan (offsets cached, as in steady state) + the transport's write (checks,
-  one kernel on the decode GPU that reads the source over NVLink, event wait); also the write of
+- `before`: the op-table path every request took before the row kernel: the plan expanded and
+  merged into one op per run on the host, the whole table uploaded, one kernel over it (one
+  request, and a stream of 16 at most 4 in flight);
+- `kvray cuda_ipc`: plan (offsets cached, as in steady state; the request's rows and block ids,
+  checked) + the transport's write (checks, the block ids uploaded, one kernel on the decode GPU
+  that expands the rows into ops and reads the source over NVLink, event wait); also the write of
   an already planned request, 4 requests in flight at once (a burst: one pipeline fill and drain
   per 4), a stream of 16 requests at most 4 in flight (a decode engine's steady intake: per
   request, what a serving node sustains), the copy kernel queued 10 times back to back (the
@@ -46,7 +50,7 @@ import torch
 from kvray.config import Settings
 from kvray.layout import Geometry, KVLayout, LayerSpec, deepseek_v3
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import OffsetCache, plan_transfer
+from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer
 from kvray.transport.cuda_ipc import CudaIpcTransport, copy_ops, launch_copy
 from kvray.wire import Role, decode_engine_info, encode
@@ -162,6 +166,57 @@ def timed(run: Callable[[], None], scrub: Callable[[], None], repeat: int, warmu
     return samples
 
 
+def host_breakdown(
+    transport: CudaIpcTransport,
+    local: Any,
+    remote: Any,
+    local_blocks: Any,
+    remote_blocks: Any,
+    cache: OffsetCache,
+    source: Backing,
+    peer: Peer,
+    loop: asyncio.AbstractEventLoop,
+    repeat: int = 50,
+) -> dict[str, float]:
+    """Median host milliseconds of each step of one request on the row path: planning, the
+    checks, the launch (ids upload included), and the whole write with its wait; and the op
+    table's expansion and merge that the row path no longer does."""
+    from kvray.transport.base import check_write
+    from kvray.transport.cuda_ipc import copy_rows
+
+    samples: dict[str, list[float]] = {}
+
+    def note(step: str, started: float) -> float:
+        now = time.perf_counter()
+        samples.setdefault(step, []).append((now - started) * 1e3)
+        return now
+
+    for _ in range(repeat):
+        sync_all()
+        started = time.perf_counter()
+        plan = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+        started = note("plan", started)
+        check_write(plan, source, peer)
+        started = note("check", started)
+        rows = plan.rows
+        assert rows is not None
+        direct = transport._direct_rows(rows, source, peer)
+        assert direct is not None
+        src, opened, table = direct
+        started = note("open+table", started)
+        copy_rows(opened.region, src, rows, table)
+        started = note("launch", started)
+        sync_all()
+        started = time.perf_counter()
+        loop.run_until_complete(transport.write(plan, source, peer))
+        note("write", started)
+        sync_all()
+        started = time.perf_counter()
+        _ = plan.ops
+        note("op-table expand+merge (not done)", started)
+    return {step: statistics.median(values) for step, values in samples.items()}
+
+
 def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
     torch.cuda.set_device(0)
     use_nccl = decode_device != 0 and not args.no_nccl
@@ -224,6 +279,40 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             fresh = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
             loop.run_until_complete(transport.write(fresh, source, peer))
 
+        def as_op_table(planned: TransferPlan) -> TransferPlan:
+            """The plan as op tables expanded and merged on the host (what every request paid
+            before the row kernel): the transport uploads the whole table and copies by op."""
+            return TransferPlan.from_ops(
+                planned.src_engine,
+                planned.src_incarnation,
+                planned.dst_engine,
+                planned.dst_incarnation,
+                planned.layers,
+                planned.ops,
+                planned.unmerged,
+                planned.layer_starts,
+            )
+
+        def op_table_write() -> None:
+            fresh = as_op_table(plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache))
+            loop.run_until_complete(transport.write(fresh, source, peer))
+
+        async def one_op_table_request() -> None:
+            fresh = as_op_table(plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache))
+            await transport.write(fresh, source, peer)
+
+        async def op_table_stream() -> None:
+            gate = asyncio.Semaphore(IN_FLIGHT)
+
+            async def admitted() -> None:
+                async with gate:
+                    await one_op_table_request()
+
+            await asyncio.gather(*(admitted() for _ in range(STREAM)))
+
+        def op_table_streamed() -> None:
+            loop.run_until_complete(op_table_stream())
+
         def kvray_transport() -> None:
             loop.run_until_complete(transport.write(plan, source, peer))
 
@@ -279,6 +368,8 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
             plan_samples.append(time.perf_counter() - start)
         for label, run, per_run in (
+            ("before: op-table plan + write", op_table_write, 1),
+            (f"before: op-table stream of {STREAM}", op_table_streamed, STREAM),
             ("kvray cuda_ipc: plan + write", kvray_write, 1),
             ("kvray cuda_ipc: write (planned)", kvray_transport, 1),
             (f"kvray cuda_ipc: {IN_FLIGHT} requests in flight", kvray_steady, IN_FLIGHT),
@@ -306,10 +397,14 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
                 timed(nccl, scrub, args.repeat, warmup=2),
                 verify("nccl"),
             )
+        breakdown = host_breakdown(
+            transport, local, remote, local_blocks, remote_blocks, cache, source, peer, loop
+        )
         ceiling_median = statistics.median(results["ceiling: one D2D copy"][0])
         print(
             f"{name} ({'same GPU' if decode_device == 0 else '2 GPUs'}): planning alone "
-            f"median {statistics.median(plan_samples) * 1e3:.3f} ms for {len(ops)} ops",
+            f"median {statistics.median(plan_samples) * 1e3:.3f} ms for {len(ops)} ops; host work per "
+            f"request (median ms): {', '.join(f'{step} {ms:.3f}' for step, ms in breakdown.items())}",
             flush=True,
         )
         for contender, (samples, bad) in results.items():

@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from kvray.config import Settings
+from kvray.errors import ConfigError
 from kvray.layout import BlockOrder
+from kvray.memory import MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
 from kvray.progress import Progress
 from kvray.wire import Role
@@ -81,6 +83,26 @@ def _percentiles(values: Sequence[float]) -> str:
     return f"p50 {p50:.2f} ms, p90 {p90:.2f} ms, p99 {p99:.2f} ms"
 
 
+def _placement(args: argparse.Namespace) -> tuple[MemoryKind | None, float]:
+    """The workers' KV memory and each worker's share of a GPU. On `cuda`, every worker is a
+    Ray GPU actor with its KV backing and its model on the GPU; the workers share the GPUs
+    Ray offers, so a single GPU holds them all (and cuda_ipc moves KV within it)."""
+    if args.device == "cpu":
+        return None, 0.0
+    import ray
+
+    gpus = float(ray.cluster_resources().get("GPU", 0))  # type: ignore[no-untyped-call]
+    if gpus <= 0:
+        raise ConfigError(
+            "--device cuda needs a Ray cluster with a GPU, and this one has none; start Ray on a "
+            "GPU machine (or pass --device cpu)"
+        )
+    workers = args.prefill + args.decode
+    # Whole GPUs where there are enough, else an equal share of each.
+    share = 1.0 if gpus >= workers else min(1.0, gpus / workers)
+    return MemoryKind.CUDA, share
+
+
 async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     import ray
 
@@ -93,15 +115,16 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     layout = model.layout(args.blocks, order)
     settings = Settings.from_env(transport=args.transport)
     fault = SeedBugOffsetCache() if args.inject_seed_bug else None
+    memory, num_gpus = _placement(args)
     prefills: list[Any] = [
-        PrefillActor.options(**placement_options(Role.PREFILL)).remote(
-            f"demo-prefill-{i}", layout, settings, model=config, offset_cache=fault
+        PrefillActor.options(**placement_options(Role.PREFILL, num_gpus)).remote(
+            f"demo-prefill-{i}", layout, settings, memory=memory, model=config, offset_cache=fault
         )
         for i in range(args.prefill)
     ]
     decodes: list[Any] = [
-        DecodeActor.options(**placement_options(Role.DECODE)).remote(
-            f"demo-decode-{j}", layout, settings, model=config
+        DecodeActor.options(**placement_options(Role.DECODE, num_gpus)).remote(
+            f"demo-decode-{j}", layout, settings, memory=memory, model=config
         )
         for j in range(args.decode)
     ]
@@ -176,8 +199,8 @@ def summarize(outcomes: Sequence[RequestOutcome], args: argparse.Namespace, seco
     print()
     print(
         f"kvray demo: model {args.model!r}, {args.block_order}, {args.prefill} prefill x "
-        f"{args.decode} decode workers, {len(outcomes)} prompts, {args.max_new_tokens} new tokens each"
-        + (" -- SEED BUG INJECTED" if args.inject_seed_bug else "")
+        f"{args.decode} decode workers on {args.device}, {len(outcomes)} prompts, "
+        f"{args.max_new_tokens} new tokens each" + (" -- SEED BUG INJECTED" if args.inject_seed_bug else "")
     )
     rows = [
         (
@@ -220,7 +243,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="mixed")
     parser.add_argument("--block-order", choices=[o.value for o in BlockOrder], default="layer_major")
     parser.add_argument("--blocks", type=int, default=512, help="KV blocks per worker")
-    parser.add_argument("--transport", choices=["auto", "shm", "ray"], default="auto")
+    parser.add_argument("--transport", choices=["auto", "shm", "cuda_ipc", "ray"], default="auto")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the workers keep their KV and run the model (cuda: Ray GPU actors sharing the "
+        "GPUs, KV moved by cuda_ipc)",
+    )
     parser.add_argument(
         "--push",
         choices=["both", "whole", "layerwise"],
@@ -249,7 +279,13 @@ def main(args: argparse.Namespace) -> int:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            num_gpus: int | None = None
+            if args.device == "cuda":
+                import torch
+
+                # Every GPU torch sees, whether or not Ray's own detection finds them.
+                num_gpus = torch.cuda.device_count()
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, num_gpus=num_gpus)
     started = time.perf_counter()
     outcomes = asyncio.run(run_demo(args))
     ok = summarize(outcomes, args, time.perf_counter() - started)

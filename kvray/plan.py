@@ -18,6 +18,7 @@ kept side by side, where one can be read against the other.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -107,27 +108,104 @@ class OpTable:
 
 
 @dataclass(frozen=True)
+class RequestRows:
+    """A request's ops before expansion: op (row r, block i) copies `local.nbytes[r]` bytes
+    from `local.base[r] + local_ids[i] * local.block_stride[r]` to the same arithmetic on the
+    remote side. Both id arrays are validated and paired, in ascending local order. A GPU
+    writer can expand them itself, so the host never builds one row per op."""
+
+    local: PartRows
+    remote: PartRows
+    local_ids: Int64Array
+    remote_ids: Int64Array
+
+    @property
+    def count(self) -> int:
+        """Ops before merging: one per (layer, part) row and block."""
+        return int(self.local.base.size * self.local_ids.size)
+
+
+@dataclass(frozen=True)
 class TransferPlan:
-    """The ops that move a request's blocks of `layers` from one engine to another."""
+    """The ops that move a request's blocks of `layers` from one engine to another.
+
+    A planned request carries its `rows` (checked against both regions, invariant 2) and
+    expands them into op tables only when something reads `ops` or `unmerged`; a plan built
+    from op tables directly (`from_ops`) carries those instead."""
 
     src_engine: str
     src_incarnation: int
     dst_engine: str
     dst_incarnation: int
     layers: tuple[str, ...]
-    #: Ops merged across blocks and layers where both sides are contiguous.
-    ops: OpTable
-    #: Ops before merging: one per (layer, part, block).
-    unmerged: OpTable
-    #: Index in `unmerged` of each layer's first op (len(layers) + 1 entries).
-    layer_starts: tuple[int, ...]
+    #: The request's rows and block ids (None for a plan built from op tables).
+    rows: RequestRows | None = None
     #: The request the plan moves, when the caller names it (the receiver may fence on it).
     request_id: str = ""
     #: The secret of the request's reservation, shown to a receiver that checks writes.
     token: int = 0
+    #: (merged ops, unmerged ops, layer starts) of a plan built from op tables.
+    tables: tuple[OpTable, OpTable, tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.rows is None) == (self.tables is None):
+            raise PlanError("a transfer plan carries either its rows or its op tables, exactly one")
+
+    @classmethod
+    def from_ops(
+        cls,
+        src_engine: str,
+        src_incarnation: int,
+        dst_engine: str,
+        dst_incarnation: int,
+        layers: tuple[str, ...],
+        ops: OpTable,
+        unmerged: OpTable,
+        layer_starts: tuple[int, ...],
+    ) -> TransferPlan:
+        return cls(
+            src_engine,
+            src_incarnation,
+            dst_engine,
+            dst_incarnation,
+            layers,
+            tables=(ops, unmerged, layer_starts),
+        )
+
+    @functools.cached_property
+    def _tables(self) -> tuple[OpTable, OpTable, tuple[int, ...]]:
+        if self.tables is not None:
+            return self.tables
+        rows = self.rows
+        assert rows is not None
+        unmerged, in_order = _expand(rows.local, rows.remote, rows.local_ids, rows.remote_ids)
+        layer_starts = tuple((np.asarray(rows.local.layer_starts) * rows.local_ids.size).tolist())
+        return merge_ops(unmerged, in_order), unmerged, layer_starts
+
+    @property
+    def ops(self) -> OpTable:
+        """Ops merged across blocks and layers where both sides are contiguous."""
+        return self._tables[0]
+
+    @property
+    def unmerged(self) -> OpTable:
+        """Ops before merging: one per (layer, part, block)."""
+        return self._tables[1]
+
+    @property
+    def layer_starts(self) -> tuple[int, ...]:
+        """Index in `unmerged` of each layer's first op (len(layers) + 1 entries)."""
+        return self._tables[2]
+
+    @property
+    def unmerged_count(self) -> int:
+        """len(unmerged), without expanding the rows."""
+        return self.rows.count if self.rows is not None else len(self.unmerged)
 
     @property
     def nbytes(self) -> int:
+        if self.rows is not None:
+            return int(self.rows.local.nbytes.sum()) * int(self.rows.local_ids.size)
         return self.ops.total_nbytes
 
     def layer_ops(self, layer: str) -> OpTable:
@@ -336,19 +414,15 @@ def plan_transfer(
     remote_rows = cache.rows(remote, names)
     check_row_bounds(local_rows, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
     check_row_bounds(remote_rows, remote_ids, remote, "remote", remote_span)
-    # One op per (layer, part) row × block, in that order.
-    count = local_ids.size
-    unmerged, in_order = _expand(local_rows, remote_rows, local_ids, remote_ids)
-    layer_starts = tuple((np.asarray(local_rows.layer_starts) * count).tolist())
+    # The ops (one per (layer, part) row × block, in that order, then merged) are expanded
+    # from these rows when first read; a GPU writer reads the rows alone.
     return TransferPlan(
         src_engine=local.engine_id,
         src_incarnation=local.incarnation,
         dst_engine=remote.engine_id,
         dst_incarnation=remote.incarnation,
         layers=names,
-        ops=merge_ops(unmerged, in_order),
-        unmerged=unmerged,
-        layer_starts=layer_starts,
+        rows=RequestRows(local_rows, remote_rows, local_ids, remote_ids),
     )
 
 
@@ -451,16 +525,36 @@ def check_row_bounds(
     linear in the block id, so the ops of a row lie between the offsets of its smallest and its
     largest block id (`span`, when the caller knows them). Checking those two ends of every row
     covers each op exactly; where one fails, the full per-op check names it."""
-    lengths = [r.length for r in info.regions]
+    check_rows(rows, ids, [r.length for r in info.regions], side=side, engine_id=info.engine_id, span=span)
+
+
+def check_rows(
+    rows: PartRows,
+    ids: Int64Array,
+    lengths: Sequence[int],
+    *,
+    side: str,
+    engine_id: str,
+    span: tuple[int, int] | None = None,
+) -> None:
+    """`check_row_bounds` against given region lengths (a writer's own view of them)."""
+    if ids.size == 0:
+        raise BlockIdError(f"{side} block ids must be a non-empty 1-D list", side=side, engine_id=engine_id)
     low, high = span if span is not None else (int(ids.min()), int(ids.max()))
+    # Offsets are computed in int64 below: ids that could wrap them are refused first.
+    largest_stride = int(np.abs(rows.block_stride).max()) if rows.block_stride.size else 0
+    if low < 0 or high * largest_stride >= 2**62:
+        raise BlockIdError(
+            f"{side} block ids span [{low}, {high}], outside any region of engine {engine_id!r}",
+            side=side,
+            engine_id=engine_id,
+        )
     first = rows.base + low * rows.block_stride
     last = rows.base + high * rows.block_stride
     regions = np.concatenate([rows.region, rows.region])
     nbytes = np.concatenate([rows.nbytes, rows.nbytes])
     try:
-        check_ops(
-            regions, np.concatenate([first, last]), nbytes, lengths, side=side, engine_id=info.engine_id
-        )
+        check_ops(regions, np.concatenate([first, last]), nbytes, lengths, side=side, engine_id=engine_id)
     except BoundsError:
         count = ids.size
         offsets = (rows.base[:, None] + ids[None, :] * rows.block_stride[:, None]).ravel()
@@ -470,7 +564,7 @@ def check_row_bounds(
             np.repeat(rows.nbytes, count),
             lengths,
             side=side,
-            engine_id=info.engine_id,
+            engine_id=engine_id,
         )
         raise
 

@@ -183,12 +183,15 @@ class _Worker(AgentHost):
     # ---- inspection: what the model would read and write ------------------------------
 
     async def write_blocks(self, blocks: Sequence[int], data: dict[str, ByteArray]) -> None:
-        """Write raw bytes into the given blocks of each named layer (as a forward pass would)."""
+        """Write raw bytes into the given blocks of each named layer (as a forward pass would),
+        wherever the backing lives (host bytes are copied to its device)."""
         for layer, values in data.items():
             view = self.kvray_agent.backing.view(layer)
-            target = _blocks_of(view, blocks, self.kvray_agent.layout.layer(layer).geometry.parts)
+            parts = self.kvray_agent.layout.layer(layer).geometry.parts
+            target = _blocks_of(view, blocks, parts)
             source = torch.from_numpy(np.ascontiguousarray(values)).view(view.dtype).reshape(target.shape)
-            _assign_blocks(view, blocks, self.kvray_agent.layout.layer(layer).geometry.parts, source)
+            _assign_blocks(view, blocks, parts, source.to(view.device))
+        _settle(self.kvray_agent.backing.kind)
 
     async def read_blocks(
         self, blocks: Sequence[int], layers: Sequence[str] | None = None
@@ -198,7 +201,7 @@ class _Worker(AgentHost):
         for layer in layers or self.kvray_agent.layout.layer_names:
             view = self.kvray_agent.backing.view(layer)
             picked = _blocks_of(view, blocks, self.kvray_agent.layout.layer(layer).geometry.parts)
-            out[layer] = picked.contiguous().view(torch.uint8).numpy().copy()
+            out[layer] = picked.contiguous().view(torch.uint8).cpu().numpy().copy()
         return out
 
     async def fill_region(self, seed: int) -> None:
@@ -209,6 +212,7 @@ class _Worker(AgentHost):
             region.allocation.copy_(
                 torch.randint(0, 256, region.allocation.shape, dtype=torch.uint8, generator=generator)
             )
+        _settle(self.kvray_agent.backing.kind)
 
     async def kv_digest(self, blocks: Sequence[int]) -> dict[str, str]:
         """Per layer, a hash of the bytes of `blocks` in order: equal on both sides of a transfer."""
@@ -242,7 +246,7 @@ class _Worker(AgentHost):
     async def snapshot(self) -> list[tuple[int, ByteArray]]:
         """(region offset inside its allocation, copy of the whole allocation) per region."""
         return [
-            (region.span.offset_in_allocation, region.allocation.numpy().copy())
+            (region.span.offset_in_allocation, region.allocation.cpu().numpy().copy())
             for region in self.kvray_agent.backing.regions
             if region.allocation is not None
         ]
@@ -257,13 +261,21 @@ async def _outlast(future: asyncio.Future[Any]) -> None:
             await asyncio.shield(future)
 
 
+def _settle(kind: MemoryKind) -> None:
+    """Wait for this thread's device work on a CUDA backing: bytes written through the views
+    must be in memory before a peer process (which sees none of this process's streams) copies
+    them, and before the call that wrote them returns."""
+    if kind is MemoryKind.CUDA:
+        torch.cuda.current_stream().synchronize()
+
+
 def _blocks_of(view: torch.Tensor, blocks: Sequence[int], parts: int) -> torch.Tensor:
-    index = torch.as_tensor(list(blocks), dtype=torch.long)
+    index = torch.as_tensor(list(blocks), dtype=torch.long, device=view.device)
     return view[:, index] if parts == 2 else view[index]
 
 
 def _assign_blocks(view: torch.Tensor, blocks: Sequence[int], parts: int, values: torch.Tensor) -> None:
-    index = torch.as_tensor(list(blocks), dtype=torch.long)
+    index = torch.as_tensor(list(blocks), dtype=torch.long, device=view.device)
     if parts == 2:
         view[:, index] = values
     else:
@@ -589,13 +601,25 @@ PREFILL_RESOURCE = "prefill"
 DECODE_RESOURCE = "decode"
 
 
-def placement_options(role: Role) -> dict[str, Any]:
-    """Actor options that place a worker of `role` on its node type, if the cluster has one."""
+def placement_options(role: Role, num_gpus: float = 0.0) -> dict[str, Any]:
+    """Actor options that place a worker of `role` on its node type, if the cluster has one,
+    and give it `num_gpus` of a GPU (a fraction lets several workers share one: cuda_ipc then
+    moves KV within that GPU)."""
     resource = PREFILL_RESOURCE if role is Role.PREFILL else DECODE_RESOURCE
     available: dict[str, float] = ray.cluster_resources() if ray.is_initialized() else {}  # type: ignore[no-untyped-call]
+    options: dict[str, Any] = {}
     if available.get(resource, 0) >= 1:
-        return {"resources": {resource: 1}}
-    return {}
+        options["resources"] = {resource: 1}
+    if num_gpus > 0:
+        if available and available.get("GPU", 0) < num_gpus:
+            raise ConfigError(
+                f"a {role.value} worker asks for {num_gpus} GPU, but the Ray cluster has "
+                f"{available.get('GPU', 0)}; start Ray on a machine with a GPU (ray start "
+                "--num-gpus N) or run the workers on the CPU",
+                num_gpus=num_gpus,
+            )
+        options["num_gpus"] = num_gpus
+    return options
 
 
 PrefillActor = ray.remote(PrefillWorker)

@@ -165,7 +165,7 @@ class Pusher:
                 transport.kind,
                 plan.nbytes,
                 len(plan.ops),
-                len(plan.unmerged),
+                plan.unmerged_count,
                 time.perf_counter() - started,
             )
 
@@ -221,7 +221,7 @@ class Pusher:
             state.immediates += int(transport.kind is TransportKind.VERBS)
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
-            state.unmerged_ops += len(plan.unmerged)
+            state.unmerged_ops += plan.unmerged_count
             state.busy_s += time.perf_counter() - started
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
@@ -479,6 +479,10 @@ class Pusher:
             )
         attempt.peer = peer
         plan = plan_transfer(self.engine.info, peer.info, local_blocks, remote_ids, layers, self.cache)
+        # The request id and token travel with the write: a receiver that checks writes itself
+        # (`Receiver.admit`) takes them only for requests it still expects, from the holder of
+        # their reservation.
+        plan = replace(plan, request_id=reservation.request_id, token=reservation.token)
         transport = self.transports.choose(peer.info, self.engine.node_id)
         attempt.transport = transport.kind
         return peer, transport, plan
@@ -491,10 +495,6 @@ class Pusher:
         plan: TransferPlan,
         then: Callable[[], None] | None = None,
     ) -> None:
-        # The request id and token travel with the write: a receiver that checks writes itself
-        # (`Receiver.admit`) takes them only for requests it still expects, from the holder of
-        # their reservation.
-        plan = replace(plan, request_id=reservation.request_id, token=reservation.token)
         if then is None:
             await transport.write(plan, self.engine.backing, peer)
         else:

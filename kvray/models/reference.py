@@ -13,19 +13,22 @@ Three cache kinds, each a kvray layer of its own geometry, all `block_size` toke
 - One indexer cache (uint8): a lightning-indexer key per token, int8-quantized with its float32
   scale packed beside it. Its scores pick the `index_topk` tokens every MLA layer attends to.
 
-Weights are seeded random numbers (no downloads); compute is float32 on the CPU, built only
-from correctly rounded elementwise operations (+, ×, ÷, sqrt, max, round) in a fixed order:
-no BLAS, no torch.exp or erf, no reductions whose order depends on threads or SIMD width. The
-same tokens and cache bytes therefore come out on any thread count and any CPU, so a prefill
-worker and a decode worker need not share OMP_NUM_THREADS (torch's own matmul does differ in
-the last bit between 1 and 2 threads). The price is a softmax whose exp is (1 + x/256)^256 and
-a ReLU MLP.
+Weights are seeded random numbers (no downloads); compute is float32 on the device the views
+live on (CPU or CUDA: the weights follow the views), built only from correctly rounded
+elementwise operations (+, ×, ÷, sqrt, max, round) in a fixed order: no BLAS, no torch.exp or
+erf, no reductions whose order depends on threads or SIMD width. The same tokens and cache bytes
+therefore come out on any thread count and any CPU, so a prefill worker and a decode worker need
+not share OMP_NUM_THREADS (torch's own matmul does differ in the last bit between 1 and 2
+threads); on a GPU each of those operations is one elementwise kernel, so two processes on the
+same kind of GPU agree to the bit as well. The price is a softmax whose exp is (1 + x/256)^256
+and a ReLU MLP.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -151,13 +154,54 @@ class _Indexer:
 
 
 @dataclass(frozen=True)
+class _Weights:
+    """Every weight of the model, on one device."""
+
+    embed: torch.Tensor
+    positions: torch.Tensor
+    unembed: torch.Tensor
+    layers: tuple[_Layer, ...]
+    indexer: _Indexer
+
+    def to(self, device: torch.device) -> _Weights:
+        def layer_to(layer: _Layer) -> _Layer:
+            return _Layer(
+                kind=layer.kind,
+                cache_name=layer.cache_name,
+                w_q=layer.w_q.to(device),
+                w_a=layer.w_a.to(device),
+                w_b=layer.w_b.to(device),
+                w_o=layer.w_o.to(device),
+                w_up=layer.w_up.to(device),
+                w_down=layer.w_down.to(device),
+            )
+
+        return _Weights(
+            embed=self.embed.to(device),
+            positions=self.positions.to(device),
+            unembed=self.unembed.to(device),
+            layers=tuple(layer_to(layer) for layer in self.layers),
+            indexer=_Indexer(
+                w_q=self.indexer.w_q.to(device),
+                w_k=self.indexer.w_k.to(device),
+                w_weights=self.indexer.w_weights.to(device),
+            ),
+        )
+
+
+@dataclass(frozen=True)
 class _Table:
-    """Where each token position of one sequence sits: (block id, slot) in the layer views."""
+    """Where each token position of one sequence sits: (block id, slot) in the layer views,
+    on the views' device."""
 
     block_ids: torch.Tensor
 
+    @property
+    def device(self) -> torch.device:
+        return self.block_ids.device
+
     def addresses(self, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end)
+        positions = torch.arange(start, end, device=self.device)
         return self.block_ids[positions // block_size], positions % block_size
 
 
@@ -181,9 +225,9 @@ class ReferenceModel:
         c = config
         attention_width = c.num_heads * c.head_dim
         kv_width = c.num_kv_heads * c.head_dim
-        self._embed = uniform(c.vocab_size, c.hidden, math.sqrt(3.0))
-        self._positions = uniform(c.max_positions, c.hidden, 0.5 * math.sqrt(3.0))
-        self._unembed = weight(c.hidden, c.vocab_size)
+        embed = uniform(c.vocab_size, c.hidden, math.sqrt(3.0))
+        positions = uniform(c.max_positions, c.hidden, 0.5 * math.sqrt(3.0))
+        unembed = weight(c.hidden, c.vocab_size)
         layers: list[_Layer] = []
         for index, kind in enumerate(c.layer_kinds):
             if kind is LayerKind.MLA:
@@ -205,13 +249,29 @@ class ReferenceModel:
                     w_down=weight(c.mlp_hidden, c.hidden),
                 )
             )
-        self._layers = tuple(layers)
-        self._indexer = _Indexer(
+        indexer = _Indexer(
             w_q=weight(c.hidden, c.indexer_heads * c.indexer_dim),
             w_k=weight(c.hidden, c.indexer_dim),
             w_weights=weight(c.hidden, c.indexer_heads),
         )
+        self._layers = tuple(layers)
+        # Weights are drawn on the CPU (the same bits everywhere) and copied to a device the
+        # first time views there are used; compute threads of one worker share the copies.
+        self._weights: dict[torch.device, _Weights] = {
+            torch.device("cpu"): _Weights(embed, positions, unembed, self._layers, indexer)
+        }
+        self._weights_lock = threading.Lock()
         self._geometries = self._cache_geometries()
+
+    def _weights_on(self, device: torch.device) -> _Weights:
+        weights = self._weights.get(device)
+        if weights is None:
+            with self._weights_lock:
+                weights = self._weights.get(device)
+                if weights is None:
+                    weights = self._weights[torch.device("cpu")].to(device)
+                    self._weights[device] = weights
+        return weights
 
     # ---- layout ------------------------------------------------------------------------
 
@@ -332,6 +392,12 @@ class ReferenceModel:
     ) -> _Table:
         """Check the views against the layout and the block table against them."""
         num_blocks: int | None = None
+        devices = {view.device for view in views.values()}
+        if len(devices) > 1:
+            raise LayoutError(
+                f"the cache views live on several devices ({sorted(map(str, devices))}); a forward "
+                "pass reads and writes them all on one"
+            )
         for name, geometry in self._geometries.items():
             view = views.get(name)
             if view is None:
@@ -370,7 +436,7 @@ class ReferenceModel:
             raise BlockIdError(
                 f"block ids must be distinct and in [0, {num_blocks}), got {used}", block_ids=used
             )
-        return _Table(block_ids=torch.tensor(used, dtype=torch.long))
+        return _Table(block_ids=torch.tensor(used, dtype=torch.long, device=devices.pop()))
 
     # ---- the forward pass --------------------------------------------------------------
 
@@ -388,16 +454,19 @@ class ReferenceModel:
         0..end-1 back from the views, so attention sees exactly the bytes in the backing.
         """
         c = self.config
+        device = table.device
+        weights = self._weights_on(device)
         end = start + len(tokens)
-        query_positions = torch.arange(start, end)
-        hidden = self._embed[torch.tensor(list(tokens), dtype=torch.long)] + self._positions[query_positions]
-        causal = query_positions[:, None] >= torch.arange(end)[None, :]
+        query_positions = torch.arange(start, end, device=device)
+        token_ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
+        hidden = weights.embed[token_ids] + weights.positions[query_positions]
+        causal = query_positions[:, None] >= torch.arange(end, device=device)[None, :]
         selected: torch.Tensor | None = None
-        for layer in self._layers:
+        for layer in weights.layers:
             x = _rms_norm(hidden)
             if layer.kind is LayerKind.MLA:
                 if selected is None:
-                    selected = self._select_tokens(x, start, end, causal, views, table)
+                    selected = self._select_tokens(weights.indexer, x, start, end, causal, views, table)
                     _notify(on_layer, INDEXER_LAYER)
                 latent = _rms_norm(_linear(x, layer.w_a))
                 self._write(views[layer.cache_name], latent, start, end, table, part=None)
@@ -420,10 +489,11 @@ class ReferenceModel:
             queries = _linear(x, layer.w_q).view(-1, c.num_heads, c.head_dim)
             hidden = hidden + _linear(_attention(queries, keys, values, mask), layer.w_o)
             hidden = hidden + _linear(torch.relu(_linear(_rms_norm(hidden), layer.w_up)), layer.w_down)
-        return _linear(_rms_norm(hidden[-1:]), self._unembed)[0]
+        return _linear(_rms_norm(hidden[-1:]), weights.unembed)[0]
 
     def _select_tokens(
         self,
+        indexer: _Indexer,
         x: torch.Tensor,
         start: int,
         end: int,
@@ -434,10 +504,10 @@ class ReferenceModel:
         """The lightning indexer: which cached tokens each query may attend to ([queries, end])."""
         c = self.config
         view = views[INDEXER_LAYER]
-        self._write(view, _quantize(_linear(x, self._indexer.w_k)), start, end, table, part=None)
+        self._write(view, _quantize(_linear(x, indexer.w_k)), start, end, table, part=None)
         keys = _dequantize(self._gather(view, end, table, part=None), c.indexer_dim)
-        queries = _linear(x, self._indexer.w_q).view(-1, c.indexer_heads, c.indexer_dim)
-        head_weights = _linear(x, self._indexer.w_weights)
+        queries = _linear(x, indexer.w_q).view(-1, c.indexer_heads, c.indexer_dim)
+        head_weights = _linear(x, indexer.w_weights)
         # score(t, s) = sum over heads h of w[t, h] * relu(q[t, h] . k[s]), as in DeepSeek-V3.2.
         chunks: list[torch.Tensor] = []
         for first in range(0, queries.shape[0], _QUERY_CHUNK):

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from kvray.config import Settings
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan, check_op_table
+from kvray.plan import TransferPlan, check_op_table, check_rows
 from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
 Int64Array = npt.NDArray[np.int64]
@@ -243,17 +243,27 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
             incarnation=info.incarnation,
             stale_incarnation=plan.dst_incarnation,
         )
-    ops = plan.ops
-    check_op_table(
-        ops,
-        [r.nbytes for r in local.regions],
-        [r.length for r in info.regions],
-        local_engine=plan.src_engine,
-        remote_engine=info.engine_id,
-    )
+    local_lengths = [r.nbytes for r in local.regions]
+    remote_lengths = [r.length for r in info.regions]
+    if plan.rows is not None:
+        # Every op lies between its row's smallest and largest block id (`check_rows`), so
+        # the rows and the ids cover the ops without expanding them.
+        rows = plan.rows
+        check_rows(rows.local, rows.local_ids, local_lengths, side="local", engine_id=plan.src_engine)
+        check_rows(rows.remote, rows.remote_ids, remote_lengths, side="remote", engine_id=info.engine_id)
+        remote_regions = rows.remote.region
+    else:
+        check_op_table(
+            plan.ops,
+            local_lengths,
+            remote_lengths,
+            local_engine=plan.src_engine,
+            remote_engine=info.engine_id,
+        )
+        remote_regions = plan.ops.remote_region
     # The usual plan writes one region: no scan for the distinct ones.
-    single = len(ops) > 0 and not ops.remote_region.any()
-    targets = [0] if single else np.unique(ops.remote_region).tolist()
+    single = remote_regions.size > 0 and not remote_regions.any()
+    targets = [0] if single else np.unique(remote_regions).tolist()
     for index in targets:
         if not info.regions[index].remote_writable:
             raise RegionError(

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
-from kvray.plan import TransferPlan, split_ops
+from kvray.plan import PartRows, RequestRows, TransferPlan, split_ops
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
 
@@ -113,7 +114,58 @@ def _kernel() -> Any:
     return triton.jit(copy_pieces)
 
 
+@functools.cache
+def _rows_kernel() -> Any:
+    """The copy kernel for a plan's rows (`kvray.plan.RequestRows`): it expands the ops itself,
+    so the host uploads only the request's block ids. Program (i, r, k) copies piece k (of
+    PIECE bytes) of the op of block pair i in row r. `rows` holds five columns of `num_rows`
+    (local base, remote base, local block stride, remote block stride, bytes), `ids` the local
+    then the remote block ids; every byte quantity is a multiple of the element width 2**SHIFT."""
+    import triton
+    import triton.language as tl
+
+    def copy_rows(  # type: ignore[no-untyped-def]
+        src,
+        dst,
+        rows,
+        ids,
+        num_rows,
+        num_ids,
+        SHIFT: tl.constexpr,
+        PIECE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        VEC: tl.constexpr,
+    ):
+        pair = tl.program_id(0)
+        row = tl.program_id(1)
+        skip = tl.program_id(2).to(tl.int64) * PIECE
+        local_id = tl.load(ids + pair)
+        remote_id = tl.load(ids + num_ids + pair)
+        local_base = tl.load(rows + row)
+        remote_base = tl.load(rows + num_rows + row)
+        local_stride = tl.load(rows + 2 * num_rows + row)
+        remote_stride = tl.load(rows + 3 * num_rows + row)
+        nbytes = tl.load(rows + 4 * num_rows + row)
+        # A row shorter than the longest has pieces past its end: they copy nothing.
+        length = tl.minimum(nbytes - skip, PIECE) >> SHIFT
+        source = (local_base + local_id * local_stride + skip) >> SHIFT
+        target = (remote_base + remote_id * remote_stride + skip) >> SHIFT
+        if VEC > 1:
+            source = tl.multiple_of(source, VEC)
+            target = tl.multiple_of(target, VEC)
+            length = tl.multiple_of(length, VEC)
+        for start in tl.range(0, length, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            mask = index < length
+            values = tl.load(src + source + index, mask=mask)
+            tl.store(dst + target + index, values, mask=mask)
+
+    return triton.jit(copy_rows)
+
+
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+#: CUDA's limit on a grid's second and third dimensions.
+_MAX_GRID_YZ = 65535
 
 
 @functools.cache
@@ -137,6 +189,8 @@ def peer_reads(reader: int, owner: int) -> bool:
     return True
 
 
+#: Row tables kept on the GPU per transport (one per pair of engine incarnations and layer list).
+_KEPT_ROW_TABLES = 64
 #: Pinned host buffers kept per device for op tables (each reused once its upload is done).
 _KEPT_TABLE_BUFFERS = 8
 _table_buffers: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
@@ -255,6 +309,74 @@ def copy_ops(
     return done
 
 
+@dataclass(frozen=True)
+class RowTable:
+    """A pair of `PartRows` (local and remote) as the row kernel reads them, on one GPU: built
+    once per pair of engine incarnations and layer list, then reused by every request."""
+
+    table: torch.Tensor
+    num_rows: int
+    #: Bitwise OR of every base, stride and size: with the two data pointers, the copy width.
+    combined: int
+    #: Pieces of the longest row (a grid dimension).
+    pieces: int
+
+
+def row_table(rows: RequestRows, device: torch.device) -> RowTable:
+    local, remote = rows.local, rows.remote
+    columns = (local.base, remote.base, local.block_stride, remote.block_stride, local.nbytes)
+    combined = 0
+    for column in columns:
+        if column.size:
+            combined |= int(np.bitwise_or.reduce(column))
+    table = torch.from_numpy(np.concatenate(columns)).to(device)
+    pieces = -(-int(local.nbytes.max()) // MAX_PIECE_NBYTES)
+    return RowTable(table, int(local.base.size), combined, pieces)
+
+
+def launch_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> None:
+    """One kernel launch on `dst`'s GPU, on its current stream, copying every op of `rows`
+    between two uint8 tensors (`src` on the same GPU or one `dst`'s GPU reads). Bounds are the
+    caller's job (kvray checks every row before it gets here)."""
+    unit = pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
+    vector = 2 if unit == 16 else 1
+    unit = min(8, unit)
+    remote_reads = dst.device != src.device
+    block, warps = (4096, 16) if remote_reads else (2048, 8)
+    count = int(rows.local_ids.size)
+    ids = _upload_table(dst.device, rows.local_ids, rows.remote_ids)
+    _rows_kernel()[(count, table.num_rows, table.pieces)](
+        src.view(_UNIT_DTYPES[unit]),
+        dst.view(_UNIT_DTYPES[unit]),
+        table.table,
+        ids,
+        table.num_rows,
+        count,
+        SHIFT=unit.bit_length() - 1,
+        PIECE=MAX_PIECE_NBYTES,
+        BLOCK=block,
+        VEC=vector,
+        num_warps=warps,
+    )
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> torch.cuda.Event:
+    """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
+    copy waits for the work queued on the source GPU's current stream, and the returned event
+    completes when every byte is in `dst`."""
+    source_device = src.device.index or 0
+    target_device = dst.device.index or 0
+    target_stream = _stream(target_device)
+    produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    produced.record(torch.cuda.current_stream(source_device))
+    target_stream.wait_event(produced)
+    with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
+        launch_rows(dst, src, rows, table)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(target_stream)
+    return done
+
+
 async def wait_for_events(events: list[torch.cuda.Event], nbytes: int) -> None:
     """Return once every event has completed. The loop polls them between its other work for
     about as long as `nbytes` should take to copy, so the write resumes within one loop turn of
@@ -348,6 +470,10 @@ class CudaIpcTransport(Transport):
         self._allocation_range = allocation_range
         #: The peers' regions opened here, by region index.
         self._opened: PeerCache[int, _Opened] = PeerCache(settings.max_cached_peers)
+        #: Row tables on the GPU, by the identity of the (cached) rows they were built from.
+        self._row_tables: OrderedDict[tuple[int, int, torch.device], tuple[PartRows, PartRows, RowTable]] = (
+            OrderedDict()
+        )
 
     @classmethod
     def accepts(cls, peer: EngineInfo) -> bool:
@@ -408,6 +534,21 @@ class CudaIpcTransport(Transport):
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         check_write(plan, local, peer)
+        rows = plan.rows
+        if rows is not None:
+            direct = self._direct_rows(rows, local, peer)
+            if direct is not None:
+                source, opened, table = direct
+                try:
+                    done = copy_rows(opened.region, source, rows, table)
+                except Exception as error:
+                    raise WriteFailedError(
+                        f"copy into engine {peer.info.engine_id!r} failed: {error}",
+                        engine_id=peer.info.engine_id,
+                    ) from error
+                # `opened` (what the copy writes into) stays open until the copy has finished.
+                await wait_for_events([done], plan.nbytes)
+                return
         ops = plan.ops
         events = []
         # What the copies write into stays open until they have finished, even if the peer is
@@ -436,6 +577,38 @@ class CudaIpcTransport(Transport):
                 ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
         await wait_for_events(events, ops.total_nbytes)
+
+    def _direct_rows(
+        self, rows: RequestRows, local: Backing, peer: Peer
+    ) -> tuple[torch.Tensor, _Opened, RowTable] | None:
+        """The source, the opened target and the row table when the row kernel can write the
+        plan: every row in one local and one remote region, the destination GPU reads the
+        source directly, and the rows fit a grid; None sends the plan down the op-table path."""
+        local_regions, remote_regions = rows.local.region, rows.remote.region
+        if local_regions.size == 0 or local_regions.size > _MAX_GRID_YZ:
+            return None
+        local_index, remote_index = int(local_regions[0]), int(remote_regions[0])
+        if (local_regions != local_index).any() or (remote_regions != remote_index).any():
+            return None
+        source = local.regions[local_index].tensor
+        if not source.is_cuda:
+            raise TransportError("the cuda_ipc transport copies from CUDA memory")
+        target = self._open(peer, remote_index)
+        device = target.region.device
+        if not peer_reads(device.index or 0, source.device.index or 0):
+            return None
+        key = (id(rows.local), id(rows.remote), device)
+        cached = self._row_tables.get(key)
+        if cached is None or cached[0] is not rows.local or cached[1] is not rows.remote:
+            table = row_table(rows, device)
+            if table.pieces > _MAX_GRID_YZ:
+                return None
+            # The rows are kept with their table, so their ids stay theirs while it is cached.
+            cached = (rows.local, rows.remote, table)
+            self._row_tables[key] = cached
+            while len(self._row_tables) > _KEPT_ROW_TABLES:
+                self._row_tables.popitem(last=False)
+        return source, target, cached[2]
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info
@@ -497,8 +670,10 @@ class CudaIpcTransport(Transport):
 
     def forget(self, engine_id: str) -> None:
         self._opened.forget(engine_id)
+        # Row tables are small and keyed by rows the offset cache drops with the engine.
 
     async def close(self) -> None:
         for index in range(torch.cuda.device_count()):
             await asyncio.to_thread(torch.cuda.synchronize, index)
         self._opened.clear()
+        self._row_tables.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -158,7 +159,7 @@ def test_bytes_land_and_canaries_hold(
 
     # A tampered plan past the region end is refused before any byte moves.
     ops = plan.ops
-    bad = TransferPlan(
+    bad = TransferPlan.from_ops(
         plan.src_engine,
         plan.src_incarnation,
         plan.dst_engine,
@@ -176,18 +177,18 @@ def test_bytes_land_and_canaries_hold(
     )
     with pytest.raises(BoundsError):
         asyncio.run(transport.write(bad, source, Peer(info)))
-    stale = TransferPlan(
-        plan.src_engine,
-        plan.src_incarnation,
-        plan.dst_engine,
-        plan.dst_incarnation + 1,
-        plan.layers,
-        plan.ops,
-        plan.unmerged,
-        plan.layer_starts,
-    )
     with pytest.raises(StaleIncarnationError):
-        asyncio.run(transport.write(stale, source, Peer(info)))
+        asyncio.run(
+            transport.write(replace(plan, dst_incarnation=plan.dst_incarnation + 1), source, Peer(info))
+        )
+    # A tampered request (a remote block id past the pool) is refused on the row path too.
+    assert plan.rows is not None
+    far = replace(
+        plan,
+        rows=replace(plan.rows, remote_ids=plan.rows.remote_ids + 10 * info.layout.num_blocks),
+    )
+    with pytest.raises(BoundsError):
+        asyncio.run(transport.write(far, source, Peer(info)))
     conn.send("snapshot")
     _, again = conn.recv()
     assert np.array_equal(again, after), "a refused write changed bytes"

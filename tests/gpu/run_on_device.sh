@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU suite in one call on a GPU machine that has torch and Triton but no Ray, msgspec or
+# network: install the carried wheels, build kvray's C helpers, then run tests/gpu,
+# `kvray demo --device cuda` and the GPU benchmark, each one's output kept under $OUT.
+#
+# Here (once): bash /work/shared/device/wheels.sh .whl   (or any folder of the same wheels:
+# Ray 2.60.0, msgspec, pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored.
+# There, from the repository root, carrying .whl:
+#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench]      (default: all three)
+# Outputs: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt, $OUT/bench-gpu.txt and $OUT/bench-gpu.json
+# ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests demo bench)
+export PYTHONUNBUFFERED=1 RAY_ADDRESS= RAY_USAGE_STATS_ENABLED=0
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 setup.py -q build_ext --inplace >"$out/build.txt" 2>&1 || { cat "$out/build.txt"; exit 1; }
+{
+    date -u +"%Y-%m-%d %H:%M UTC"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c 'import torch, triton, ray; print("torch", torch.__version__, "triton", triton.__version__, "ray", ray.__version__)'
+} | tee "$out/machine.txt"
+
+status=0
+for step in "${steps[@]}"; do
+    case $step in
+        tests)
+            python3 -m pytest -v -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$out/gpu-tests.txt"
+            rc=${PIPESTATUS[0]} ;;
+        demo)
+            python3 -m kvray.cli demo --device cuda 2>&1 | tee "$out/demo-cuda.txt"
+            rc=${PIPESTATUS[0]} ;;
+        bench)
+            python3 examples/bench_gpu.py --same-gpu --no-nccl --repeat 10 --json "$out/bench-gpu.json" 2>&1 \
+                | tee "$out/bench-gpu.txt"
+            rc=${PIPESTATUS[0]} ;;
+        *)
+            echo "unknown step $step (tests, demo, bench)"; rc=2 ;;
+    esac
+    echo "== $step: exit $rc"
+    [ "$status" -eq 0 ] && status=$rc
+done
+exit "$status"
