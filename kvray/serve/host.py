@@ -33,13 +33,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import ray
-from ray import serve
 
 from kvray.agent import DirectoryService, KVAgent
 from kvray.config import Settings
@@ -49,6 +48,7 @@ from kvray.errors import (
     BackpressureError,
     KvrayError,
     MetadataError,
+    NotExpectedError,
     TransferTimeoutError,
 )
 from kvray.layout import KVLayout
@@ -65,6 +65,7 @@ class HostCall(enum.Enum):
     NOTIFY = "notify"
     CLAIM = "claim"
     CONNECT = "connect"
+    REQUEST_PUSH = "request_push"
 
 
 class ReplicaHost:
@@ -72,7 +73,8 @@ class ReplicaHost:
 
     `kvray_watch` returns when the replica closes its agent (or fails when this actor dies with
     the replica that owns it); `kvray_deliver`, `kvray_notify`, `kvray_claim` and
-    `kvray_connect` are queued for the replica, which takes them with `take` and answers with
+    `kvray_connect` (and `kvray_request_push`, for engines that take push requests) are
+    queued for the replica, which takes them with `take` and answers with
     `answer`, each within a deadline.
 
     `owner_token` is a random secret of the replica that creates the host: `take` and `answer`
@@ -109,6 +111,11 @@ class ReplicaHost:
     async def kvray_connect(self, request: bytes) -> bytes:
         reply: bytes = await self._forward(HostCall.CONNECT, (request,), self._settings.notify_timeout_s)
         return reply
+
+    async def kvray_request_push(self, message: bytes) -> None:
+        """A decode engine on another node asks this (prefill) engine to push a request's KV
+        (`kvray.wire.PushRequest`); the engine answers with the push itself, or a refusal."""
+        await self._forward(HostCall.REQUEST_PUSH, (message,), self._settings.notify_timeout_s)
 
     async def take(self, owner_token: bytes, wait_s: float) -> list[tuple[str, HostCall, tuple[Any, ...]]]:
         """The calls queued for the replica; waits up to `wait_s` for the first."""
@@ -240,7 +247,13 @@ class ReplicaEngine:
     POLL_S = 5.0
 
     def __init__(
-        self, agent: KVAgent, host: Any, owner_token: bytes, directory: ReplicaDirectory, settings: Settings
+        self,
+        agent: KVAgent,
+        host: Any,
+        owner_token: bytes,
+        directory: ReplicaDirectory,
+        settings: Settings,
+        on_push_request: Callable[[bytes], None] | None = None,
     ) -> None:
         self.agent = agent
         self.host = host
@@ -250,6 +263,7 @@ class ReplicaEngine:
         self._pump: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._pump_error: BaseException | None = None
+        self._on_push_request = on_push_request
 
     @classmethod
     async def start(
@@ -280,10 +294,17 @@ class ReplicaEngine:
 
     @classmethod
     async def start_agent(
-        cls, make_agent: Callable[[ReplicaDirectory], KVAgent], settings: Settings
+        cls,
+        make_agent: Callable[[ReplicaDirectory], KVAgent],
+        settings: Settings,
+        *,
+        endpoints: Mapping[str, str] | None = None,
+        on_push_request: Callable[[bytes], None] | None = None,
     ) -> ReplicaEngine:
         """An engine around the agent `make_agent(directory)` returns, built with
-        `coordinator=directory` (so it registers with the host as its actor) and `settings`."""
+        `coordinator=directory` (so it registers with the host as its actor) and `settings`.
+        `endpoints` are published with the agent's (`KVAgent.start`); `on_push_request`, if
+        given, takes the push requests peers send through the host (on the agent's loop)."""
         # Owned by this replica (not detached): Ray ends it when the replica dies.
         owner_token = secrets.token_bytes(32)
         host: Any = _HostActor.options(num_cpus=0).remote(settings, owner_token)
@@ -293,9 +314,9 @@ class ReplicaEngine:
         except BaseException:
             ray.kill(host)
             raise
-        engine = cls(agent, host, owner_token, directory, settings)
+        engine = cls(agent, host, owner_token, directory, settings, on_push_request)
         try:
-            await agent.start()
+            await agent.start(endpoints=endpoints)
         except BaseException:
             await engine.close()
             raise
@@ -388,10 +409,18 @@ class ReplicaEngine:
                 return await agent.claim(*args)
             case HostCall.CONNECT:
                 return await agent.accept_connection(*args)
+            case HostCall.REQUEST_PUSH:
+                if self._on_push_request is None:
+                    raise NotExpectedError(
+                        f"engine {self.engine_id!r} takes no push requests", engine_id=self.engine_id
+                    )
+                return self._on_push_request(*args)
 
 
 def replica_engine_id() -> str:
     """`<app>-<deployment>-<replica id>` of the Serve replica calling it: unique per replica (a
     replacement gets a new id), so an engine id for `ReplicaEngine.start`."""
+    from ray import serve
+
     context = serve.get_replica_context()
     return f"{context.app_name}-{context.deployment}-{context.replica_id.unique_id}"

@@ -9,7 +9,9 @@
 `digest_log` (a file to append per-layer digests of the KV each side sent and received, to
 compare them, and each side's time), `digest_every` (hash one request in this many) and
 `seed_bug` (plan with offsets cached by geometry alone: the bug kvray exists to stop, for
-demonstrations).
+demonstrations), `ray_address` (a Ray cluster's GCS address: the worker joins it and registers
+with kvray's coordinator, so engines on other nodes reach it) and `node_id` (the Ray node the
+engine runs on, when its launcher knows it).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
 
@@ -27,8 +29,10 @@ The hand-off is kvray's push: the decode side reserves, the prefill side writes 
                   are load errors, and vLLM's kv_load_failure_policy applies)
 
 A prefill engine frees a held request's blocks once it has pushed them, or when no decode
-engine asked within `lease_s`. Both sides need to share a node (the `shm` transport writes into
-the decode engine's KV cache, which kvray places in a shared-memory file).
+engine asked within `lease_s`. On one node the `shm` transport writes straight into the decode
+engine's KV cache (kvray places it in a shared-memory file) and push requests and notices go
+through Unix datagram sockets; across nodes both engines join Ray (`ray_address`), the KV goes
+by the `ray` transport and the messages through each engine's host actor.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 digest_log=extra.get("digest_log"),
                 digest_every=int(extra.get("digest_every", 1)),
                 seed_bug=bool(extra.get("seed_bug", False)),
+                ray_address=extra.get("ray_address"),
+                node_id=extra.get("node_id"),
             )
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
 

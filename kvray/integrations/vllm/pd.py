@@ -48,7 +48,12 @@ class Engine:
     prompt's KV loaded into its cache, which in bfloat16 rounds differently from the prefill
     pass that produced the KV (a single engine's own prefix cache does the same), so greedy
     text can part from a single engine's even though every byte of the KV arrived; float32
-    keeps the two paths to the same tokens."""
+    keeps the two paths to the same tokens.
+
+    `join_ray`: inside a Ray actor (the default there), the connector's worker joins the same
+    Ray cluster and registers with kvray's coordinator, naming the actor's node: engines on
+    other nodes then reach it (the `ray` transport). Outside Ray, or with False, the engines
+    know each other only from `kv_transfer_params` and must share a node."""
 
     def __init__(
         self,
@@ -58,6 +63,7 @@ class Engine:
         max_model_len: int = 2048,
         kv_cache_gib: int = 1,
         dtype: str = "float32",
+        join_ray: bool | None = None,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local folder: never fetch
@@ -66,7 +72,7 @@ class Engine:
 
         options: dict[str, Any] = {}
         if transfer is not None:
-            options["kv_transfer_config"] = KVTransferConfig(**transfer)
+            options["kv_transfer_config"] = KVTransferConfig(**_joined(transfer, join_ray))
         self.llm = LLM(
             model=model,
             dtype=dtype,
@@ -117,11 +123,34 @@ class Engine:
         gauges = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:kv_cache_usage_perc"]
         return float(gauges[0].value) if gauges else float("nan")
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on ("" outside Ray)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+
     def processes(self) -> list[int]:
         """The pids of this engine's own processes (engine core, workers), for fault tests."""
         import psutil
 
         return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
+def _joined(transfer: Mapping[str, Any], join_ray: bool | None) -> dict[str, Any]:
+    """`transfer` with the Ray cluster and node of the calling actor in the connector's extra
+    config, when it is to join Ray."""
+    import ray
+
+    in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    if not (in_actor if join_ray is None else join_ray):
+        return dict(transfer)
+    context = ray.get_runtime_context()
+    extra = {
+        "ray_address": context.gcs_address,
+        "node_id": context.get_node_id(),
+        **dict(transfer.get("kv_connector_extra_config") or {}),
+    }
+    return {**transfer, "kv_connector_extra_config": extra}
 
 
 @dataclass(frozen=True)

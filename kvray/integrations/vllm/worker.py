@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from kvray.wire import (
     decode_push_request,
     encode,
 )
+
+if TYPE_CHECKING:
+    from kvray.serve.host import ReplicaEngine
 
 log = logging.getLogger("kvray.vllm")
 
@@ -187,6 +190,8 @@ class ConnectorWorker:
         digest_log: str | None = None,
         digest_every: int = 1,
         seed_bug: bool = False,
+        ray_address: str | None = None,
+        node_id: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.role = role
@@ -201,6 +206,16 @@ class ConnectorWorker:
         #: Plan with offsets cached by block geometry alone (`kvray.faults`): the bug kvray
         #: exists to stop, for demonstrations and the tests that must catch it.
         self.seed_bug = seed_bug
+        #: The Ray cluster to join (its GCS address), or None. Joined, the engine registers
+        #: with kvray's coordinator through a host actor (`kvray.serve.host.ReplicaEngine`):
+        #: peers find it by engine id, and engines on other nodes reach it (the `ray`
+        #: transport, push requests and notices through the host). Not joined, peers know it
+        #: only from `kv_transfer_params`, and both engines must share a node.
+        self.ray_address = ray_address
+        #: The Ray node the engine runs on, if the engine's launcher knows better than the
+        #: Ray client this worker starts (e.g. several nodes of one machine).
+        self.node_id = node_id
+        self._replica: ReplicaEngine | None = None
         self._shm_path: str | None = None
         self._agent: KVAgent | None = None
         self._loop: AgentLoop | None = None
@@ -265,27 +280,54 @@ class ConnectorWorker:
         layout, views = layout_of(kv_caches, num_blocks, block_size)
         backing = Backing.adopt(layout, views, settings=self.settings, shm_path=self._shm_path)
         self._loop = AgentLoop(f"kvray-{self.engine_id}")
+        if self.ray_address is not None:
+            self._join_ray(self.ray_address)
+        return self._loop.run(self._start(backing), timeout=self.settings.lookup_timeout_s + 60)
+
+    def _join_ray(self, address: str) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
+
+    def _new_agent(self, backing: Backing, coordinator: Any = None) -> KVAgent:
         cache = None
         if self.seed_bug:
             from kvray.faults import SeedBugOffsetCache
 
             cache = SeedBugOffsetCache()
-        self._agent = KVAgent(
+        agent = KVAgent(
             self.engine_id,
             self.role,
             backing=backing,
             settings=self.settings,
-            use_coordinator=False,
+            coordinator=coordinator,
+            use_coordinator=coordinator is not None,
             offset_cache=cache,
         )
-        return self._loop.run(self._start(), timeout=self.settings.lookup_timeout_s + 30)
+        if self.node_id is not None:
+            agent.node_id = self.node_id
+        return agent
 
-    async def _start(self) -> EngineInfo:
-        assert self._agent is not None
-        # Every engine may prefill (kv_both too): decode engines reach it through this inbox.
+    async def _start(self, backing: Backing) -> EngineInfo:
+        # Every engine may prefill (kv_both too): decode engines on this node reach it through
+        # this inbox (others through its host actor, when it has joined Ray).
         self._inbox = CompletionInbox(self.settings.shm_dir, self._on_push_request)
         self._outbox = CompletionOutbox(self.settings.shm_dir)
-        return await self._agent.start(endpoints={PUSH_ENDPOINT: self._inbox.path})
+        endpoints = {PUSH_ENDPOINT: self._inbox.path}
+        if self.ray_address is None:
+            self._agent = self._new_agent(backing)
+            return await self._agent.start(endpoints=endpoints)
+        from kvray.serve.host import ReplicaEngine
+
+        self._replica = await ReplicaEngine.start_agent(
+            lambda directory: self._new_agent(backing, directory),
+            self.settings,
+            endpoints=endpoints,
+            on_push_request=self._on_push_request,
+        )
+        self._agent = self._replica.agent
+        return self._agent.info
 
     @property
     def info(self) -> EngineInfo:
@@ -307,7 +349,9 @@ class ConnectorWorker:
             self._inbox.close()
         if self._outbox is not None:
             self._outbox.close()
-        if self._agent is not None:
+        if self._replica is not None:
+            await self._replica.close()  # closes the agent, then its host
+        elif self._agent is not None:
             await self._agent.close()
 
     # ---- each step --------------------------------------------------------------------
@@ -375,12 +419,6 @@ class ConnectorWorker:
                     f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
                     engine_id=spec.prefill_engine,
                 )
-            inbox = prefill.endpoints.get(PUSH_ENDPOINT)
-            if not inbox:
-                raise NotExpectedError(
-                    f"prefill engine {prefill.engine_id!r} takes no push requests",
-                    engine_id=prefill.engine_id,
-                )
             reservation = agent.expect(spec.request_id, list(spec.block_ids))
             reserved = True
             request = PushRequest(
@@ -391,10 +429,9 @@ class ConnectorWorker:
                 first_block=spec.first_block,
                 decode_info=encode(agent.info),
             )
-            assert self._outbox is not None
             asked = time.perf_counter()
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self._outbox.send(inbox, encode(request))
+                await self._ask_to_push(prefill, request)
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
             waited = time.perf_counter() - asked
@@ -414,6 +451,44 @@ class ConnectorWorker:
                 if not ok:
                     self._results.failed_recving.add(spec.request_id)
                     self._results.load_errors.update(spec.block_ids)
+
+    async def _ask_to_push(self, prefill: EngineInfo, request: PushRequest) -> None:
+        """Send the push request: through the prefill engine's inbox on this node, else
+        through its host actor (found by the coordinator, which must know this incarnation)."""
+        agent = self._agent
+        assert agent is not None and self._outbox is not None
+        inbox = prefill.endpoints.get(PUSH_ENDPOINT)
+        if inbox and prefill.node_id == agent.node_id:
+            await self._outbox.send(inbox, encode(request))
+            return
+        if self._replica is None:
+            raise NotExpectedError(
+                f"prefill engine {prefill.engine_id!r} runs on node {prefill.node_id!r} and this decode "
+                f"engine on {agent.node_id!r}: engines on different nodes must both join Ray "
+                "(kv_connector_extra_config ray_address)",
+                engine_id=prefill.engine_id,
+            )
+        peer = await agent.peer(prefill.engine_id, wait_s=self.settings.notify_timeout_s)
+        if peer.info.incarnation != prefill.incarnation:
+            raise StaleIncarnationError(
+                f"prefill engine {prefill.engine_id!r} restarted (incarnation {peer.info.incarnation}, "
+                f"the request names {prefill.incarnation}): its KV of the request is gone",
+                engine_id=prefill.engine_id,
+            )
+        if peer.host is None:
+            raise NotExpectedError(
+                f"prefill engine {prefill.engine_id!r} has no host actor to take push requests",
+                engine_id=prefill.engine_id,
+            )
+        await peer.host.kvray_request_push.remote(encode(request))
+
+    def _learn_peer(self, info_bytes: bytes) -> None:
+        """Take a decode engine's info from its push request, unless the coordinator is the
+        one to ask (joined to Ray, for an engine on another node: its host comes from there)."""
+        assert self._agent is not None
+        decode = decode_engine_info(info_bytes)
+        if self._replica is None or decode.node_id == self._agent.node_id:
+            self._agent.add_peer(decode)
 
     # ---- prefill side -----------------------------------------------------------------
 
@@ -461,9 +536,11 @@ class ConnectorWorker:
                         "a push request's decode info does not match its reservation",
                         request_id=request.request_id,
                     )
-                agent.add_peer(decode)
+                self._learn_peer(request.decode_info)
             result = await self._push_when_room(agent, reservation, blocks, sending.lease_ends)
-            await self._record("sent", request.request_id, request.request_id, blocks, result.seconds)
+            await self._record(
+                "sent", request.request_id, request.request_id, blocks, result.seconds, result.transport.value
+            )
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
             self._log_failure("push failed", request.request_id, request.request_id, error)
@@ -474,16 +551,30 @@ class ConnectorWorker:
             self._done_sending(request.request_id)
 
     async def _record(
-        self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int], seconds: float
+        self,
+        side: str,
+        request_id: str,
+        prefill_request: str,
+        blocks: Sequence[int],
+        seconds: float,
+        transport: str | None = None,
     ) -> None:
         """Append the per-layer digests of a request's blocks and how long its side of the
         transfer took (see `digest_log`), hashing on a thread: the loop keeps moving other
         requests' KV meanwhile. The caller holds the blocks until this returns."""
         if self.digest_log is not None and self._agent is not None:
-            await asyncio.to_thread(self._log_digests, side, request_id, prefill_request, blocks, seconds)
+            await asyncio.to_thread(
+                self._log_digests, side, request_id, prefill_request, blocks, seconds, transport
+            )
 
     def _log_digests(
-        self, side: str, request_id: str, prefill_request: str, blocks: Sequence[int], seconds: float
+        self,
+        side: str,
+        request_id: str,
+        prefill_request: str,
+        blocks: Sequence[int],
+        seconds: float,
+        transport: str | None,
     ) -> None:
         assert self.digest_log is not None and self._agent is not None
         index = torch.as_tensor(list(blocks), dtype=torch.long)
@@ -498,6 +589,7 @@ class ConnectorWorker:
             "request": request_id,
             "prefill_request": prefill_request,
             "seconds": seconds,
+            "transport": transport,
             "layers": digests,
         }
         with open(self.digest_log, "a") as file:
@@ -537,12 +629,12 @@ class ConnectorWorker:
             return
         with contextlib.suppress(Exception):
             if request.decode_info:
-                agent.add_peer(decode_engine_info(request.decode_info))
+                self._learn_peer(request.decode_info)
             await agent.abort(request.reservation, f"push of {request.request_id!r} refused: {why}")
 
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
-CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "digest_every", "seed_bug"})
+CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "digest_every", "seed_bug", "ray_address", "node_id"})
 
 
 def settings_from(extra: Mapping[str, Any]) -> Settings:

