@@ -13,7 +13,7 @@ from kvray.workers import PrefillWorker
 
 class HoldingGpuPrefill(PrefillWorker):
     _gate: asyncio.Event | None = None
-    _held = 0
+    _holding = 0
 
     async def hold_writes(self) -> None:
         """From now on every cuda_ipc write waits at a gate once its copies are queued."""
@@ -23,14 +23,14 @@ class HoldingGpuPrefill(PrefillWorker):
         original = cuda_ipc.wait_for_events
 
         async def held(events: Any, nbytes: int) -> None:
-            self._held += 1
+            self._holding += 1
             await gate.wait()
             await original(events, nbytes)
 
         cuda_ipc.wait_for_events = held  # type: ignore[assignment]
 
     async def held(self) -> int:
-        return self._held
+        return self._holding
 
     async def release_writes(self) -> None:
         if self._gate is not None:

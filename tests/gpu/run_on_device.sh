@@ -6,8 +6,9 @@
 # Here (once): bash /work/shared/device/wheels.sh .whl   (or any folder of the same wheels:
 # Ray 2.60.0, msgspec, pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored.
 # There, from the repository root, carrying .whl:
-#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench]      (default: all three)
-# Outputs: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt, $OUT/bench-gpu.txt and $OUT/bench-gpu.json
+#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch]   (default: the first three)
+# Outputs: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt, $OUT/bench-gpu.txt and $OUT/bench-gpu.json,
+# $OUT/bench-gpu-launch.txt (launch: where one write's host time goes)
 # ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,8 +44,11 @@ for step in "${steps[@]}"; do
             python3 examples/bench_gpu.py --same-gpu --no-nccl --repeat 10 --json "$out/bench-gpu.json" 2>&1 \
                 | tee "$out/bench-gpu.txt"
             rc=${PIPESTATUS[0]} ;;
+        launch)
+            python3 examples/bench_gpu_launch.py 2>&1 | tee "$out/bench-gpu-launch.txt"
+            rc=${PIPESTATUS[0]} ;;
         *)
-            echo "unknown step $step (tests, demo, bench)"; rc=2 ;;
+            echo "unknown step $step (tests, demo, bench, launch)"; rc=2 ;;
     esac
     echo "== $step: exit $rc"
     [ "$status" -eq 0 ] && status=$rc
