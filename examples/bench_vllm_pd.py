@@ -39,7 +39,8 @@ def records(log: Path) -> dict[str, float]:
     if log.exists():
         for line in log.read_text().splitlines():
             record = json.loads(line)
-            found[record["prefill_request"]] = float(record["seconds"])
+            if record.get("seconds") is not None:
+                found[record["prefill_request"]] = float(record["seconds"])
     return found
 
 

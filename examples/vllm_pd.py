@@ -33,7 +33,8 @@ def transfer_seconds(log: Path) -> dict[str, float]:
     if log.exists():
         for line in log.read_text().splitlines():
             record = json.loads(line)
-            seconds[record["prefill_request"]] = float(record["seconds"])
+            if record.get("seconds") is not None:
+                seconds[record["prefill_request"]] = float(record["seconds"])
     return seconds
 
 

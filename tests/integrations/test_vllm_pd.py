@@ -15,7 +15,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,12 @@ require_vllm()
 import ray  # noqa: E402 - after the check that they are installed
 
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
+    Engine,
+    decode_first,
+    prefill_then_decode,
+    transfer_config,
+)
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
@@ -58,6 +63,19 @@ def failures(*paths: Path) -> list[str]:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def asked(log: Path, timeout_s: float = 60.0) -> Callable[[list[str]], None]:
+    """For `decode_first`: wait until the prefill engine (digest log `log`) holds a push
+    request for every hand-off, so that its forward finds them all."""
+
+    def wait(handoffs: list[str]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not set(handoffs) <= {r["request"] for r in _records(log) if r["side"] == "asked"}:
+            assert time.monotonic() < deadline, "the decode engine did not ask for every hand-off"
+            time.sleep(0.05)
+
+    return wait
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +184,29 @@ def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(eng
     assert ray.get(
         [engines["decode"].blocks_in_use.remote(), engines["recompute"].blocks_in_use.remote()]
     ) == [0, 0]
+
+
+def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines: dict[str, Any]) -> None:
+    # The decode engine takes the requests first (naming the prefill engine, found through the
+    # coordinator) and asks before the prefill's forward: every layer is pushed as it is saved.
+    prompts = load_prompts()[:12]
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    logs = engines["logs"]
+    handoff = decode_first(
+        engines["prefill"], engines["decode"], prompts, NEW_TOKENS, before_prefill=asked(logs / "p.jsonl")
+    )
+    assert [g.token_ids for g in handoff.decode] == [g.token_ids for g in single], failures(
+        logs / "p.jsonl", logs / "d.jsonl"
+    )
+    keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    sent = {r["prefill_request"]: r for r in _records(logs / "p.jsonl") if r["side"] == "sent"}
+    received = {r["prefill_request"]: r for r in _records(logs / "d.jsonl") if r["side"] == "received"}
+    assert all(sent[key]["layerwise"] for key in keys), [sent[key]["layerwise"] for key in keys]
+    sampled = [key for key in keys if sent[key]["layers"]]
+    assert sampled
+    for key in sampled:
+        assert sent[key]["layers"] == received[key]["layers"], key
+    assert ray.get([engines["prefill"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]) == [
+        0,
+        0,
+    ]

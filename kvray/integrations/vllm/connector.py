@@ -54,6 +54,7 @@ from kvray.errors import ConfigError
 from kvray.integrations.vllm.worker import (
     CONNECTOR_KEYS,
     ConnectorWorker,
+    LayerwiseSpec,
     LoadSpec,
     SendSpec,
     settings_from,
@@ -73,6 +74,8 @@ PREFILL_ENGINE = "kvray_prefill_engine"
 PREFILL_INCARNATION = "kvray_prefill_incarnation"
 PREFILL_REQUEST = "kvray_prefill_request"
 PREFILL_INFO = "kvray_prefill_info"
+#: A hand-off id the client chooses and gives both engines (decode first: see below).
+HANDOFF = "kvray_handoff"
 
 
 @dataclass
@@ -90,6 +93,11 @@ class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     sends: dict[str, SendSpec] = field(default_factory=dict)
+    #: Requests whose whole prompt this step computes, while a decode engine may wait for
+    #: their KV: their layers are pushed as the forward saves them.
+    layerwise: dict[str, LayerwiseSpec] = field(default_factory=dict)
+    #: Worker side: the step's layer-wise requests have been handed to the worker.
+    layerwise_begun: bool = False
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -172,7 +180,15 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvrayMetadata) or not meta.layerwise:
+            return
+        if not meta.layerwise_begun:
+            meta.layerwise_begun = True
+            self._worker.begin_layerwise(meta.layerwise)
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         return None
@@ -215,7 +231,7 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrayMetadata:
         assert self._scheduler is not None
-        return self._scheduler.step()
+        return self._scheduler.step(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -244,6 +260,11 @@ class _Scheduler:
         #: Requests whose hand-off the workers have not reported finished.
         self._held: set[str] = set()
         self._loading: set[str] = set()
+        #: Prefill: requests a decode engine will take, not yet scheduled, by vLLM's id: their
+        #: hand-off key (the client's `kvray_handoff`, else the request id).
+        self._producing: dict[str, str] = {}
+        #: Prefill: requests whose layers the workers push during the forward.
+        self._layered: set[str] = set()
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -257,6 +278,8 @@ class _Scheduler:
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._producing[request.request_id] = str(params.get(HANDOFF) or request.request_id)
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # once: a re-entry after the load loads nothing
@@ -269,9 +292,11 @@ class _Scheduler:
         self._loads[request.request_id] = LoadSpec(
             request_id=request.request_id,
             prefill_engine=str(params[PREFILL_ENGINE]),
-            prefill_incarnation=int(params[PREFILL_INCARNATION]),
-            prefill_request_id=str(params[PREFILL_REQUEST]),
-            prefill_info=base64.b64decode(params[PREFILL_INFO]),
+            # Decode first, the client knows the prefill engine's name alone (and the hand-off
+            # id); the worker then finds its current incarnation through the coordinator.
+            prefill_incarnation=int(params[PREFILL_INCARNATION]) if PREFILL_INCARNATION in params else None,
+            prefill_request_id=str(params.get(PREFILL_REQUEST) or params.get(HANDOFF) or ""),
+            prefill_info=base64.b64decode(params[PREFILL_INFO]) if PREFILL_INFO in params else b"",
             block_ids=tuple(block_ids),
             first_block=first,
         )
@@ -281,28 +306,57 @@ class _Scheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._producing.pop(request.request_id, None)
         if not params or not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None
+        key = str(params.get(HANDOFF) or request.request_id)
         blocks = _first_group(block_ids)
-        if not blocks or self.handshake is None:
+        succeeded = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if request.request_id in self._layered:
+            # Layers may be in flight from these blocks: the workers end the push (or abort
+            # it, if the request did not finish well) before vLLM may free them.
+            self._layered.discard(request.request_id)
+            self._sends[request.request_id] = SendSpec(
+                request.request_id, tuple(blocks), key=key, failed=not succeeded
+            )
+            self._held.add(request.request_id)
+            if not succeeded or self.handshake is None:
+                return True, None
+        elif not succeeded or not blocks or self.handshake is None:
             return False, None
-        self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks))
-        self._held.add(request.request_id)
+        else:
+            self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks), key=key)
+            self._held.add(request.request_id)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             PREFILL_ENGINE: self.handshake.engine_id,
             PREFILL_INCARNATION: self.handshake.incarnation,
-            PREFILL_REQUEST: request.request_id,
+            PREFILL_REQUEST: key,
             PREFILL_INFO: base64.b64encode(self.handshake.info).decode(),
         }
 
-    def step(self) -> KvrayMetadata:
-        meta = KvrayMetadata(loads=self._loads, sends=self._sends)
+    def step(self, scheduler_output: Any) -> KvrayMetadata:
+        meta = KvrayMetadata(
+            loads=self._loads, sends=self._sends, layerwise=self._whole_prompts(scheduler_output)
+        )
         self._loads, self._sends = {}, {}
         return meta
+
+    def _whole_prompts(self, scheduler_output: Any) -> dict[str, LayerwiseSpec]:
+        """This step's new requests for a decode engine whose whole prompt it computes (a
+        prompt split over several steps is pushed whole once it is done)."""
+        layerwise: dict[str, LayerwiseSpec] = {}
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            key = self._producing.pop(new.req_id, None)
+            if key is None or new.prompt_token_ids is None or self.handshake is None:
+                continue
+            if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(new.prompt_token_ids):
+                continue
+            layerwise[new.req_id] = LayerwiseSpec(new.req_id, key, tuple(_first_group(new.block_ids)))
+            self._layered.add(new.req_id)
+        return layerwise
 
     def reported(self, output: Any) -> None:
         for request_id in getattr(output, "finished_sending", None) or ():

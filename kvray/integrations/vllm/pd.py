@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,14 @@ class Engine:
         from vllm.config import KVTransferConfig
 
         options: dict[str, Any] = {}
+        #: The engine's kvray engine id ("" without a connector): what a client names in a
+        #: decode engine's `kvray_prefill_engine` to hand it a request first (`decode_first`).
+        self.kv_engine = ""
         if transfer is not None:
-            options["kv_transfer_config"] = KVTransferConfig(**_joined(transfer, join_ray))
+            config = _joined(transfer, join_ray)
+            config["engine_id"] = config.get("engine_id") or uuid.uuid4().hex
+            self.kv_engine = f"vllm-{config['engine_id']}"
+            options["kv_transfer_config"] = KVTransferConfig(**config)
         self.llm = LLM(
             model=model,
             dtype=dtype,
@@ -122,6 +129,9 @@ class Engine:
         self.generate(["."], 1)
         gauges = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:kv_cache_usage_perc"]
         return float(gauges[0].value) if gauges else float("nan")
+
+    def kv_engine_id(self) -> str:
+        return self.kv_engine
 
     def node_id(self) -> str:
         """The Ray node this engine runs on ("" outside Ray)."""
@@ -174,6 +184,46 @@ def prefill_then_decode(
     middle = time.perf_counter()
     params = [generation.kv_transfer_params for generation in first]
     second = _call(decode, "generate", list(prompts), max_tokens, params)
+    return Handoff(first, second, middle - started, time.perf_counter() - middle)
+
+
+def decode_first(
+    prefill: Any,
+    decode: Any,
+    prompts: Sequence[str | Sequence[int]],
+    max_tokens: int,
+    *,
+    before_prefill: Callable[[list[str]], None] | None = None,
+) -> Handoff:
+    """Give the decode engine the requests first, naming the prefill engine and a hand-off id
+    per request; then run them on the prefill engine. The decode engine reserves its blocks and
+    asks before the prefill's forward, so each layer is pushed as the forward saves it (a
+    prompt the prefill computes over several steps is pushed once it is done). Both engines must
+    have joined Ray (`Engine(join_ray=...)`): the decode engine finds the prefill engine through
+    kvray's coordinator. `before_prefill(handoff ids)` runs between the two (e.g. to wait until
+    the prefill engine holds every push request). `prefill`/`decode` are `Engine` Ray actor
+    handles."""
+    import ray
+
+    from kvray.integrations.vllm.connector import HANDOFF, PREFILL_ENGINE
+
+    handoffs = [uuid.uuid4().hex for _ in prompts]
+    engine = ray.get(prefill.kv_engine_id.remote())
+    started = time.perf_counter()
+    decoding = decode.generate.remote(
+        list(prompts),
+        max_tokens,
+        [{"do_remote_prefill": True, PREFILL_ENGINE: engine, HANDOFF: handoff} for handoff in handoffs],
+    )
+    if before_prefill is not None:
+        before_prefill(handoffs)
+    first = ray.get(
+        prefill.generate.remote(
+            list(prompts), 1, [{"do_remote_decode": True, HANDOFF: handoff} for handoff in handoffs]
+        )
+    )
+    middle = time.perf_counter()
+    second = ray.get(decoding)
     return Handoff(first, second, middle - started, time.perf_counter() - middle)
 
 

@@ -69,7 +69,10 @@ class LoadSpec:
 
     request_id: str
     prefill_engine: str
-    prefill_incarnation: int
+    #: None (and `prefill_info` empty): the client named the prefill engine alone; its
+    #: current incarnation and info come from the coordinator.
+    prefill_incarnation: int | None
+    #: The hand-off's key at the prefill engine (its request id, or the client's hand-off id).
     prefill_request_id: str
     prefill_info: bytes
     #: The blocks vLLM allocated here for the request's pushed tokens, in order.
@@ -82,7 +85,26 @@ class LoadSpec:
 class SendSpec:
     """A finished request the prefill side holds for a decode engine (from its scheduler)."""
 
+    #: vLLM's id of the request (reported back when its blocks may go).
     request_id: str
+    block_ids: tuple[int, ...]
+    #: The id decode engines ask for (the client's hand-off id); "" means `request_id`.
+    key: str = ""
+    #: The request did not finish well: end (abort) any push of it, send nothing.
+    failed: bool = False
+
+    @property
+    def handoff(self) -> str:
+        return self.key or self.request_id
+
+
+@dataclass(frozen=True)
+class LayerwiseSpec:
+    """A request whose whole prompt this step computes, for a decode engine: each layer is
+    pushed as the forward saves it, if the decode engine has asked by then (from its scheduler)."""
+
+    request_id: str
+    key: str
     block_ids: tuple[int, ...]
 
 
@@ -159,6 +181,19 @@ class _Sending:
 
 
 @dataclass
+class _Layered:
+    """A request pushed layer by layer during its forward (loop thread only)."""
+
+    spec: LayerwiseSpec
+    #: Layers the forward has saved so far, in order.
+    saved: list[str] = field(default_factory=list)
+    #: The decode engine's push request, once it has come, and the blocks it takes.
+    request: PushRequest | None = None
+    blocks: tuple[int, ...] = ()
+    pushes: list[asyncio.Task[int]] = field(default_factory=list)
+
+
+@dataclass
 class _Results:
     """What the agent's loop reports back to vLLM's thread (guarded by `lock`)."""
 
@@ -226,6 +261,10 @@ class ConnectorWorker:
         #: before their request's hand-over from the scheduler.
         self._sending: dict[str, _Sending] = {}
         self._early: dict[str, tuple[PushRequest, float]] = {}
+        #: Loop thread only: requests pushed layer by layer (by hand-off key), and those whose
+        #: forward runs in this step.
+        self._layered: dict[str, _Layered] = {}
+        self._this_step: list[_Layered] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- memory -------------------------------------------------------------------------
@@ -364,13 +403,32 @@ class ConnectorWorker:
 
     def _begin(self, loads: dict[str, LoadSpec], sends: dict[str, SendSpec]) -> None:
         now = time.monotonic()
-        for request_id, spec in sends.items():
-            self._sending[request_id] = _Sending(spec, now + self.lease_s)
-            early = self._early.pop(request_id, None)
+        for spec in sends.values():
+            layered = self._layered.pop(spec.handoff, None)
+            if layered is not None and layered.request is not None:
+                self._spawn(self._finish_layered(layered, spec))
+                continue
+            if spec.failed:
+                self._done_sending(spec.request_id)
+                continue
+            self._sending[spec.handoff] = _Sending(spec, now + self.lease_s)
+            early = self._early.pop(spec.handoff, None)
             if early is not None:
                 self._spawn(self._push(early[0]))
         for load in loads.values():
             self._spawn(self._receive(load))
+
+    def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
+        """This step's forward computes these requests' whole prompts (from vLLM's thread,
+        before the first layer is saved)."""
+        if self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._begin_layerwise, dict(specs))
+
+    def save_layer(self, layer_name: str) -> None:
+        """The forward has written `layer_name`'s KV of this step (from vLLM's thread); the
+        blocks are held until the push ends, so the copy runs on the agent's loop meanwhile."""
+        if self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._save_layer, layer_name)
 
     def finished(self) -> tuple[set[str], set[str], set[int], set[str]]:
         """(sent, received, blocks that failed to load, requests that failed to load) since the
@@ -381,12 +439,13 @@ class ConnectorWorker:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for request_id, sending in list(self._sending.items()):
+        for key, sending in list(self._sending.items()):
             if not sending.pushing and sending.lease_ends <= now:
-                del self._sending[request_id]
-                self._done_sending(request_id)
-                log.warning("kvray: no decode engine asked for %s within its lease; freed", request_id)
-        grace = self.settings.notify_timeout_s
+                del self._sending[key]
+                self._done_sending(sending.spec.request_id)
+                log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
+        # A decode engine may ask before the prefill engine has even seen the request.
+        grace = self.lease_s
         for request_id, (request, arrived) in list(self._early.items()):
             if arrived + grace <= now:
                 del self._early[request_id]
@@ -411,8 +470,11 @@ class ConnectorWorker:
         ok = False
         reserved = False
         try:
-            prefill = decode_engine_info(spec.prefill_info)
-            if (prefill.engine_id, prefill.incarnation) != (spec.prefill_engine, spec.prefill_incarnation):
+            prefill = await self._prefill_engine(spec)
+            if prefill.engine_id != spec.prefill_engine or spec.prefill_incarnation not in (
+                None,
+                prefill.incarnation,
+            ):
                 raise StaleIncarnationError(
                     f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} "
                     f"incarnation {spec.prefill_incarnation}, but carries the info of "
@@ -435,10 +497,10 @@ class ConnectorWorker:
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
             waited = time.perf_counter() - asked
-            await self._record("received", spec.request_id, spec.prefill_request_id, spec.block_ids, waited)
+            await self._record("received", spec.prefill_request_id, spec.block_ids, None, seconds=waited)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
-            self._log_failure("receive failed", spec.request_id, spec.prefill_request_id, error)
+            self._log_event("receive failed", spec.request_id, spec.prefill_request_id, error=_why(error))
         finally:
             if reserved:
                 try:
@@ -451,6 +513,22 @@ class ConnectorWorker:
                 if not ok:
                     self._results.failed_recving.add(spec.request_id)
                     self._results.load_errors.update(spec.block_ids)
+
+    async def _prefill_engine(self, spec: LoadSpec) -> EngineInfo:
+        """The prefill engine's info: as the request carries it, else from the coordinator."""
+        if spec.prefill_info:
+            return decode_engine_info(spec.prefill_info)
+        agent = self._agent
+        assert agent is not None
+        if self._replica is None:
+            raise NotExpectedError(
+                f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} without its "
+                f"info ({'kvray_prefill_info'}): only an engine that joined Ray (ray_address) can look it "
+                "up; pass the prefill engine's kv_transfer_params instead",
+                engine_id=spec.prefill_engine,
+            )
+        peer = await agent.peer(spec.prefill_engine, wait_s=self.settings.lookup_timeout_s)
+        return peer.info
 
     async def _ask_to_push(self, prefill: EngineInfo, request: PushRequest) -> None:
         """Send the push request: through the prefill engine's inbox on this node, else
@@ -503,12 +581,16 @@ class ConnectorWorker:
         if (request.src_engine, request.src_incarnation) != (self.engine_id, self._agent.incarnation):
             self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
             return
-        if request.request_id in self._sending:
+        layered = self._layered.get(request.request_id)
+        if layered is not None and layered.request is None:
+            self._start_layered(layered, request)
+        elif request.request_id in self._sending:
             self._spawn(self._push(request))
-        elif len(self._early) >= self.settings.max_expected_requests:
+        elif len(self._early) >= self.settings.max_expected_requests or request.request_id in self._early:
             self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
-        else:  # its hand-over from the scheduler may be a step behind
+        else:  # the request may not have reached this engine yet, or its hand-over is a step behind
             self._early[request.request_id] = (request, time.monotonic())
+            self._log_event("asked", request.request_id, request.request_id)
 
     async def _push(self, request: PushRequest) -> None:
         agent = self._agent
@@ -520,15 +602,7 @@ class ConnectorWorker:
         sending.pushing = True
         reservation = request.reservation
         try:
-            blocks = sending.spec.block_ids[
-                request.first_block : request.first_block + len(reservation.blocks)
-            ]
-            if len(blocks) != len(reservation.blocks):
-                raise NotExpectedError(
-                    f"request {request.request_id!r} holds {len(sending.spec.block_ids)} blocks here; "
-                    f"the decode engine reserved {len(reservation.blocks)} from block {request.first_block}",
-                    request_id=request.request_id,
-                )
+            blocks = _taken_blocks(request, sending.spec.block_ids)
             if request.decode_info:
                 decode = decode_engine_info(request.decode_info)
                 if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
@@ -538,73 +612,128 @@ class ConnectorWorker:
                     )
                 self._learn_peer(request.decode_info)
             result = await self._push_when_room(agent, reservation, blocks, sending.lease_ends)
-            await self._record(
-                "sent", request.request_id, request.request_id, blocks, result.seconds, result.transport.value
-            )
+            await self._record("sent", request.request_id, blocks, result, layerwise=False)
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", request.request_id, error)
-            self._log_failure("push failed", request.request_id, request.request_id, error)
+            self._log_event("push failed", request.request_id, request.request_id, error=_why(error))
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
-                await agent.abort(reservation, f"{type(error).__name__}: {error}")
+                await agent.abort(reservation, _why(error))
         finally:
             self._sending.pop(request.request_id, None)
-            self._done_sending(request.request_id)
+            self._done_sending(sending.spec.request_id)
+
+    # ---- prefill side, layer by layer -------------------------------------------------
+
+    def _begin_layerwise(self, specs: dict[str, LayerwiseSpec]) -> None:
+        self._this_step = []
+        for spec in specs.values():
+            layered = self._layered[spec.key] = _Layered(spec)
+            self._this_step.append(layered)
+            early = self._early.pop(spec.key, None)
+            if early is not None:
+                self._start_layered(layered, early[0])
+
+    def _save_layer(self, layer_name: str) -> None:
+        for layered in self._this_step:
+            layered.saved.append(layer_name)
+            if layered.request is not None:
+                self._push_layer(layered, layer_name)
+
+    def _start_layered(self, layered: _Layered, request: PushRequest) -> None:
+        """The decode engine asked while the forward runs: push the layers saved so far now,
+        the others as they are saved, and finish when vLLM hands the finished request over."""
+        try:
+            layered.blocks = _taken_blocks(request, layered.spec.block_ids)
+            if request.decode_info:
+                self._learn_peer(request.decode_info)
+        except Exception as error:
+            self._spawn(self._refuse(request, _why(error)))
+            return
+        layered.request = request
+        for layer_name in layered.saved:
+            self._push_layer(layered, layer_name)
+
+    def _push_layer(self, layered: _Layered, layer_name: str) -> None:
+        assert self._agent is not None and layered.request is not None
+        push = self._agent.push_layer(layered.request.reservation, layer_name, np.asarray(layered.blocks))
+        layered.pushes.append(asyncio.get_running_loop().create_task(push))
+
+    async def _finish_layered(self, layered: _Layered, spec: SendSpec) -> None:
+        """Wait for the request's layer pushes, push any layer the forward did not save, and
+        finish (or abort, if anything failed or the request did not finish well); then the
+        request's blocks may go."""
+        agent = self._agent
+        request = layered.request
+        assert agent is not None and request is not None
+        reservation = request.reservation
+        try:
+            outcomes = await asyncio.gather(*layered.pushes, return_exceptions=True)
+            failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if spec.failed:
+                raise NotExpectedError(
+                    f"prefill request {spec.request_id!r} did not finish", request_id=spec.request_id
+                )
+            if failures:
+                raise failures[0]
+            pushed = set(layered.saved)
+            for layer_name in agent.layout.layer_names:
+                if layer_name not in pushed:
+                    await agent.push_layer(reservation, layer_name, np.asarray(layered.blocks))
+            result = await agent.finish(reservation.request_id)
+            await self._record("sent", request.request_id, layered.blocks, result, layerwise=True)
+        except Exception as error:
+            log.warning("kvray: layer-wise push of %s failed: %s", request.request_id, error)
+            self._log_event("push failed", request.request_id, request.request_id, error=_why(error))
+            with contextlib.suppress(Exception):
+                await agent.abort(reservation, _why(error))
+        finally:
+            self._done_sending(spec.request_id)
 
     async def _record(
         self,
         side: str,
-        request_id: str,
         prefill_request: str,
         blocks: Sequence[int],
-        seconds: float,
-        transport: str | None = None,
+        result: PushResult | None,
+        *,
+        seconds: float | None = None,
+        layerwise: bool | None = None,
     ) -> None:
         """Append the per-layer digests of a request's blocks and how long its side of the
         transfer took (see `digest_log`), hashing on a thread: the loop keeps moving other
         requests' KV meanwhile. The caller holds the blocks until this returns."""
-        if self.digest_log is not None and self._agent is not None:
-            await asyncio.to_thread(
-                self._log_digests, side, request_id, prefill_request, blocks, seconds, transport
-            )
+        if self.digest_log is None or self._agent is None:
+            return
+        digests = await asyncio.to_thread(self._digests, prefill_request, blocks)
+        self._log_event(
+            side,
+            result.request_id if result is not None else prefill_request,
+            prefill_request,
+            seconds=result.seconds if result is not None else seconds,
+            transport=result.transport.value if result is not None else None,
+            layerwise=layerwise,
+            layers=digests,
+        )
 
-    def _log_digests(
-        self,
-        side: str,
-        request_id: str,
-        prefill_request: str,
-        blocks: Sequence[int],
-        seconds: float,
-        transport: str | None,
-    ) -> None:
-        assert self.digest_log is not None and self._agent is not None
+    def _digests(self, prefill_request: str, blocks: Sequence[int]) -> dict[str, str]:
+        """Per-layer SHA-256 of the request's blocks, for one request in `digest_every`."""
+        assert self._agent is not None
+        if zlib.crc32(prefill_request.encode()) % self.digest_every != 0:
+            return {}
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         digests = {}
-        sampled = zlib.crc32(prefill_request.encode()) % self.digest_every == 0
-        for name, view in self._agent.backing.views.items() if sampled else ():
+        for name, view in self._agent.backing.views.items():
             block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
             picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
             digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
-        record = {
-            "side": side,
-            "request": request_id,
-            "prefill_request": prefill_request,
-            "seconds": seconds,
-            "transport": transport,
-            "layers": digests,
-        }
-        with open(self.digest_log, "a") as file:
-            file.write(json.dumps(record) + "\n")
+        return digests
 
-    def _log_failure(self, side: str, request_id: str, prefill_request: str, error: BaseException) -> None:
-        """Append why a request's hand-off failed to the digest log (if any), beside the digests."""
+    def _log_event(self, side: str, request_id: str, prefill_request: str, **fields: Any) -> None:
+        """Append one JSON line to the digest log (if any): a hand-off's digests and times, a
+        push request waiting for its request ("asked"), or why a hand-off failed ("error")."""
         if self.digest_log is None:
             return
-        record = {
-            "side": side,
-            "request": request_id,
-            "prefill_request": prefill_request,
-            "error": f"{type(error).__name__}: {error}",
-        }
+        record = {"side": side, "request": request_id, "prefill_request": prefill_request, **fields}
         with contextlib.suppress(OSError), open(self.digest_log, "a") as file:
             file.write(json.dumps(record) + "\n")
 
@@ -631,6 +760,23 @@ class ConnectorWorker:
             if request.decode_info:
                 self._learn_peer(request.decode_info)
             await agent.abort(request.reservation, f"push of {request.request_id!r} refused: {why}")
+
+
+def _taken_blocks(request: PushRequest, held: Sequence[int]) -> tuple[int, ...]:
+    """The blocks of a held request that a push request's reservation takes."""
+    count = len(request.reservation.blocks)
+    blocks = tuple(held[request.first_block : request.first_block + count])
+    if len(blocks) != count:
+        raise NotExpectedError(
+            f"request {request.request_id!r} holds {len(held)} blocks here; the decode engine "
+            f"reserved {count} from block {request.first_block}",
+            request_id=request.request_id,
+        )
+    return blocks
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
