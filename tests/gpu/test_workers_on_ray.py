@@ -62,7 +62,8 @@ def _settings(coordinator: str) -> Settings:
     return Settings(
         transport="auto",
         heartbeat_s=0.3,
-        lookup_timeout_s=5.0,
+        # Starting GPU actors and a coordinator after a kill takes Ray several seconds.
+        lookup_timeout_s=30.0,
         notify_timeout_s=5.0,
         transfer_timeout_s=PUSH_DEADLINE_S,
         coordinator_name=coordinator,
