@@ -174,6 +174,16 @@ def main() -> int:
             ("gpu: one plain copy of the bytes", torch_copy),
         ):
             rows_out.append((name, label, gpu_ms(run, args.repeat)))
+        # The row kernel's shape: bytes per loop step (BLOCK elements) and warps per program.
+        for block, warps in ((1024, 4), (1024, 8), (2048, 4), (2048, 16), (4096, 8), (4096, 16)):
+            shaped = {**constants, "BLOCK": block, "num_warps": warps}
+            rows_out.append(
+                (
+                    name,
+                    f"gpu: row kernel, BLOCK {block}, {warps} warps",
+                    gpu_ms(lambda shaped=shaped: kernel[grid](*kernel_args, **shaped), args.repeat),
+                )
+            )
         landed = dst.clone()
         dst.zero_()
         rows_jit()
