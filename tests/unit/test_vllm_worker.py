@@ -107,6 +107,17 @@ def test_only_a_kvray_shared_memory_file_is_adopted_as_one(tmp_path: Path) -> No
         Backing.adopt(layout, views, shm_path=str(tmp_path / "someone-elses-file"))
 
 
+def test_a_layer_in_a_storage_too_small_for_an_aligned_region_is_refused(tmp_path: Path) -> None:
+    # Layers in storages of their own are a region each; a storage without room for the
+    # page-aligned span around its layer (a plain small allocation) is refused before anything
+    # is registered, never widened past its bytes.
+    worker = ConnectorWorker("vllm-test", Role.DECODE, Settings(shm_dir=str(tmp_path)), lease_s=1.0)
+    caches = {f"layer{i}": torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 8) for i in range(2)}
+    with pytest.raises(RegionError, match="outside its allocation"):
+        worker.register(caches, NUM_BLOCKS, BLOCK_SIZE)
+    worker.shutdown()
+
+
 def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> None:
     settings = settings_from({"transfer_timeout_s": 7.5, "lease_s": 3.0, "digest_log": "x"})
     assert settings.transfer_timeout_s == 7.5

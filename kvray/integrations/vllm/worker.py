@@ -252,6 +252,8 @@ class ConnectorWorker:
         self.node_id = node_id
         self._replica: ReplicaEngine | None = None
         self._shm_path: str | None = None
+        #: The storage mapping `_shm_path` (its first byte's address).
+        self._shm_storage = 0
         self._agent: KVAgent | None = None
         self._loop: AgentLoop | None = None
         self._inbox: CompletionInbox | None = None
@@ -309,6 +311,7 @@ class ConnectorWorker:
             remove_owned(path)
             raise
         self._shm_path = path
+        self._shm_storage = mapped.untyped_storage().data_ptr()
         skip = -mapped.data_ptr() % alignment
         return mapped[skip : skip + nbytes].view(torch.int8)
 
@@ -317,7 +320,15 @@ class ConnectorWorker:
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int) -> EngineInfo:
         """Describe vLLM's KV cache as one kvray backing and start the agent."""
         layout, views = layout_of(kv_caches, num_blocks, block_size)
-        backing = Backing.adopt(layout, views, settings=self.settings, shm_path=self._shm_path)
+        shm_path = self._shm_path
+        if shm_path is not None and any(
+            view.untyped_storage().data_ptr() != self._shm_storage for view in views.values()
+        ):
+            # Not every layer lives in the placed buffer: each storage is its own region, in
+            # this process's memory (writable by the `ray` transport, not `shm`).
+            remove_owned(shm_path)  # mapped still: the memory stays until the buffer goes
+            shm_path = self._shm_path = None
+        backing = Backing.adopt(layout, views, settings=self.settings, shm_path=shm_path)
         self._loop = AgentLoop(f"kvray-{self.engine_id}")
         if self.ray_address is not None:
             self._join_ray(self.ray_address)
@@ -561,12 +572,12 @@ class ConnectorWorker:
         await peer.host.kvray_request_push.remote(encode(request))
 
     def _learn_peer(self, info_bytes: bytes) -> None:
-        """Take a decode engine's info from its push request, unless the coordinator is the
-        one to ask (joined to Ray, for an engine on another node: its host comes from there)."""
+        """Take a decode engine's info from its push request, unless this engine has joined
+        Ray: then the coordinator is the one to ask (it knows the engine's host actor, which
+        the `ray` transport and notices from another node need)."""
         assert self._agent is not None
-        decode = decode_engine_info(info_bytes)
-        if self._replica is None or decode.node_id == self._agent.node_id:
-            self._agent.add_peer(decode)
+        if self._replica is None:
+            self._agent.add_peer(decode_engine_info(info_bytes))
 
     # ---- prefill side -----------------------------------------------------------------
 

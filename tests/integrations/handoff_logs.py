@@ -1,0 +1,43 @@
+"""Reading the vLLM connector's digest logs (`digest_log`: one JSON line per hand-off event on
+one engine) in the vLLM tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """(side, prefill request id) -> per-layer digest, from a connector's digest log."""
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    for record in records(path):
+        if "layers" in record:
+            found[(record["side"], record["prefill_request"])] = record["layers"]
+    return found
+
+
+def failures(*paths: Path) -> list[str]:
+    """Why hand-offs failed, as the connectors logged it (for assertion messages)."""
+    logged = [record for path in paths for record in records(path)]
+    return [f"{r['side']} {r['request']}: {r['error']}" for r in logged if "error" in r]
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a digest log (none if it does not exist yet)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def asked(log: Path, timeout_s: float = 60.0) -> Callable[[list[str]], None]:
+    """For `decode_first`: wait until the prefill engine (digest log `log`) holds a push
+    request for every hand-off, so that its forward finds them all."""
+
+    def wait(handoffs: list[str]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not set(handoffs) <= {r["request"] for r in records(log) if r["side"] == "asked"}:
+            assert time.monotonic() < deadline, "the decode engine did not ask for every hand-off"
+            time.sleep(0.05)
+
+    return wait
