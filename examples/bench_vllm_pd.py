@@ -5,7 +5,11 @@ cache helps either side). Per length, medians with min and max over the runs:
 - KV transfer: the prefill engine's push (plan, write, notify) and the decode engine's wait,
   from sending its push request to the KV in its cache (the connector's transfer log);
 - time to first token: a single engine's (one request, one token) against the pair's (the
-  prefill engine's pass, then the decode engine's first token after the hand-off).
+  prefill engine's pass, then the decode engine's first token after the hand-off);
+- decode first, layer by layer (`decode_first`): the decode engine takes the request first and
+  asks; the prefill engine pushes each layer as its forward saves it. Its TTFT (from giving the
+  decode engine the request, once it has asked, to its first token) and the tail: from the
+  last layer's KV in the prefill's cache to the decode side told it may decode.
 
     python examples/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--json PATH]
 
@@ -20,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +32,39 @@ import numpy as np
 import ray
 
 from kvray.integrations.vllm.model import smollm2
-from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config
+from kvray.integrations.vllm.pd import Engine, decode_first, prefill_then_decode, transfer_config
 
 
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def records(log: Path) -> dict[str, float]:
+def records(log: Path, key: str = "seconds") -> dict[str, float]:
     found: dict[str, float] = {}
     if log.exists():
         for line in log.read_text().splitlines():
             record = json.loads(line)
-            if record.get("seconds") is not None:
-                found[record["prefill_request"]] = float(record["seconds"])
+            if record.get(key) is not None:
+                found[record["prefill_request"]] = float(record[key])
     return found
+
+
+def asked(log: Path, marks: list[float]) -> Callable[[list[str]], None]:
+    """Wait until the prefill engine holds the decode engine's push request for every hand-off;
+    then note the time in `marks`."""
+
+    def wait(handoffs: list[str]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = log.read_text().splitlines() if log.exists() else []
+            held = {json.loads(line)["request"] for line in lines if '"asked"' in line}
+            if set(handoffs) <= held:
+                marks.append(time.perf_counter())
+                return
+            time.sleep(0.002)
+        raise TimeoutError("the decode engine did not ask within 60 s")
+
+    return wait
 
 
 def main() -> int:
@@ -68,7 +91,7 @@ def main() -> int:
 
     results: dict[int, dict[str, Any]] = {}
     for length in args.lengths:
-        single_ttft, pair_ttft, requests = [], [], []
+        single_ttft, pair_ttft, first_ttft, requests, layered = [], [], [], [], []
         for run in range(args.runs + 1):  # the first run of each length warms up, untimed
             prompt = rng.integers(0, vocabulary, length).tolist()
             began = time.perf_counter()
@@ -77,28 +100,42 @@ def main() -> int:
             began = time.perf_counter()
             handoff = prefill_then_decode(prefill, decode, [prompt], 1)
             both = time.perf_counter() - began
+            marks: list[float] = []
+            first = decode_first(prefill, decode, [prompt], 1, before_prefill=asked(logs / "p.jsonl", marks))
+            layerwise = time.perf_counter() - marks[-1]
             if run:
                 single_ttft.append(alone)
                 pair_ttft.append(both)
+                first_ttft.append(layerwise)
                 requests.append((handoff.prefill[0].kv_transfer_params or {})["kvray_prefill_request"])
+                layered.append((first.prefill[0].kv_transfer_params or {})["kvray_prefill_request"])
         pushed, waited = records(logs / "p.jsonl"), records(logs / "d.jsonl")
+        tails = records(logs / "p.jsonl", "tail_seconds")
         push_s = [pushed[request] for request in requests if request in pushed]
         wait_s = [waited[request] for request in requests if request in waited]
+        tail_s = [tails[request] for request in layered if request in tails]
         results[length] = {
             "single_ttft_s": spread(single_ttft),
             "pd_ttft_s": spread(pair_ttft),
             "push_s": spread(push_s),
             "decode_wait_s": spread(wait_s),
             "ttft_ratio": statistics.median(pair_ttft) / statistics.median(single_ttft),
+            "layerwise_ttft_s": spread(first_ttft),
+            "layerwise_tail_s": spread(tail_s),
+            "layerwise_requests": len(tail_s),
+            "layerwise_ttft_ratio": statistics.median(first_ttft) / statistics.median(single_ttft),
         }
     print(f"vLLM P/D with kvray vs a single engine, {args.runs} runs per length (medians [min, max], ms)")
-    print(f"{'tokens':>6}  {'push (P)':>22}  {'wait (D)':>22}  {'TTFT single':>22}  {'TTFT P/D':>22}  ratio")
+    keys = ("push_s", "decode_wait_s", "single_ttft_s", "pd_ttft_s", "layerwise_tail_s", "layerwise_ttft_s")
+    titles = ("push (P)", "wait (D)", "TTFT single", "TTFT P/D", "layer-wise tail", "TTFT layer-wise")
+    print(f"{'tokens':>6}  " + "  ".join(f"{title:>22}" for title in titles) + "  ratios")
     for length, row in results.items():
         cells = [
             f"{row[key]['median'] * 1e3:7.1f} [{row[key]['min'] * 1e3:5.1f}, {row[key]['max'] * 1e3:5.1f}]"
-            for key in ("push_s", "decode_wait_s", "single_ttft_s", "pd_ttft_s")
+            for key in keys
         ]
-        print(f"{length:>6}  " + "  ".join(f"{cell:>22}" for cell in cells) + f"  {row['ttft_ratio']:.2f}x")
+        ratios = f"{row['ttft_ratio']:.2f}x {row['layerwise_ttft_ratio']:.2f}x"
+        print(f"{length:>6}  " + "  ".join(f"{cell:>22}" for cell in cells) + f"  {ratios}")
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": args.runs, "results": results}, indent=2))
     ray.shutdown()

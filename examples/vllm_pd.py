@@ -2,7 +2,9 @@
 Ray actor, the prompt's KV pushed by kvray (`KvrayConnector`) from the prefill engine's KV cache
 into the decode engine's, and a third engine alone for reference. Prints, per prompt, whether the
 P/D tokens equal the single engine's, the time to first token both ways (each engine's first
-sight of the prompt) and the KV transfer time, then a few generations.
+sight of the prompt) and the KV transfer time, then a few generations. Last, the whole batch
+decode first: the decode engine takes every request before the prefill engine runs it, and each
+layer is pushed as the prefill's forward saves it (those whose decode engine asked in time).
 
     python examples/vllm_pd.py [--prompts N] [--new-tokens N]
     ray job submit --working-dir . -- python examples/vllm_pd.py
@@ -23,7 +25,7 @@ from pathlib import Path
 import ray
 
 from kvray.integrations.vllm.model import smollm2
-from kvray.integrations.vllm.pd import Engine, prefill_then_decode, transfer_config
+from kvray.integrations.vllm.pd import Engine, decode_first, prefill_then_decode, transfer_config
 from kvray.integrations.vllm.prompts import load_prompts
 
 
@@ -95,8 +97,21 @@ def main() -> int:
     print("\nsome generations (P/D):")
     for row in [row for row in rows if str(row["text"]).strip()][:3]:
         print(f"  {str(row['prompt'])[:60]!r}\n    -> {str(row['text'])[:120]!r}")
+    # Decode first, the whole batch at once, as a client would dispatch it.
+    singles = ray.get(alone.generate.remote(prompts, args.new_tokens))
+    batch = decode_first(prefill, decode, prompts, args.new_tokens)
+    batch_equal = sum(a.token_ids == b.token_ids for a, b in zip(singles, batch.decode, strict=True))
+    keys = {(g.kv_transfer_params or {}).get("kvray_prefill_request") for g in batch.prefill}
+    sent = [json.loads(line) for line in (logs / "prefill.jsonl").read_text().splitlines()]
+    layerwise = sum(
+        1 for r in sent if r["side"] == "sent" and r["prefill_request"] in keys and r["layerwise"]
+    )
+    print(
+        f"\ndecode first, {len(prompts)} requests at once: {batch_equal}/{len(prompts)} equal a single "
+        f"engine's; {layerwise} pushed layer by layer during the prefill's forward, the rest once it ended"
+    )
     ray.shutdown()
-    return 0 if equal == len(rows) else 1
+    return 0 if equal == len(rows) and batch_equal == len(prompts) else 1
 
 
 if __name__ == "__main__":

@@ -191,6 +191,8 @@ class _Layered:
     request: PushRequest | None = None
     blocks: tuple[int, ...] = ()
     pushes: list[asyncio.Task[int]] = field(default_factory=list)
+    #: When the forward saved the last layer (`time.perf_counter`).
+    last_saved: float = 0.0
 
 
 @dataclass
@@ -337,8 +339,18 @@ class ConnectorWorker:
     def _join_ray(self, address: str) -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
+        if ray.is_initialized():
+            return
+        ray.init(address=address, namespace=self.settings.namespace, log_to_driver=False)
+        # A Ray driver polls the cluster's error messages on a thread, to print them. In a
+        # vLLM worker process that poll returns at once, every time: the thread spins and
+        # keeps the GCS busy (most of a core). This process prints no one's errors, so stop
+        # that thread (it ends once it sees the event; only it and the log printer, not
+        # started here, watch it).
+        worker = getattr(getattr(ray, "_private", None), "worker", None)
+        stopped = getattr(getattr(worker, "global_worker", None), "threads_stopped", None)
+        if isinstance(stopped, threading.Event):
+            stopped.set()
 
     def _new_agent(self, backing: Backing, coordinator: Any = None) -> KVAgent:
         cache = None
@@ -645,8 +657,10 @@ class ConnectorWorker:
                 self._start_layered(layered, early[0])
 
     def _save_layer(self, layer_name: str) -> None:
+        now = time.perf_counter()
         for layered in self._this_step:
             layered.saved.append(layer_name)
+            layered.last_saved = now
             if layered.request is not None:
                 self._push_layer(layered, layer_name)
 
@@ -691,7 +705,10 @@ class ConnectorWorker:
                 if layer_name not in pushed:
                     await agent.push_layer(reservation, layer_name, np.asarray(layered.blocks))
             result = await agent.finish(reservation.request_id)
-            await self._record("sent", request.request_id, layered.blocks, result, layerwise=True)
+            # From the last layer's KV in the prefill's cache to the decode side told it may
+            # decode: what the layer-wise push leaves after the forward.
+            tail = time.perf_counter() - layered.last_saved
+            await self._record("sent", request.request_id, layered.blocks, result, layerwise=True, tail=tail)
         except Exception as error:
             log.warning("kvray: layer-wise push of %s failed: %s", request.request_id, error)
             self._log_event("push failed", request.request_id, request.request_id, error=_why(error))
@@ -709,6 +726,7 @@ class ConnectorWorker:
         *,
         seconds: float | None = None,
         layerwise: bool | None = None,
+        tail: float | None = None,
     ) -> None:
         """Append the per-layer digests of a request's blocks and how long its side of the
         transfer took (see `digest_log`), hashing on a thread: the loop keeps moving other
@@ -723,6 +741,7 @@ class ConnectorWorker:
             seconds=result.seconds if result is not None else seconds,
             transport=result.transport.value if result is not None else None,
             layerwise=layerwise,
+            tail_seconds=tail,
             layers=digests,
         )
 
