@@ -11,10 +11,12 @@ Contenders, each timed from a synchronized start to its bytes being in the decod
   allocations on the two GPUs (peer-to-peer over NVLink), or within the GPU;
 - `before`: the op-table path every request took before the row kernel: the plan expanded and
   merged into one op per run on the host, the whole table uploaded, one kernel over it (one
-  request, and a stream of 16 at most 4 in flight);
+  request, and a stream of 16 at most 4 in flight); and the row kernel launched through Triton
+  with the ids uploaded per request, as before captured row copies (`replay_graphs=False`);
 - `kvray cuda_ipc`: plan (offsets cached, as in steady state; the request's rows and block ids,
-  checked) + the transport's write (checks, the block ids uploaded, one kernel on the decode GPU
-  that expands the rows into ops and reads the source over NVLink, event wait); also the write of
+  checked) + the transport's write (checks, the block ids written into a captured row copy's
+  pinned buffer and that CUDA graph replayed: the ids' upload and one kernel on the decode GPU
+  that expands the rows into ops and reads the source over NVLink; event wait); also the write of
   an already planned request, 4 requests in flight at once (a burst: one pipeline fill and drain
   per 4), a stream of 16 requests at most 4 in flight (a decode engine's steady intake: per
   request, what a serving node sustains), the copy kernel queued 10 times back to back (the
@@ -230,6 +232,9 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
 
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{NCCL_PORT}", rank=0, world_size=2)
     transport = CudaIpcTransport(Settings())
+    # The row path as it was before captured copies: the ids uploaded and the kernel launched
+    # through Triton for every request.
+    launching = CudaIpcTransport(Settings(), replay_graphs=False)
     loop = asyncio.new_event_loop()
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
@@ -313,6 +318,23 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         def op_table_streamed() -> None:
             loop.run_until_complete(op_table_stream())
 
+        def launched_write() -> None:
+            fresh = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+            loop.run_until_complete(launching.write(fresh, source, peer))
+
+        async def launched_stream() -> None:
+            gate = asyncio.Semaphore(IN_FLIGHT)
+
+            async def admitted() -> None:
+                async with gate:
+                    fresh = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
+                    await launching.write(fresh, source, peer)
+
+            await asyncio.gather(*(admitted() for _ in range(STREAM)))
+
+        def launched_streamed() -> None:
+            loop.run_until_complete(launched_stream())
+
         def kvray_transport() -> None:
             loop.run_until_complete(transport.write(plan, source, peer))
 
@@ -370,6 +392,8 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         for label, run, per_run in (
             ("before: op-table plan + write", op_table_write, 1),
             (f"before: op-table stream of {STREAM}", op_table_streamed, STREAM),
+            ("before: rows, launched: plan + write", launched_write, 1),
+            (f"before: rows, launched: stream of {STREAM}", launched_streamed, STREAM),
             ("kvray cuda_ipc: plan + write", kvray_write, 1),
             ("kvray cuda_ipc: write (planned)", kvray_transport, 1),
             (f"kvray cuda_ipc: {IN_FLIGHT} requests in flight", kvray_steady, IN_FLIGHT),

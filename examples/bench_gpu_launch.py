@@ -1,7 +1,9 @@
 """Where the host time of one cuda_ipc write goes, step by step, on one GPU (no IPC, no Ray):
 events, the block-id upload, the row kernel's launch through Triton's JIT, through its compiled
-handle and through a CUDA graph, the op-table kernel's launch, a torch copy's launch; and the
-GPU time of the row kernel, the op-table kernel and one plain copy of the same bytes.
+handle and through a CUDA graph, the op-table kernel's launch, a torch copy's launch, the whole
+`copy_rows` launched through Triton and replayed from its captured graph; and the GPU time of
+the row kernel (across loop-step sizes and warp counts), the replayed copy, the op-table kernel
+and one plain copy of the same bytes.
 
     python examples/bench_gpu_launch.py [--repeat 200]
 
@@ -88,20 +90,20 @@ def main() -> int:
         ops = plan.ops
         nbytes = ops.total_nbytes
         plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        ids = cuda_ipc._upload_table(device, rows.local_ids, rows.remote_ids)
+        count = int(rows.local_ids.size)
+        ids = cuda_ipc._upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
         op_table = cuda_ipc._upload_table(device, ops.local_offset, ops.remote_offset, ops.nbytes)
         unit = cuda_ipc.pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
         vec, unit = (2 if unit == 16 else 1), min(8, unit)
         kernel = cuda_ipc._rows_kernel()
         view_src, view_dst = src.view(cuda_ipc._UNIT_DTYPES[unit]), dst.view(cuda_ipc._UNIT_DTYPES[unit])
-        count = int(rows.local_ids.size)
         grid = (count, table.num_rows, table.pieces)
         constants = {
             "SHIFT": unit.bit_length() - 1,
             "PIECE": cuda_ipc.MAX_PIECE_NBYTES,
-            "BLOCK": 2048,
+            "BLOCK": 4096,
             "VEC": vec,
-            "num_warps": 8,
+            "num_warps": 16,
         }
         kernel_args = (view_src, view_dst, table.table, ids, table.num_rows, count)
 
@@ -129,9 +131,15 @@ def main() -> int:
             torch.cuda.current_stream().wait_event(event)
 
         def upload() -> None:
-            cuda_ipc._upload_table(device, rows.local_ids, rows.remote_ids)
+            cuda_ipc._upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
+
+        def follow() -> None:
+            cuda_ipc.follow_current(0, torch.cuda.current_stream())
 
         def full_copy_rows() -> None:
+            cuda_ipc.copy_rows(dst, src, rows, table, replay=False)
+
+        def replayed_copy_rows() -> None:
             cuda_ipc.copy_rows(dst, src, rows, table)
 
         rows_jit()
@@ -142,8 +150,11 @@ def main() -> int:
             ("host: row kernel launch, Triton JIT", rows_jit),
             ("host: op kernel launch, Triton JIT", ops_jit),
             ("host: torch copy_ launch", torch_copy),
-            ("host: copy_rows (events, upload, launch)", full_copy_rows),
+            ("host: follow_current (one kept event)", follow),
+            ("host: copy_rows, Triton launch (upload, launch)", full_copy_rows),
+            ("host: copy_rows, graph replay (ids, replay)", replayed_copy_rows),
         ]
+        replayed_copy_rows()
         try:
             compiled = kernel.warmup(*kernel_args, grid=grid, **constants)
 
@@ -170,12 +181,16 @@ def main() -> int:
             rows_out.append((name, label, host_ms(run, args.repeat)))
         for label, run in (
             ("gpu: row kernel", rows_jit),
+            (
+                "gpu: copy_rows, graph replay",
+                lambda: torch.cuda.current_stream().wait_event(cuda_ipc.copy_rows(dst, src, rows, table)),
+            ),
             ("gpu: op-table kernel", ops_jit),
             ("gpu: one plain copy of the bytes", torch_copy),
         ):
             rows_out.append((name, label, gpu_ms(run, args.repeat)))
         # The row kernel's shape: bytes per loop step (BLOCK elements) and warps per program.
-        for block, warps in ((1024, 4), (1024, 8), (2048, 4), (2048, 16), (4096, 8), (4096, 16)):
+        for block, warps in ((2048, 8), (2048, 16), (4096, 8), (8192, 16), (8192, 32), (16384, 32)):
             shaped = {**constants, "BLOCK": block, "num_warps": warps}
             rows_out.append(
                 (

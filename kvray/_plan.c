@@ -25,6 +25,9 @@
  *   op's bytes; returns how many merged ops it wrote.
  * first_outside(region, offset, nbytes, region_lengths) -> int
  *   The index of the first op that names no region, is empty, or leaves its region; -1 if none.
+ * rows_outside(region, base, stride, nbytes, low, high, region_lengths) -> int
+ *   first_outside over the ops of every row at block ids `low` and `high` (offset = base +
+ *   id * stride): the first row with one outside, or whose offset overflows int64; -1 if none.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -299,12 +302,56 @@ done:
     return result;
 }
 
+static PyObject *rows_outside(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    long long ends[2];
+    if (!PyArg_ParseTuple(args, "OOOOLLO", &objects[0], &objects[1], &objects[2], &objects[3], &ends[0],
+                          &ends[1], &objects[4])) {
+        return NULL;
+    }
+    Array a[5];
+    if (!take_all(objects, a, 5, 0)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = a[0].len;
+    if (!lengths_are(a, 4, n)) {
+        goto done;
+    }
+    const int64_t *region = a[0].data, *base = a[1].data, *stride = a[2].data, *nbytes = a[3].data;
+    const int64_t *lengths = a[4].data;
+    Py_ssize_t regions = a[4].len;
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+        int64_t r = region[i];
+        if (r < 0 || r >= regions) {
+            bad = i;
+            break;
+        }
+        int64_t length = lengths[r];
+        for (int end = 0; end < 2; end++) {
+            int64_t step, offset;
+            if (__builtin_mul_overflow((int64_t)ends[end], stride[i], &step) ||
+                __builtin_add_overflow(base[i], step, &offset) || nbytes[i] <= 0 || nbytes[i] > length ||
+                offset < 0 || offset > length - nbytes[i]) {
+                bad = i;
+                break;
+            }
+        }
+    }
+    result = PyLong_FromSsize_t(bad);
+done:
+    give_back(a, 5);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sort_blocks", sort_blocks, METH_VARARGS,
      "Check both sides' block ids and order the pairs by local id (None when the ids are bad)."},
     {"expand_ops", expand_ops, METH_VARARGS, "One op per (row, block); True when sorted by local offset."},
     {"merge_ops", merge_ops, METH_VARARGS, "Merge ops that continue each other; the count written."},
     {"first_outside", first_outside, METH_VARARGS, "The first op outside its region, or -1."},
+    {"rows_outside", rows_outside, METH_VARARGS, "The first row with an end op outside, or -1."},
     {NULL, NULL, 0, NULL},
 };
 

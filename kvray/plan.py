@@ -549,6 +549,17 @@ def check_rows(
             side=side,
             engine_id=engine_id,
         )
+    outside = None
+    if _native is not None:
+        try:
+            lengths_array = np.asarray(lengths, dtype=np.int64)
+            outside = _native.rows_outside(
+                rows.region, rows.base, rows.block_stride, rows.nbytes, low, high, lengths_array
+            )
+        except (TypeError, ValueError, OverflowError):  # not int64 arrays of one length: numpy decides
+            outside = None
+        if outside is not None and outside < 0:
+            return
     first = rows.base + low * rows.block_stride
     last = rows.base + high * rows.block_stride
     regions = np.concatenate([rows.region, rows.region])
@@ -567,6 +578,14 @@ def check_rows(
             engine_id=engine_id,
         )
         raise
+    if outside is not None:
+        # The C check saw an offset numpy's int64 arithmetic wraps into range: still outside.
+        raise BoundsError(
+            f"{side} row {outside} of engine {engine_id!r} reaches past int64 at block ids [{low}, {high}]",
+            side=side,
+            engine_id=engine_id,
+            op=outside,
+        )
 
 
 def _sort_order(region: Int64Array, offset: Int64Array, known_sorted: bool | None) -> Int64Array | None:

@@ -18,10 +18,11 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -119,8 +120,11 @@ def _rows_kernel() -> Any:
     """The copy kernel for a plan's rows (`kvray.plan.RequestRows`): it expands the ops itself,
     so the host uploads only the request's block ids. Program (i, r, k) copies piece k (of
     PIECE bytes) of the op of block pair i in row r. `rows` holds five columns of `num_rows`
-    (local base, remote base, local block stride, remote block stride, bytes), `ids` the local
-    then the remote block ids; every byte quantity is a multiple of the element width 2**SHIFT."""
+    (local base, remote base, local block stride, remote block stride, bytes); `ids` holds the
+    number of block pairs, then `capacity` local ids, then `capacity` remote ids. The grid may
+    have up to `capacity` pairs (one captured launch serves every request up to that size):
+    programs past the count copy nothing. Every byte quantity is a multiple of the element
+    width 2**SHIFT."""
     import triton
     import triton.language as tl
 
@@ -130,7 +134,7 @@ def _rows_kernel() -> Any:
         rows,
         ids,
         num_rows,
-        num_ids,
+        capacity,
         SHIFT: tl.constexpr,
         PIECE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -139,8 +143,9 @@ def _rows_kernel() -> Any:
         pair = tl.program_id(0)
         row = tl.program_id(1)
         skip = tl.program_id(2).to(tl.int64) * PIECE
-        local_id = tl.load(ids + pair)
-        remote_id = tl.load(ids + num_ids + pair)
+        live = pair < tl.load(ids)
+        local_id = tl.load(ids + 1 + pair, mask=live, other=0)
+        remote_id = tl.load(ids + 1 + capacity + pair, mask=live, other=0)
         local_base = tl.load(rows + row)
         remote_base = tl.load(rows + num_rows + row)
         local_stride = tl.load(rows + 2 * num_rows + row)
@@ -148,6 +153,7 @@ def _rows_kernel() -> Any:
         nbytes = tl.load(rows + 4 * num_rows + row)
         # A row shorter than the longest has pieces past its end: they copy nothing.
         length = tl.minimum(nbytes - skip, PIECE) >> SHIFT
+        length = tl.where(live, length, 0)
         source = (local_base + local_id * local_stride + skip) >> SHIFT
         target = (remote_base + remote_id * remote_stride + skip) >> SHIFT
         if VEC > 1:
@@ -173,6 +179,30 @@ def _stream(device: int) -> torch.cuda.Stream:
     """The stream kvray's copies run on, one per device: apart from the model's streams, and
     not the legacy default stream (which would serialise with every other stream)."""
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+@functools.cache
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """The stream row copies are captured on: no write's copies ever run on it."""
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+
+_thread_events = threading.local()
+
+
+def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
+    """Order `stream` after the work queued so far on `source_device`'s current stream (the
+    model that wrote the KV). A wait takes the event's state when it is queued, so one event
+    per thread and device serves every write; per thread, so no other thread records it
+    between this record and this wait."""
+    events: dict[int, torch.cuda.Event] | None = getattr(_thread_events, "by_device", None)
+    if events is None:
+        events = _thread_events.by_device = {}
+    produced = events.get(source_device)
+    if produced is None:
+        produced = events[source_device] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    produced.record(torch.cuda.current_stream(source_device))
+    stream.wait_event(produced)
 
 
 @functools.cache
@@ -284,10 +314,8 @@ def copy_ops(
     """
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
-    produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    produced.record(torch.cuda.current_stream(source_device))
     target_stream = _stream(target_device)
-    target_stream.wait_event(produced)
+    follow_current(source_device, target_stream)
     if direct and peer_reads(target_device, source_device):
         with torch.cuda.stream(target_stream):
             launch_copy(dst, src, dst_offsets, src_offsets, nbytes)
@@ -295,7 +323,7 @@ def copy_ops(
         total = int(nbytes.sum())
         staged = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
         source_stream = _stream(source_device)
-        source_stream.wait_event(produced)
+        follow_current(source_device, source_stream)
         with torch.cuda.stream(source_stream):
             outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
             launch_copy(outgoing, src, staged, src_offsets, nbytes)
@@ -309,10 +337,38 @@ def copy_ops(
     return done
 
 
+#: Fewest block pairs a captured row copy is sized for; sizes go up in powers of two from here.
+_MIN_CAPACITY = 16
+#: Captured row copies kept per (row table, source, target, size): one per write in flight.
+_GRAPHS_PER_SHAPE = 4
+
+
+def capacity_for(count: int) -> int:
+    """The size of captured row copy a request of `count` block pairs uses: a power of two, so a
+    few captures serve every size and a request launches at most twice the programs it needs
+    (the rest stop at once)."""
+    return max(_MIN_CAPACITY, 1 << (count - 1).bit_length())
+
+
+@dataclass
+class RowGraph:
+    """The upload of a request's block ids (from a pinned buffer of this graph's own) and the row
+    kernel, captured once as a CUDA graph for one source, target and capacity; replayed for each
+    request. `done` completes when the last replay's copy has; until then the pinned buffer is
+    that request's and the graph is not replayed again."""
+
+    graph: torch.cuda.CUDAGraph
+    staging: npt.NDArray[np.int64]
+    pinned: torch.Tensor
+    ids: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+
 @dataclass(frozen=True)
 class RowTable:
     """A pair of `PartRows` (local and remote) as the row kernel reads them, on one GPU: built
-    once per pair of engine incarnations and layer list, then reused by every request."""
+    once per pair of engine incarnations and layer list, then reused by every request, with the
+    row copies captured for it."""
 
     table: torch.Tensor
     num_rows: int
@@ -320,6 +376,11 @@ class RowTable:
     combined: int
     #: Pieces of the longest row (a grid dimension).
     pieces: int
+    #: The one local and one remote region every row lies in; None when the rows span several.
+    regions: tuple[int, int] | None = None
+    #: Captured row copies by (source address, source bytes, target address, target bytes,
+    #: capacity).
+    graphs: dict[tuple[int, int, int, int, int], list[RowGraph]] = field(default_factory=dict)
 
 
 def row_table(rows: RequestRows, device: torch.device) -> RowTable:
@@ -331,49 +392,121 @@ def row_table(rows: RequestRows, device: torch.device) -> RowTable:
             combined |= int(np.bitwise_or.reduce(column))
     table = torch.from_numpy(np.concatenate(columns)).to(device)
     pieces = -(-int(local.nbytes.max()) // MAX_PIECE_NBYTES)
-    return RowTable(table, int(local.base.size), combined, pieces)
+    regions = None
+    if local.region.size:
+        local_index, remote_index = int(local.region[0]), int(remote.region[0])
+        if not (local.region != local_index).any() and not (remote.region != remote_index).any():
+            regions = (local_index, remote_index)
+    return RowTable(table, int(local.base.size), combined, pieces, regions)
 
 
-def launch_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> None:
-    """One kernel launch on `dst`'s GPU, on its current stream, copying every op of `rows`
-    between two uint8 tensors (`src` on the same GPU or one `dst`'s GPU reads). Bounds are the
-    caller's job (kvray checks every row before it gets here)."""
+def _launch_rows_kernel(
+    dst: torch.Tensor, src: torch.Tensor, table: RowTable, ids: torch.Tensor, capacity: int
+) -> None:
+    """The row kernel on the current stream over `capacity` block pairs of `ids` (laid out as
+    `_rows_kernel` reads them)."""
     unit = pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
     vector = 2 if unit == 16 else 1
     unit = min(8, unit)
-    remote_reads = dst.device != src.device
-    block, warps = (4096, 16) if remote_reads else (2048, 8)
-    count = int(rows.local_ids.size)
-    ids = _upload_table(dst.device, rows.local_ids, rows.remote_ids)
-    _rows_kernel()[(count, table.num_rows, table.pieces)](
+    _rows_kernel()[(capacity, table.num_rows, table.pieces)](
         src.view(_UNIT_DTYPES[unit]),
         dst.view(_UNIT_DTYPES[unit]),
         table.table,
         ids,
         table.num_rows,
-        count,
+        capacity,
         SHIFT=unit.bit_length() - 1,
         PIECE=MAX_PIECE_NBYTES,
-        BLOCK=block,
+        BLOCK=4096,
         VEC=vector,
-        num_warps=warps,
+        num_warps=16,
     )
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> torch.cuda.Event:
+def launch_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> None:
+    """One kernel launch on `dst`'s GPU, on its current stream, copying every op of `rows`
+    between two uint8 tensors (`src` on the same GPU or one `dst`'s GPU reads), its block ids
+    uploaded first. Bounds are the caller's job (kvray checks every row before it gets here)."""
+    count = int(rows.local_ids.size)
+    ids = _upload_table(dst.device, np.array([count], dtype=np.int64), rows.local_ids, rows.remote_ids)
+    _launch_rows_kernel(dst, src, table, ids, count)
+
+
+def _memcpy_to_device(target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """An asynchronous host-to-device copy of `source` (pinned) into `target` on `stream`,
+    through the driver: inside a capture it becomes the graph's copy node, and torch's host
+    allocator records no event for it."""
+    result = _libcuda().cuMemcpyHtoDAsync_v2(
+        ctypes.c_uint64(target.data_ptr()),
+        ctypes.c_void_p(source.data_ptr()),
+        ctypes.c_size_t(source.numel() * source.element_size()),
+        ctypes.c_void_p(stream.cuda_stream),
+    )
+    if result != 0:
+        raise TransportError(f"cuMemcpyHtoDAsync failed (CUresult {result})", result=result)
+
+
+def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph:
+    """Capture the ids' upload and the row kernel for requests of up to `capacity` block pairs
+    into `dst` from `src`. The capture records from this thread only (`thread_local`), so an
+    engine's other threads keep using the GPU meanwhile."""
+    pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
+    ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
+    # Compiles and loads the kernel outside the capture; a count of 0 copies nothing.
+    _launch_rows_kernel(dst, src, table, ids, capacity)
+    capturing = _capture_stream(dst.device.index or 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(capturing):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            _memcpy_to_device(ids, pinned, capturing)
+            _launch_rows_kernel(dst, src, table, ids, capacity)
+        finally:
+            graph.capture_end()
+    return RowGraph(graph, pinned.numpy(), pinned, ids)
+
+
+def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph | None:
+    """A captured row copy for this shape whose last replay has finished, captured now if fewer
+    than `_GRAPHS_PER_SHAPE` exist; None when all of them are busy."""
+    key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity)
+    graphs = table.graphs.setdefault(key, [])
+    for graph in graphs:
+        if graph.done is None or graph.done.query():  # type: ignore[no-untyped-call]
+            return graph
+    if len(graphs) >= _GRAPHS_PER_SHAPE:
+        return None
+    graphs.append(capture_rows(dst, src, table, capacity))
+    return graphs[-1]
+
+
+def copy_rows(
+    dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable, *, replay: bool = True
+) -> torch.cuda.Event:
     """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
     copy waits for the work queued on the source GPU's current stream, and the returned event
-    completes when every byte is in `dst`."""
+    completes when every byte is in `dst`. With `replay`, the ids go into an idle captured row
+    copy's pinned buffer and that graph is replayed (no allocation, no upload of its own, no
+    kernel dispatch on the host); without, or when every captured copy of this shape is busy,
+    the ids are uploaded and the kernel launched."""
     source_device = src.device.index or 0
-    target_device = dst.device.index or 0
-    target_stream = _stream(target_device)
-    produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    produced.record(torch.cuda.current_stream(source_device))
-    target_stream.wait_event(produced)
+    target_stream = _stream(dst.device.index or 0)
+    follow_current(source_device, target_stream)
+    count = int(rows.local_ids.size)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        launch_rows(dst, src, rows, table)
-    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    done.record(target_stream)
+        graph = _idle_graph(dst, src, table, capacity_for(count)) if replay else None
+        if graph is None:
+            launch_rows(dst, src, rows, table)
+        else:
+            capacity = (graph.staging.size - 1) // 2
+            graph.staging[0] = count
+            graph.staging[1 : 1 + count] = rows.local_ids
+            graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
+            graph.graph.replay()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(target_stream)
+    if graph is not None:
+        graph.done = done
     return done
 
 
@@ -464,16 +597,19 @@ class CudaIpcTransport(Transport):
         self,
         settings: Settings,
         allocation_range: Callable[[int], tuple[int, int]] = cuda_allocation_range,
+        *,
+        replay_graphs: bool = True,
     ) -> None:
-        """`allocation_range`: (start, nbytes) of the CUDA allocation holding a device address."""
+        """`allocation_range`: (start, nbytes) of the CUDA allocation holding a device address.
+        `replay_graphs`: write a plan's rows by replaying captured row copies (`copy_rows`);
+        False launches the kernel through Triton for every request."""
         super().__init__(settings)
         self._allocation_range = allocation_range
+        self._replay = replay_graphs
         #: The peers' regions opened here, by region index.
         self._opened: PeerCache[int, _Opened] = PeerCache(settings.max_cached_peers)
         #: Row tables on the GPU, by the identity of the (cached) rows they were built from.
-        self._row_tables: OrderedDict[tuple[int, int, torch.device], tuple[PartRows, PartRows, RowTable]] = (
-            OrderedDict()
-        )
+        self._row_tables: OrderedDict[tuple[int, int], tuple[PartRows, PartRows, RowTable]] = OrderedDict()
 
     @classmethod
     def accepts(cls, peer: EngineInfo) -> bool:
@@ -540,7 +676,7 @@ class CudaIpcTransport(Transport):
             if direct is not None:
                 source, opened, table = direct
                 try:
-                    done = copy_rows(opened.region, source, rows, table)
+                    done = copy_rows(opened.region, source, rows, table, replay=self._replay)
                 except Exception as error:
                     raise WriteFailedError(
                         f"copy into engine {peer.info.engine_id!r} failed: {error}",
@@ -583,32 +719,32 @@ class CudaIpcTransport(Transport):
     ) -> tuple[torch.Tensor, _Opened, RowTable] | None:
         """The source, the opened target and the row table when the row kernel can write the
         plan: every row in one local and one remote region, the destination GPU reads the
-        source directly, and the rows fit a grid; None sends the plan down the op-table path."""
-        local_regions, remote_regions = rows.local.region, rows.remote.region
-        if local_regions.size == 0 or local_regions.size > _MAX_GRID_YZ:
+        source directly, and the rows fit a grid; None sends the plan down the op-table path.
+        The table, and what it says of the rows, is built once per (cached) pair of rows."""
+        if rows.local.base.size == 0 or rows.local.base.size > _MAX_GRID_YZ:
             return None
-        local_index, remote_index = int(local_regions[0]), int(remote_regions[0])
-        if (local_regions != local_index).any() or (remote_regions != remote_index).any():
-            return None
-        source = local.regions[local_index].tensor
-        if not source.is_cuda:
-            raise TransportError("the cuda_ipc transport copies from CUDA memory")
-        target = self._open(peer, remote_index)
-        device = target.region.device
-        if not peer_reads(device.index or 0, source.device.index or 0):
-            return None
-        key = (id(rows.local), id(rows.remote), device)
+        key = (id(rows.local), id(rows.remote))
         cached = self._row_tables.get(key)
         if cached is None or cached[0] is not rows.local or cached[1] is not rows.remote:
+            device = self._open(peer, int(rows.remote.region[0])).region.device
             table = row_table(rows, device)
-            if table.pieces > _MAX_GRID_YZ:
-                return None
             # The rows are kept with their table, so their ids stay theirs while it is cached.
             cached = (rows.local, rows.remote, table)
             self._row_tables[key] = cached
             while len(self._row_tables) > _KEPT_ROW_TABLES:
                 self._row_tables.popitem(last=False)
-        return source, target, cached[2]
+        table = cached[2]
+        if table.regions is None or table.pieces > _MAX_GRID_YZ:
+            return None
+        local_index, remote_index = table.regions
+        source = local.regions[local_index].tensor
+        if not source.is_cuda:
+            raise TransportError("the cuda_ipc transport copies from CUDA memory")
+        target = self._open(peer, remote_index)
+        device = target.region.device
+        if device != table.table.device or not peer_reads(device.index or 0, source.device.index or 0):
+            return None
+        return source, target, table
 
     def _open(self, peer: Peer, index: int) -> _Opened:
         info = peer.info

@@ -196,6 +196,68 @@ def test_bytes_land_and_canaries_hold(
 
 
 @pytest.mark.parametrize(
+    ("decode_process", "replay"),
+    [
+        pytest.param((mixed(32, order), _devices()[0], False), replay, id=f"{order.value}-replay-{replay}")
+        for order in BlockOrder
+        for replay in (True, False)
+    ],
+    indirect=["decode_process"],
+)
+def test_requests_of_every_size_land_through_one_transport(decode_process: Any, replay: bool) -> None:
+    """Many requests through one transport: sizes below, at and past a captured copy's capacity
+    (ids left from a larger request in its pinned buffer must not be copied again), one after
+    the other over the same blocks, then more at once than the copies captured per size (the
+    rest launched); every byte lands and nothing outside the written blocks changes."""
+    from kvray.config import Settings
+    from kvray.transport import Peer
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+
+    conn, info = decode_process
+    source = _source(info.layout)
+    local = source.engine_info(
+        "prefill",
+        1,
+        Role.PREFILL,
+        "node",
+        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
+    )
+    transport = CudaIpcTransport(Settings(), replay_graphs=replay)
+    peer = Peer(info)
+    rng = np.random.default_rng(5)
+    one_by_one = [
+        plan_transfer(local, info, rng.permutation(32)[:size], rng.permutation(32)[:size])
+        for size in (11, 1, 17, 16, 3, 32, 2)
+    ]
+    pool = rng.permutation(32)
+    at_once = [
+        plan_transfer(local, info, rng.permutation(32)[:5], pool[5 * index : 5 * (index + 1)])
+        for index in range(6)
+    ]
+
+    async def write_all() -> None:
+        for plan in one_by_one:
+            await transport.write(plan, source, peer)
+        await asyncio.gather(*(transport.write(plan, source, peer) for plan in at_once))
+        await transport.close()
+
+    asyncio.run(write_all())
+    conn.send("snapshot")
+    region_offset, after = conn.recv()
+    before = _pattern(after.size, CANARY_SEED, torch.device("cuda:0")).cpu().numpy()
+    expected = before.copy()
+    src = source.regions[0].tensor.cpu().numpy()
+    written = np.zeros(after.size, dtype=bool)
+    for plan in one_by_one + at_once:
+        assert plan.rows is not None
+        for _, lo, _, ro, n in plan.ops.rows():
+            expected[region_offset + ro : region_offset + ro + n] = src[lo : lo + n]
+            written[region_offset + ro : region_offset + ro + n] = True
+    assert np.array_equal(after[written], expected[written]), "bytes did not land"
+    assert np.array_equal(after[~written], before[~written]), "bytes outside the written blocks changed"
+
+
+@pytest.mark.parametrize(
     "decode_process", [pytest.param((mixed(32), _devices()[0], True), id="agent")], indirect=True
 )
 def test_agents_push_over_cuda_ipc_and_complete(decode_process: Any) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kvray.plan as plan_module
 from kvray.layout import DTYPE_ITEMSIZE, BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.memory import Backing
-from kvray.plan import OpTable, check_ops, merge_ops, plan_transfer
+from kvray.plan import OpTable, PartRows, check_ops, check_rows, merge_ops, plan_transfer
 from kvray.wire import EngineInfo, Role
 
 pytestmark = pytest.mark.skipif(not plan_module.native(), reason="kvray._plan (the C extension) is not built")
@@ -221,3 +221,34 @@ def test_columns_of_other_integer_types_are_merged_and_checked_by_the_twin() -> 
     check_ops(columns[0], columns[1], columns[4], [16], side="local", engine_id="p")
     with pytest.raises(Exception, match="leaves region"):
         check_ops(columns[0], columns[1], columns[4], [6], side="local", engine_id="p")
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_the_same_row_check_both_ways(data: st.DataObject) -> None:
+    """The row check (each row's ops at its smallest and largest block id) passes exactly when
+    every op of every row lies inside its region, both ways, and fails with the same error;
+    strides and bases near int64's ends make the offsets overflow."""
+    size = data.draw(st.integers(1, 5))
+    values = st.one_of(edgy, big, st.integers(-64, 4096))
+    columns = [st.integers(-1, 2), values, values, values]
+    region, base, stride, nbytes = (
+        np.asarray(data.draw(st.lists(column, min_size=size, max_size=size)), dtype=np.int64)
+        for column in columns
+    )
+    rows = PartRows(("layer",), region, base, stride, nbytes, (0, size))
+    ids = np.unique(
+        np.asarray(data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6)), dtype=np.int64)
+    )
+    lengths = data.draw(st.lists(st.one_of(st.integers(0, 8192), edgy.filter(lambda v: v >= 0)), max_size=3))
+    native, twin = both_ways(lambda: check_rows(rows, ids, lengths, side="local", engine_id="p"))
+    if isinstance(twin, Exception) or isinstance(native, Exception):
+        same_error(native, twin)
+    else:
+        assert native is None and twin is None
+    inside = [
+        0 <= r < len(lengths) and 0 < n <= lengths[r] and 0 <= b + i * s <= lengths[r] - n
+        for r, b, s, n in zip(region.tolist(), base.tolist(), stride.tolist(), nbytes.tolist(), strict=True)
+        for i in ids.tolist()
+    ]
+    assert (native is None) == all(inside)
