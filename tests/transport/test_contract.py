@@ -44,7 +44,17 @@ def with_ops(plan: TransferPlan, **columns: np.ndarray) -> TransferPlan:
     ops = plan.ops
     fields = {name: getattr(ops, name).copy() for name in (f.name for f in dataclasses.fields(OpTable))}
     fields.update(columns)
-    return dataclasses.replace(plan, ops=OpTable(**fields))
+    tampered = TransferPlan.from_ops(
+        plan.src_engine,
+        plan.src_incarnation,
+        plan.dst_engine,
+        plan.dst_incarnation,
+        plan.layers,
+        OpTable(**fields),
+        plan.unmerged,
+        plan.layer_starts,
+    )
+    return dataclasses.replace(tampered, request_id=plan.request_id, token=plan.token)
 
 
 # ---- 1. bytes land where planned, and nowhere else ----------------------------------------------
@@ -223,11 +233,23 @@ async def test_concurrent_writes_to_one_peer(
 
     await asyncio.gather(*(tut.write(plan, source, destination) for plan in plans))
 
-    both = dataclasses.replace(
-        plans[0],
-        ops=OpTable(
+    first = plans[0]
+    both = TransferPlan.from_ops(
+        first.src_engine,
+        first.src_incarnation,
+        first.dst_engine,
+        first.dst_incarnation,
+        first.layers,
+        OpTable(
             *(np.concatenate([getattr(p.ops, f.name) for p in plans]) for f in dataclasses.fields(OpTable))
         ),
+        OpTable(
+            *(
+                np.concatenate([getattr(p.unmerged, f.name) for p in plans])
+                for f in dataclasses.fields(OpTable)
+            )
+        ),
+        first.layer_starts,
     )
     tut.assert_landed(
         both, source, destination, before, np.concatenate(local_halves), np.concatenate(remote_halves)
