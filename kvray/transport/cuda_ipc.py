@@ -2,7 +2,9 @@
 as a CUDA IPC handle (with the region's offset inside it, in the region descriptor); the
 prefill process opens it once per peer incarnation and writes a plan's ops with batched copies,
 never one launch per block: ONE Triton kernel launch per region pair, on the decode engine's
-GPU (each program copies one op, or one piece of a long op, with wide loads and stores).
+GPU (each program copies one op, or one piece of a long op, with wide loads and stores). A plan
+that carries its rows is written by replaying a CUDA graph captured once per row table, source,
+target and size: the block ids' upload from a pinned buffer, then a kernel that expands the ops.
 Across two GPUs with peer access (NVLink) that kernel loads the source over the link; without
 peer access, a gather kernel, one device-to-device copy and a scatter kernel stage it.
 Completion waits for the last event off the event loop.
