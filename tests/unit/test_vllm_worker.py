@@ -4,7 +4,10 @@ the settings from `kv_connector_extra_config`, and the push request on the wire.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -12,8 +15,8 @@ import pytest
 import torch
 
 from kvray.config import Settings
-from kvray.errors import ConfigError, RegionError, WireDecodeError
-from kvray.integrations.vllm.worker import ConnectorWorker, layout_of, settings_from
+from kvray.errors import ConfigError, RegionError, TransferTimeoutError, WireDecodeError
+from kvray.integrations.vllm.worker import ConnectorWorker, LoadSpec, layout_of, settings_from
 from kvray.memory import Backing, MemoryKind
 from kvray.owned import is_owned_name
 from kvray.wire import (
@@ -116,6 +119,61 @@ def test_a_layer_in_a_storage_too_small_for_an_aligned_region_is_refused(tmp_pat
     with pytest.raises(RegionError, match="outside its allocation"):
         worker.register(caches, NUM_BLOCKS, BLOCK_SIZE)
     worker.shutdown()
+
+
+def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The prefill engine refuses (it holds no such request); the decode side's release finds a
+    # writer still holding the request: vLLM must not hear of the request (and reuse its blocks)
+    # until the agent's quarantine of it ends.
+    settings = Settings(shm_dir=str(tmp_path), notify_timeout_s=1.0, transfer_timeout_s=5.0)
+    prefill = ConnectorWorker("vllm-p", Role.DECODE, settings, lease_s=0.2)
+    decode = ConnectorWorker("vllm-d", Role.DECODE, settings, lease_s=0.2)
+    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
+    for worker in (prefill, decode):
+        with worker.allocation_context():
+            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
+        worker.register(vllm_cpu_caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
+    agent = decode.agent
+    writer_gone = threading.Event()  # set by the test: the quarantine may end
+
+    async def held_release(request_id: str) -> None:
+        quarantine = agent.quarantined[request_id] = asyncio.Event()
+
+        async def end() -> None:
+            await asyncio.to_thread(writer_gone.wait)
+            quarantine.set()
+
+        ending.append(asyncio.get_running_loop().create_task(end()))
+        raise TransferTimeoutError("a writer still holds it", request_id=request_id)
+
+    ending: list[asyncio.Task[None]] = []
+
+    monkeypatch.setattr(agent, "release", held_release)
+    load = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
+    try:
+        decode.begin({"d-1": load}, {})
+        deadline = time.monotonic() + 20
+        while not agent.quarantined and time.monotonic() < deadline:
+            prefill.finished()  # expires the early push request: the refusal reaches the decode side
+            time.sleep(0.05)
+        assert agent.quarantined, "the receive never reached its release"
+        time.sleep(0.3)
+        assert decode.finished()[1] == set()
+        writer_gone.set()
+        reported: set[str] = set()
+        failed: set[str] = set()
+        while "d-1" not in reported and time.monotonic() < deadline:
+            _, received, _, errors = decode.finished()
+            reported |= received
+            failed |= errors
+            time.sleep(0.02)
+        assert reported == {"d-1"} and failed == {"d-1"}
+    finally:
+        writer_gone.set()
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> None:

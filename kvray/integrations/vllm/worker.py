@@ -392,6 +392,11 @@ class ConnectorWorker:
         return self._agent.info
 
     @property
+    def agent(self) -> KVAgent:
+        assert self._agent is not None, "register() starts the agent"
+        return self._agent
+
+    @property
     def info(self) -> EngineInfo:
         assert self._agent is not None
         return self._agent.info
@@ -528,9 +533,14 @@ class ConnectorWorker:
             if reserved:
                 try:
                     await agent.release(spec.request_id)
-                except KvrayError as error:  # a writer still holds it: keep the blocks out
+                except KvrayError as error:
                     ok = False
                     log.error("kvray: %s could not be released: %s", spec.request_id, error)
+                    # A writer may still write into the blocks: vLLM keeps them (the request
+                    # is not reported) until the agent's quarantine of it ends.
+                    quarantined = agent.quarantined.get(spec.request_id)
+                    if quarantined is not None:
+                        await quarantined.wait()
             with self._results.lock:
                 self._results.finished_recving.add(spec.request_id)
                 if not ok:
