@@ -122,6 +122,14 @@ class Engine:
             for prompt, output in zip(prompts, outputs, strict=True)
         ]
 
+    def chat(self, conversations: Sequence[Sequence[Mapping[str, str]]], max_tokens: int) -> list[str]:
+        """Greedy answers to chat conversations (the model's chat template applied)."""
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        outputs = self.llm.chat([list(map(dict, c)) for c in conversations], sampling, use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+
     def blocks_in_use(self) -> float:
         """The fraction of the engine's KV cache blocks held by requests, read once one more
         one-token request has run (vLLM publishes the gauge as a step ends): 0.0 when nothing,

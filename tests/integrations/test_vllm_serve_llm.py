@@ -1,0 +1,133 @@
+"""Ray Serve LLM's prefill/decode application (`ray.serve.llm.build_pd_openai_app`) with kvray as
+its connector back-end, over real HTTP on this CPU machine: the decode replica's orchestrator
+binds the prefill replica first, both requests run at once, the decode engine finds the prefill
+engine through kvray's coordinator and the KV is pushed into its blocks, layer by layer where
+the prefill's forward had not started. Completions (plain, streamed, 8 clients at once) and
+chat completions equal a single engine's greedy answers, and the KV of sampled requests has
+equal per-layer digests as sent and as received.
+
+Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from handoff_logs import failures, records
+from vllm_installed import require_vllm
+
+require_vllm()
+pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install -e '.[vllm]'")
+
+import httpx  # noqa: E402 - after the check that they are installed
+import ray  # noqa: E402 - after the check that they are installed
+from ray import serve  # noqa: E402 - after the check that they are installed
+
+from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.serve_llm import build_pd_app  # noqa: E402 - after the check that they are installed
+
+pytestmark = pytest.mark.cluster
+
+NEW_TOKENS = 32
+START_S = 600.0
+MODEL_ID = "smollm2"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("serve-llm")
+    model = str(smollm2())
+    # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    extra = {"transfer_timeout_s": 60.0, "digest_every": 3}
+    serve.run(
+        build_pd_app(
+            model,
+            model_id=MODEL_ID,
+            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
+            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
+        ),
+        blocking=False,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_S
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the Serve LLM app did not start within {START_S} s"
+        time.sleep(2.0)
+    ray.get(reference.processes.remote())
+    yield {"url": url, "reference": reference, "logs": logs}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def complete(url: str, prompt: str) -> str:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300.0)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["text"])
+
+
+def test_completions_equal_a_single_engine_and_the_kv_arrives_intact(app: dict[str, Any]) -> None:
+    prompts = load_prompts()[:12]
+    alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
+    served = [complete(app["url"], prompt) for prompt in prompts]
+    logs = app["logs"]
+    assert served == alone, failures(logs / "p.jsonl", logs / "d.jsonl")
+    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
+    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
+    assert len(sent) >= len(prompts) and set(sent) == set(received)
+    assert any(r["layerwise"] for r in sent.values()), "no request was pushed layer by layer"
+    sampled = [key for key, r in sent.items() if r["layers"]]
+    assert sampled
+    for key in sampled:
+        assert sent[key]["layers"] == received[key]["layers"], key
+
+
+def test_streamed_completions_and_chat_equal_a_single_engine(app: dict[str, Any]) -> None:
+    url, prompt = app["url"], load_prompts()[12]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "stream": True}
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+    assert len(pieces) > 1
+    assert "".join(pieces) == ray.get(app["reference"].generate.remote([prompt], NEW_TOKENS))[0].text
+
+    conversation = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    body = {"model": MODEL_ID, "messages": conversation, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300.0)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["choices"][0]["message"]["content"]
+    assert answer == ray.get(app["reference"].chat.remote([conversation], NEW_TOKENS))[0]
+    assert "Paris" in answer
+
+
+def test_eight_clients_at_once(app: dict[str, Any]) -> None:
+    prompts = load_prompts()[13:21]
+    alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
+    with ThreadPoolExecutor(max_workers=8) as clients:
+        served = list(clients.map(lambda prompt: complete(app["url"], prompt), prompts))
+    assert served == alone, failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
