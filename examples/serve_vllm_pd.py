@@ -26,7 +26,7 @@ import ray
 from ray import serve
 
 from kvray.integrations.vllm.model import smollm2
-from kvray.integrations.vllm.serve_llm import build_pd_app
+from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving
 
 
 def main() -> int:
@@ -41,13 +41,7 @@ def main() -> int:
     started = time.perf_counter()
     serve.run(build_pd_app(model), blocking=False)
     url = f"http://127.0.0.1:{args.port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(2.0)
+    wait_until_serving(url)
     print(f"serving {model} as 'smollm2' at {url}/v1 (prefill and decode replicas, KV by kvray), "
           f"up in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
     if args.once:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,7 +30,7 @@ from ray import serve  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.serve_llm import build_pd_app  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
@@ -66,15 +65,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         blocking=False,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"the Serve LLM app did not start within {START_S} s"
-        time.sleep(2.0)
+    wait_until_serving(url, START_S)
     ray.get(reference.processes.remote())
     yield {"url": url, "reference": reference, "logs": logs}
     serve.shutdown()

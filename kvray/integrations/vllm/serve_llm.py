@@ -21,6 +21,7 @@ or `build_pd_app(model_folder)`, which does all of that for the test model on a 
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -99,6 +100,22 @@ def build_pd_app(
             "decode_config": config(decode_extra, decode_replicas),
         }
     )
+
+
+def wait_until_serving(url: str, timeout_s: float = 600.0) -> None:
+    """Wait until the OpenAI app at `url` lists its models (its engines are up)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the app at {url} did not start serving within {timeout_s} s")
+        time.sleep(2.0)
 
 
 def handoff_id(request: Any) -> str:
