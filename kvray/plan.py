@@ -542,7 +542,9 @@ def check_rows(
         raise BlockIdError(f"{side} block ids must be a non-empty 1-D list", side=side, engine_id=engine_id)
     low, high = span if span is not None else (int(ids.min()), int(ids.max()))
     # Offsets are computed in int64 below: ids that could wrap them are refused first.
-    largest_stride = int(np.abs(rows.block_stride).max()) if rows.block_stride.size else 0
+    # In Python ints: numpy's abs of int64's smallest value is that value again.
+    strides = rows.block_stride
+    largest_stride = max(int(strides.max()), -int(strides.min())) if strides.size else 0
     if low < 0 or high * largest_stride >= 2**62:
         raise BlockIdError(
             f"{side} block ids span [{low}, {high}], outside any region of engine {engine_id!r}",
