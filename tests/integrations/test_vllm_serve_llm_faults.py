@@ -1,0 +1,140 @@
+"""Faults over HTTP on Ray Serve LLM's P/D application with kvray (one prefill, two decode
+replicas): a decode replica killed under load fails only its own requests, with a 5xx, while the
+others answer exactly; Serve's replacement registers and serves. A prefill replica killed under
+load fails its requests within the transfer deadline (or they succeed), none hangs, and its
+replacement serves.
+
+Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from vllm_installed import require_vllm
+
+require_vllm()
+pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install -e '.[vllm]'")
+
+import httpx  # noqa: E402 - after the check that they are installed
+import ray  # noqa: E402 - after the check that they are installed
+from ray import serve  # noqa: E402 - after the check that they are installed
+
+from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving  # noqa: E402 - after the check that they are installed
+
+pytestmark = pytest.mark.cluster
+
+#: Long enough that every request is still decoding when a replica is killed.
+NEW_TOKENS = 384
+DEADLINE_S = 20.0
+#: Longest any request may take here, failures included: nothing hangs.
+NEVER_HANG_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[dict[str, Any]]:
+    model = str(smollm2())
+    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False)
+    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 30.0}
+    serve.run(build_pd_app(model, prefill_extra=extra, decode_extra=extra, decode_replicas=2), blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(url)
+    ray.get(reference.processes.remote())
+    yield {"url": url, "reference": reference}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def replicas(deployment: str) -> list[str]:
+    """Names of the live Serve replica actors of a deployment ("Prefill" or "Decode")."""
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and f"#{deployment}:" in actor["name"]
+    )
+
+
+def complete(url: str, prompt: str) -> tuple[int, str, float]:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+    started = time.monotonic()
+    try:
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=NEVER_HANG_S)
+    except httpx.HTTPError as error:  # the connection itself failed: counted as a server error
+        return 599, repr(error), time.monotonic() - started
+    text = reply.json()["choices"][0]["text"] if reply.status_code == 200 else reply.text
+    return reply.status_code, text, time.monotonic() - started
+
+
+def under_load(
+    app: dict[str, Any], prompts: list[str], kill: str
+) -> tuple[str, list[tuple[int, str, float]]]:
+    """`prompts` sent at once; a replica of `kill` killed while they run: (its name, the answers)."""
+    victim = replicas(kill)[0]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as clients:
+        answers = [clients.submit(complete, app["url"], prompt) for prompt in prompts]
+        time.sleep(1.5)  # every request is under way (each decodes for several seconds here)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return victim, [answer.result(timeout=NEVER_HANG_S + 30) for answer in answers]
+
+
+def running(deployment: str, count: int, gone: str, timeout_s: float = 300.0) -> None:
+    """Wait until Serve has replaced the replica `gone` and reports `count` replicas of the
+    deployment running (engines up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = serve.status().applications["default"].deployments[f"{deployment}:smollm2"]
+        names = replicas(deployment)
+        if gone not in names and states.replica_states.get("RUNNING", 0) == count:
+            return
+        assert time.monotonic() < deadline, f"Serve did not replace the {deployment} replica: {states}"
+        time.sleep(2.0)
+
+
+def test_a_killed_decode_replica_fails_only_its_requests_and_is_replaced(app: dict[str, Any]) -> None:
+    prompts = load_prompts()[:8]
+    alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
+    before = replicas("Decode")
+    assert len(before) == 2
+    victim, answers = under_load(app, prompts, "Decode")
+    for (status, text, seconds), expected in zip(answers, alone, strict=True):
+        assert seconds < NEVER_HANG_S
+        assert (status == 200 and text == expected) or 500 <= status < 600, (status, text[:200])
+    assert any(status == 200 for status, _, _ in answers), "the surviving decode replica served nothing"
+    # The replacement registers and serves: once it runs, the other original replica goes too,
+    # and every later request is the replacement's.
+    assert any(status >= 500 for status, _, _ in answers), "no request was on the killed replica"
+    running("Decode", 2, gone=victim)
+    (survivor,) = set(before) - {victim}
+    ray.kill(ray.get_actor(survivor, namespace="serve"), no_restart=True)
+    running("Decode", 1, gone=survivor, timeout_s=60.0)  # seen gone: the replacement serves alone
+    later = load_prompts()[8:12]
+    expected = [g.text for g in ray.get(app["reference"].generate.remote(later, NEW_TOKENS))]
+    with ThreadPoolExecutor(max_workers=4) as clients:
+        assert [a[:2] for a in clients.map(lambda p: complete(app["url"], p), later)] == [
+            (200, text) for text in expected
+        ]
+
+
+def test_a_killed_prefill_replica_fails_its_requests_within_the_deadline(app: dict[str, Any]) -> None:
+    prompts = load_prompts()[12:16]
+    alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
+    victim, answers = under_load(app, prompts, "Prefill")
+    for (status, text, seconds), expected in zip(answers, alone, strict=True):
+        # Each either has its KV already or fails once its deadline has passed, never later.
+        assert seconds < DEADLINE_S + 60, seconds
+        assert (status == 200 and text == expected) or status >= 400, (status, text[:200])
+    running("Prefill", 1, gone=victim)
+    status, text, _ = complete(app["url"], prompts[0])
+    assert (status, text) == (200, alone[0])
