@@ -107,11 +107,18 @@ def test_streamed_completions_and_chat_equal_a_single_engine(app: dict[str, Any]
     assert len(pieces) > 1
     assert "".join(pieces) == ray.get(app["reference"].generate.remote([prompt], NEW_TOKENS))[0].text
 
+    # Chat through the OpenAI client, as the README shows it.
+    from openai import OpenAI
+
     conversation = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    body = {"model": MODEL_ID, "messages": conversation, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300.0)
-    assert reply.status_code == 200, reply.text
-    answer = reply.json()["choices"][0]["message"]["content"]
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=conversation,
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,  # type: ignore[arg-type]
+    )
+    answer = reply.choices[0].message.content
     assert answer == ray.get(app["reference"].chat.remote([conversation], NEW_TOKENS))[0]
     assert "Paris" in answer
 
