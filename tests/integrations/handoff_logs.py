@@ -30,6 +30,11 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def by_request(path: Path, side: str) -> dict[str, dict[str, Any]]:
+    """The records of one side ("sent", "received") of a digest log, by prefill request id."""
+    return {record["prefill_request"]: record for record in records(path) if record["side"] == side}
+
+
 def asked(log: Path, timeout_s: float = 60.0) -> Callable[[list[str]], None]:
     """For `decode_first`: wait until the prefill engine (digest log `log`) holds a push
     request for every hand-off, so that its forward finds them all."""

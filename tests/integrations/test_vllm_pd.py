@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from handoff_logs import asked, digests, failures, records
+from handoff_logs import asked, by_request, digests, failures
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -166,8 +166,8 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
         logs / "p.jsonl", logs / "d.jsonl"
     )
     keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
-    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
-    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
+    sent = by_request(logs / "p.jsonl", "sent")
+    received = by_request(logs / "d.jsonl", "received")
     assert all(sent[key]["layerwise"] for key in keys), [sent[key]["layerwise"] for key in keys]
     sampled = [key for key in keys if sent[key]["layers"]]
     assert sampled

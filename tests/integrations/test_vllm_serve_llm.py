@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from handoff_logs import failures, records
+from handoff_logs import by_request, failures
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -85,8 +85,8 @@ def test_completions_equal_a_single_engine_and_the_kv_arrives_intact(app: dict[s
     served = [complete(app["url"], prompt) for prompt in prompts]
     logs = app["logs"]
     assert served == alone, failures(logs / "p.jsonl", logs / "d.jsonl")
-    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
-    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
+    sent = by_request(logs / "p.jsonl", "sent")
+    received = by_request(logs / "d.jsonl", "received")
     assert len(sent) >= len(prompts) and set(sent) == set(received)
     assert any(r["layerwise"] for r in sent.values()), "no request was pushed layer by layer"
     sampled = [key for key, r in sent.items() if r["layers"]]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from handoff_logs import asked, failures, records
+from handoff_logs import asked, by_request, failures, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -75,10 +75,8 @@ def test_engines_on_two_nodes_hand_off_over_the_ray_transport(engines: dict[str,
     assert nodes[0] != nodes[1]
     assert prefill_info.node_id == nodes[0]
     # Every push went by the ray transport, and the sampled requests' KV arrived intact.
-    sent = {r["prefill_request"]: r for r in records(engines["logs"] / "p.jsonl") if r["side"] == "sent"}
-    received = {
-        r["prefill_request"]: r for r in records(engines["logs"] / "d.jsonl") if r["side"] == "received"
-    }
+    sent = by_request(engines["logs"] / "p.jsonl", "sent")
+    received = by_request(engines["logs"] / "d.jsonl", "received")
     requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
     assert set(requests) <= set(sent) and set(requests) <= set(received)
     assert {sent[request]["transport"] for request in requests} == {"ray"}
@@ -108,8 +106,8 @@ def test_decode_first_pushes_layer_by_layer_across_nodes(engines: dict[str, Any]
         logs / "p.jsonl", logs / "d.jsonl"
     )
     keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
-    sent = {r["prefill_request"]: r for r in records(logs / "p.jsonl") if r["side"] == "sent"}
-    received = {r["prefill_request"]: r for r in records(logs / "d.jsonl") if r["side"] == "received"}
+    sent = by_request(logs / "p.jsonl", "sent")
+    received = by_request(logs / "d.jsonl", "received")
     assert all(sent[key]["layerwise"] and sent[key]["transport"] == "ray" for key in keys)
     sampled = [key for key in keys if sent[key]["layers"]]
     assert sampled

@@ -556,7 +556,7 @@ class ConnectorWorker:
         if self._replica is None:
             raise NotExpectedError(
                 f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} without its "
-                f"info ({'kvray_prefill_info'}): only an engine that joined Ray (ray_address) can look it "
+                f"info (kvray_prefill_info): only an engine that joined Ray (ray_address) can look it "
                 "up; pass the prefill engine's kv_transfer_params instead",
                 engine_id=spec.prefill_engine,
             )
@@ -593,13 +593,22 @@ class ConnectorWorker:
             )
         await peer.host.kvray_request_push.remote(encode(request))
 
-    def _learn_peer(self, info_bytes: bytes) -> None:
-        """Take a decode engine's info from its push request, unless this engine has joined
-        Ray: then the coordinator is the one to ask (it knows the engine's host actor, which
-        the `ray` transport and notices from another node need)."""
+    def _learn_peer(self, request: PushRequest) -> None:
+        """Check the decode engine's info a push request carries against its reservation, and
+        take it, unless this engine has joined Ray: then the coordinator is the one to ask (it
+        knows the engine's host actor, which the `ray` transport and notices from another node
+        need)."""
         assert self._agent is not None
+        if not request.decode_info:
+            return
+        decode = decode_engine_info(request.decode_info)
+        reservation = request.reservation
+        if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
+            raise NotExpectedError(
+                "a push request's decode info does not match its reservation", request_id=request.request_id
+            )
         if self._replica is None:
-            self._agent.add_peer(decode_engine_info(info_bytes))
+            self._agent.add_peer(decode)
 
     # ---- prefill side -----------------------------------------------------------------
 
@@ -636,14 +645,7 @@ class ConnectorWorker:
         reservation = request.reservation
         try:
             blocks = _taken_blocks(request, sending.spec.block_ids)
-            if request.decode_info:
-                decode = decode_engine_info(request.decode_info)
-                if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
-                    raise NotExpectedError(
-                        "a push request's decode info does not match its reservation",
-                        request_id=request.request_id,
-                    )
-                self._learn_peer(request.decode_info)
+            self._learn_peer(request)
             result = await self._push_when_room(agent, reservation, blocks, sending.lease_ends)
             await self._record("sent", request.request_id, blocks, result, layerwise=False)
         except Exception as error:  # the push told the decode side, or this does
@@ -679,8 +681,7 @@ class ConnectorWorker:
         the others as they are saved, and finish when vLLM hands the finished request over."""
         try:
             layered.blocks = _taken_blocks(request, layered.spec.block_ids)
-            if request.decode_info:
-                self._learn_peer(request.decode_info)
+            self._learn_peer(request)
         except Exception as error:
             self._spawn(self._refuse(request, _why(error)))
             return
@@ -797,8 +798,8 @@ class ConnectorWorker:
         if agent is None:
             return
         with contextlib.suppress(Exception):
-            if request.decode_info:
-                self._learn_peer(request.decode_info)
+            with contextlib.suppress(KvrayError):  # a mismatched info: tell the reservation's engine
+                self._learn_peer(request)
             await agent.abort(request.reservation, f"push of {request.request_id!r} refused: {why}")
 
 
