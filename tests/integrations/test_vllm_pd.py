@@ -89,7 +89,8 @@ def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str,
     sent, received = digests(engines["logs"] / "p.jsonl"), digests(engines["logs"] / "d.jsonl")
     requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
     sampled = [request for request in requests if sent[("sent", request)]]
-    assert len(sampled) >= len(requests) // (2 * DIGEST_EVERY), sampled
+    # Request ids are random: a quarter of the expected count makes a short draw all but impossible.
+    assert len(sampled) >= len(requests) // (4 * DIGEST_EVERY), sampled
     for request in sampled:
         assert sent[("sent", request)] == received[("received", request)], request
         assert len(sent[("sent", request)]) == 30

@@ -54,7 +54,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    extra = {"transfer_timeout_s": 60.0, "digest_every": 3}
+    extra = {"transfer_timeout_s": 60.0, "digest_every": 1}  # every request: ids are random
     serve.run(
         build_pd_app(
             model,
