@@ -185,6 +185,16 @@ def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> No
         settings_from({"transfer_timeout_s": "soon"})
 
 
+@pytest.mark.parametrize("transport", ["auto", "shm", "ray"])
+def test_the_extra_config_picks_the_transport(transport: str) -> None:
+    assert settings_from({"transport": transport}).transport == transport
+
+
+def test_an_unknown_transport_in_the_extra_config_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="transport must be auto, shm, ray, cuda_ipc or verbs, got 'pig'"):
+        settings_from({"transport": "pig"})
+
+
 def test_a_push_request_round_trips_and_is_its_own_family() -> None:
     reservation = Reservation(
         request_id="d-1", engine_id="vllm-d", incarnation=5, blocks=(3, 4), token=99, slot=2

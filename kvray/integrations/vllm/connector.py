@@ -4,7 +4,8 @@
                            "kv_connector_module_path": "kvray.integrations.vllm.connector",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
-`kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`), plus
+`kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`, or
+`transport`: auto, shm or ray, the transport this engine's pushes take), plus
 `lease_s` (how long a prefill engine holds a finished request's blocks for a decode engine),
 `digest_log` (a file to append per-layer digests of the KV each side sent and received, to
 compare them, and each side's time), `digest_every` (hash one request in this many) and
