@@ -4,6 +4,7 @@ prompt into per-request transfer times."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -124,3 +125,35 @@ def test_without_the_variable_nothing_is_written(tmp_path: Path, monkeypatch: py
 def test_only_the_known_connectors_are_wrapped() -> None:
     with pytest.raises(AttributeError, match="SomeConnector"):
         handoff_timing.SomeConnector  # noqa: B018 - the lookup is the test
+
+
+class PinningConnector(StandInConnector):
+    """Pins the thread that builds it to one CPU, as NIXL's connector does on a CPU platform."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+
+
+class TimedPinning(HandoffTiming, PinningConnector):
+    pass
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs"
+)
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_building_thread_gets_its_cpus_back_when_asked(
+    keep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(handoff_timing.TIMES_ENV, raising=False)
+    if keep:
+        monkeypatch.setenv(handoff_timing.KEEP_AFFINITY_ENV, "1")
+    else:
+        monkeypatch.delenv(handoff_timing.KEEP_AFFINITY_ENV, raising=False)
+    before = os.sched_getaffinity(0)
+    try:
+        TimedPinning(None, "worker")
+        assert (os.sched_getaffinity(0) == before) is keep
+    finally:
+        os.sched_setaffinity(0, before)

@@ -21,6 +21,12 @@ environment variable (one file per engine; no variable, no records):
 - `received`: the worker's `get_transfer_results` reported these requests finished receiving
   (the scheduler may now decode them); `failed` names the ones that failed.
 
+With `KV_HANDOFF_KEEP_AFFINITY=1` the wrapper also gives the thread that built the connector
+back the CPUs it had before: vLLM's NIXL connector, on a CPU platform, pins the calling thread
+(the worker's main thread, which runs the forward pass) to the last core of each NUMA node,
+meant for its transfers; on a small machine every engine's forward then shares that one core.
+The benchmark runs NIXL both ways.
+
 Times are `time.time_ns()`: every engine of one machine shares that clock. The KV transfer time
 of a request is its `received` time at the decode engine minus its `computed` time at the
 prefill engine (`handoff_times`); it can be below zero when a connector has the KV in place
@@ -40,6 +46,8 @@ from typing import Any
 
 #: The environment variable naming an engine's record file.
 TIMES_ENV = "KV_HANDOFF_TIMES"
+#: The environment variable that, set to 1, undoes a connector's pinning of the building thread.
+KEEP_AFFINITY_ENV = "KV_HANDOFF_KEEP_AFFINITY"
 #: The connectors this module wraps: name -> the module defining the real class.
 CONNECTOR_MODULES = {
     "KvrayConnector": "kvray.integrations.vllm.connector",
@@ -75,8 +83,12 @@ class HandoffTiming:
     records and then defers to the real connector (`super()`)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        keep = os.environ.get(KEEP_AFFINITY_ENV) == "1" and hasattr(os, "sched_getaffinity")
+        affinity = os.sched_getaffinity(0) if keep else None
         parent: Any = super()
         parent.__init__(vllm_config, role, kv_cache_config)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
         self._times = TimesFile(os.environ.get(TIMES_ENV))
         #: Scheduler side: prompt lengths of requests whose prompt is not computed yet.
         self._prompt_tokens: dict[str, int] = {}
