@@ -118,6 +118,20 @@ class RequestRows:
     remote: PartRows
     local_ids: Int64Array
     remote_ids: Int64Array
+    #: What planning checked (invariant 2): the local and remote region lengths and both id
+    #: arrays' bytes. A writer that sees the same lengths and ids need not check them again.
+    checked: tuple[tuple[int, ...], tuple[int, ...], bytes] | None = None
+
+    def ids_bytes(self) -> bytes:
+        return self.local_ids.tobytes() + self.remote_ids.tobytes()
+
+    def was_checked_against(self, local_lengths: tuple[int, ...], remote_lengths: tuple[int, ...]) -> bool:
+        checked = self.checked
+        return (
+            checked is not None
+            and checked[:2] == (local_lengths, remote_lengths)
+            and checked[2] == self.ids_bytes()
+        )
 
     @property
     def count(self) -> int:
@@ -412,8 +426,13 @@ def plan_transfer(
     local_ids, remote_ids, remote_span = _paired_ids(local, remote, local_blocks, remote_blocks)
     local_rows = cache.rows(local, names)
     remote_rows = cache.rows(remote, names)
-    check_row_bounds(local_rows, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
-    check_row_bounds(remote_rows, remote_ids, remote, "remote", remote_span)
+    local_lengths = tuple(region.length for region in local.regions)
+    remote_lengths = tuple(region.length for region in remote.regions)
+    local_span = (int(local_ids[0]), int(local_ids[-1]))
+    check_rows(local_rows, local_ids, local_lengths, side="local", engine_id=local.engine_id, span=local_span)
+    check_rows(
+        remote_rows, remote_ids, remote_lengths, side="remote", engine_id=remote.engine_id, span=remote_span
+    )
     # The ops (one per (layer, part) row × block, in that order, then merged) are expanded
     # from these rows when first read; a GPU writer reads the rows alone.
     return TransferPlan(
@@ -422,7 +441,13 @@ def plan_transfer(
         dst_engine=remote.engine_id,
         dst_incarnation=remote.incarnation,
         layers=names,
-        rows=RequestRows(local_rows, remote_rows, local_ids, remote_ids),
+        rows=RequestRows(
+            local_rows,
+            remote_rows,
+            local_ids,
+            remote_ids,
+            checked=(local_lengths, remote_lengths, local_ids.tobytes() + remote_ids.tobytes()),
+        ),
     )
 
 

@@ -243,14 +243,16 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
             incarnation=info.incarnation,
             stale_incarnation=plan.dst_incarnation,
         )
-    local_lengths = [r.nbytes for r in local.regions]
-    remote_lengths = [r.length for r in info.regions]
+    local_lengths = tuple(r.nbytes for r in local.regions)
+    remote_lengths = tuple(r.length for r in info.regions)
     if plan.rows is not None:
         # Every op lies between its row's smallest and largest block id (`check_rows`), so
-        # the rows and the ids cover the ops without expanding them.
+        # the rows and the ids cover the ops without expanding them. Planning has checked
+        # them already if it saw these lengths and the ids are still the ones it checked.
         rows = plan.rows
-        check_rows(rows.local, rows.local_ids, local_lengths, side="local", engine_id=plan.src_engine)
-        check_rows(rows.remote, rows.remote_ids, remote_lengths, side="remote", engine_id=info.engine_id)
+        if not rows.was_checked_against(local_lengths, remote_lengths):
+            check_rows(rows.local, rows.local_ids, local_lengths, side="local", engine_id=plan.src_engine)
+            check_rows(rows.remote, rows.remote_ids, remote_lengths, side="remote", engine_id=info.engine_id)
         remote_regions = rows.remote.region
     else:
         check_op_table(

@@ -342,6 +342,28 @@ async def test_plan_leaving_a_region_is_refused_and_writes_nothing(
     tut.assert_unchanged(source, source_before, "source")
 
 
+async def test_block_ids_changed_after_planning_are_checked_again(
+    tut: TransportUnderTest, guard: CopyGuard
+) -> None:
+    # Planning checked the ids it was given; ids changed since (here one past every region) are
+    # no longer those, and the writer checks them itself.
+    layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+    source = tut.source(layout)
+    destination = tut.destination(layout)
+    local, remote = tut.scattered(layout.num_blocks, 6)
+    plan = tut.plan(source, destination, local, remote)
+    assert plan.rows is not None and plan.rows.checked is not None
+    plan.rows.remote_ids[-1] = layout.num_blocks * 64
+    before = tut.snapshot(destination)
+    source_before = tut.snapshot(source)
+
+    with pytest.raises(BoundsError):
+        await tut.write(plan, source, destination)
+
+    tut.assert_unchanged(destination, before)
+    tut.assert_unchanged(source, source_before, "source")
+
+
 # ---- 5. least privilege -----------------------------------------------------------------------------
 
 
