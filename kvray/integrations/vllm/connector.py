@@ -171,11 +171,18 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         info = self._worker.info
         return KvrayHandshake(info.engine_id, info.incarnation, encode(info))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The step's hand-offs go to the agent here, before the forward: vLLM calls
+        # start_load_kv once the forward is launched when no load is synchronous, which on a
+        # CPU engine is once it has run, so a held request's push (or a decode engine's ask)
+        # would wait a whole forward pass. Handing them over only schedules work on the
+        # agent's loop; the forward does not wait for it.
+        if self._worker is not None and isinstance(connector_metadata, KvrayMetadata):
+            self._worker.begin(connector_metadata.loads, connector_metadata.sends)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvrayMetadata)
-        self._worker.begin(meta.loads, meta.sends)
+        return None  # begun as the metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
