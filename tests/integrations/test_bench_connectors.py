@@ -1,0 +1,73 @@
+"""The connector benchmark (`examples/bench_connectors.py`) in small: a single Serve LLM engine,
+then the Serve LLM P/D app with `KvrayConnector` (and with vLLM's `NixlConnector` where NIXL is
+installed), the same token-id prompts on each. Every P/D answer's token ids equal the single
+engine's, and every request's hand-off was timed on both engines.
+
+Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_installed import require_vllm
+
+require_vllm()
+pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install -e '.[vllm]'")
+
+pytestmark = pytest.mark.cluster
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_connectors.py"
+REQUESTS = 2
+RUN_S = 600
+
+
+def contenders() -> list[str]:
+    names = ["kvray-shm"]
+    if importlib.util.find_spec("nixl") is not None:
+        names.append("nixl")
+    return names
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One small run of the benchmark (it starts and stops its own Ray and Serve)."""
+    out = tmp_path_factory.mktemp("bench-connectors") / "report.json"
+    command = [sys.executable, str(SCRIPT), "--lengths", "128", "--clients", "2", "--requests", str(REQUESTS)]
+    command += ["--new-tokens", "8", "--contenders", *contenders(), "--json", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_S)
+    assert out.exists(), f"no report (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    report: dict[str, Any] = json.loads(out.read_text())
+    report["returncode"] = run.returncode
+    report["stdout"] = run.stdout
+    return report
+
+
+def test_every_contender_ran_and_the_benchmark_passed(report: dict[str, Any]) -> None:
+    ran = {line["contender"] for line in report["lines"]}
+    assert ran == {"single", *contenders()}
+    assert report["returncode"] == 0, report["stdout"][-3000:]
+    assert all(line["status"] == "ok" for line in report["lines"]), report["lines"]
+
+
+def test_every_answer_equals_the_single_engines_tokens(report: dict[str, Any]) -> None:
+    for line in report["lines"]:
+        if line["contender"] != "single":
+            assert line["equal"] == REQUESTS, line
+    runs = {run["name"]: run for run in report["runs"]}
+    expected = [result["tokens"] for result in runs["single"]["rows"][0]["results"]]
+    assert all(len(tokens) == 8 for tokens in expected)
+    for name in contenders():
+        assert [result["tokens"] for result in runs[name]["rows"][0]["results"]] == expected
+
+
+def test_every_hand_off_was_timed_on_both_engines(report: dict[str, Any]) -> None:
+    for line in report["lines"]:
+        if line["contender"] != "single":
+            assert line["transfers_timed"] == REQUESTS, line
+            assert line["transfer_s"]["max"] < 60.0
