@@ -176,6 +176,84 @@ def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
         decode.shutdown()
 
 
+def registered_pair(tmp_path: Path) -> tuple[ConnectorWorker, ConnectorWorker]:
+    """A prefill and a decode worker over kvray shared memory, with long leases and deadlines
+    (so that what the test sees is not their expiry)."""
+    chosen = Settings(shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=30.0)
+    prefill = ConnectorWorker("vllm-p", Role.DECODE, chosen, lease_s=30.0)
+    decode = ConnectorWorker("vllm-d", Role.DECODE, chosen, lease_s=30.0)
+    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
+    for worker in (prefill, decode):
+        with worker.allocation_context():
+            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
+        worker.register(vllm_cpu_caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
+    return prefill, decode
+
+
+def reported_within(worker: ConnectorWorker, request_id: str, seconds: float) -> tuple[set[str], set[int]]:
+    """Wait until `worker` reports `request_id` received; (failed requests, load-error blocks)."""
+    deadline = time.monotonic() + seconds
+    failed: set[str] = set()
+    errors: set[int] = set()
+    while time.monotonic() < deadline:
+        _, received, blocks, failures = worker.finished()
+        failed |= failures
+        errors |= blocks
+        if request_id in received:
+            return failed, errors
+        time.sleep(0.02)
+    raise AssertionError(f"{request_id} was not reported within {seconds} s")
+
+
+def test_a_load_vllm_ends_stops_waiting_and_frees_its_blocks_without_load_errors(tmp_path: Path) -> None:
+    # The prefill engine holds no such request yet (it keeps the push request for its lease);
+    # vLLM aborts the decode request: the wait ends at once, the blocks are released, and the
+    # request is reported received, with no load errors (its blocks are free, not to recompute).
+    prefill, decode = registered_pair(tmp_path)
+    load = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
+    try:
+        decode.begin({"d-1": load}, {})
+        time.sleep(0.5)  # the push request is on its way or parked at the prefill engine
+        assert decode.finished()[1] == set()
+        started = time.monotonic()
+        decode.begin({}, {}, cancelled={"d-1"})
+        assert reported_within(decode, "d-1", 5.0) == (set(), set())
+        assert time.monotonic() - started < 5.0
+        # Released: the same request id is reserved again (else that load fails at once).
+        again = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-2", encode(prefill.info), (2, 3), 0)
+        decode.begin({"d-1": again}, {})
+        time.sleep(0.5)
+        decode.begin({}, {}, cancelled={"d-1"})
+        assert reported_within(decode, "d-1", 5.0) == (set(), set())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_push_request_for_a_prefill_request_that_ended_without_kv_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    # The decode engine asked before the prefill request ended (aborted): its parked push
+    # request is refused then, and one that comes later is refused as it comes, not after the
+    # lease; the decode side's wait fails at once and its blocks are load errors.
+    prefill, decode = registered_pair(tmp_path)
+    first = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
+    later = LoadSpec("d-2", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (4,), 0)
+    try:
+        decode.begin({"d-1": first}, {})
+        time.sleep(0.5)
+        assert decode.finished()[1] == set()
+        started = time.monotonic()
+        prefill.begin({}, {}, dropped={"p-1"})
+        assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2, 3})
+        decode.begin({"d-2": later}, {})
+        assert reported_within(decode, "d-2", 5.0) == ({"d-2"}, {4})
+        assert time.monotonic() - started < 10.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> None:
     settings = settings_from({"transfer_timeout_s": 7.5, "lease_s": 3.0, "digest_log": "x"})
     assert settings.transfer_timeout_s == 7.5

@@ -99,6 +99,12 @@ class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
     layerwise: dict[str, LayerwiseSpec] = field(default_factory=dict)
     #: Worker side: the step's layer-wise requests have been handed to the worker.
     layerwise_begun: bool = False
+    #: Prefill: hand-off keys of requests that ended with no KV to push (aborted, failed): a
+    #: decode engine's push request for one is refused at once, not held for the lease.
+    dropped: set[str] = field(default_factory=set)
+    #: Decode: requests that ended (aborted) while their KV was loading: their wait ends now,
+    #: and their blocks go back once no write of theirs can land.
+    cancelled: set[str] = field(default_factory=set)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -179,7 +185,8 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # would wait a whole forward pass. Handing them over only schedules work on the
         # agent's loop; the forward does not wait for it.
         if self._worker is not None and isinstance(connector_metadata, KvrayMetadata):
-            self._worker.begin(connector_metadata.loads, connector_metadata.sends)
+            meta = connector_metadata
+            self._worker.begin(meta.loads, meta.sends, dropped=meta.dropped, cancelled=meta.cancelled)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # begun as the metadata was bound
@@ -273,6 +280,9 @@ class _Scheduler:
         self._producing: dict[str, str] = {}
         #: Prefill: requests whose layers the workers push during the forward.
         self._layered: set[str] = set()
+        #: This step's `KvrayMetadata.dropped` and `cancelled`.
+        self._dropped: set[str] = set()
+        self._cancelled: set[str] = set()
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -315,6 +325,10 @@ class _Scheduler:
 
         params = request.kv_transfer_params
         self._producing.pop(request.request_id, None)
+        if request.request_id in self._loading:
+            # vLLM keeps the blocks of a request that ends while its KV loads until the
+            # workers report the load finished; they stop waiting for it now.
+            self._cancelled.add(request.request_id)
         if not params or not params.get("do_remote_decode"):
             return False, None
         key = str(params.get(HANDOFF) or request.request_id)
@@ -331,6 +345,7 @@ class _Scheduler:
             if not succeeded or self.handshake is None:
                 return True, None
         elif not succeeded or not blocks or self.handshake is None:
+            self._dropped.add(key)
             return False, None
         else:
             self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks), key=key)
@@ -346,9 +361,13 @@ class _Scheduler:
 
     def step(self, scheduler_output: Any) -> KvrayMetadata:
         meta = KvrayMetadata(
-            loads=self._loads, sends=self._sends, layerwise=self._whole_prompts(scheduler_output)
+            loads=self._loads,
+            sends=self._sends,
+            layerwise=self._whole_prompts(scheduler_output),
+            dropped=self._dropped,
+            cancelled=self._cancelled,
         )
-        self._loads, self._sends = {}, {}
+        self._loads, self._sends, self._dropped, self._cancelled = {}, {}, set(), set()
         return meta
 
     def _whole_prompts(self, scheduler_output: Any) -> dict[str, LayerwiseSpec]:
@@ -373,4 +392,4 @@ class _Scheduler:
             self._loading.discard(request_id)
 
     def pending(self) -> bool:
-        return bool(self._held or self._loads or self._sends)
+        return bool(self._held or self._loads or self._sends or self._dropped or self._cancelled)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -269,6 +269,10 @@ class ConnectorWorker:
         #: forward runs in this step.
         self._layered: dict[str, _Layered] = {}
         self._this_step: list[_Layered] = []
+        #: Loop thread only: hand-off keys that will never have KV here, until when a push
+        #: request for one is refused at once; and the decode side's loads still waiting.
+        self._dropped: dict[str, float] = {}
+        self._receiving: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- memory -------------------------------------------------------------------------
@@ -423,13 +427,26 @@ class ConnectorWorker:
 
     # ---- each step --------------------------------------------------------------------
 
-    def begin(self, loads: Mapping[str, LoadSpec], sends: Mapping[str, SendSpec]) -> None:
-        """This step's new hand-offs, from the scheduler (called from vLLM's thread)."""
-        if self._loop is None or not (loads or sends):
+    def begin(
+        self,
+        loads: Mapping[str, LoadSpec],
+        sends: Mapping[str, SendSpec],
+        *,
+        dropped: Collection[str] = (),
+        cancelled: Collection[str] = (),
+    ) -> None:
+        """This step's new hand-offs, from the scheduler (called from vLLM's thread): loads
+        and sends to start, hand-offs that will never have KV (`dropped`, by key) and loads no
+        longer wanted (`cancelled`, by request id)."""
+        if self._loop is None or not (loads or sends or dropped or cancelled):
             return
-        self._loop.loop.call_soon_threadsafe(self._begin, dict(loads), dict(sends))
+        self._loop.loop.call_soon_threadsafe(
+            self._begin, dict(loads), dict(sends), set(dropped), set(cancelled)
+        )
 
-    def _begin(self, loads: dict[str, LoadSpec], sends: dict[str, SendSpec]) -> None:
+    def _begin(
+        self, loads: dict[str, LoadSpec], sends: dict[str, SendSpec], dropped: set[str], cancelled: set[str]
+    ) -> None:
         now = time.monotonic()
         for spec in sends.values():
             layered = self._layered.pop(spec.handoff, None)
@@ -438,13 +455,23 @@ class ConnectorWorker:
                 continue
             if spec.failed:
                 self._done_sending(spec.request_id)
+                dropped.add(spec.handoff)
                 continue
             self._sending[spec.handoff] = _Sending(spec, now + self.lease_s)
             early = self._early.pop(spec.handoff, None)
             if early is not None:
                 self._spawn(self._push(early[0]))
+        for key in dropped:
+            self._dropped[key] = now + self.lease_s
+            early = self._early.pop(key, None)
+            if early is not None:
+                self._spawn(self._refuse(early[0], "the prefill request ended without its KV"))
         for load in loads.values():
-            self._spawn(self._receive(load))
+            self._receiving[load.request_id] = self._spawn(self._receive(load))
+        for request_id in cancelled:
+            receiving = self._receiving.pop(request_id, None)
+            if receiving is not None:
+                receiving.cancel()
 
     def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
         """This step's forward computes these requests' whole prompts (from vLLM's thread,
@@ -472,6 +499,9 @@ class ConnectorWorker:
                 del self._sending[key]
                 self._done_sending(sending.spec.request_id)
                 log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
+        for key, until in list(self._dropped.items()):
+            if until <= now:
+                del self._dropped[key]
         # A decode engine may ask before the prefill engine has even seen the request.
         grace = self.lease_s
         for request_id, (request, arrived) in list(self._early.items()):
@@ -479,10 +509,11 @@ class ConnectorWorker:
                 del self._early[request_id]
                 self._spawn(self._refuse(request, "the prefill engine holds no such finished request"))
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _done_sending(self, request_id: str) -> None:
         with self._results.lock:
@@ -497,6 +528,7 @@ class ConnectorWorker:
         assert agent is not None
         ok = False
         reserved = False
+        cancelled = False
         try:
             prefill = await self._prefill_engine(spec)
             if prefill.engine_id != spec.prefill_engine or spec.prefill_incarnation not in (
@@ -526,10 +558,16 @@ class ConnectorWorker:
             ok = True
             waited = time.perf_counter() - asked
             await self._record("received", spec.prefill_request_id, spec.block_ids, None, seconds=waited)
+        except asyncio.CancelledError:
+            # vLLM ended the request while its KV loaded: release as below, report no errors.
+            cancelled = True
+            self._log_event("receive cancelled", spec.request_id, spec.prefill_request_id)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
             self._log_event("receive failed", spec.request_id, spec.prefill_request_id, error=_why(error))
         finally:
+            # From here on the load is not cancelled: a release must run to its end.
+            self._receiving.pop(spec.request_id, None)
             if reserved:
                 try:
                     await agent.release(spec.request_id)
@@ -543,7 +581,8 @@ class ConnectorWorker:
                         await quarantined.wait()
             with self._results.lock:
                 self._results.finished_recving.add(spec.request_id)
-                if not ok:
+                # A cancelled request is gone: its blocks are free, not blocks to recompute.
+                if not ok and not cancelled:
                     self._results.failed_recving.add(spec.request_id)
                     self._results.load_errors.update(spec.block_ids)
 
@@ -628,6 +667,8 @@ class ConnectorWorker:
             self._start_layered(layered, request)
         elif request.request_id in self._sending:
             self._spawn(self._push(request))
+        elif request.request_id in self._dropped:
+            self._spawn(self._refuse(request, "the prefill request ended without its KV"))
         elif len(self._early) >= self.settings.max_expected_requests or request.request_id in self._early:
             self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
         else:  # the request may not have reached this engine yet, or its hand-over is a step behind
