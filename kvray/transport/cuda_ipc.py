@@ -357,13 +357,16 @@ class RowGraph:
     """The upload of a request's block ids (from a pinned buffer of this graph's own) and the row
     kernel, captured once as a CUDA graph for one source, target and capacity; replayed for each
     request. `done` completes when the last replay's copy has; until then the pinned buffer is
-    that request's and the graph is not replayed again."""
+    that request's and the graph is not replayed again. `done` is recorded anew by each replay
+    (creating an event costs more host time than the replay): a waiter that has not seen its
+    copy end before the next replay waits for that one too, never less."""
 
     graph: torch.cuda.CUDAGraph
     staging: npt.NDArray[np.int64]
     pinned: torch.Tensor
     ids: torch.Tensor
-    done: torch.cuda.Event | None = None
+    done: torch.cuda.Event
+    replayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -465,7 +468,7 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
             _launch_rows_kernel(dst, src, table, ids, capacity)
         finally:
             graph.capture_end()
-    return RowGraph(graph, pinned.numpy(), pinned, ids)
+    return RowGraph(graph, pinned.numpy(), pinned, ids, torch.cuda.Event())  # type: ignore[no-untyped-call]
 
 
 def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph | None:
@@ -474,7 +477,7 @@ def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity:
     key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity)
     graphs = table.graphs.setdefault(key, [])
     for graph in graphs:
-        if graph.done is None or graph.done.query():  # type: ignore[no-untyped-call]
+        if not graph.replayed or graph.done.query():  # type: ignore[no-untyped-call]
             return graph
     if len(graphs) >= _GRAPHS_PER_SHAPE:
         return None
@@ -505,10 +508,9 @@ def copy_rows(
             graph.staging[1 : 1 + count] = rows.local_ids
             graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
             graph.graph.replay()
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            graph.replayed = True
+        done = torch.cuda.Event() if graph is None else graph.done  # type: ignore[no-untyped-call]
         done.record(target_stream)
-    if graph is not None:
-        graph.done = done
     return done
 
 
