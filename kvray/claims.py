@@ -45,6 +45,8 @@ _OPEN = 1
 _CLOSED = 0
 #: The engine is closing the slot and waits for the writers holding it: no new write may start.
 _CLOSING = 2
+#: One slot as it lies in the file (token, state), for a read without numpy's indexing.
+_SLOT = struct.Struct("=QQ")
 
 
 def _lock(fd: int, kind: int, slot: int, *, wait: bool = False) -> bool:
@@ -204,7 +206,22 @@ class ClaimClient:
                 )
             yield
         finally:
-            self._let_go(slot)
+            self.let_go(slot)
+
+    def try_hold(self, slot: int, token: int) -> bool:
+        """Hold the request's slot at once, without waiting: True if it is held (end it with
+        `let_go`); False, holding nothing, if its lock is busy or it is not open under `token`
+        (the caller then takes `hold`, which waits, or says why not)."""
+        if self._closed or not 0 <= slot < self._table.shape[0]:
+            return False
+        held = self._holders.get(slot, 0)
+        if not held and not _lock(self._fd, fcntl.F_RDLCK, slot):
+            return False
+        self._holders[slot] = held + 1
+        if _SLOT.unpack_from(self._mm, slot * SLOT_NBYTES) != (token, _OPEN):
+            self.let_go(slot)
+            return False
+        return True
 
     async def _acquire(self, slot: int, timeout: float) -> None:
         if self._holders.get(slot):
@@ -226,7 +243,8 @@ class ClaimClient:
                 return
         self._holders[slot] = 1
 
-    def _let_go(self, slot: int) -> None:
+    def let_go(self, slot: int) -> None:
+        """End one hold of the slot (the lock goes with the last)."""
         self._holders[slot] -= 1
         if self._holders[slot] == 0:
             del self._holders[slot]

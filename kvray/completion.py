@@ -56,15 +56,15 @@ class CompletionInbox:
         return self._socket.fileno()
 
     def drain(self) -> None:
-        """Hand every queued message to the handler (the loop calls this when one arrives)."""
-        while True:
-            try:
-                message = self._socket.recv(_MAX_MESSAGE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            self._handler(message)
+        """Hand the next queued message to the handler (the loop calls this while one is queued).
+
+        One message per call: the reader is level-triggered, so the loop calls again while more
+        are queued, and the handler's waiter is not held up by a read that finds nothing."""
+        try:
+            message = self._socket.recv(_MAX_MESSAGE)
+        except OSError:  # nothing queued after all (BlockingIOError, InterruptedError), or closed
+            return
+        self._handler(message)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -152,6 +152,25 @@ class CompletionOutbox:
                 ) from error
             except (BlockingIOError, InterruptedError):
                 await asyncio.shield(connected.writable(loop))
+
+    def send_now(self, path: str, message: bytes) -> bool:
+        """`send` without waiting, from the event loop's thread: True if the message is in the
+        peer's inbox, False if it could not be queued right now (full, gone, not kvray's) - the
+        caller then sends it with `send`, which waits or raises as the case may be. Through the
+        inbox's connected socket, which skips the path lookup of an addressed `sendto`."""
+        try:
+            self.check_inbox(path)
+            connected = self._connect(path)
+        except (MetadataError, TransportError):
+            return False
+        try:
+            connected.socket.send(message)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self._disconnect(path)
+            return False
+        return True
 
     def _connect(self, path: str) -> _Connected:
         connected = self._connected.get(path)

@@ -229,12 +229,18 @@ class Directory:
         self._peers.pop(engine_id, None)
         self._on_forget(engine_id)
 
-    async def peer(self, engine_id: str, *, wait_s: float | None = None) -> Peer:
-        """The engine's published info and host: cached, else asked of the coordinator, which
-        waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
+    def cached(self, engine_id: str) -> Peer | None:
+        """The engine's published info and host if cached; nothing is asked of the coordinator."""
         peer = self._peers.get(engine_id)
         if peer is not None:
             self._peers.move_to_end(engine_id)
+        return peer
+
+    async def peer(self, engine_id: str, *, wait_s: float | None = None) -> Peer:
+        """The engine's published info and host: cached, else asked of the coordinator, which
+        waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
+        peer = self.cached(engine_id)
+        if peer is not None:
             return peer
         if self.service is None:
             raise UnknownEngineError(

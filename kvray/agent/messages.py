@@ -117,6 +117,26 @@ class Messenger:
             return None
         return DatagramNotice(self.outbox(), inbox, encode(notice))
 
+    def notify_now(self, peer: Peer, reservation: Reservation, notice: Notice) -> bool:
+        """Send a notice about `reservation` to a same-node peer at once, under the request's
+        claim, awaiting nothing: True if it is in the peer's inbox. False, having sent nothing,
+        wherever the usual path (`claim`, then `send`) would have to wait or to say why not: a
+        peer on another node or whose board this writer has not opened yet, a busy or closed
+        slot, a full or gone inbox."""
+        inbox = self.inbox_here(peer)
+        board = self._boards.get((peer.info.engine_id, peer.info.incarnation))
+        if inbox is None or board is None:
+            return False
+        try:
+            if not board.try_hold(reservation.slot, reservation.token):
+                return False
+        except OSError:
+            return False
+        try:
+            return self.outbox().send_now(inbox, encode(notice))
+        finally:
+            board.let_go(reservation.slot)
+
     async def send(self, peer: Peer, notice: Notice) -> None:
         what = f"a {type(notice).__name__} notice"
         inbox = self.inbox_here(peer)

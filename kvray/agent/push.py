@@ -247,6 +247,9 @@ class Pusher:
         if state is None:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
         reservation = state.reservation
+        started = time.perf_counter()
+        if self._notify_now(state, timeout):
+            return self._finished(state, started)
         async with self._transfer(reservation, timeout, call=PushCall.FINISH) as attempt:
             attempt.transfer_id = state.transfer_id
             attempt.transport = state.transport
@@ -264,8 +267,6 @@ class Pusher:
                     stale_incarnation=reservation.incarnation,
                 )
             attempt.peer = peer
-            if set(self.engine.backing.layout.layer_names) - state.layers:
-                self.engine.stats["layerwise_partial"] += 1
             notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
@@ -273,18 +274,52 @@ class Pusher:
                     await self.messenger.send(peer, notice)
             finally:
                 self.messenger.end_claim(reservation)
-            self.engine.stats["pushes_ok"] += 1
-            return PushResult(
-                request_id,
-                state.transfer_id,
-                reservation.engine_id,
-                reservation.incarnation,
-                state.transport,
-                state.nbytes,
-                state.ops,
-                state.unmerged_ops,
-                state.busy_s + time.perf_counter() - started,
-            )
+            return self._finished(state, started)
+
+    def _notify_now(self, state: _Layerwise, timeout: float | None) -> bool:
+        """`finish`'s notice sent at once, if nothing on its way would wait: True if it is in
+        the decode engine's inbox (same node, its peer cached and current, its claim free),
+        False if nothing was sent and the usual path (slot, deadline, claim, send) must run.
+        The rest of the bookkeeping follows the notice, off the decode side's path."""
+        engine = self.engine
+        reservation = state.reservation
+        # A bad timeout is refused the same way on both paths.
+        engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
+        if not engine.running:
+            return False
+        peer = self.directory.cached(reservation.engine_id)
+        if peer is None or peer.info.incarnation != reservation.incarnation:
+            return False
+        notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
+        if not self.messenger.notify_now(peer, reservation, notice):
+            return False
+        self.messenger.end_claim(reservation)
+        self.engine.metrics.transfer(
+            PushCall.FINISH,
+            Outcome.OK,
+            state.transport.value,
+            reservation.engine_id,
+            time.perf_counter() - state.started,
+        )
+        return True
+
+    def _finished(self, state: _Layerwise, started: float) -> PushResult:
+        """A layer-wise push whose notice is out (`started`: when its `finish` began)."""
+        reservation = state.reservation
+        if set(self.engine.backing.layout.layer_names) - state.layers:
+            self.engine.stats["layerwise_partial"] += 1
+        self.engine.stats["pushes_ok"] += 1
+        return PushResult(
+            reservation.request_id,
+            state.transfer_id,
+            reservation.engine_id,
+            reservation.incarnation,
+            state.transport,
+            state.nbytes,
+            state.ops,
+            state.unmerged_ops,
+            state.busy_s + time.perf_counter() - started,
+        )
 
     async def abort(self, reservation: Reservation, reason: str) -> None:
         request_id = reservation.request_id

@@ -292,39 +292,51 @@ class Receiving:
         deadline = engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
         started = time.perf_counter()
         outcome = Outcome.FAILED
+        loop = asyncio.get_running_loop()
+        # The deadline cancels the future itself (a timed-out wait ends the request: later
+        # writes for it are refused), which wakes this task as a completion would. The task
+        # awaits the future directly: `asyncio.timeout` or a shield would add a hop through the
+        # event loop, or a timer's bookkeeping, between the completion and the caller.
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            if not future.done():
+                expired = True
+                future.cancel()
+
+        timer = loop.call_later(deadline, expire)
         try:
-            # The future itself, not a shield around it: a shield puts one more hop through the
-            # event loop between the completion and this task. A timed-out or cancelled wait
-            # cancels the future: the request is no longer expected, and later writes for it
-            # are refused.
-            async with asyncio.timeout(deadline):
-                completion = await future
+            completion = await future
             outcome = Outcome.OK
             return completion
-        except TimeoutError:
-            outcome = Outcome.TIMED_OUT
-            engine.stats["waits_timed_out"] += 1
-            raise TransferTimeoutError(
-                f"KV for request {request_id!r} did not arrive at {engine.engine_id!r} within {deadline} s",
-                request_id=request_id,
-                engine_id=engine.engine_id,
-                timeout_s=deadline,
-            ) from None
         except asyncio.CancelledError:
-            outcome = Outcome.CANCELLED
             task = asyncio.current_task()
-            if future.cancelled() and (task is None or not task.cancelling()):
-                # `cancel` or `release` (the request is over), not a cancelled caller.
-                raise RequestCancelledError(
-                    f"request {request_id!r} was cancelled at {engine.engine_id!r} while waiting for its KV",
+            if task is not None and task.cancelling():
+                outcome = Outcome.CANCELLED
+                raise  # the caller was cancelled (or its own timeout passed)
+            if expired:
+                outcome = Outcome.TIMED_OUT
+                engine.stats["waits_timed_out"] += 1
+                raise TransferTimeoutError(
+                    f"KV for request {request_id!r} did not arrive at {engine.engine_id!r} "
+                    f"within {deadline} s",
                     request_id=request_id,
                     engine_id=engine.engine_id,
+                    timeout_s=deadline,
                 ) from None
-            raise
+            outcome = Outcome.CANCELLED
+            # `cancel` or `release` (the request is over), not a cancelled caller.
+            raise RequestCancelledError(
+                f"request {request_id!r} was cancelled at {engine.engine_id!r} while waiting for its KV",
+                request_id=request_id,
+                engine_id=engine.engine_id,
+            ) from None
         finally:
+            timer.cancel()
             # Recorded after the caller resumes: the metric is off the path from the completion
             # to the decode side's next step.
-            asyncio.get_running_loop().call_soon(engine.metrics.wait, outcome, time.perf_counter() - started)
+            loop.call_soon(engine.metrics.wait, outcome, time.perf_counter() - started)
             if not future.done():
                 future.cancel()
 

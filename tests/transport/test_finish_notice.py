@@ -1,0 +1,164 @@
+"""The completion of a layer-wise push on one node: `finish` sends its notice at once when
+nothing on its way would wait (the decode engine's claim free, its inbox not full), without
+queueing behind the writer's other transfers; and a decode engine's `wait_for_kv` ends in
+exactly one way (KV, its own deadline, the request cancelled, or its caller cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import struct
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from agent_pair import agent_pair
+
+from kvray.agent import KVAgent
+from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
+from kvray.claims import SLOT_NBYTES, ClaimClient
+from kvray.config import Settings
+from kvray.errors import NotExpectedError, RequestCancelledError, TransferTimeoutError
+from kvray.layout import Geometry, KVLayout, LayerSpec
+
+LAYOUT = KVLayout(
+    layers=tuple(
+        LayerSpec(name=f"layer{i}", geometry=Geometry(block_size=16, entry_shape=(64,), dtype="uint8"))
+        for i in range(2)
+    ),
+    num_blocks=32,
+)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
+    settings = Settings(
+        shm_dir=str(tmp_path),
+        transport="shm",
+        max_concurrent_transfers=1,
+        notify_timeout_s=3.0,
+        transfer_timeout_s=5.0,
+    )
+    async with agent_pair("f", LAYOUT, settings) as (prefill, decode):
+        source = prefill.backing.regions[0].tensor.numpy()
+        source[:] = np.random.default_rng(3).integers(0, 256, source.size, dtype=np.uint8)
+        yield prefill, decode
+
+
+@contextmanager
+def slot_locked(decode: KVAgent, slot: int) -> Iterator[None]:
+    """Hold a claim slot's lock exclusively from another file description, as the engine does
+    for a moment when it opens or closes the slot: writers cannot claim it meanwhile."""
+    fd = os.open(decode.info.endpoints[CLAIMS_ENDPOINT], os.O_RDWR)
+    flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, slot * SLOT_NBYTES, SLOT_NBYTES, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+async def test_finish_does_not_queue_behind_a_stalled_transfer(pair: tuple[KVAgent, KVAgent]) -> None:
+    """The writer's one transfer slot is held by a push stalled on its claim; the finish of
+    another request, whose layers are all written, still completes that request at once."""
+    prefill, decode = pair
+    done = decode.expect("done", [1, 2])
+    for layer in LAYOUT.layer_names:
+        await prefill.push_layer(done, layer, [3, 4], timeout=5)
+    stalled = decode.expect("stalled", [5, 6])
+    waiting = asyncio.ensure_future(decode.wait_for_kv("done", timeout=5))
+    with slot_locked(decode, stalled.slot):
+        pushing = asyncio.ensure_future(prefill.push_layer(stalled, "layer0", [7, 8], timeout=5))
+        await asyncio.sleep(0.05)
+        assert not pushing.done(), "the stalled push did not wait for its claim"
+        result = await asyncio.wait_for(prefill.finish("done", timeout=5), 1.0)
+        completion = await asyncio.wait_for(waiting, 1.0)
+        assert not pushing.done(), "finish waited for the stalled push"
+    assert (completion.transfer_id, completion.nbytes) == (result.transfer_id, result.nbytes)
+    await asyncio.wait_for(pushing, 5.0)
+    assert prefill.stats["pushes_ok"] == 1
+    await decode.release("done")
+    await decode.release("stalled")
+
+
+async def test_a_finish_that_cannot_go_at_once_takes_the_usual_way(pair: tuple[KVAgent, KVAgent]) -> None:
+    """While the request's claim slot is locked, `finish` waits for it (bounded) and then
+    completes; once the request is released it is refused, never reported done."""
+    prefill, decode = pair
+    reservation = decode.expect("r", [1])
+    for layer in LAYOUT.layer_names:
+        await prefill.push_layer(reservation, layer, [2], timeout=5)
+    waiting = asyncio.ensure_future(decode.wait_for_kv("r", timeout=5))
+    with slot_locked(decode, reservation.slot):
+        finishing = asyncio.ensure_future(prefill.finish("r", timeout=5))
+        await asyncio.sleep(0.05)
+        assert not finishing.done() and not waiting.done()
+    await asyncio.wait_for(finishing, 2.0)
+    await asyncio.wait_for(waiting, 2.0)
+    await decode.release("r")
+
+    later = decode.expect("later", [1])
+    await prefill.push_layer(later, "layer0", [2], timeout=5)
+    await decode.release("later")
+    with pytest.raises(NotExpectedError):
+        await prefill.finish("later", timeout=5)
+    assert decode.stats["completions_ok"] == 1
+
+
+async def test_a_claim_is_taken_at_once_only_while_its_slot_is_open(pair: tuple[KVAgent, KVAgent]) -> None:
+    _, decode = pair
+    reservation = decode.expect("r", [1])
+    client = ClaimClient(decode.info.endpoints[CLAIMS_ENDPOINT], "f-d")
+    try:
+        assert not client.try_hold(reservation.slot, reservation.token ^ 1), "a wrong token was taken"
+        with slot_locked(decode, reservation.slot):
+            assert not client.try_hold(reservation.slot, reservation.token), "a locked slot was taken"
+        assert client.try_hold(reservation.slot, reservation.token)
+        assert client.try_hold(reservation.slot, reservation.token)  # a second write joins it
+        releasing = asyncio.ensure_future(decode.release("r"))
+        await asyncio.sleep(0.05)
+        assert not releasing.done(), "the request was released while a writer held its claim"
+        client.let_go(reservation.slot)
+        await asyncio.sleep(0.05)
+        assert not releasing.done(), "the first let-go dropped the lock the second write holds"
+        client.let_go(reservation.slot)
+        await asyncio.wait_for(releasing, 2.0)
+        assert not client.try_hold(reservation.slot, reservation.token), "a released slot was taken"
+    finally:
+        client.close()
+
+
+async def test_a_wait_ends_in_exactly_one_way(pair: tuple[KVAgent, KVAgent]) -> None:
+    prefill, decode = pair
+    # Its own deadline: a kvray timeout, and a notice that comes later is dropped.
+    reservation = decode.expect("late", [1])
+    with pytest.raises(TransferTimeoutError):
+        await decode.wait_for_kv("late", timeout=0.05)
+    assert decode.stats["waits_timed_out"] == 1
+    await prefill.push_layer(reservation, "layer0", [2], timeout=5)  # its slot is open until release
+    await prefill.finish("late", timeout=5)
+    await asyncio.sleep(0.05)
+    assert decode.stats["completions_dropped_unknown"] == 1
+    await decode.release("late")
+
+    # The request cancelled by the engine.
+    decode.expect("cancelled", [1])
+    waiting = asyncio.ensure_future(decode.wait_for_kv("cancelled", timeout=5))
+    await asyncio.sleep(0.01)
+    decode.cancel("cancelled")
+    with pytest.raises(RequestCancelledError):
+        await waiting
+    await decode.release("cancelled")
+
+    # The caller's own deadline, shorter than the wait's: the caller's timeout, not kvray's.
+    decode.expect("caller", [1])
+    with pytest.raises(TimeoutError) as caught:
+        async with asyncio.timeout(0.05):
+            await decode.wait_for_kv("caller", timeout=5)
+    assert not isinstance(caught.value, TransferTimeoutError)
+    await decode.release("caller")
+    assert decode.stats["waits_timed_out"] == 1
