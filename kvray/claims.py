@@ -5,9 +5,11 @@ A decode engine keeps a small file of slots next to its completion inbox, one sl
 expected request: the request's token and whether it is open. A writer holds a shared lock on
 the request's slot (an open-file-description lock, which the kernel drops when the writer's
 process dies) from its check of the slot until its last byte and its completion notice are
-out. The engine takes the slot's lock exclusively to close it, so closing waits for every
-write that had started, and a write that starts later finds the slot closed and writes
-nothing. A request's blocks go back to the engine's pool only once its slot is closed.
+out; a notice sent on its own (a layer-wise push's finish) may just read that the slot is
+open, as it writes nothing into the blocks. The engine takes the slot's lock exclusively to
+close it, so closing waits for every write that had started, and a write that starts later
+finds the slot closed and writes nothing. A request's blocks go back to the engine's pool only
+once its slot is closed.
 
 Slot `i` is bytes [16 i, 16 i + 16) of the file: the token (uint64), then its state (uint64:
 1 open, 2 closing, 0 closed). Only the engine writes them: the token and the open and closed
@@ -206,22 +208,17 @@ class ClaimClient:
                 )
             yield
         finally:
-            self.let_go(slot)
+            self._let_go(slot)
 
-    def try_hold(self, slot: int, token: int) -> bool:
-        """Hold the request's slot at once, without waiting: True if it is held (end it with
-        `let_go`); False, holding nothing, if its lock is busy or it is not open under `token`
-        (the caller then takes `hold`, which waits, or says why not)."""
+    def is_open(self, slot: int, token: int) -> bool:
+        """Whether the slot is open under `token` now, read without its lock. Enough for a
+        completion notice, which writes no byte into the request's blocks: the lock would tell
+        no more (a request is no longer expected before its slot closes, and a decode engine
+        drops a notice for a request it does not expect in any case). Writes take `hold`."""
         if self._closed or not 0 <= slot < self._table.shape[0]:
             return False
-        held = self._holders.get(slot, 0)
-        if not held and not _lock(self._fd, fcntl.F_RDLCK, slot):
-            return False
-        self._holders[slot] = held + 1
-        if _SLOT.unpack_from(self._mm, slot * SLOT_NBYTES) != (token, _OPEN):
-            self.let_go(slot)
-            return False
-        return True
+        # A read torn between the engine's two stores matches no open slot of this token.
+        return _SLOT.unpack_from(self._mm, slot * SLOT_NBYTES) == (token, _OPEN)
 
     async def _acquire(self, slot: int, timeout: float) -> None:
         if self._holders.get(slot):
@@ -243,8 +240,7 @@ class ClaimClient:
                 return
         self._holders[slot] = 1
 
-    def let_go(self, slot: int) -> None:
-        """End one hold of the slot (the lock goes with the last)."""
+    def _let_go(self, slot: int) -> None:
         self._holders[slot] -= 1
         if self._holders[slot] == 0:
             del self._holders[slot]

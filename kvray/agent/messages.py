@@ -118,24 +118,17 @@ class Messenger:
         return DatagramNotice(self.outbox(), inbox, encode(notice))
 
     def notify_now(self, peer: Peer, reservation: Reservation, notice: Notice) -> bool:
-        """Send a notice about `reservation` to a same-node peer at once, under the request's
-        claim, awaiting nothing: True if it is in the peer's inbox. False, having sent nothing,
-        wherever the usual path (`claim`, then `send`) would have to wait or to say why not: a
-        peer on another node or whose board this writer has not opened yet, a busy or closed
-        slot, a full or gone inbox."""
+        """Send a notice about `reservation` to a same-node peer at once, awaiting nothing: True
+        if it is in the peer's inbox. False, having sent nothing, wherever the usual path
+        (`claim`, then `send`) would have to wait or to say why not: a peer on another node or
+        whose board this writer has not opened yet, a slot no longer open under the
+        reservation's token, a full or gone inbox. The slot is read without taking its claim
+        (`ClaimClient.is_open`): a notice writes no byte into the request's blocks."""
         inbox = self.inbox_here(peer)
         board = self._boards.get((peer.info.engine_id, peer.info.incarnation))
-        if inbox is None or board is None:
+        if inbox is None or board is None or not board.is_open(reservation.slot, reservation.token):
             return False
-        try:
-            if not board.try_hold(reservation.slot, reservation.token):
-                return False
-        except OSError:
-            return False
-        try:
-            return self.outbox().send_now(inbox, encode(notice))
-        finally:
-            board.let_go(reservation.slot)
+        return self.outbox().send_now(inbox, encode(notice))
 
     async def send(self, peer: Peer, notice: Notice) -> None:
         what = f"a {type(notice).__name__} notice"

@@ -278,8 +278,8 @@ class Pusher:
 
     def _notify_now(self, state: _Layerwise, timeout: float | None) -> bool:
         """`finish`'s notice sent at once, if nothing on its way would wait: True if it is in
-        the decode engine's inbox (same node, its peer cached and current, its claim free),
-        False if nothing was sent and the usual path (slot, deadline, claim, send) must run.
+        the decode engine's inbox (same node, its peer cached and current, the request's slot
+        open), False if nothing was sent and the usual path (slot, deadline, claim, send) must run.
         The rest of the bookkeeping follows the notice, off the decode side's path."""
         engine = self.engine
         reservation = state.reservation

@@ -1,6 +1,7 @@
 """The completion of a layer-wise push on one node: `finish` sends its notice at once when
-nothing on its way would wait (the decode engine's claim free, its inbox not full), without
-queueing behind the writer's other transfers; and a decode engine's `wait_for_kv` ends in
+nothing on its way would wait (the request's claim slot open, the decode engine's inbox not
+full), without queueing behind the writer's other transfers, and never reports done a request
+its decode engine is releasing or has released; a decode engine's `wait_for_kv` ends in
 exactly one way (KV, its own deadline, the request cancelled, or its caller cancelled)."""
 
 from __future__ import annotations
@@ -85,51 +86,57 @@ async def test_finish_does_not_queue_behind_a_stalled_transfer(pair: tuple[KVAge
     await decode.release("stalled")
 
 
-async def test_a_finish_that_cannot_go_at_once_takes_the_usual_way(pair: tuple[KVAgent, KVAgent]) -> None:
-    """While the request's claim slot is locked, `finish` waits for it (bounded) and then
-    completes; once the request is released it is refused, never reported done."""
+async def test_a_finish_is_refused_while_its_request_is_released(pair: tuple[KVAgent, KVAgent]) -> None:
+    """The decode engine releases the request while a writer still holds its claim (the slot
+    is closing): the finish is refused, as it is once the request is released."""
     prefill, decode = pair
     reservation = decode.expect("r", [1])
     for layer in LAYOUT.layer_names:
         await prefill.push_layer(reservation, layer, [2], timeout=5)
-    waiting = asyncio.ensure_future(decode.wait_for_kv("r", timeout=5))
-    with slot_locked(decode, reservation.slot):
-        finishing = asyncio.ensure_future(prefill.finish("r", timeout=5))
+    holder = ClaimClient(decode.info.endpoints[CLAIMS_ENDPOINT], "f-d")
+    held = holder.hold("r", reservation.slot, reservation.token, timeout=1.0)
+    await held.__aenter__()
+    try:
+        releasing = asyncio.ensure_future(decode.release("r"))
         await asyncio.sleep(0.05)
-        assert not finishing.done() and not waiting.done()
-    await asyncio.wait_for(finishing, 2.0)
-    await asyncio.wait_for(waiting, 2.0)
-    await decode.release("r")
+        assert not releasing.done()
+        assert not holder.is_open(reservation.slot, reservation.token)
+        with pytest.raises(NotExpectedError):
+            await prefill.finish("r", timeout=5)
+    finally:
+        await held.__aexit__(None, None, None)
+        holder.close()
+    await asyncio.wait_for(releasing, 2.0)
 
     later = decode.expect("later", [1])
     await prefill.push_layer(later, "layer0", [2], timeout=5)
     await decode.release("later")
     with pytest.raises(NotExpectedError):
         await prefill.finish("later", timeout=5)
-    assert decode.stats["completions_ok"] == 1
+    assert decode.stats["completions_ok"] == 0
+    assert prefill.stats["pushes_ok"] == 0
 
 
-async def test_a_claim_is_taken_at_once_only_while_its_slot_is_open(pair: tuple[KVAgent, KVAgent]) -> None:
+async def test_a_slot_reads_open_only_under_its_token_until_release(pair: tuple[KVAgent, KVAgent]) -> None:
     _, decode = pair
+    board = decode.info.endpoints[CLAIMS_ENDPOINT]
+    slots = os.stat(board).st_size // SLOT_NBYTES
     reservation = decode.expect("r", [1])
-    client = ClaimClient(decode.info.endpoints[CLAIMS_ENDPOINT], "f-d")
+    client = ClaimClient(board, "f-d")
     try:
-        assert not client.try_hold(reservation.slot, reservation.token ^ 1), "a wrong token was taken"
-        with slot_locked(decode, reservation.slot):
-            assert not client.try_hold(reservation.slot, reservation.token), "a locked slot was taken"
-        assert client.try_hold(reservation.slot, reservation.token)
-        assert client.try_hold(reservation.slot, reservation.token)  # a second write joins it
-        releasing = asyncio.ensure_future(decode.release("r"))
-        await asyncio.sleep(0.05)
-        assert not releasing.done(), "the request was released while a writer held its claim"
-        client.let_go(reservation.slot)
-        await asyncio.sleep(0.05)
-        assert not releasing.done(), "the first let-go dropped the lock the second write holds"
-        client.let_go(reservation.slot)
-        await asyncio.wait_for(releasing, 2.0)
-        assert not client.try_hold(reservation.slot, reservation.token), "a released slot was taken"
+        assert client.is_open(reservation.slot, reservation.token)
+        assert not client.is_open(reservation.slot, reservation.token ^ 1)
+        assert not client.is_open(slots, reservation.token)  # past the board's end
+        await decode.release("r")
+        assert not client.is_open(reservation.slot, reservation.token)
+        again = decode.expect("again", [1])  # may take the same slot, under a new token
+        assert client.is_open(again.slot, again.token)
+        if again.slot == reservation.slot:
+            assert not client.is_open(again.slot, reservation.token)
     finally:
         client.close()
+    assert not client.is_open(again.slot, again.token), "a closed client still reads slots"
+    await decode.release("again")
 
 
 async def test_a_wait_ends_in_exactly_one_way(pair: tuple[KVAgent, KVAgent]) -> None:
