@@ -39,7 +39,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One small run of the benchmark (it starts and stops its own Ray and Serve)."""
     out = tmp_path_factory.mktemp("bench-connectors") / "report.json"
     command = [sys.executable, str(SCRIPT), "--lengths", "128", "--clients", "2", "--requests", str(REQUESTS)]
-    command += ["--new-tokens", "8", "--contenders", *contenders(), "--json", str(out)]
+    command += ["--new-tokens", "8", "--contenders", *contenders(), "--check-transport", "--json", str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_S)
     assert out.exists(), f"no report (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     report: dict[str, Any] = json.loads(out.read_text())
@@ -71,3 +71,8 @@ def test_every_hand_off_was_timed_on_both_engines(report: dict[str, Any]) -> Non
         if line["contender"] != "single":
             assert line["transfers_timed"] == REQUESTS, line
             assert line["transfer_s"]["max"] < 60.0
+
+
+def test_kvrays_pushes_took_the_transport_asked_for(report: dict[str, Any]) -> None:
+    [line] = [line for line in report["lines"] if line["contender"] == "kvray-shm"]
+    assert line["transports"] == {"shm": REQUESTS}
