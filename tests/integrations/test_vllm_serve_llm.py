@@ -11,7 +11,9 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 from __future__ import annotations
 
 import json
+import re
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,7 +52,13 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     logs = tmp_path_factory.mktemp("serve-llm")
     model = str(smollm2())
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # Metrics each second: the hang-up test reads the engines' KV cache usage from them.
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -129,3 +137,76 @@ def test_eight_clients_at_once(app: dict[str, Any]) -> None:
     with ThreadPoolExecutor(max_workers=8) as clients:
         served = list(clients.map(lambda prompt: complete(app["url"], prompt), prompts))
     assert served == alone, failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
+
+
+def kv_cache_usage() -> dict[str, float]:
+    """The KV cache usage (the fraction of blocks held) that each Serve replica's vLLM engine
+    last recorded, by replica id, as Ray's metrics agents export it. An engine records it as
+    each of its steps ends, and a series not recorded for a while is no longer exported."""
+    usage: dict[str, float] = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for line in httpx.get(url, timeout=10.0).text.splitlines():
+            if line.startswith("ray_vllm_kv_cache_usage_perc{"):
+                replica = re.search(r'ReplicaId="([^"]*)"', line)
+                assert replica is not None, line
+                usage[replica.group(1)] = float(line.rsplit(" ", 1)[1])
+    return usage
+
+
+def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: int | None = None) -> int:
+    """A streamed completion whose client goes away `after_s` seconds after sending it (whatever
+    has come back by then), or once `after_chunks` chunks have arrived: the chunks it read."""
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 384, "temperature": 0.0}
+    body.update(stream=True, ignore_eos=True)
+    if after_s is not None:
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        with socket.create_connection((host, int(port))) as connection:
+            connection.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            time.sleep(after_s)
+        return 0
+    chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as reply:
+        for line in reply.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == after_chunks:
+                break
+    return chunks
+
+
+def test_clients_that_hang_up_leave_no_block_held_on_either_side(app: dict[str, Any]) -> None:
+    """Clients go away before the prompt's KV has arrived (at several moments of the prefill,
+    the push and the first token) and while tokens stream; once they are gone every KV block
+    of both engines is free again, and the app answers the next request exactly."""
+    prompts = load_prompts()
+    long_prompt = " ".join(prompts[:30])  # ~1700 tokens: a prefill of seconds here, the push after it
+    with ThreadPoolExecutor(max_workers=9) as clients:
+        moments = (0.05, 0.3, 0.8, 1.5, 3.0)
+        hung_up = [clients.submit(hang_up, app["url"], long_prompt, after_s=seconds) for seconds in moments]
+        hung_up += [
+            clients.submit(hang_up, app["url"], prompt, after_chunks=chunks)
+            for prompt, chunks in zip(prompts[40:44], (1, 2, 8, 40), strict=True)
+        ]
+        # While they run the gauge shows blocks held: the reading below is live, not a constant.
+        held = 0.0
+        while not all(client.done() for client in hung_up):
+            held = max([held, *kv_cache_usage().values()])
+            time.sleep(1.0)
+        for client in hung_up:
+            client.result()
+    assert held > 0, "the KV cache usage gauge never showed a block held while requests ran"
+    # The next request is served exactly, and the steps that serve it record each engine's
+    # usage once the hung-up requests are gone: nothing is held on either side.
+    prompt = prompts[44]
+    alone = ray.get(app["reference"].generate.remote([prompt], NEW_TOKENS))[0].text
+    assert complete(app["url"], prompt) == alone
+    deadline = time.monotonic() + 30.0
+    usage: dict[str, float] = {}
+    while len(usage) < 2 or any(usage.values()):
+        assert time.monotonic() < deadline, f"KV blocks held after every client went away: {usage}"
+        time.sleep(0.5)
+        usage.update(kv_cache_usage())
