@@ -90,15 +90,16 @@ def under_load(
 
 
 def running(deployment: str, count: int, gone: str, timeout_s: float = 300.0) -> None:
-    """Wait until Serve has replaced the replica `gone` and reports `count` replicas of the
-    deployment running (engines up)."""
+    """Wait until the replica `gone` has left the deployment and Serve reports at least `count`
+    replicas of it running (engines up): every running replica is then one started after `gone`
+    died or one that was running beside it (Serve may bring up `gone`'s replacement meanwhile)."""
     deadline = time.monotonic() + timeout_s
     while True:
         states = serve.status().applications["default"].deployments[f"{deployment}:smollm2"]
         names = replicas(deployment)
-        if gone not in names and states.replica_states.get("RUNNING", 0) == count:
+        if gone not in names and states.replica_states.get("RUNNING", 0) >= count:
             return
-        assert time.monotonic() < deadline, f"Serve did not replace the {deployment} replica: {states}"
+        assert time.monotonic() < deadline, f"{gone} not replaced: {states}, replicas {names}"
         time.sleep(2.0)
 
 
@@ -118,7 +119,8 @@ def test_a_killed_decode_replica_fails_only_its_requests_and_is_replaced(app: di
     running("Decode", 2, gone=victim)
     (survivor,) = set(before) - {victim}
     ray.kill(ray.get_actor(survivor, namespace="serve"), no_restart=True)
-    running("Decode", 1, gone=survivor, timeout_s=60.0)  # seen gone: the replacement serves alone
+    # Seen gone: the replacement serves, alone or beside the survivor's own replacement.
+    running("Decode", 1, gone=survivor, timeout_s=180.0)
     later = load_prompts()[8:12]
     expected = [g.text for g in ray.get(app["reference"].generate.remote(later, NEW_TOKENS))]
     with ThreadPoolExecutor(max_workers=4) as clients:
