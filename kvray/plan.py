@@ -426,13 +426,10 @@ def plan_transfer(
     local_ids, remote_ids, remote_span = _paired_ids(local, remote, local_blocks, remote_blocks)
     local_rows = cache.rows(local, names)
     remote_rows = cache.rows(remote, names)
+    check_row_bounds(local_rows, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
+    check_row_bounds(remote_rows, remote_ids, remote, "remote", remote_span)
     local_lengths = tuple(region.length for region in local.regions)
     remote_lengths = tuple(region.length for region in remote.regions)
-    local_span = (int(local_ids[0]), int(local_ids[-1]))
-    check_rows(local_rows, local_ids, local_lengths, side="local", engine_id=local.engine_id, span=local_span)
-    check_rows(
-        remote_rows, remote_ids, remote_lengths, side="remote", engine_id=remote.engine_id, span=remote_span
-    )
     # The ops (one per (layer, part) row × block, in that order, then merged) are expanded
     # from these rows when first read; a GPU writer reads the rows alone.
     return TransferPlan(

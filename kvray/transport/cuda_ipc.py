@@ -366,7 +366,6 @@ class RowGraph:
     pinned: torch.Tensor
     ids: torch.Tensor
     done: torch.cuda.Event
-    replayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -477,7 +476,8 @@ def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity:
     key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity)
     graphs = table.graphs.setdefault(key, [])
     for graph in graphs:
-        if not graph.replayed or graph.done.query():  # type: ignore[no-untyped-call]
+        # A graph not replayed yet has an event never recorded, which reads as completed.
+        if graph.done.query():  # type: ignore[no-untyped-call]
             return graph
     if len(graphs) >= _GRAPHS_PER_SHAPE:
         return None
@@ -508,7 +508,6 @@ def copy_rows(
             graph.staging[1 : 1 + count] = rows.local_ids
             graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
             graph.graph.replay()
-            graph.replayed = True
         done = torch.cuda.Event() if graph is None else graph.done  # type: ignore[no-untyped-call]
         done.record(target_stream)
     return done

@@ -121,20 +121,31 @@ def test_a_layer_in_a_storage_too_small_for_an_aligned_region_is_refused(tmp_pat
     worker.shutdown()
 
 
+def registered_pair(
+    tmp_path: Path, *, lease_s: float = 30.0, notify_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0
+) -> tuple[ConnectorWorker, ConnectorWorker]:
+    """A prefill and a decode worker over kvray shared memory; by default with long leases and
+    deadlines (so that what a test sees is not their expiry)."""
+    settings = Settings(
+        shm_dir=str(tmp_path), notify_timeout_s=notify_timeout_s, transfer_timeout_s=transfer_timeout_s
+    )
+    prefill = ConnectorWorker("vllm-p", Role.DECODE, settings, lease_s=lease_s)
+    decode = ConnectorWorker("vllm-d", Role.DECODE, settings, lease_s=lease_s)
+    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
+    for worker in (prefill, decode):
+        with worker.allocation_context():
+            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
+        worker.register(vllm_cpu_caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
+    return prefill, decode
+
+
 def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The prefill engine refuses (it holds no such request); the decode side's release finds a
     # writer still holding the request: vLLM must not hear of the request (and reuse its blocks)
     # until the agent's quarantine of it ends.
-    settings = Settings(shm_dir=str(tmp_path), notify_timeout_s=1.0, transfer_timeout_s=5.0)
-    prefill = ConnectorWorker("vllm-p", Role.DECODE, settings, lease_s=0.2)
-    decode = ConnectorWorker("vllm-d", Role.DECODE, settings, lease_s=0.2)
-    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
-    for worker in (prefill, decode):
-        with worker.allocation_context():
-            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
-        worker.register(vllm_cpu_caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
+    prefill, decode = registered_pair(tmp_path, lease_s=0.2, notify_timeout_s=1.0, transfer_timeout_s=5.0)
     agent = decode.agent
     writer_gone = threading.Event()  # set by the test: the quarantine may end
 
@@ -174,20 +185,6 @@ def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
         writer_gone.set()
         prefill.shutdown()
         decode.shutdown()
-
-
-def registered_pair(tmp_path: Path) -> tuple[ConnectorWorker, ConnectorWorker]:
-    """A prefill and a decode worker over kvray shared memory, with long leases and deadlines
-    (so that what the test sees is not their expiry)."""
-    chosen = Settings(shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=30.0)
-    prefill = ConnectorWorker("vllm-p", Role.DECODE, chosen, lease_s=30.0)
-    decode = ConnectorWorker("vllm-d", Role.DECODE, chosen, lease_s=30.0)
-    nbytes = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
-    for worker in (prefill, decode):
-        with worker.allocation_context():
-            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
-        worker.register(vllm_cpu_caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
-    return prefill, decode
 
 
 def reported_within(worker: ConnectorWorker, request_id: str, seconds: float) -> tuple[set[str], set[int]]:

@@ -465,7 +465,7 @@ class ConnectorWorker:
             self._dropped[key] = now + self.lease_s
             early = self._early.pop(key, None)
             if early is not None:
-                self._spawn(self._refuse(early[0], "the prefill request ended without its KV"))
+                self._spawn(self._refuse(early[0], _ENDED_WITHOUT_KV))
         for load in loads.values():
             self._receiving[load.request_id] = self._spawn(self._receive(load))
         for request_id in cancelled:
@@ -668,7 +668,7 @@ class ConnectorWorker:
         elif request.request_id in self._sending:
             self._spawn(self._push(request))
         elif request.request_id in self._dropped:
-            self._spawn(self._refuse(request, "the prefill request ended without its KV"))
+            self._spawn(self._refuse(request, _ENDED_WITHOUT_KV))
         elif len(self._early) >= self.settings.max_expected_requests or request.request_id in self._early:
             self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
         else:  # the request may not have reached this engine yet, or its hand-over is a step behind
@@ -860,6 +860,9 @@ def _taken_blocks(request: PushRequest, held: Sequence[int]) -> tuple[int, ...]:
 def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
+
+#: Why a push request for a dropped hand-off is refused.
+_ENDED_WITHOUT_KV = "the prefill request ended without its KV"
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
 CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "digest_every", "seed_bug", "ray_address", "node_id"})
