@@ -39,7 +39,7 @@ _MAX_CONNECTED = 64
 class CompletionInbox:
     """A datagram socket whose messages are handed to `handler` on the event loop."""
 
-    def __init__(self, folder: str, handler: Callable[[bytes], None]) -> None:
+    def __init__(self, folder: str, handler: Callable[[bytes], object]) -> None:
         # Locked for the inbox's life, so a sweep by another process never removes it.
         self._folder = create_owned_folder(folder)
         self.path = os.path.join(self._folder, INBOX_NAME)

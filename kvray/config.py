@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import operator
@@ -104,6 +105,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_cached_peers: int = 256
     #: Requests one decode agent may expect at once (the slots of its claim board).
     max_expected_requests: int = 4096
+    #: Take notices from writers on other nodes over an authenticated TCP connection
+    #: (`kvray.completion_tcp`); off, they come through a Ray call on the engine's actor each.
+    notice_tcp: bool = True
+    #: Address a decode engine listens on for those notices: an IP address of this node;
+    #: empty picks the node's address as Ray knows it (no listener outside Ray).
+    notice_host: str = ""
+    #: Port of that listener; 0 picks a free one.
+    notice_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
@@ -153,6 +162,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 setting="verbs_gid_index",
                 value=self.verbs_gid_index,
             )
+        if not 0 <= self.notice_port <= 65535:
+            raise ConfigError(
+                f"notice_port must be a TCP port (0 picks a free one), got {self.notice_port}",
+                setting="notice_port",
+                value=self.notice_port,
+            )
+        if self.notice_host:
+            try:
+                ipaddress.ip_address(self.notice_host)
+            except ValueError:
+                raise ConfigError(
+                    f"notice_host must be an IP address of this node (or empty: Ray's node "
+                    f"address), got {self.notice_host!r}",
+                    setting="notice_host",
+                    value=self.notice_host,
+                ) from None
         if not self.verbs_device:
             raise ConfigError(
                 'verbs_device must name an RDMA device (e.g. "mlx5_0") or be "auto"',

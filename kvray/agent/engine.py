@@ -32,6 +32,18 @@ def node_id() -> str:
     return socket.gethostname()
 
 
+def node_address() -> str | None:
+    """This node's IP address as Ray knows it, inside a Ray worker; None outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except Exception:  # outside a Ray worker: no address known to peers
+        pass
+    return None
+
+
 #: Block ids as callers give them.
 Blocks = Sequence[int] | npt.NDArray[np.integer]
 

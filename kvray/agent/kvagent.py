@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory, directory_service
-from kvray.agent.engine import Blocks, Engine, node_id
+from kvray.agent.engine import Blocks, Engine, node_address, node_id
 from kvray.agent.messages import Messenger
 from kvray.agent.push import Pusher, PushResult
 from kvray.agent.receive import Completion, Receiving
@@ -25,6 +25,7 @@ from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.claims import ClaimBoard
 from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
 from kvray.completion import CompletionInbox
+from kvray.completion_tcp import NoticeListener
 from kvray.config import Settings
 from kvray.errors import MetadataError, PlanError
 from kvray.layout import KVLayout
@@ -95,7 +96,7 @@ class KVAgent:
         self._use_coordinator = use_coordinator
         self._cache = offset_cache if offset_cache is not None else OffsetCache()
         self._transports = TransportSet(settings, backing.kind, transports)
-        self._messenger = Messenger(engine_id, self._engine.node_id, settings)
+        self._messenger = Messenger(engine_id, self._engine.node_id, settings, self._engine.stats)
         service = directory_service(coordinator) if coordinator is not None else None
         self._directory = Directory(engine_id, settings, service, self._engine.stats, self._forget)
         self._pusher = Pusher(self._engine, self._directory, self._messenger, self._transports, self._cache)
@@ -193,6 +194,9 @@ class KVAgent:
             endpoints[COMPLETION_ENDPOINT] = receiving.inbox.path
             receiving.board = ClaimBoard(receiving.inbox.folder, engine.settings.max_expected_requests)
             endpoints[CLAIMS_ENDPOINT] = receiving.board.path
+            receiving.listener = await self._listen_for_notices()
+            if receiving.listener is not None:
+                endpoints.update(receiving.listener.endpoints())
         info = engine.backing.engine_info(
             engine.engine_id, engine.incarnation, engine.role, engine.node_id, regions, endpoints
         )
@@ -210,6 +214,22 @@ class KVAgent:
                 )
         await self._directory.register(engine.published)
         return engine.published
+
+    async def _listen_for_notices(self) -> NoticeListener | None:
+        """The listener for notices from writers on other nodes (`kvray.completion_tcp`), on
+        `notice_host` or Ray's address of this node; None when off or outside Ray."""
+        engine = self._engine
+        settings = engine.settings
+        host = settings.notice_host or node_address() if settings.notice_tcp else None
+        if not host:
+            return None
+        return await NoticeListener.open(
+            host,
+            settings.notice_port,
+            self._receiving.receive,
+            handshake_s=settings.notify_timeout_s,
+            stats=engine.stats,
+        )
 
     async def close(self) -> None:
         """Deregister, fail whatever still waits, release transports and memory."""

@@ -4,8 +4,10 @@ writes), and it notifies the engine when the bytes are there or will not come.
 
 On one node both go without Ray: a claim is a read lock on the request's slot in the engine's
 claim board (`kvray.claims`), a notice is a datagram into its completion inbox
-(`kvray.completion`). Across nodes both are calls on the actor hosting the peer's agent
-(`AgentHost.kvray_claim`, `kvray_notify`), each within `notify_timeout_s`.
+(`kvray.completion`). Across nodes a claim is a call on the actor hosting the peer's agent
+(`AgentHost.kvray_claim`), and a notice goes over the authenticated TCP connection to the
+engine's notice listener (`kvray.completion_tcp`) where it has one that this writer can reach,
+else through that actor too (`kvray_notify`); each within `notify_timeout_s`.
 """
 
 from __future__ import annotations
@@ -13,26 +15,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 
 from kvray.claims import BOARD_NAME, ClaimClient
 from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
 from kvray.completion import CompletionOutbox, DatagramNotice
+from kvray.completion_tcp import (
+    ADDRESS_ENDPOINT,
+    KEY_ENDPOINT,
+    NoticeChannel,
+    parse_address,
+    parse_key,
+    refusal,
+)
 from kvray.config import Settings
 from kvray.errors import KvrayError, MetadataError, TransferTimeoutError, TransportError
 from kvray.transport import Peer
 from kvray.wire import EngineInfo, Notice, Reservation, TransferDone, TransportKind, WriteClaim, encode
 
+#: The share of `notify_timeout_s` a writer spends reaching a peer's notice listener before it
+#: sends the notice through the peer's actor instead.
+CONNECT_SHARE = 0.25
+#: Seconds a writer leaves a notice listener alone after failing to reach it.
+UNREACHABLE_S = 30.0
+
 
 class Messenger:
     """One writer engine's claims and notices to the decode engines it writes into."""
 
-    def __init__(self, engine_id: str, node_id: str, settings: Settings) -> None:
+    def __init__(
+        self, engine_id: str, node_id: str, settings: Settings, stats: Counter[str] | None = None
+    ) -> None:
         self.engine_id = engine_id
         self.node_id = node_id
         self.settings = settings
+        self.stats: Counter[str] = stats if stats is not None else Counter()
         self._outbox: CompletionOutbox | None = None
+        #: Connections to decode engines' notice listeners, per (engine, incarnation), least
+        #: recently used first; each an opening task until it is up.
+        self._channels: OrderedDict[tuple[str, int], asyncio.Task[NoticeChannel]] = OrderedDict()
+        #: Listeners a connection failed to recently, and until when they are left alone.
+        self._unreachable: dict[tuple[str, int], float] = {}
         #: Claim boards of same-node decode engines this agent writes into, per incarnation.
         self._boards: dict[tuple[str, int], ClaimClient] = {}
         #: Requests (id, token) a decode engine on another node holds for this writer (`verbs`).
@@ -131,10 +157,15 @@ class Messenger:
         return self.outbox().send_now(inbox, encode(notice))
 
     async def send(self, peer: Peer, notice: Notice) -> None:
+        """Deliver a notice to the decode engine: through its inbox on this node, else over its
+        notice listener, else through its actor. Across nodes it returns once the engine has
+        read it, raising the engine's refusal as a kvray error."""
         what = f"a {type(notice).__name__} notice"
         inbox = self.inbox_here(peer)
         if inbox is None:
-            await self.call_host(peer, what, "kvray_notify", encode(notice))
+            message = encode(notice)
+            if not await self._send_over_tcp(peer, what, notice, message):
+                await self.call_host(peer, what, "kvray_notify", message)
             return
         async with self._deadline(peer, what):
             try:
@@ -145,6 +176,81 @@ class Messenger:
                     engine_id=peer.info.engine_id,
                     path=inbox,
                 ) from error
+
+    async def _send_over_tcp(self, peer: Peer, what: str, notice: Notice, message: bytes) -> bool:
+        """The notice over the peer's notice listener: True once the engine took it (its refusal
+        raises); False, having sent nothing, when the peer publishes no usable listener or this
+        writer cannot reach it in its share of the deadline (the caller then calls the actor)."""
+        info = peer.info
+        key = (info.engine_id, info.incarnation)
+        address, listener_key = info.endpoints.get(ADDRESS_ENDPOINT), info.endpoints.get(KEY_ENDPOINT)
+        if not self.settings.notice_tcp or not address or not listener_key:
+            return False
+        if self._unreachable.get(key, 0.0) > time.monotonic():
+            return False
+        async with self._deadline(peer, what):
+            channel = await self._channel(key, address, listener_key)
+            if channel is None:
+                return False
+            try:
+                verdict = await channel.send(message)
+            except TransportError as error:
+                self._close_channel(key)
+                raise TransportError(
+                    f"could not notify engine {info.engine_id!r}: {error}", engine_id=info.engine_id
+                ) from error
+        self.stats["notices_sent_tcp"] += 1
+        refused = refusal(verdict, info.engine_id, notice.request_id)
+        if refused is not None:
+            raise refused
+        return True
+
+    async def _channel(self, key: tuple[str, int], address: str, listener_key: str) -> NoticeChannel | None:
+        """The open connection to a listener, opened now if needed (None if it cannot be)."""
+        opening = self._channels.get(key)
+        if (
+            opening is not None
+            and opening.done()
+            and (opening.cancelled() or opening.exception() is not None or opening.result().closed)
+        ):
+            self._close_channel(key)
+            opening = None
+        if opening is None:
+            try:
+                host, port = parse_address(address)
+                secret = parse_key(listener_key)
+            except MetadataError:
+                self.stats["notice_listeners_malformed"] += 1
+                self._unreachable[key] = float("inf")
+                return None
+            opening = asyncio.ensure_future(self._open_channel(host, port, secret, key[0]))
+            self._channels[key] = opening
+            self._evict_channels()
+        self._channels.move_to_end(key)
+        try:
+            return await asyncio.shield(opening)
+        except (TransportError, TimeoutError):
+            self.stats["notice_listeners_unreachable"] += 1
+            self._close_channel(key)
+            self._unreachable[key] = time.monotonic() + UNREACHABLE_S
+            return None
+
+    async def _open_channel(self, host: str, port: int, secret: bytes, engine_id: str) -> NoticeChannel:
+        async with asyncio.timeout(self.settings.notify_timeout_s * CONNECT_SHARE):
+            return await NoticeChannel.open(host, port, secret, engine_id)
+
+    def _evict_channels(self) -> None:
+        while len(self._channels) > self.settings.max_cached_peers:
+            self._close_channel(next(iter(self._channels)))
+
+    def _close_channel(self, key: tuple[str, int]) -> None:
+        opening = self._channels.pop(key, None)
+        if opening is None:
+            return
+        if not opening.done():
+            opening.cancel()
+        elif not opening.cancelled() and opening.exception() is None:
+            opening.result().close()
 
     async def call_host(self, peer: Peer, what: str, method: str, message: bytes) -> None:
         """One call to the actor hosting a peer's agent, within `notify_timeout_s`: a kvray error
@@ -191,8 +297,14 @@ class Messenger:
     def forget(self, engine_id: str) -> None:
         for key in [key for key in self._boards if key[0] == engine_id]:
             self._boards.pop(key).close()
+        for key in [key for key in self._channels if key[0] == engine_id]:
+            self._close_channel(key)
+        for key in [key for key in self._unreachable if key[0] == engine_id]:
+            del self._unreachable[key]
 
     def close(self) -> None:
+        for key in list(self._channels):
+            self._close_channel(key)
         for board in self._boards.values():
             board.close()
         self._boards.clear()

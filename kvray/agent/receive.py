@@ -28,6 +28,7 @@ from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
 from kvray.claims import ClaimBoard
 from kvray.completion import CompletionInbox
+from kvray.completion_tcp import NoticeListener
 from kvray.errors import (
     AgentNotRunningError,
     KvrayError,
@@ -103,6 +104,8 @@ class Receiving:
         self._writing: Counter[str] = Counter()
         self._writes_done = asyncio.Condition()
         self.inbox: CompletionInbox | None = None
+        #: Where writers on other nodes send their notices (None: through Ray calls only).
+        self.listener: NoticeListener | None = None
         self.board: ClaimBoard | None = None
 
     # ---- the Receiver protocol ----------------------------------------------------------
@@ -356,6 +359,8 @@ class Receiving:
             self.board.dispose()
         if self.inbox is not None:
             self.inbox.close()
+        if self.listener is not None:
+            self.listener.close()
 
     # ---- what writers send ------------------------------------------------------------
 
@@ -389,30 +394,29 @@ class Receiving:
             )
         expectation.writer = writer
 
-    def receive(self, message_bytes: bytes, strict: bool = False) -> None:
+    def receive(self, message_bytes: bytes, strict: bool = False) -> DropReason | None:
         """A completion or failure notice; unknown, stale, forged or malformed ones are dropped
-        and counted (`strict`: they also raise, for a caller that can be told)."""
+        and counted, and why is returned (`strict`: they raise instead, for a caller that can be
+        told)."""
         engine = self.engine
         try:
             message = decode_notice(message_bytes)
         except WireDecodeError as error:
-            self._drop(DropReason.MALFORMED, "messages_malformed", strict, error)
-            return
+            return self._drop(DropReason.MALFORMED, "messages_malformed", strict, error)
         if message.dst_engine != engine.engine_id or message.dst_incarnation != engine.incarnation:
-            self._drop(
+            return self._drop(
                 DropReason.STALE,
                 "completions_dropped_stale",
                 strict,
                 self._misaddressed("notice", message.dst_engine, message.dst_incarnation),
             )
-            return
         expectation = self._pending.get(message.request_id)
         if expectation is None or expectation.future.done():
             ending = expectation or self._releasing.get(message.request_id)
             if ending is not None and ending.writer is not None and ending.token == message.token:
                 # The claiming writer's last word (done or failed): its writes have ended.
                 ending.writer_done.set()
-            self._drop(
+            return self._drop(
                 DropReason.UNKNOWN,
                 "completions_dropped_unknown",
                 strict,
@@ -423,9 +427,8 @@ class Receiving:
                     engine_id=engine.engine_id,
                 ),
             )
-            return
         if message.token != expectation.token:
-            self._drop(
+            return self._drop(
                 DropReason.FORGED,
                 "completions_dropped_forged",
                 strict,
@@ -435,7 +438,6 @@ class Receiving:
                     engine_id=engine.engine_id,
                 ),
             )
-            return
         future = expectation.future
         if isinstance(message, TransferFailed):
             if expectation.writer is not None:
@@ -457,6 +459,7 @@ class Receiving:
             engine.spawn(self._complete_after_arrival(message, expectation))
         else:
             self._complete(message, future)
+        return None
 
     def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
         self.engine.stats["completions_ok"] += 1
@@ -507,7 +510,8 @@ class Receiving:
         self.engine.metrics.dropped(reason)
         return error
 
-    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> None:
+    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> DropReason:
         self._counted(reason, stat, error)
         if strict:
             raise error
+        return reason

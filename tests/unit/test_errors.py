@@ -194,12 +194,24 @@ def test_copy_threads_come_from_the_environment() -> None:
         ("lookup_timeout_s", 0.0),
         ("max_queued_transfers", 0),
         ("copy_threads", -2),
+        ("notice_port", 70000),
+        ("notice_port", -1),
+        ("notice_host", "decode-node-1"),
+        ("notice_host", "0.0.0.0:9000"),
     ],
 )
 def test_direct_construction_is_validated_with_facts(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as caught:
         Settings(**{field: value})  # type: ignore[arg-type]
     assert caught.value.setting == field
+
+
+def test_the_notice_listener_settings_come_from_the_environment() -> None:
+    settings = Settings.from_env(
+        {"KVRAY_NOTICE_TCP": "0", "KVRAY_NOTICE_HOST": "10.0.0.7", "KVRAY_NOTICE_PORT": "7070"}
+    )
+    assert (settings.notice_tcp, settings.notice_host, settings.notice_port) == (False, "10.0.0.7", 7070)
+    assert Settings().notice_tcp and Settings().notice_host == "" and Settings().notice_port == 0
 
 
 def test_a_non_power_of_two_alignment_from_the_environment_keeps_its_facts() -> None:

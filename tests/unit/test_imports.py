@@ -22,7 +22,7 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.coordinator",),
     ("kvray.plan",),
     ("kvray.transport",),
-    ("kvray.completion", "kvray.claims"),
+    ("kvray.completion", "kvray.completion_tcp", "kvray.claims"),
     ("kvray.agent",),
     # what is built on the agent: ready workers, the model, Serve, the command line, engines
     (

@@ -1,0 +1,483 @@
+"""Completion across nodes: a writer on another node sends its notices to the decode engine over
+one authenticated TCP connection, instead of a Ray actor call per notice.
+
+The decode agent listens on its node's address and publishes `host:port` and a fresh 32-byte
+key (one per incarnation) in its `EngineInfo.endpoints`. Those reach the cluster's members
+through the coordinator: the same members that may call the engine's actor, the path notices
+take otherwise. Nothing a connection sends reaches the engine before it proves it holds the
+key, and the listener proves it too:
+
+    listener -> writer   MAGIC | listener nonce (16 bytes)
+    writer -> listener   MAGIC | writer nonce (16) | HMAC-SHA256(key, "writer" | both nonces)
+    listener -> writer   HMAC-SHA256(key, "listener" | both nonces)
+
+Both ends then derive the connection's own key from the two nonces. Each notice is
+`length (4 bytes, big-endian) | tag (16) | body`: the body one msgspec notice (`kvray.wire`),
+the tag HMAC-SHA256(connection key, sequence number | body) cut to 16 bytes, so a notice cannot
+be forged, replayed or reordered without the key. The listener answers every notice with its
+verdict (taken, or why the engine refused it), tagged the same way, so the writer learns what a
+Ray call would have told it. A connection that breaks the protocol in any way is closed before
+its notice reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hmac
+import ipaddress
+import secrets
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+from kvray.errors import (
+    KvrayError,
+    MetadataError,
+    NotExpectedError,
+    StaleIncarnationError,
+    TransportError,
+    TransportUnavailableError,
+)
+from kvray.metrics import DropReason
+
+#: Keys of the listener's address and key in `EngineInfo.endpoints`.
+ADDRESS_ENDPOINT = "completion_tcp"
+KEY_ENDPOINT = "completion_tcp_key"
+
+MAGIC = b"kvrayN1\n"
+KEY_NBYTES = 32
+NONCE_NBYTES = 16
+MAC_NBYTES = 32
+TAG_NBYTES = 16
+#: The largest notice body a listener reads; a longer one closes the connection.
+MAX_NOTICE_NBYTES = 64 * 1024
+#: Connections a listener keeps that have not proved the key yet; more are closed at once.
+MAX_UNPROVEN = 64
+#: Connections a listener keeps in all (one per writer engine that notified it recently).
+MAX_CONNECTIONS = 1024
+#: Bytes a writer lets queue unsent on one connection before it calls the listener stalled.
+MAX_UNSENT_NBYTES = 1024 * 1024
+
+_GREETING_NBYTES = len(MAGIC) + NONCE_NBYTES
+_HELLO_NBYTES = len(MAGIC) + NONCE_NBYTES + MAC_NBYTES
+_FRAME = struct.Struct(f">I{TAG_NBYTES}s")
+_VERDICT = struct.Struct(f">QB{TAG_NBYTES}s")
+_SEQUENCE = struct.Struct(">Q")
+
+
+class Verdict(enum.IntEnum):
+    """What the decode engine did with a notice."""
+
+    TAKEN = 0
+    MALFORMED = 1
+    STALE = 2
+    UNKNOWN = 3
+    FORGED = 4
+
+
+_VERDICT_OF: dict[DropReason | None, Verdict] = {
+    None: Verdict.TAKEN,
+    DropReason.MALFORMED: Verdict.MALFORMED,
+    DropReason.STALE: Verdict.STALE,
+    DropReason.UNKNOWN: Verdict.UNKNOWN,
+    DropReason.FORGED: Verdict.FORGED,
+}
+
+#: Takes one notice's bytes; returns None if the engine took it, else why it dropped it.
+NoticeHandler = Callable[[bytes], DropReason | None]
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.digest(key, b"".join(parts), "sha256")
+
+
+def _session_key(key: bytes, listener_nonce: bytes, writer_nonce: bytes) -> bytes:
+    return _mac(key, b"session", listener_nonce, writer_nonce)
+
+
+def _notice_tag(session: bytes, sequence: int, body: bytes) -> bytes:
+    return _mac(session, b"notice", _SEQUENCE.pack(sequence), body)[:TAG_NBYTES]
+
+
+def _verdict_tag(session: bytes, sequence: int, verdict: int) -> bytes:
+    return _mac(session, b"verdict", _SEQUENCE.pack(sequence), bytes((verdict,)))[:TAG_NBYTES]
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of a published `host:port` (`[v6 address]:port`): the host must be an IP
+    address and the port in 1..65535, else `MetadataError`."""
+    host, separator, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+        port = int(port_text) if port_text.isdigit() and len(port_text) <= 5 else 0
+    except ValueError:
+        port = 0
+    if not separator or not 0 < port < 65536:
+        raise MetadataError(
+            f"{address!r} is not an IP address and port; kvray publishes its notice listener as host:port",
+            address=address,
+        )
+    return host, port
+
+
+def parse_key(text: str) -> bytes:
+    """A published listener key (hex of `KEY_NBYTES` bytes), else `MetadataError`."""
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_NBYTES:
+        raise MetadataError(
+            f"a notice listener key must be {KEY_NBYTES} bytes in hex; got {len(text)} characters",
+        )
+    return key
+
+
+# ---- the decode engine's end -----------------------------------------------------------
+
+
+class NoticeListener:
+    """A decode engine's TCP listener for notices from writers on other nodes.
+
+    `handler` takes each authenticated notice on the event loop; `handshake_s` bounds how long
+    a connection may take to prove the key; `stats` counts connections refused and notices read.
+    """
+
+    def __init__(self, key: bytes, handler: NoticeHandler, handshake_s: float, stats: Counter[str]) -> None:
+        self.key = key
+        self.handler = handler
+        self.handshake_s = handshake_s
+        self.stats = stats
+        self.address = ""
+        self._server: asyncio.AbstractServer | None = None
+        self._unproven: set[_ListenerConnection] = set()
+        self._proven: set[_ListenerConnection] = set()
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, handler: NoticeHandler, *, handshake_s: float, stats: Counter[str]
+    ) -> NoticeListener:
+        """Listen on `host:port` (port 0: any free port), with a fresh key."""
+        listener = cls(secrets.token_bytes(KEY_NBYTES), handler, handshake_s, stats)
+        loop = asyncio.get_running_loop()
+        try:
+            server = await loop.create_server(lambda: _ListenerConnection(listener), host, port)
+        except OSError as error:
+            raise TransportUnavailableError(
+                f"cannot listen for completion notices on {format_address(host, port)}: {error}; set "
+                "KVRAY_NOTICE_PORT=0 for any free port, KVRAY_NOTICE_HOST for another address, or "
+                "KVRAY_NOTICE_TCP=0 to take notices from other nodes through Ray calls only",
+                host=host,
+                port=port,
+            ) from error
+        listener._server = server
+        bound_host, bound_port = server.sockets[0].getsockname()[:2]
+        listener.address = format_address(str(bound_host), int(bound_port))
+        return listener
+
+    def endpoints(self) -> dict[str, str]:
+        """What the engine publishes for writers to reach this listener."""
+        return {ADDRESS_ENDPOINT: self.address, KEY_ENDPOINT: self.key.hex()}
+
+    @property
+    def connections(self) -> int:
+        return len(self._unproven) + len(self._proven)
+
+    def _admit(self, connection: _ListenerConnection) -> bool:
+        if len(self._unproven) >= MAX_UNPROVEN or self.connections >= MAX_CONNECTIONS:
+            self.stats["notice_connections_refused"] += 1
+            return False
+        self._unproven.add(connection)
+        return True
+
+    def _proved(self, connection: _ListenerConnection) -> None:
+        self._unproven.discard(connection)
+        self._proven.add(connection)
+
+    def _gone(self, connection: _ListenerConnection) -> None:
+        self._unproven.discard(connection)
+        self._proven.discard(connection)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._unproven | self._proven):
+            connection.abort()
+
+
+class _ListenerConnection(asyncio.Protocol):
+    def __init__(self, listener: NoticeListener) -> None:
+        self._listener = listener
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._nonce = secrets.token_bytes(NONCE_NBYTES)
+        self._session: bytes | None = None
+        self._received = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if not self._listener._admit(self):
+            transport.abort()
+            return
+        transport.write(MAGIC + self._nonce)
+        self._timer = asyncio.get_running_loop().call_later(self._listener.handshake_s, self._refuse, "slow")
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        if self._session is None:
+            if len(buffer) < _HELLO_NBYTES:
+                return
+            if not self._check_hello(bytes(buffer[:_HELLO_NBYTES])):
+                return
+            del buffer[:_HELLO_NBYTES]
+        self._read_notices()
+
+    def _check_hello(self, hello: bytes) -> bool:
+        listener = self._listener
+        writer_nonce = hello[len(MAGIC) : _GREETING_NBYTES]
+        proof = _mac(listener.key, b"writer", self._nonce, writer_nonce)
+        if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(hello[_GREETING_NBYTES:], proof):
+            self._refuse("unproven")
+            return False
+        if self._timer is not None:
+            self._timer.cancel()
+        self._session = _session_key(listener.key, self._nonce, writer_nonce)
+        listener._proved(self)
+        assert self._transport is not None
+        self._transport.write(_mac(listener.key, b"listener", self._nonce, writer_nonce))
+        return True
+
+    def _read_notices(self) -> None:
+        buffer, session = self._buffer, self._session
+        assert session is not None
+        while len(buffer) >= _FRAME.size:
+            length, tag = _FRAME.unpack_from(buffer)
+            if length > MAX_NOTICE_NBYTES:
+                self._refuse("oversized")
+                return
+            end = _FRAME.size + length
+            if len(buffer) < end:
+                return
+            body = bytes(buffer[_FRAME.size : end])
+            del buffer[:end]
+            sequence = self._received
+            if not hmac.compare_digest(tag, _notice_tag(session, sequence, body)):
+                self._refuse("forged")
+                return
+            self._received += 1
+            self._listener.stats["notices_by_tcp"] += 1
+            verdict = _VERDICT_OF.get(self._listener.handler(body), Verdict.MALFORMED)
+            # After the waiter the notice woke, which is already in the loop's queue.
+            asyncio.get_running_loop().call_soon(self._answer, sequence, verdict)
+
+    def _answer(self, sequence: int, verdict: Verdict) -> None:
+        transport, session = self._transport, self._session
+        if transport is None or session is None or transport.is_closing():
+            return
+        transport.write(_VERDICT.pack(sequence, verdict, _verdict_tag(session, sequence, verdict)))
+
+    def _refuse(self, why: str) -> None:
+        self._listener.stats[f"notice_connections_closed_{why}"] += 1
+        self.abort()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._listener._gone(self)
+        self._buffer.clear()
+
+
+# ---- the writer's end -------------------------------------------------------------------
+
+
+class NoticeChannel:
+    """A writer's authenticated connection to one decode engine's listener; notices go out in
+    order, and each `send` returns that engine's verdict."""
+
+    def __init__(self, connection: _WriterConnection, engine_id: str) -> None:
+        self._connection = connection
+        self.engine_id = engine_id
+
+    @classmethod
+    async def open(cls, host: str, port: int, key: bytes, engine_id: str) -> NoticeChannel:
+        """Connect and prove the key both ways (the caller bounds the wait); `TransportError` if
+        the listener cannot be reached or does not prove it holds `key`."""
+        loop = asyncio.get_running_loop()
+        where = format_address(host, port)
+        try:
+            _, connection = await loop.create_connection(lambda: _WriterConnection(key, where), host, port)
+        except OSError as error:
+            raise TransportError(
+                f"cannot reach engine {engine_id!r}'s notice listener at {where}: {error}",
+                engine_id=engine_id,
+                address=where,
+            ) from error
+        try:
+            await connection.ready
+        except BaseException:
+            connection.abort()
+            raise
+        return cls(connection, engine_id)
+
+    @property
+    def closed(self) -> bool:
+        return self._connection.lost
+
+    async def send(self, body: bytes) -> Verdict:
+        """Send one notice; returns once the engine has read it, with its verdict.
+        `TransportError` if the connection breaks first (the notice may or may not have been
+        taken; the engine decides, and a repeat of it is dropped there as unknown)."""
+        return await self._connection.send(body)
+
+    def close(self) -> None:
+        self._connection.abort()
+
+
+class _WriterConnection(asyncio.Protocol):
+    def __init__(self, key: bytes, where: str) -> None:
+        self._key = key
+        self._where = where
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._nonce = secrets.token_bytes(NONCE_NBYTES)
+        self._listener_nonce: bytes | None = None
+        self._session: bytes | None = None
+        self._sent = 0
+        self._pending: OrderedDict[int, asyncio.Future[Verdict]] = OrderedDict()
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        if self._listener_nonce is None:
+            if len(buffer) < _GREETING_NBYTES:
+                return
+            greeting = bytes(buffer[:_GREETING_NBYTES])
+            del buffer[:_GREETING_NBYTES]
+            if greeting[: len(MAGIC)] != MAGIC:
+                self._fail(f"{self._where} is not a kvray notice listener")
+                return
+            self._listener_nonce = greeting[len(MAGIC) :]
+            assert self._transport is not None
+            self._transport.write(
+                MAGIC + self._nonce + _mac(self._key, b"writer", self._listener_nonce, self._nonce)
+            )
+        if self._session is None:
+            if len(buffer) < MAC_NBYTES:
+                return
+            proof = bytes(buffer[:MAC_NBYTES])
+            del buffer[:MAC_NBYTES]
+            expected = _mac(self._key, b"listener", self._listener_nonce, self._nonce)
+            if not hmac.compare_digest(proof, expected):
+                self._fail(f"the notice listener at {self._where} did not prove it holds the engine's key")
+                return
+            self._session = _session_key(self._key, self._listener_nonce, self._nonce)
+            if not self.ready.done():
+                self.ready.set_result(None)
+        self._read_verdicts()
+
+    def _read_verdicts(self) -> None:
+        buffer, session = self._buffer, self._session
+        assert session is not None
+        while len(buffer) >= _VERDICT.size:
+            sequence, code, tag = _VERDICT.unpack_from(buffer)
+            del buffer[: _VERDICT.size]
+            oldest = next(iter(self._pending), None)
+            if (
+                sequence != oldest
+                or code not in Verdict._value2member_map_
+                or not hmac.compare_digest(tag, _verdict_tag(session, sequence, code))
+            ):
+                self._fail(f"the notice listener at {self._where} answered out of protocol")
+                return
+            future = self._pending.pop(sequence)
+            if not future.done():
+                future.set_result(Verdict(code))
+
+    async def send(self, body: bytes) -> Verdict:
+        transport, session = self._transport, self._session
+        if self.lost or transport is None or session is None or transport.is_closing():
+            raise TransportError(f"the connection to the notice listener at {self._where} is closed")
+        if transport.get_write_buffer_size() > MAX_UNSENT_NBYTES:
+            self._fail(f"the notice listener at {self._where} stopped reading")
+            raise TransportError(f"the notice listener at {self._where} stopped reading")
+        sequence = self._sent
+        self._sent += 1
+        future: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._pending[sequence] = future
+        transport.write(_FRAME.pack(len(body), _notice_tag(session, sequence, body)) + body)
+        return await future
+
+    def _fail(self, why: str) -> None:
+        error = TransportError(why, address=self._where)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+        self.abort()
+
+    def abort(self) -> None:
+        self.lost = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(f"the connection to the notice listener at {self._where} was lost")
+        # Nobody awaits a handshake that failed after its caller gave up.
+        if self.ready.done() and not self.ready.cancelled():
+            self.ready.exception()
+
+
+def refusal(verdict: Verdict, engine_id: str, request_id: str) -> KvrayError | None:
+    """The error a refused notice stands for (None for a taken one), as the engine's own
+    `notify` would have raised it through a Ray call."""
+    if verdict is Verdict.TAKEN:
+        return None
+    if verdict is Verdict.STALE:
+        return StaleIncarnationError(
+            f"engine {engine_id!r} refused the notice for request {request_id!r}: it names another "
+            "engine or an old incarnation",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    if verdict is Verdict.FORGED:
+        return NotExpectedError(
+            f"engine {engine_id!r} refused the notice for request {request_id!r}: it did not carry "
+            "its reservation's token",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    if verdict is Verdict.UNKNOWN:
+        return NotExpectedError(
+            f"engine {engine_id!r} does not expect request {request_id!r} (never reserved, or its "
+            "wait has ended)",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    return TransportError(
+        f"engine {engine_id!r} could not decode the notice for request {request_id!r}",
+        engine_id=engine_id,
+        request_id=request_id,
+    )

@@ -1,0 +1,294 @@
+"""The notice listener a decode engine opens for writers on other nodes (`kvray.completion_tcp`):
+nothing a connection sends reaches the engine before it proves the engine's key; a forged,
+replayed, reordered or oversized notice closes the connection unread; a listener that cannot
+prove the key gets no notice; each notice is answered with the engine's verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from kvray.completion_tcp import (
+    KEY_NBYTES,
+    MAC_NBYTES,
+    MAGIC,
+    MAX_NOTICE_NBYTES,
+    MAX_UNPROVEN,
+    NONCE_NBYTES,
+    NoticeChannel,
+    NoticeListener,
+    Verdict,
+    _mac,
+    _notice_tag,
+    _session_key,
+    _verdict_tag,
+    parse_address,
+    parse_key,
+)
+from kvray.errors import MetadataError, TransportError, TransportUnavailableError
+from kvray.metrics import DropReason
+
+FRAME = struct.Struct(">I16s")
+
+
+class Engine:
+    """Records the notices the listener hands over and answers with a set verdict."""
+
+    def __init__(self) -> None:
+        self.notices: list[bytes] = []
+        self.answer: DropReason | None = None
+        self.stats: Counter[str] = Counter()
+
+    def take(self, body: bytes) -> DropReason | None:
+        self.notices.append(body)
+        return self.answer
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def listening() -> AsyncIterator[tuple[NoticeListener, Engine]]:
+    engine = Engine()
+    listener = await NoticeListener.open("127.0.0.1", 0, engine.take, handshake_s=0.5, stats=engine.stats)
+    try:
+        yield listener, engine
+    finally:
+        listener.close()
+
+
+def host_port(listener: NoticeListener) -> tuple[str, int]:
+    return parse_address(listener.address)
+
+
+async def until(condition: object, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
+    """True once the other end closes (reads to the end within a second)."""
+    async with asyncio.timeout(1.0):
+        while await reader.read(4096):
+            pass
+    return True
+
+
+async def proven(listener: NoticeListener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A raw connection that has proved the key: (reader, writer, session key)."""
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    greeting = await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
+    listener_nonce, nonce = greeting[len(MAGIC) :], os.urandom(NONCE_NBYTES)
+    writer.write(MAGIC + nonce + _mac(listener.key, b"writer", listener_nonce, nonce))
+    proof = await reader.readexactly(MAC_NBYTES)
+    assert proof == _mac(listener.key, b"listener", listener_nonce, nonce)
+    return reader, writer, _session_key(listener.key, listener_nonce, nonce)
+
+
+def frame(session: bytes, sequence: int, body: bytes) -> bytes:
+    return FRAME.pack(len(body), _notice_tag(session, sequence, body)) + body
+
+
+async def test_notices_arrive_whole_in_order_with_the_engines_verdicts(
+    listening: tuple[NoticeListener, Engine],
+) -> None:
+    listener, engine = listening
+    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    bodies = [os.urandom(n) for n in (1, 100, 5000, MAX_NOTICE_NBYTES)]
+    verdicts = [await channel.send(body) for body in bodies]
+    assert engine.notices == bodies
+    assert verdicts == [Verdict.TAKEN] * len(bodies)
+    for reason, verdict in [
+        (DropReason.UNKNOWN, Verdict.UNKNOWN),
+        (DropReason.FORGED, Verdict.FORGED),
+        (DropReason.STALE, Verdict.STALE),
+        (DropReason.MALFORMED, Verdict.MALFORMED),
+    ]:
+        engine.answer = reason
+        assert await channel.send(b"x") is verdict
+    # Many at once: one connection, answered in order.
+    engine.answer = None
+    many = await asyncio.gather(*(channel.send(str(n).encode()) for n in range(200)))
+    assert many == [Verdict.TAKEN] * 200
+    assert engine.notices[-200:] == [str(n).encode() for n in range(200)]
+    assert engine.stats["notices_by_tcp"] == len(engine.notices)
+    channel.close()
+
+
+async def test_a_writer_without_the_key_is_closed_before_a_notice_is_read(
+    listening: tuple[NoticeListener, Engine],
+) -> None:
+    listener, engine = listening
+    with pytest.raises(TransportError):
+        async with asyncio.timeout(2):
+            await NoticeChannel.open(*host_port(listener), os.urandom(KEY_NBYTES), "d")
+    # The same with a raw writer that sends a notice right behind its wrong proof.
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    greeting = await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
+    nonce, wrong = os.urandom(NONCE_NBYTES), os.urandom(KEY_NBYTES)
+    session = _session_key(wrong, greeting[len(MAGIC) :], nonce)
+    writer.write(
+        MAGIC + nonce + _mac(wrong, b"writer", greeting[len(MAGIC) :], nonce) + frame(session, 0, b"done")
+    )
+    assert await closed_by_peer(reader)
+    writer.close()
+    assert engine.notices == []
+    assert engine.stats["notice_connections_closed_unproven"] == 2
+
+
+async def test_garbage_and_silence_are_closed_unread(listening: tuple[NoticeListener, Engine]) -> None:
+    listener, engine = listening
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"A" * 64)
+    assert await closed_by_peer(reader)
+    writer.close()
+    # A connection that never proves the key is closed at the handshake deadline (0.5 s here).
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    assert await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
+    async with asyncio.timeout(3):
+        assert await reader.read() == b""
+    writer.close()
+    assert engine.notices == []
+    assert engine.stats["notice_connections_closed_slow"] == 1
+    await until(lambda: listener.connections == 0)
+
+
+async def test_forged_replayed_and_oversized_notices_close_the_connection_unread(
+    listening: tuple[NoticeListener, Engine],
+) -> None:
+    listener, engine = listening
+    # A body changed after it was tagged.
+    reader, writer, session = await proven(listener)
+    tagged = bytearray(frame(session, 0, b"done: request r1"))
+    tagged[-1] ^= 1
+    writer.write(bytes(tagged))
+    assert await closed_by_peer(reader)
+    writer.close()
+    # A notice sent again: the second copy carries the first one's sequence number.
+    reader, writer, session = await proven(listener)
+    writer.write(frame(session, 0, b"first"))
+    assert await reader.readexactly(25)
+    writer.write(frame(session, 0, b"first"))
+    assert await closed_by_peer(reader)
+    writer.close()
+    # Out of order: the second notice first.
+    reader, writer, session = await proven(listener)
+    writer.write(frame(session, 1, b"second"))
+    assert await closed_by_peer(reader)
+    writer.close()
+    # A length past the largest notice, before any of its bytes.
+    reader, writer, session = await proven(listener)
+    writer.write(FRAME.pack(MAX_NOTICE_NBYTES + 1, bytes(16)))
+    assert await closed_by_peer(reader)
+    writer.close()
+    assert engine.notices == [b"first"]
+    assert engine.stats["notice_connections_closed_forged"] == 3
+    assert engine.stats["notice_connections_closed_oversized"] == 1
+
+
+async def test_connections_that_have_not_proved_the_key_are_capped(
+    listening: tuple[NoticeListener, Engine],
+) -> None:
+    listener, engine = listening
+    held = [await asyncio.open_connection(*host_port(listener)) for _ in range(MAX_UNPROVEN)]
+    for reader, _ in held:
+        await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    assert await closed_by_peer(reader)
+    assert engine.stats["notice_connections_refused"] == 1
+    writer.close()
+    for _, held_writer in held:
+        held_writer.close()
+    await until(lambda: listener.connections == 0)
+    # A writer with the key gets in again.
+    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    assert await channel.send(b"done") is Verdict.TAKEN
+    channel.close()
+
+
+async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[bytes]]:
+    """A listener that knows its own key: it proves it (if `handle_verdict`, then answers the
+    first notice with a verdict tag that does not verify), or, without it, a wrong proof."""
+    key, received = os.urandom(KEY_NBYTES), []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonce = os.urandom(NONCE_NBYTES)
+        writer.write(MAGIC + nonce)
+        hello = await reader.readexactly(len(MAGIC) + NONCE_NBYTES + MAC_NBYTES)
+        writer_nonce = hello[len(MAGIC) : len(MAGIC) + NONCE_NBYTES]
+        if not handle_verdict:
+            writer.write(os.urandom(MAC_NBYTES))
+            await reader.read()
+            return
+        writer.write(_mac(key, b"listener", nonce, writer_nonce))
+        length, _ = FRAME.unpack(await reader.readexactly(FRAME.size))
+        received.append(await reader.readexactly(length))
+        session = _session_key(key, nonce, writer_nonce)
+        writer.write(struct.pack(">QB16s", 0, Verdict.TAKEN, _verdict_tag(session, 0, Verdict.FORGED)))
+        await reader.read()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, key, received
+
+
+async def test_a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
+    server, key, received = await impostor(handle_verdict=False)
+    port = server.sockets[0].getsockname()[1]
+    with pytest.raises(TransportError, match="did not prove"):
+        async with asyncio.timeout(2):
+            await NoticeChannel.open("127.0.0.1", port, key, "d")
+    assert received == []
+    server.close()
+
+
+async def test_a_verdict_that_does_not_verify_fails_the_send() -> None:
+    server, key, received = await impostor(handle_verdict=True)
+    port = server.sockets[0].getsockname()[1]
+    channel = await NoticeChannel.open("127.0.0.1", port, key, "d")
+    with pytest.raises(TransportError, match="out of protocol"):
+        async with asyncio.timeout(2):
+            await channel.send(b"done")
+    assert channel.closed and received == [b"done"]
+    with pytest.raises(TransportError, match="closed"):
+        await channel.send(b"again")
+    server.close()
+
+
+async def test_a_lost_connection_fails_the_notices_waiting_for_their_verdict(
+    listening: tuple[NoticeListener, Engine],
+) -> None:
+    listener, engine = listening
+    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    listener.close()
+    with pytest.raises(TransportError):
+        async with asyncio.timeout(2):
+            await channel.send(b"done")
+    assert channel.closed
+
+
+async def test_a_busy_port_is_a_clear_error(listening: tuple[NoticeListener, Engine]) -> None:
+    listener, engine = listening
+    host, port = host_port(listener)
+    with pytest.raises(TransportUnavailableError, match="KVRAY_NOTICE_PORT"):
+        await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats)
+
+
+@pytest.mark.parametrize(
+    "address", ["", "127.0.0.1", "localhost:80", "127.0.0.1:0", "127.0.0.1:65536", "1.2.3.4:+80", "[::1]"]
+)
+def test_published_addresses_must_be_an_ip_and_a_port(address: str) -> None:
+    with pytest.raises(MetadataError):
+        parse_address(address)
+
+
+def test_published_addresses_and_keys_parse() -> None:
+    assert parse_address("10.1.2.3:7070") == ("10.1.2.3", 7070)
+    assert parse_address("[::1]:7070") == ("::1", 7070)
+    assert parse_key("ab" * KEY_NBYTES) == bytes([0xAB]) * KEY_NBYTES
+    for text in ("", "ab" * (KEY_NBYTES - 1), "zz" * KEY_NBYTES):
+        with pytest.raises(MetadataError):
+            parse_key(text)
