@@ -30,6 +30,7 @@ import secrets
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from typing import cast
 
 from kvray.errors import (
     KvrayError,
@@ -223,12 +224,12 @@ class _ListenerConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports are not subclasses of asyncio's, so no isinstance check here.
+        stream = self._transport = cast(asyncio.Transport, transport)
         if not self._listener._admit(self):
-            transport.abort()
+            stream.abort()
             return
-        transport.write(MAGIC + self._nonce)
+        stream.write(MAGIC + self._nonce)
         self._timer = asyncio.get_running_loop().call_later(self._listener.handshake_s, self._refuse, "slow")
 
     def data_received(self, data: bytes) -> None:
@@ -341,7 +342,13 @@ class NoticeChannel:
         """Send one notice; returns once the engine has read it, with its verdict.
         `TransportError` if the connection breaks first (the notice may or may not have been
         taken; the engine decides, and a repeat of it is dropped there as unknown)."""
-        return await self._connection.send(body)
+        return await self._connection.send_now(body)
+
+    def send_now(self, body: bytes) -> asyncio.Future[Verdict]:
+        """`send` from the event loop's thread without awaiting: the notice is written (or
+        `TransportError` raised, with nothing sent) before this returns; the future resolves to
+        the verdict, or fails as `send` would."""
+        return self._connection.send_now(body)
 
     def close(self) -> None:
         self._connection.abort()
@@ -362,8 +369,7 @@ class _WriterConnection(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -413,7 +419,7 @@ class _WriterConnection(asyncio.Protocol):
             if not future.done():
                 future.set_result(Verdict(code))
 
-    async def send(self, body: bytes) -> Verdict:
+    def send_now(self, body: bytes) -> asyncio.Future[Verdict]:
         transport, session = self._transport, self._session
         if self.lost or transport is None or session is None or transport.is_closing():
             raise TransportError(f"the connection to the notice listener at {self._where} is closed")
@@ -425,7 +431,7 @@ class _WriterConnection(asyncio.Protocol):
         future: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self._pending[sequence] = future
         transport.write(_FRAME.pack(len(body), _notice_tag(session, sequence, body)) + body)
-        return await future
+        return future
 
     def _fail(self, why: str) -> None:
         error = TransportError(why, address=self._where)

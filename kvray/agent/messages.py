@@ -27,6 +27,7 @@ from kvray.completion_tcp import (
     ADDRESS_ENDPOINT,
     KEY_ENDPOINT,
     NoticeChannel,
+    Verdict,
     parse_address,
     parse_key,
     refusal,
@@ -155,6 +156,23 @@ class Messenger:
         if inbox is None or board is None or not board.is_open(reservation.slot, reservation.token):
             return False
         return self.outbox().send_now(inbox, encode(notice))
+
+    def notify_far_now(self, peer: Peer, notice: Notice) -> asyncio.Future[Verdict] | None:
+        """Send a notice to a peer on another node over the connection this writer keeps open to
+        its notice listener, at once, awaiting nothing: the future of the engine's verdict. None,
+        having sent nothing, where there is no such connection open (the usual `send` then
+        opens one, or calls the peer's actor)."""
+        if not self.settings.notice_tcp or self.inbox_here(peer) is not None:
+            return None
+        opening = self._channels.get((peer.info.engine_id, peer.info.incarnation))
+        if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:
+            return None
+        try:
+            sent = opening.result().send_now(encode(notice))
+        except TransportError:
+            return None
+        self.stats["notices_sent_tcp"] += 1
+        return sent
 
     async def send(self, peer: Peer, notice: Notice) -> None:
         """Deliver a notice to the decode engine: through its inbox on this node, else over its

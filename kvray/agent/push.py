@@ -26,6 +26,7 @@ from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
 from kvray.agent.messages import Messenger
 from kvray.agent.transports import TransportSet
+from kvray.completion_tcp import Verdict, refusal
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -248,8 +249,17 @@ class Pusher:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
         reservation = state.reservation
         started = time.perf_counter()
-        if self._notify_now(state, timeout):
-            return self._finished(state, started)
+        peer = self._current_peer(state, timeout)
+        if peer is not None:
+            notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
+            if self.messenger.notify_now(peer, reservation, notice):
+                self.messenger.end_claim(reservation)
+                self._record_finish(state, Outcome.OK)
+                return self._finished(state, started)
+            sent = self.messenger.notify_far_now(peer, notice)
+            if sent is not None:
+                await self._verdict(state, peer, sent)
+                return self._finished(state, started)
         async with self._transfer(reservation, timeout, call=PushCall.FINISH) as attempt:
             attempt.transfer_id = state.transfer_id
             attempt.transport = state.transport
@@ -276,32 +286,79 @@ class Pusher:
                 self.messenger.end_claim(reservation)
             return self._finished(state, started)
 
-    def _notify_now(self, state: _Layerwise, timeout: float | None) -> bool:
-        """`finish`'s notice sent at once, if nothing on its way would wait: True if it is in
-        the decode engine's inbox (same node, its peer cached and current, the request's slot
-        open), False if nothing was sent and the usual path (slot, deadline, claim, send) must run.
-        The rest of the bookkeeping follows the notice, off the decode side's path."""
+    def _current_peer(self, state: _Layerwise, timeout: float | None) -> Peer | None:
+        """The decode engine `finish` may notify at once, without a slot or a lookup: cached and
+        at the reservation's incarnation (None: the usual path, which looks it up, must run).
+        `finish`'s notice goes out at once when nothing on its way would wait: into the engine's
+        inbox on this node (the request's slot open, the inbox not full), or over the
+        connection this writer keeps open to its notice listener on another node. The rest of
+        the bookkeeping follows the notice, off the decode side's path."""
         engine = self.engine
         reservation = state.reservation
-        # A bad timeout is refused the same way on both paths.
+        # A bad timeout is refused the same way on every path.
         engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
         if not engine.running:
-            return False
+            return None
         peer = self.directory.cached(reservation.engine_id)
         if peer is None or peer.info.incarnation != reservation.incarnation:
-            return False
-        notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
-        if not self.messenger.notify_now(peer, reservation, notice):
-            return False
-        self.messenger.end_claim(reservation)
+            return None
+        return peer
+
+    def _record_finish(self, state: _Layerwise, outcome: Outcome) -> None:
         self.engine.metrics.transfer(
             PushCall.FINISH,
-            Outcome.OK,
+            outcome,
             state.transport.value,
-            reservation.engine_id,
+            state.reservation.engine_id,
             time.perf_counter() - state.started,
         )
-        return True
+
+    async def _verdict(self, state: _Layerwise, peer: Peer, sent: asyncio.Future[Verdict]) -> None:
+        """Wait (`notify_timeout_s`) for the verdict on `finish`'s notice sent over a notice
+        listener: a refusal raises as the engine's own error, a verdict that does not come as a
+        transport error or timeout; either way the engine is told the push failed (a failure
+        notice after a completion it took is dropped there), as the usual path does."""
+        engine = self.engine
+        reservation = state.reservation
+        engine_id = reservation.engine_id
+        timeout_s = engine.settings.notify_timeout_s
+        outcome = Outcome.FAILED
+        try:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    verdict = await sent
+            except TimeoutError as error:
+                outcome = Outcome.TIMED_OUT
+                raise TransferTimeoutError(
+                    f"engine {engine_id!r} did not answer the notice for {reservation.request_id!r} "
+                    f"within {timeout_s} s",
+                    request_id=reservation.request_id,
+                    engine_id=engine_id,
+                    timeout_s=timeout_s,
+                ) from error
+            except TransportError as error:
+                raise TransportError(
+                    f"could not notify engine {engine_id!r}: {error}", engine_id=engine_id
+                ) from error
+            refused = refusal(verdict, engine_id, reservation.request_id)
+            if refused is not None:
+                raise refused
+            outcome = Outcome.OK
+        except KvrayError as error:
+            engine.stats["pushes_failed"] += 1
+            self._tell_failed(peer, state, f"{type(error).__name__}: {error}")
+            raise
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            self._tell_failed(peer, state, "the push was cancelled")
+            raise
+        finally:
+            self.messenger.end_claim(reservation)
+            self._record_finish(state, outcome)
+
+    def _tell_failed(self, peer: Peer, state: _Layerwise, reason: str) -> None:
+        if not self.engine.closed.is_set():
+            self.engine.spawn(self._notify_failure(peer, state.reservation, state.transfer_id, reason, None))
 
     def _finished(self, state: _Layerwise, started: float) -> PushResult:
         """A layer-wise push whose notice is out (`started`: when its `finish` began)."""

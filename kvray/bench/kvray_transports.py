@@ -12,7 +12,11 @@ NIXL's descriptor lists are).
 
 Completion latency is measured on the same actors: the prefill side pushes layer by layer
 (`push_layer`: the bytes only), stamps the clock after the last byte, then `finish`es (the
-completion notice alone); the decode side stamps when `wait_for_kv` returns.
+completion notice alone); the decode side stamps when `wait_for_kv` returns. The path across
+nodes is measured on this node by a third prefill agent that says it runs on another node: it
+writes with the `ray` transport and sends its notice over the decode engine's TCP listener, as a
+writer on another node does; and by a bare Ray call on the decode actor, the path a notice takes
+when the listener cannot be reached.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ TIMED = "writer's first step -> reader's wait_for_kv returns (two actors)"
 #: Completion-latency paths, as the table names them.
 COMPLETION_SHM = "shm: Unix datagram socket (same node)"
 COMPLETION_RAY = "ray transport, same node: Unix datagram socket"
-COMPLETION_RAY_CALL = "Ray actor call (the path across nodes)"
+COMPLETION_TCP = "another node's writer: TCP notice listener"
+COMPLETION_RAY_CALL = "another node's writer: Ray actor call (listener unreachable)"
+#: Where the completion-latency writer on "another node" says it runs.
+OTHER_NODE = "bench-another-node"
 
 
 class KvrayDecode(AgentHost):
@@ -105,6 +112,14 @@ class KvrayPrefill:
             )
             await agent.start()
             self.agents[name] = agent
+        self.far_writer = KVAgent(
+            f"bench-prefill-far-{workload.key}",
+            Role.PREFILL,
+            backing=backing,
+            settings=Settings.from_env(transport="ray"),
+        )
+        self.far_writer.node_id = OTHER_NODE
+        await self.far_writer.start()
 
     async def push(self, name: str, reservation: Reservation) -> dict[str, Any]:
         agent = self.agents[name]
@@ -119,9 +134,10 @@ class KvrayPrefill:
             "unmerged_ops": result.unmerged_ops,
         }
 
-    async def push_layerwise(self, name: str, reservation: Reservation) -> float:
-        """Every layer's bytes, then the completion notice alone; returns the clock between."""
-        agent = self.agents[name]
+    async def push_layerwise(self, name: str | None, reservation: Reservation) -> float:
+        """Every layer's bytes, then the completion notice alone; returns the clock between
+        (`name` None: from the writer on "another node")."""
+        agent = self.far_writer if name is None else self.agents[name]
         for layer in self.workload.layout.layer_names:
             await agent.push_layer(reservation, layer, self.src_ids, timeout=DEADLINE_S)
         written = time.perf_counter()
@@ -150,6 +166,7 @@ class KvrayPrefill:
         for agent in self.agents.values():
             await agent.close()
         self.agents.clear()
+        await self.far_writer.close()
 
 
 DecodeActor = ray.remote(KvrayDecode)
@@ -166,6 +183,7 @@ class KvrayTransports(Contender):
         self.latency: dict[str, list[float]] = {
             COMPLETION_SHM: [],
             COMPLETION_RAY: [],
+            COMPLETION_TCP: [],
             COMPLETION_RAY_CALL: [],
         }
 
@@ -199,11 +217,17 @@ class KvrayTransports(Contender):
         super().teardown()
 
     def _completion_latency(self) -> None:
-        for path, name in ((COMPLETION_SHM, SHM), (COMPLETION_RAY, RAY), (COMPLETION_RAY_CALL, None)):
+        paths = (
+            (COMPLETION_SHM, SHM),
+            (COMPLETION_RAY, RAY),
+            (COMPLETION_TCP, None),
+            (COMPLETION_RAY_CALL, None),
+        )
+        for path, name in paths:
             for run in range(self.completion_runs + 1):  # the first is a warm-up
                 request_id = f"{self.workload.key}-completion-{len(self.latency[path])}-{run}-{name}"
                 reservation = ray.get(self.decode.prepare.remote(run, request_id))
-                if name is None:
+                if path == COMPLETION_RAY_CALL:
                     sent = self.prefill.notify_by_ray_call.remote(reservation, self.decode)
                 else:
                     sent = self.prefill.push_layerwise.remote(name, reservation)

@@ -9,10 +9,10 @@ import asyncio
 import os
 import struct
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from kvray.completion_tcp import (
     KEY_NBYTES,
@@ -37,6 +37,25 @@ from kvray.metrics import DropReason
 FRAME = struct.Struct(">I16s")
 
 
+def _loops() -> list[Any]:
+    params: list[Any] = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    try:
+        import uvloop
+    except ImportError:
+        params.append(pytest.param(None, id="uvloop", marks=pytest.mark.skip(reason="uvloop not installed")))
+    else:
+        params.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+    return params
+
+
+def run_on(new_loop: Callable[[], asyncio.AbstractEventLoop], main: Awaitable[None]) -> None:
+    loop = new_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.close()
+
+
 class Engine:
     """Records the notices the listener hands over and answers with a set verdict."""
 
@@ -50,12 +69,11 @@ class Engine:
         return self.answer
 
 
-@pytest_asyncio.fixture(loop_scope="function")
-async def listening() -> AsyncIterator[tuple[NoticeListener, Engine]]:
+async def with_listener(check: Callable[[NoticeListener, Engine], Awaitable[None]]) -> None:
     engine = Engine()
     listener = await NoticeListener.open("127.0.0.1", 0, engine.take, handshake_s=0.5, stats=engine.stats)
     try:
-        yield listener, engine
+        await check(listener, engine)
     finally:
         listener.close()
 
@@ -93,10 +111,9 @@ def frame(session: bytes, sequence: int, body: bytes) -> bytes:
     return FRAME.pack(len(body), _notice_tag(session, sequence, body)) + body
 
 
-async def test_notices_arrive_whole_in_order_with_the_engines_verdicts(
-    listening: tuple[NoticeListener, Engine],
+async def notices_arrive_whole_in_order_with_the_engines_verdicts(
+    listener: NoticeListener, engine: Engine
 ) -> None:
-    listener, engine = listening
     channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
     bodies = [os.urandom(n) for n in (1, 100, 5000, MAX_NOTICE_NBYTES)]
     verdicts = [await channel.send(body) for body in bodies]
@@ -119,10 +136,9 @@ async def test_notices_arrive_whole_in_order_with_the_engines_verdicts(
     channel.close()
 
 
-async def test_a_writer_without_the_key_is_closed_before_a_notice_is_read(
-    listening: tuple[NoticeListener, Engine],
+async def a_writer_without_the_key_is_closed_before_a_notice_is_read(
+    listener: NoticeListener, engine: Engine
 ) -> None:
-    listener, engine = listening
     with pytest.raises(TransportError):
         async with asyncio.timeout(2):
             await NoticeChannel.open(*host_port(listener), os.urandom(KEY_NBYTES), "d")
@@ -140,8 +156,7 @@ async def test_a_writer_without_the_key_is_closed_before_a_notice_is_read(
     assert engine.stats["notice_connections_closed_unproven"] == 2
 
 
-async def test_garbage_and_silence_are_closed_unread(listening: tuple[NoticeListener, Engine]) -> None:
-    listener, engine = listening
+async def garbage_and_silence_are_closed_unread(listener: NoticeListener, engine: Engine) -> None:
     reader, writer = await asyncio.open_connection(*host_port(listener))
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"A" * 64)
     assert await closed_by_peer(reader)
@@ -157,10 +172,9 @@ async def test_garbage_and_silence_are_closed_unread(listening: tuple[NoticeList
     await until(lambda: listener.connections == 0)
 
 
-async def test_forged_replayed_and_oversized_notices_close_the_connection_unread(
-    listening: tuple[NoticeListener, Engine],
+async def forged_replayed_and_oversized_notices_close_the_connection_unread(
+    listener: NoticeListener, engine: Engine
 ) -> None:
-    listener, engine = listening
     # A body changed after it was tagged.
     reader, writer, session = await proven(listener)
     tagged = bytearray(frame(session, 0, b"done: request r1"))
@@ -190,10 +204,9 @@ async def test_forged_replayed_and_oversized_notices_close_the_connection_unread
     assert engine.stats["notice_connections_closed_oversized"] == 1
 
 
-async def test_connections_that_have_not_proved_the_key_are_capped(
-    listening: tuple[NoticeListener, Engine],
+async def connections_that_have_not_proved_the_key_are_capped(
+    listener: NoticeListener, engine: Engine
 ) -> None:
-    listener, engine = listening
     held = [await asyncio.open_connection(*host_port(listener)) for _ in range(MAX_UNPROVEN)]
     for reader, _ in held:
         await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
@@ -235,7 +248,7 @@ async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[by
     return server, key, received
 
 
-async def test_a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
+async def a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
     server, key, received = await impostor(handle_verdict=False)
     port = server.sockets[0].getsockname()[1]
     with pytest.raises(TransportError, match="did not prove"):
@@ -245,7 +258,7 @@ async def test_a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
     server.close()
 
 
-async def test_a_verdict_that_does_not_verify_fails_the_send() -> None:
+async def a_verdict_that_does_not_verify_fails_the_send() -> None:
     server, key, received = await impostor(handle_verdict=True)
     port = server.sockets[0].getsockname()[1]
     channel = await NoticeChannel.open("127.0.0.1", port, key, "d")
@@ -258,10 +271,9 @@ async def test_a_verdict_that_does_not_verify_fails_the_send() -> None:
     server.close()
 
 
-async def test_a_lost_connection_fails_the_notices_waiting_for_their_verdict(
-    listening: tuple[NoticeListener, Engine],
+async def a_lost_connection_fails_the_notices_waiting_for_their_verdict(
+    listener: NoticeListener, engine: Engine
 ) -> None:
-    listener, engine = listening
     channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
     listener.close()
     with pytest.raises(TransportError):
@@ -270,8 +282,7 @@ async def test_a_lost_connection_fails_the_notices_waiting_for_their_verdict(
     assert channel.closed
 
 
-async def test_a_busy_port_is_a_clear_error(listening: tuple[NoticeListener, Engine]) -> None:
-    listener, engine = listening
+async def a_busy_port_is_a_clear_error(listener: NoticeListener, engine: Engine) -> None:
     host, port = host_port(listener)
     with pytest.raises(TransportUnavailableError, match="KVRAY_NOTICE_PORT"):
         await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats)
@@ -292,3 +303,34 @@ def test_published_addresses_and_keys_parse() -> None:
     for text in ("", "ab" * (KEY_NBYTES - 1), "zz" * KEY_NBYTES):
         with pytest.raises(MetadataError):
             parse_key(text)
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize(
+    "check",
+    [
+        notices_arrive_whole_in_order_with_the_engines_verdicts,
+        a_writer_without_the_key_is_closed_before_a_notice_is_read,
+        garbage_and_silence_are_closed_unread,
+        forged_replayed_and_oversized_notices_close_the_connection_unread,
+        connections_that_have_not_proved_the_key_are_capped,
+        a_lost_connection_fails_the_notices_waiting_for_their_verdict,
+        a_busy_port_is_a_clear_error,
+    ],
+)
+def test_listener(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+    check: Callable[[NoticeListener, Engine], Awaitable[None]],
+) -> None:
+    run_on(new_loop, with_listener(check))
+
+
+@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize(
+    "check",
+    [a_listener_that_cannot_prove_the_key_gets_no_notice, a_verdict_that_does_not_verify_fails_the_send],
+)
+def test_impostor(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], check: Callable[[], Awaitable[None]]
+) -> None:
+    run_on(new_loop, check())
