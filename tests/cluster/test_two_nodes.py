@@ -1,5 +1,6 @@
 """Prefill on one Ray node, decode on another (two nodes of one machine, loopback addresses):
-`auto` must pick the ray transport, and the bytes must land exactly."""
+`auto` must pick the ray transport, the bytes must land exactly, and every completion must come
+over the decode engine's TCP notice listener, not a Ray call."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def test_auto_picks_ray_across_nodes(two_node_cluster: Any, canary_mask: Any, or
     )
     ray.get(waits)
     assert {r.transport for r in results} == {TransportKind.RAY}
+    decode_stats, prefill_stats = ray.get([decode.stats.remote(), prefill.stats.remote()])
+    assert decode_stats["notices_by_tcp"] == len(requests), decode_stats
+    assert prefill_stats["notices_sent_tcp"] == len(requests), prefill_stats
     for request_id, dst, _, expected in requests:
         landed = ray.get(decode.read_blocks.remote(dst))
         for layer in expected:

@@ -22,6 +22,14 @@ from process_probes import pid_gone, wait_until
 
 from kvray.agent import KVAgent
 from kvray.completion import ENDPOINT
+from kvray.completion_tcp import (
+    ADDRESS_ENDPOINT,
+    KEY_ENDPOINT,
+    NoticeChannel,
+    Verdict,
+    parse_address,
+    parse_key,
+)
 from kvray.config import Settings
 from kvray.coordinator import Coordinator, get_or_create_coordinator
 from kvray.errors import MetadataError, WireDecodeError
@@ -203,7 +211,11 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
         await Coordinator().register(payload, None, b"registrant secret of 32 bytes...")
     refused += 1
     agent = KVAgent(
-        "priv-local", Role.DECODE, mixed(4), settings=Settings(shm_dir=str(tmp_path)), use_coordinator=False
+        "priv-local",
+        Role.DECODE,
+        mixed(4),
+        settings=Settings(shm_dir=str(tmp_path), notice_host="127.0.0.1"),
+        use_coordinator=False,
     )
     await agent.start()
     try:
@@ -220,12 +232,20 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
             await asyncio.sleep(0.01)
         assert agent.stats["messages_malformed"] == 2, dict(agent.stats)  # notify, socket
         refused += 1
+        # The notice listener, from a writer holding the engine's key: refused as malformed too.
+        host, port = parse_address(agent.info.endpoints[ADDRESS_ENDPOINT])
+        channel = await NoticeChannel.open(host, port, parse_key(agent.info.endpoints[KEY_ENDPOINT]), "priv")
+        assert await channel.send(payload) is Verdict.MALFORMED
+        channel.close()
+        assert agent.stats["messages_malformed"] == 3, dict(agent.stats)
+        refused += 1
     finally:
         await agent.close()
     assert not marker.exists() and unpickled == []
     figures(
         f"[kvray privilege] control plane: {len(sources)} kvray modules scanned, 0 imports or calls that "
         f"unpickle; a pickled payload sent to {refused} peer-facing entry points (message and engine-info "
-        "decoding, coordinator registration, notify, deliver, completion socket) was refused as "
+        "decoding, coordinator registration, notify, deliver, completion socket, notice listener) was "
+        "refused as "
         "malformed, never unpickled"
     )
