@@ -65,7 +65,7 @@ def test_prefill_exposes_no_writable_region(local_ray: None, figures: Callable[[
     info = _info("priv-p")
     assert info.regions and not any(region.remote_writable for region in info.regions)
     assert all(region.handle == b"" for region in info.regions), "a prefill backing is in a shared file"
-    assert info.endpoints == {}, "a prefill engine takes no completions"
+    assert info.endpoints == {}, "a prefill engine takes no completions (no inbox, no notice listener)"
     ray.get(prefill.fill_region.remote(3))
     before = ray.get(prefill.snapshot.remote())[0][1]
 
@@ -94,8 +94,8 @@ def test_prefill_exposes_no_writable_region(local_ray: None, figures: Callable[[
     assert ray.get(other.free_count.remote()) == 8
     figures(
         f"[kvray privilege] prefill engine: {len(info.regions)} region(s), 0 remotely writable, no shared "
-        "file, no completion inbox; a push into it and a forged write to its actor were refused, "
-        "0 bytes changed"
+        "file, no completion inbox or notice listener; a push into it and a forged write to its actor "
+        "were refused, 0 bytes changed"
     )
     for actor in (prefill, other):
         ray.kill(actor)
