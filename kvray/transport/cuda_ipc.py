@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import gc
 import threading
 import time
 from collections import OrderedDict
@@ -162,8 +163,15 @@ def _rows_kernel() -> Any:
             source = tl.multiple_of(source, VEC)
             target = tl.multiple_of(target, VEC)
             length = tl.multiple_of(length, VEC)
-        for start in tl.range(0, length, BLOCK):
+        # Whole steps unmasked, then at most one masked step for the rest: a mask on every
+        # step costs the copy measurably.
+        whole = length // BLOCK * BLOCK
+        for start in tl.range(0, whole, BLOCK):
             index = start + tl.arange(0, BLOCK)
+            values = tl.load(src + source + index)
+            tl.store(dst + target + index, values)
+        if whole < length:
+            index = whole + tl.arange(0, BLOCK)
             mask = index < length
             values = tl.load(src + source + index, mask=mask)
             tl.store(dst + target + index, values, mask=mask)
@@ -197,14 +205,20 @@ def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
     model that wrote the KV). A wait takes the event's state when it is queued, so one event
     per thread and device serves every write; per thread, so no other thread records it
     between this record and this wait."""
+    produced = _produced_event(source_device)
+    produced.record(torch.cuda.current_stream(source_device))
+    stream.wait_event(produced)
+
+
+def _produced_event(source_device: int) -> torch.cuda.Event:
+    """This thread's event for ordering kvray's streams after `source_device`'s current one."""
     events: dict[int, torch.cuda.Event] | None = getattr(_thread_events, "by_device", None)
     if events is None:
         events = _thread_events.by_device = {}
     produced = events.get(source_device)
     if produced is None:
         produced = events[source_device] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    produced.record(torch.cuda.current_stream(source_device))
-    stream.wait_event(produced)
+    return produced
 
 
 @functools.cache
@@ -366,6 +380,9 @@ class RowGraph:
     pinned: torch.Tensor
     ids: torch.Tensor
     done: torch.cuda.Event
+    #: The driver's handles of the instantiated graph and of `done` (`_replay_rows`).
+    exec_handle: int = 0
+    done_handle: int = 0
 
 
 @dataclass(frozen=True)
@@ -460,14 +477,27 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
     _launch_rows_kernel(dst, src, table, ids, capacity)
     capturing = _capture_stream(dst.device.index or 0)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(capturing):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            _memcpy_to_device(ids, pinned, capturing)
-            _launch_rows_kernel(dst, src, table, ids, capacity)
-        finally:
-            graph.capture_end()
-    return RowGraph(graph, pinned.numpy(), pinned, ids, torch.cuda.Event())  # type: ignore[no-untyped-call]
+    # No garbage collection during the capture: a collected object that releases CUDA memory
+    # (an opened IPC handle, a pinned buffer) would call the driver in a way a capture forbids,
+    # and the failure aborts the process.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(capturing):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _memcpy_to_device(ids, pinned, capturing)
+                _launch_rows_kernel(dst, src, table, ids, capacity)
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    # Recorded once on the idle capture stream so that the driver's event exists (and reads
+    # as completed) before the first replay.
+    done.record(capturing)
+    return RowGraph(graph, pinned.numpy(), pinned, ids, done, graph.raw_cuda_graph_exec(), done.cuda_event)
 
 
 def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph | None:
@@ -481,7 +511,8 @@ def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity:
             return graph
     if len(graphs) >= _GRAPHS_PER_SHAPE:
         return None
-    graphs.append(capture_rows(dst, src, table, capacity))
+    with torch.cuda.device(dst.device):
+        graphs.append(capture_rows(dst, src, table, capacity))
     return graphs[-1]
 
 
@@ -495,22 +526,73 @@ def copy_rows(
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
     the ids are uploaded and the kernel launched."""
     source_device = src.device.index or 0
-    target_stream = _stream(dst.device.index or 0)
-    follow_current(source_device, target_stream)
+    target_device = dst.device.index or 0
+    target_stream = _stream(target_device)
     count = int(rows.local_ids.size)
+    graph = _idle_graph(dst, src, table, capacity_for(count)) if replay else None
+    if graph is not None:
+        capacity = (graph.staging.size - 1) // 2
+        graph.staging[0] = count
+        graph.staging[1 : 1 + count] = rows.local_ids
+        graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
+        if source_device == target_device == torch.cuda.current_device():
+            _replay_rows(graph, target_device, target_stream)
+            return graph.done
+    follow_current(source_device, target_stream)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        graph = _idle_graph(dst, src, table, capacity_for(count)) if replay else None
         if graph is None:
             launch_rows(dst, src, rows, table)
         else:
-            capacity = (graph.staging.size - 1) // 2
-            graph.staging[0] = count
-            graph.staging[1 : 1 + count] = rows.local_ids
-            graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
             graph.graph.replay()
         done = torch.cuda.Event() if graph is None else graph.done  # type: ignore[no-untyped-call]
         done.record(target_stream)
     return done
+
+
+@dataclass(frozen=True)
+class _DriverCalls:
+    event_record: Callable[[int, int], int]
+    stream_wait_event: Callable[[int, int, int], int]
+    graph_launch: Callable[[int, int], int]
+
+
+@functools.cache
+def _driver_calls() -> _DriverCalls:
+    """The driver entry points a replay uses, with their argument types declared (so that ctypes
+    converts each argument without guessing, on every call)."""
+    lib = _libcuda()
+    pair = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    triple = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+    return _DriverCalls(
+        pair(("cuEventRecord", lib)),
+        triple(("cuStreamWaitEvent", lib)),
+        pair(("cuGraphLaunch", lib)),
+    )
+
+
+def _replay_rows(graph: RowGraph, device: int, stream: torch.cuda.Stream) -> None:
+    """The replay step of `copy_rows` (order `stream` after `device`'s current stream, replay,
+    record `done`) through the driver directly, for a source and target on the current device:
+    torch's device and stream guards and its event and graph wrappers cost several times the
+    driver calls they make."""
+    calls = _driver_calls()
+    produced = _produced_event(device)
+    produced_handle = produced.cuda_event
+    if not produced_handle:
+        # The driver's event is created on the first record.
+        produced.record(torch.cuda.current_stream(device))
+        produced_handle = produced.cuda_event
+    stream_handle = stream.cuda_stream
+    current = torch._C._cuda_getCurrentRawStream(device)
+    _driver_check("cuEventRecord", calls.event_record(produced_handle, current))
+    _driver_check("cuStreamWaitEvent", calls.stream_wait_event(stream_handle, produced_handle, 0))
+    _driver_check("cuGraphLaunch", calls.graph_launch(graph.exec_handle, stream_handle))
+    _driver_check("cuEventRecord", calls.event_record(graph.done_handle, stream_handle))
+
+
+def _driver_check(name: str, result: int) -> None:
+    if result != 0:
+        raise TransportError(f"{name} failed (CUresult {result})", result=result)
 
 
 async def wait_for_events(events: list[torch.cuda.Event], nbytes: int) -> None:
