@@ -157,6 +157,29 @@ class Messenger:
             return False
         return self.outbox().send_now(inbox, encode(notice))
 
+    def connect_ahead(self, peer: Peer) -> None:
+        """Start connecting to a peer's notice listener on another node, if this writer has no
+        connection to it yet, so that the notice finds it open (awaits nothing)."""
+        target = self._far_listener(peer)
+        if target is None:
+            return
+        key = (peer.info.engine_id, peer.info.incarnation)
+        if key not in self._channels and self._unreachable.get(key, 0.0) <= time.monotonic():
+            opening = self._opening(key, *target)
+            if opening is not None:
+                # Its failure is counted when a notice first needs it (`_channel`).
+                opening.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    def _far_listener(self, peer: Peer) -> tuple[str, str] | None:
+        """(address, key) of a peer's notice listener, if notices to it should go there."""
+        if not self.settings.notice_tcp or self.inbox_here(peer) is not None:
+            return None
+        address = peer.info.endpoints.get(ADDRESS_ENDPOINT)
+        listener_key = peer.info.endpoints.get(KEY_ENDPOINT)
+        if not address or not listener_key:
+            return None
+        return address, listener_key
+
     def notify_far_now(self, peer: Peer, notice: Notice) -> asyncio.Future[Verdict] | None:
         """Send a notice to a peer on another node over the connection this writer keeps open to
         its notice listener, at once, awaiting nothing: the future of the engine's verdict. None,
@@ -172,6 +195,7 @@ class Messenger:
         except TransportError:
             return None
         self.stats["notices_sent_tcp"] += 1
+        self.stats["notices_sent_tcp_at_once"] += 1
         return sent
 
     async def send(self, peer: Peer, notice: Notice) -> None:
@@ -201,13 +225,11 @@ class Messenger:
         writer cannot reach it in its share of the deadline (the caller then calls the actor)."""
         info = peer.info
         key = (info.engine_id, info.incarnation)
-        address, listener_key = info.endpoints.get(ADDRESS_ENDPOINT), info.endpoints.get(KEY_ENDPOINT)
-        if not self.settings.notice_tcp or not address or not listener_key:
-            return False
-        if self._unreachable.get(key, 0.0) > time.monotonic():
+        target = self._far_listener(peer)
+        if target is None or self._unreachable.get(key, 0.0) > time.monotonic():
             return False
         async with self._deadline(peer, what):
-            channel = await self._channel(key, address, listener_key)
+            channel = await self._channel(key, *target)
             if channel is None:
                 return False
             try:
@@ -226,24 +248,15 @@ class Messenger:
     async def _channel(self, key: tuple[str, int], address: str, listener_key: str) -> NoticeChannel | None:
         """The open connection to a listener, opened now if needed (None if it cannot be)."""
         opening = self._channels.get(key)
-        if (
-            opening is not None
-            and opening.done()
-            and (opening.cancelled() or opening.exception() is not None or opening.result().closed)
-        ):
+        # A connection that was lost (or an opening given up) is opened again; one that failed
+        # to open is reported below.
+        if opening is not None and opening.done() and (opening.cancelled() or _lost(opening)):
             self._close_channel(key)
             opening = None
         if opening is None:
-            try:
-                host, port = parse_address(address)
-                secret = parse_key(listener_key)
-            except MetadataError:
-                self.stats["notice_listeners_malformed"] += 1
-                self._unreachable[key] = float("inf")
+            opening = self._opening(key, address, listener_key)
+            if opening is None:
                 return None
-            opening = asyncio.ensure_future(self._open_channel(host, port, secret, key[0]))
-            self._channels[key] = opening
-            self._evict_channels()
         self._channels.move_to_end(key)
         try:
             return await asyncio.shield(opening)
@@ -253,9 +266,28 @@ class Messenger:
             self._unreachable[key] = time.monotonic() + UNREACHABLE_S
             return None
 
+    def _opening(
+        self, key: tuple[str, int], address: str, listener_key: str
+    ) -> asyncio.Task[NoticeChannel] | None:
+        """Start opening a connection to a listener (None, marked unusable, if what the peer
+        published is not an address and a key)."""
+        try:
+            host, port = parse_address(address)
+            secret = parse_key(listener_key)
+        except MetadataError:
+            self.stats["notice_listeners_malformed"] += 1
+            self._unreachable[key] = float("inf")
+            return None
+        opening = asyncio.ensure_future(self._open_channel(host, port, secret, key[0]))
+        self._channels[key] = opening
+        self._evict_channels()
+        return opening
+
     async def _open_channel(self, host: str, port: int, secret: bytes, engine_id: str) -> NoticeChannel:
         async with asyncio.timeout(self.settings.notify_timeout_s * CONNECT_SHARE):
-            return await NoticeChannel.open(host, port, secret, engine_id)
+            channel = await NoticeChannel.open(host, port, secret, engine_id)
+        self.stats["notice_channels_opened"] += 1
+        return channel
 
     def _evict_channels(self) -> None:
         while len(self._channels) > self.settings.max_cached_peers:
@@ -328,3 +360,8 @@ class Messenger:
         self._boards.clear()
         if self._outbox is not None:
             self._outbox.close()
+
+
+def _lost(opening: asyncio.Task[NoticeChannel]) -> bool:
+    """An opened connection that has closed since (the task is done and not cancelled)."""
+    return opening.exception() is None and opening.result().closed

@@ -570,6 +570,8 @@ class Pusher:
                 engine_id=remote_engine,
             )
         attempt.peer = peer
+        # A notice listener on another node is connected to while the bytes move.
+        self.messenger.connect_ahead(peer)
         plan = plan_transfer(self.engine.info, peer.info, local_blocks, remote_ids, layers, self.cache)
         # The request id and token travel with the write: a receiver that checks writes itself
         # (`Receiver.admit`) takes them only for requests it still expects, from the holder of

@@ -6,7 +6,8 @@ refusal comes back as the same kvray error a Ray call would raise."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -126,6 +127,21 @@ async def test_a_request_completes_over_the_listener_not_the_actor(nodes: TwoNod
     assert actor.notices == 0
 
 
+async def test_the_first_request_finds_the_listener_connected(nodes: TwoNodes) -> None:
+    """The writer connects to the listener while the first layers move, so even the first
+    request's finish sends its notice at once over an open connection."""
+    prefill, decode, actor = nodes
+    reservation = decode.expect("first", [1, 2])
+    for layer in decode.layout.layer_names:
+        await prefill.push_layer(reservation, layer, [3, 4], timeout=10)
+    # Layers moved in this process take less time than the handshake; on a GPU or across
+    # nodes they take longer. No notice has been sent: only connecting ahead opens it.
+    await until(lambda: prefill.stats["notice_channels_opened"] == 1)
+    await prefill.finish("first", timeout=10)
+    await decode.wait_for_kv("first", timeout=10)
+    assert prefill.stats["notices_sent_tcp_at_once"] == 1 and actor.notices == 0, dict(prefill.stats)
+
+
 async def test_a_refused_notice_raises_at_the_writer(nodes: TwoNodes) -> None:
     prefill, decode, actor = nodes
     reservation = decode.expect("gone", [1, 2])
@@ -135,6 +151,12 @@ async def test_a_refused_notice_raises_at_the_writer(nodes: TwoNodes) -> None:
     with pytest.raises(NotExpectedError, match="does not expect request 'gone'"):
         await prefill.finish("gone", timeout=10)
     assert decode.stats["completions_dropped_unknown"] == 1 and actor.notices == 0
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.002)
 
 
 def published(info: EngineInfo, **endpoints: str) -> EngineInfo:
