@@ -27,6 +27,7 @@ import enum
 import hmac
 import ipaddress
 import secrets
+import socket
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -229,6 +230,10 @@ class _ListenerConnection(asyncio.Protocol):
         if not self._listener._admit(self):
             stream.abort()
             return
+        # A writer whose node vanished without closing is noticed, and its connection dropped.
+        sock = stream.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         stream.write(MAGIC + self._nonce)
         self._timer = asyncio.get_running_loop().call_later(self._listener.handshake_s, self._refuse, "slow")
 
