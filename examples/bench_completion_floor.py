@@ -87,7 +87,9 @@ class Sender:
         loop = asyncio.get_running_loop()
         self.transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
 
-    async def send(self, channel: str, receiver: Any) -> float:
+    async def send(self, channel: str, receiver: Any, idle_s: float) -> float:
+        if idle_s:
+            await asyncio.sleep(idle_s)
         started = time.perf_counter()
         if channel == "unix datagram":
             self.datagrams.send(b"done")
@@ -101,6 +103,13 @@ class Sender:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="the sender waits this long before sending, so the receiver is idle when it arrives "
+        "(as a decode engine waiting for KV is), not still busy with the call that armed it",
+    )
     parser.add_argument("--json", help="write the samples here")
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -112,13 +121,14 @@ def main() -> None:
     for run in range(args.runs + 10):
         for channel, values in samples.items():  # interleaved, so a noisy moment hits all
             ray.get(receiver.arm.remote())
-            started = ray.get(sender.send.remote(channel, receiver))
+            started = ray.get(sender.send.remote(channel, receiver, args.idle_ms / 1000))
             seen = ray.get(receiver.seen.remote())
             if run >= 10:  # warm-up
                 values.append((seen - started) * 1e6)
     print(
         f"bare channel between two Ray async actors, sender's clock -> waiting task resumed, "
-        f"microseconds ({os.cpu_count()} CPUs, {args.runs} runs each)"
+        f"microseconds ({os.cpu_count()} CPUs, {args.runs} runs each, "
+        f"the sender idle {args.idle_ms} ms first)"
     )
     print(f"  {'channel':<16}{'p50':>8}{'p90':>8}{'min':>8}")
     for channel, values in samples.items():
