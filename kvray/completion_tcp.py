@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import hmac
 import ipaddress
 import secrets
@@ -164,21 +165,36 @@ class NoticeListener:
 
     @classmethod
     async def open(
-        cls, host: str, port: int, handler: NoticeHandler, *, handshake_s: float, stats: Counter[str]
+        cls,
+        host: str,
+        port: int,
+        handler: NoticeHandler,
+        *,
+        handshake_s: float,
+        stats: Counter[str],
+        ports: int = 1,
     ) -> NoticeListener:
-        """Listen on `host:port` (port 0: any free port), with a fresh key."""
+        """Listen on `host` at the first free port of `port` .. `port + ports - 1` (port 0: any
+        free port), with a fresh key."""
         listener = cls(secrets.token_bytes(KEY_NBYTES), handler, handshake_s, stats)
         loop = asyncio.get_running_loop()
-        try:
-            server = await loop.create_server(lambda: _ListenerConnection(listener), host, port)
-        except OSError as error:
-            raise TransportUnavailableError(
-                f"cannot listen for completion notices on {format_address(host, port)}: {error}; set "
-                "KVRAY_NOTICE_PORT=0 for any free port, KVRAY_NOTICE_HOST for another address, or "
-                "KVRAY_NOTICE_TCP=0 to take notices from other nodes through Ray calls only",
-                host=host,
-                port=port,
-            ) from error
+        candidates = [0] if port == 0 else list(range(port, port + ports))
+        for candidate in candidates:
+            try:
+                server = await loop.create_server(lambda: _ListenerConnection(listener), host, candidate)
+                break
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE and candidate != candidates[-1]:
+                    continue
+                where = format_address(host, port) if ports == 1 else f"{host} ports {port}-{candidate}"
+                raise TransportUnavailableError(
+                    f"cannot listen for completion notices on {where}: {error}; set KVRAY_NOTICE_PORT=0 "
+                    "for any free port (or KVRAY_NOTICE_PORTS for a wider range), KVRAY_NOTICE_HOST for "
+                    "another address, or KVRAY_NOTICE_TCP=0 to take notices from other nodes through "
+                    "Ray calls only",
+                    host=host,
+                    port=port,
+                ) from error
         listener._server = server
         bound_host, bound_port = server.sockets[0].getsockname()[:2]
         listener.address = format_address(str(bound_host), int(bound_port))

@@ -113,6 +113,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     notice_host: str = ""
     #: Port of that listener; 0 picks a free one.
     notice_port: int = 0
+    #: Ports from `notice_port` on that the listener may take, the first free one (several
+    #: decode engines on one node each need one): a range a firewall can allow.
+    notice_ports: int = 1
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
@@ -167,6 +170,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"notice_port must be a TCP port (0 picks a free one), got {self.notice_port}",
                 setting="notice_port",
                 value=self.notice_port,
+            )
+        if self.notice_ports < 1 or self.notice_port + self.notice_ports - 1 > 65535:
+            raise ConfigError(
+                f"notice_ports must be at least 1, and notice_port + notice_ports - 1 a TCP port; got "
+                f"notice_port={self.notice_port}, notice_ports={self.notice_ports}",
+                setting="notice_ports",
+                value=self.notice_ports,
             )
         if self.notice_host:
             try:

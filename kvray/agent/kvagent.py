@@ -229,6 +229,7 @@ class KVAgent:
             self._receiving.receive,
             handshake_s=settings.notify_timeout_s,
             stats=engine.stats,
+            ports=settings.notice_ports,
         )
 
     async def close(self) -> None:

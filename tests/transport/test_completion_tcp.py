@@ -286,6 +286,14 @@ async def a_busy_port_is_a_clear_error(listener: NoticeListener, engine: Engine)
     host, port = host_port(listener)
     with pytest.raises(TransportUnavailableError, match="KVRAY_NOTICE_PORT"):
         await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats)
+    # A range: the next engine takes the next free port of it.
+    if port + 8 > 65535:
+        return
+    other = await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats, ports=8)
+    try:
+        assert port < host_port(other)[1] < port + 8
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,7 @@ def test_copy_threads_come_from_the_environment() -> None:
         ("notice_port", -1),
         ("notice_host", "decode-node-1"),
         ("notice_host", "0.0.0.0:9000"),
+        ("notice_ports", 0),
     ],
 )
 def test_direct_construction_is_validated_with_facts(field: str, value: object) -> None:
@@ -212,6 +213,9 @@ def test_the_notice_listener_settings_come_from_the_environment() -> None:
     )
     assert (settings.notice_tcp, settings.notice_host, settings.notice_port) == (False, "10.0.0.7", 7070)
     assert Settings().notice_tcp and Settings().notice_host == "" and Settings().notice_port == 0
+    assert Settings.from_env({"KVRAY_NOTICE_PORT": "20000", "KVRAY_NOTICE_PORTS": "64"}).notice_ports == 64
+    with pytest.raises(ConfigError, match="notice_ports"):
+        Settings(notice_port=65500, notice_ports=64)
 
 
 def test_a_non_power_of_two_alignment_from_the_environment_keeps_its_facts() -> None:
