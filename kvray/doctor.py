@@ -4,13 +4,17 @@ It reports every transport's availability with its reason (`kvray.transport.avai
 whether pyverbs imports and which RDMA devices it sees (with none, pyverbs' `get_device_list`
 raises rather than returning an empty list), the CUDA devices torch sees, whether kvray's C
 helpers are built (without them CPU copies run on Python threads and planning in numpy, both
-slower), and the versions of Python, Ray, torch and kvray.
+slower), where a decode engine here would take notices from other nodes (and whether it can
+listen there), and the versions of Python, Ray, torch and kvray.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
+import ipaddress
 import platform
+import socket
 from dataclasses import dataclass, field
 
 from kvray.config import Settings
@@ -39,6 +43,8 @@ class DoctorReport:
     settings: dict[str, object] = field(default_factory=dict)
     #: Per C helper (`kvray._copy`, `kvray._plan`): whether it is built and imports.
     native: dict[str, bool] = field(default_factory=dict)
+    #: Where a decode engine here takes notices from writers on other nodes, and whether it can.
+    notices: str = ""
 
 
 def _version(distribution: str) -> str | None:
@@ -57,6 +63,37 @@ def verbs_report(api: object | None = None) -> VerbsReport:
     except (ImportError, OSError) as error:
         return VerbsReport(import_error=f"{type(error).__name__}: {error}")
     return VerbsReport(import_error=None, version=_version("pyverbs"), devices=tuple(list_devices(verbs_api)))
+
+
+def notices_report(settings: Settings) -> str:
+    """Where a decode engine started with `settings` takes notices from other nodes; with a
+    `notice_host`, whether a port of its range is free there (a bind, closed at once)."""
+    if not settings.notice_tcp:
+        return "through Ray calls on the engine's actor (KVRAY_NOTICE_TCP=0)"
+    first, last = settings.notice_port, settings.notice_port + settings.notice_ports - 1
+    if first == 0:
+        ports, candidates = "any free port", [0]
+    else:
+        ports = f"port {first}" if last == first else f"ports {first}-{last}"
+        candidates = list(range(first, last + 1))
+    host = settings.notice_host
+    if not host:
+        return f"TCP listener on the node's Ray address, {ports} (set KVRAY_NOTICE_HOST to check one here)"
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    busy = 0
+    for port in candidates:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    busy += 1
+                    continue
+                return f"TCP listener on {host}, {ports}: cannot listen there ({error})"
+            free = probe.getsockname()[1]
+        return f"TCP listener on {host}, {ports}: can listen (port {free} free, {busy} taken before it)"
+    return f"TCP listener on {host}, {ports}: every port taken (widen KVRAY_NOTICE_PORTS)"
 
 
 def collect(settings: Settings | None = None, *, verbs_api: object | None = None) -> DoctorReport:
@@ -91,6 +128,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
             "verbs_port": settings.verbs_port,
         },
         native={"kvray._copy (CPU copy pool)": _copy.native(), "kvray._plan (planner loops)": plan.native()},
+        notices=notices_report(settings),
     )
 
 
@@ -114,6 +152,7 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"  {helper}: {state}")
     cuda = f"{report.cuda_devices}" if report.cuda_error is None else f"unknown ({report.cuda_error})"
     lines.append(f"  CUDA devices: {cuda}")
+    lines.append(f"  notices from other nodes: {report.notices}")
     lines.append("  settings: " + ", ".join(f"{name}={value!r}" for name, value in report.settings.items()))
     return "\n".join(lines)
 

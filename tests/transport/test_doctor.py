@@ -3,6 +3,8 @@ RDMA device makes pyverbs' get_device_list raise: that reads as "no device"), CU
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from fake_verbs import FakeFabric
 
@@ -47,3 +49,25 @@ def test_report_says_whether_the_c_helpers_are_built(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(_copy, "_start_copy", None)
     without = doctor.format_report(doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api()))
     assert "kvray._copy (CPU copy pool): not built (a slower fallback runs" in without
+
+
+def test_report_says_where_notices_from_other_nodes_go() -> None:
+    assert "through Ray calls" in doctor.notices_report(Settings(notice_tcp=False))
+    assert "node's Ray address, any free port" in doctor.notices_report(Settings())
+    assert "can listen" in doctor.notices_report(Settings(notice_host="127.0.0.1"))
+    # A documentation address (TEST-NET-1) is no address of this machine.
+    assert "cannot listen there" in doctor.notices_report(Settings(notice_host="192.0.2.1"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        alone = Settings(notice_host="127.0.0.1", notice_port=port)
+        assert "every port taken (widen KVRAY_NOTICE_PORTS)" in doctor.notices_report(alone)
+        if port < 65535:
+            wider = doctor.notices_report(Settings(notice_host="127.0.0.1", notice_port=port, notice_ports=2))
+            assert f"ports {port}-{port + 1}" in wider
+            assert f"port {port + 1} free, 1 taken before it" in wider or "every port taken" in wider
+    text = doctor.format_report(
+        doctor.collect(Settings(notice_tcp=False), verbs_api=FakeFabric(devices=()).api())
+    )
+    assert "notices from other nodes: through Ray calls" in text
