@@ -220,7 +220,9 @@ class KVAgent:
         `notice_host` or Ray's address of this node; None when off or outside Ray."""
         engine = self._engine
         settings = engine.settings
-        host = settings.notice_host or node_address() if settings.notice_tcp else None
+        if not settings.notice_tcp:
+            return None
+        host = settings.notice_host or node_address()
         if not host:
             return None
         return await NoticeListener.open(

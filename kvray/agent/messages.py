@@ -185,7 +185,7 @@ class Messenger:
         its notice listener, at once, awaiting nothing: the future of the engine's verdict. None,
         having sent nothing, where there is no such connection open (the usual `send` then
         opens one, or calls the peer's actor)."""
-        if not self.settings.notice_tcp or self.inbox_here(peer) is not None:
+        if self._far_listener(peer) is None:
             return None
         opening = self._channels.get((peer.info.engine_id, peer.info.incarnation))
         if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:

@@ -8,36 +8,18 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from event_loops import loop_params, run_on
 
 from kvray.completion import INBOX_NAME, CompletionInbox, CompletionOutbox, DatagramNotice
 from kvray.errors import MetadataError, TransportError
 
 
-def _loops() -> list[Any]:
-    params: list[Any] = [pytest.param(asyncio.new_event_loop, id="asyncio")]
-    try:
-        import uvloop
-    except ImportError:
-        params.append(pytest.param(None, id="uvloop", marks=pytest.mark.skip(reason="uvloop not installed")))
-    else:
-        params.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
-    return params
-
-
-def _run(new_loop: Callable[[], asyncio.AbstractEventLoop], main: Coroutine[Any, Any, None]) -> None:
-    loop = new_loop()
-    try:
-        loop.run_until_complete(main)
-    finally:
-        loop.close()
-
-
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_params())
 def test_every_notice_arrives_through_a_full_inbox(
     new_loop: Callable[[], asyncio.AbstractEventLoop], tmp_path: Any
 ) -> None:
@@ -64,11 +46,11 @@ def test_every_notice_arrives_through_a_full_inbox(
             outbox.close()
             inbox.close()
 
-    _run(new_loop, main())
+    run_on(new_loop, main())
     assert sorted(received) == sorted(b"notice-%d" % i for i in range(count))
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_params())
 def test_a_sender_waits_for_a_full_inbox_without_spinning(
     new_loop: Callable[[], asyncio.AbstractEventLoop], tmp_path: Any
 ) -> None:
@@ -97,11 +79,11 @@ def test_a_sender_waits_for_a_full_inbox_without_spinning(
             outbox.close()
             inbox.close()
 
-    _run(new_loop, main())
+    run_on(new_loop, main())
     assert sorted(received) == sorted(b"m-%d" % i for i in range(count))
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_params())
 def test_a_closed_inbox_is_a_transport_error(
     new_loop: Callable[[], asyncio.AbstractEventLoop], tmp_path: Any
 ) -> None:
@@ -118,7 +100,7 @@ def test_a_closed_inbox_is_a_transport_error(
         finally:
             outbox.close()
 
-    _run(new_loop, main())
+    run_on(new_loop, main())
 
 
 # ---- a published inbox path is only a claim -----------------------------------------------------
@@ -172,7 +154,7 @@ def test_the_outbox_sends_only_to_kvray_inboxes_in_its_folder(tmp_path: Path) ->
                 DatagramNotice(outbox, str(path), b"forged")
 
     try:
-        _run(asyncio.new_event_loop, main())
+        run_on(asyncio.new_event_loop, main())
         for receiver in receivers:
             _assert_nothing_arrived(receiver)
     finally:
@@ -197,7 +179,7 @@ def test_the_outbox_still_reaches_a_real_inbox(tmp_path: Path) -> None:
             outbox.close()
             inbox.close()
 
-    _run(asyncio.new_event_loop, main())
+    run_on(asyncio.new_event_loop, main())
     assert received == [b"early", b"late"]
 
 

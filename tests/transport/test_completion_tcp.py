@@ -10,9 +10,9 @@ import os
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
+from event_loops import loop_params, run_on
 
 from kvray.completion_tcp import (
     KEY_NBYTES,
@@ -35,25 +35,6 @@ from kvray.errors import MetadataError, TransportError, TransportUnavailableErro
 from kvray.metrics import DropReason
 
 FRAME = struct.Struct(">I16s")
-
-
-def _loops() -> list[Any]:
-    params: list[Any] = [pytest.param(asyncio.new_event_loop, id="asyncio")]
-    try:
-        import uvloop
-    except ImportError:
-        params.append(pytest.param(None, id="uvloop", marks=pytest.mark.skip(reason="uvloop not installed")))
-    else:
-        params.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
-    return params
-
-
-def run_on(new_loop: Callable[[], asyncio.AbstractEventLoop], main: Awaitable[None]) -> None:
-    loop = new_loop()
-    try:
-        loop.run_until_complete(main)
-    finally:
-        loop.close()
 
 
 class Engine:
@@ -313,7 +294,7 @@ def test_published_addresses_and_keys_parse() -> None:
             parse_key(text)
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_params())
 @pytest.mark.parametrize(
     "check",
     [
@@ -333,7 +314,7 @@ def test_listener(
     run_on(new_loop, with_listener(check))
 
 
-@pytest.mark.parametrize("new_loop", _loops())
+@pytest.mark.parametrize("new_loop", loop_params())
 @pytest.mark.parametrize(
     "check",
     [a_listener_that_cannot_prove_the_key_gets_no_notice, a_verdict_that_does_not_verify_fails_the_send],
