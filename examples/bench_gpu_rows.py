@@ -105,7 +105,7 @@ def variant_kernel() -> Any:
 
 def ids_kernel() -> Any:
     """One program that copies the block ids from pinned host memory into the GPU's buffer:
-    the alternative to an upload node in the captured copy."""
+    as kvray's captured copy does, here in one program."""
     import triton
     import triton.language as tl
 
@@ -280,12 +280,12 @@ def main() -> int:
             contenders["B1024 w4 P24K, host ids"] = lambda: launch(SHAPES[9], host_ids)
         except Exception as error:
             print(f"{name}: no host ids ({type(error).__name__}: {error})")
-        # Captured copies: today's (upload node + kernel), the kernel alone with ids on the GPU,
+        # Captured copies: kvray's (ids kernel + row kernel), the kernel alone with ids on the GPU,
         # and the kernel alone reading the pinned ids.
         capture_stream = torch.cuda.Stream()
         graphs: dict[str, torch.cuda.CUDAGraph] = {}
         for label, body in (
-            ("graph: upload + kvray kernel", None),
+            ("graph: kvray (ids fetch + kernel)", None),
             ("graph: kernel, ids on GPU", lambda: launch(SHAPES[0], ids)),
             ("graph: kernel, host ids", lambda: launch(SHAPES[0], host_ids)),
             ("graph: kernel B1024 w4 P24K, host ids", lambda: launch(SHAPES[9], host_ids)),

@@ -28,6 +28,12 @@
  * rows_outside(region, base, stride, nbytes, low, high, region_lengths) -> int
  *   first_outside over the ops of every row at block ids `low` and `high` (offset = base +
  *   id * stride): the first row with one outside, or whose offset overflows int64; -1 if none.
+ * plan_ids(local_ids, remote_ids, local_pool, remote_pool, out, local_rows, local_lengths,
+ *          remote_rows, remote_lengths) -> bool
+ *   What planning checks of a request, in one call: sort_blocks into `out` (local ids, then the
+ *   paired remote ids: 2 x n), then, for each side, check_rows' checks at the smallest and
+ *   largest id of that side. A side's rows are 4 x rows: region, base, stride, bytes. True when
+ *   every check passes; False when one fails (the numpy twin then says which).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -91,6 +97,51 @@ static int lengths_are(Array *arrays, int count, Py_ssize_t len) {
     return 1;
 }
 
+/* The pairs in ascending local id order, and the smallest and largest remote id: 1; 0 when an id
+ * is outside its pool or repeats (or there are none); -1 and a Python error when memory runs out.
+ * A counting sort over the local pool. */
+static int sort_pairs(const int64_t *local, const int64_t *remote, Py_ssize_t n, int64_t local_pool,
+                      int64_t remote_pool, int64_t *out_local, int64_t *out_remote, int64_t *remote_min,
+                      int64_t *remote_max) {
+    /* slot[local id] = 1 + index of the pair, 0 = unused; seen = bitmap of remote ids. */
+    int64_t *slot = calloc((size_t)local_pool + 1, sizeof(int64_t));
+    uint8_t *seen = calloc((size_t)remote_pool / 8 + 1, 1);
+    if (slot == NULL || seen == NULL) {
+        free(slot);
+        free(seen);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int ok = n > 0;
+    *remote_min = INT64_MAX;
+    *remote_max = INT64_MIN;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        int64_t l = local[i], r = remote[i];
+        if (l < 0 || l >= local_pool || slot[l] != 0 || r < 0 || r >= remote_pool ||
+            (seen[r >> 3] & (1u << (r & 7)))) {
+            ok = 0;
+            break;
+        }
+        slot[l] = (int64_t)i + 1;
+        seen[r >> 3] |= (uint8_t)(1u << (r & 7));
+        *remote_min = r < *remote_min ? r : *remote_min;
+        *remote_max = r > *remote_max ? r : *remote_max;
+    }
+    if (ok) {
+        Py_ssize_t k = 0;
+        for (int64_t id = 0; id < local_pool && k < n; id++) {
+            if (slot[id] != 0) {
+                out_local[k] = id;
+                out_remote[k] = remote[slot[id] - 1];
+                k++;
+            }
+        }
+    }
+    free(slot);
+    free(seen);
+    return ok;
+}
+
 static PyObject *sort_blocks(PyObject *self, PyObject *args) {
     PyObject *objects[4];
     long long local_pool, remote_pool;
@@ -111,43 +162,13 @@ static PyObject *sort_blocks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "kvray._plan.sort_blocks: negative pool size");
         goto done;
     }
-    /* slot[local id] = 1 + index of the pair, 0 = unused; seen = bitmap of remote ids. */
-    int64_t *slot = calloc((size_t)local_pool + 1, sizeof(int64_t));
-    uint8_t *seen = calloc((size_t)remote_pool / 8 + 1, 1);
-    if (slot == NULL || seen == NULL) {
-        free(slot);
-        free(seen);
-        PyErr_NoMemory();
+    int64_t remote_min, remote_max;
+    int sorted = sort_pairs(a[0].data, a[1].data, n, local_pool, remote_pool, a[2].data, a[3].data, &remote_min,
+                            &remote_max);
+    if (sorted < 0) {
         goto done;
     }
-    int ok = 1;
-    int64_t remote_min = INT64_MAX, remote_max = INT64_MIN;
-    const int64_t *local = a[0].data, *remote = a[1].data;
-    for (Py_ssize_t i = 0; i < n && ok; i++) {
-        int64_t l = local[i], r = remote[i];
-        if (l < 0 || l >= local_pool || slot[l] != 0 || r < 0 || r >= remote_pool ||
-            (seen[r >> 3] & (1u << (r & 7)))) {
-            ok = 0;
-            break;
-        }
-        slot[l] = (int64_t)i + 1;
-        seen[r >> 3] |= (uint8_t)(1u << (r & 7));
-        remote_min = r < remote_min ? r : remote_min;
-        remote_max = r > remote_max ? r : remote_max;
-    }
-    if (ok) {
-        Py_ssize_t k = 0;
-        for (int64_t id = 0; id < local_pool && k < n; id++) {
-            if (slot[id] != 0) {
-                a[2].data[k] = id;
-                a[3].data[k] = remote[slot[id] - 1];
-                k++;
-            }
-        }
-    }
-    free(slot);
-    free(seen);
-    if (!ok || n == 0) {
+    if (sorted == 0) {
         Py_INCREF(Py_None);
         result = Py_None;
     } else {
@@ -302,6 +323,29 @@ done:
     return result;
 }
 
+/* The first of `rows` rows with an op at block id `low` or `high` outside its region (or whose
+ * offset overflows int64); -1 if none. */
+static Py_ssize_t first_row_outside(const int64_t *region, const int64_t *base, const int64_t *stride,
+                                    const int64_t *nbytes, Py_ssize_t rows, int64_t low, int64_t high,
+                                    const int64_t *lengths, Py_ssize_t regions) {
+    const int64_t ends[2] = {low, high};
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int64_t r = region[i];
+        if (r < 0 || r >= regions) {
+            return i;
+        }
+        int64_t length = lengths[r];
+        for (int end = 0; end < 2; end++) {
+            int64_t step, offset;
+            if (__builtin_mul_overflow(ends[end], stride[i], &step) || __builtin_add_overflow(base[i], step, &offset) ||
+                nbytes[i] <= 0 || nbytes[i] > length || offset < 0 || offset > length - nbytes[i]) {
+                return i;
+            }
+        }
+    }
+    return -1;
+}
+
 static PyObject *rows_outside(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     long long ends[2];
@@ -318,30 +362,67 @@ static PyObject *rows_outside(PyObject *self, PyObject *args) {
     if (!lengths_are(a, 4, n)) {
         goto done;
     }
-    const int64_t *region = a[0].data, *base = a[1].data, *stride = a[2].data, *nbytes = a[3].data;
-    const int64_t *lengths = a[4].data;
-    Py_ssize_t regions = a[4].len;
-    Py_ssize_t bad = -1;
-    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
-        int64_t r = region[i];
-        if (r < 0 || r >= regions) {
-            bad = i;
-            break;
-        }
-        int64_t length = lengths[r];
-        for (int end = 0; end < 2; end++) {
-            int64_t step, offset;
-            if (__builtin_mul_overflow((int64_t)ends[end], stride[i], &step) ||
-                __builtin_add_overflow(base[i], step, &offset) || nbytes[i] <= 0 || nbytes[i] > length ||
-                offset < 0 || offset > length - nbytes[i]) {
-                bad = i;
-                break;
-            }
-        }
-    }
-    result = PyLong_FromSsize_t(bad);
+    result = PyLong_FromSsize_t(
+        first_row_outside(a[0].data, a[1].data, a[2].data, a[3].data, n, ends[0], ends[1], a[4].data, a[4].len));
 done:
     give_back(a, 5);
+    return result;
+}
+
+/* check_rows' checks for one side whose ids span [low, high]: 1 when every row passes. */
+static int side_inside(const Array *rows, const Array *lengths, int64_t low, int64_t high) {
+    Py_ssize_t count = rows->len / 4;
+    const int64_t *region = rows->data, *base = region + count, *stride = base + count, *nbytes = stride + count;
+    /* As check_rows: ids that could wrap an offset past 2**62 are refused before any row is read. */
+    uint64_t largest_stride = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t magnitude = stride[i] < 0 ? (uint64_t)0 - (uint64_t)stride[i] : (uint64_t)stride[i];
+        largest_stride = magnitude > largest_stride ? magnitude : largest_stride;
+    }
+    if (low < 0 || high < 0 || (__int128)high * (__int128)largest_stride >= ((__int128)1 << 62)) {
+        return 0;
+    }
+    return first_row_outside(region, base, stride, nbytes, count, low, high, lengths->data, lengths->len) < 0;
+}
+
+static PyObject *plan_ids(PyObject *self, PyObject *args) {
+    PyObject *objects[7];
+    long long local_pool, remote_pool;
+    if (!PyArg_ParseTuple(args, "OOLLOOOOO", &objects[0], &objects[1], &local_pool, &remote_pool, &objects[2],
+                          &objects[3], &objects[4], &objects[5], &objects[6])) {
+        return NULL;
+    }
+    /* local ids, remote ids, local rows, local lengths, remote rows, remote lengths; out last. */
+    PyObject *in[7] = {objects[0], objects[1], objects[3], objects[4], objects[5], objects[6], objects[2]};
+    Array a[7];
+    if (!take_all(in, a, 7, 1)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = a[0].len;
+    if (a[2].len % 4 != 0 || a[4].len % 4 != 0 || a[6].len != 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "kvray._plan.plan_ids: rows of 4 columns and an output of 2 x n");
+        goto done;
+    }
+    if (local_pool < 0 || remote_pool < 0) {
+        PyErr_SetString(PyExc_ValueError, "kvray._plan.plan_ids: negative pool size");
+        goto done;
+    }
+    int ok = 0;
+    if (a[1].len == n) {
+        int64_t *out_local = a[6].data, *out_remote = out_local + n;
+        int64_t remote_min, remote_max;
+        int sorted = sort_pairs(a[0].data, a[1].data, n, local_pool, remote_pool, out_local, out_remote,
+                                &remote_min, &remote_max);
+        if (sorted < 0) {
+            goto done;
+        }
+        ok = sorted && side_inside(&a[2], &a[3], out_local[0], out_local[n - 1]) &&
+             side_inside(&a[4], &a[5], remote_min, remote_max);
+    }
+    result = PyBool_FromLong(ok);
+done:
+    give_back(a, 7);
     return result;
 }
 
@@ -352,6 +433,8 @@ static PyMethodDef methods[] = {
     {"merge_ops", merge_ops, METH_VARARGS, "Merge ops that continue each other; the count written."},
     {"first_outside", first_outside, METH_VARARGS, "The first op outside its region, or -1."},
     {"rows_outside", rows_outside, METH_VARARGS, "The first row with an end op outside, or -1."},
+    {"plan_ids", plan_ids, METH_VARARGS,
+     "sort_blocks, then both sides' rows checked at their ends: True when every check passes."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,3 +41,14 @@ def first_outside(region: object, offset: object, nbytes: object, region_lengths
 def rows_outside(
     region: object, base: object, stride: object, nbytes: object, low: int, high: int, region_lengths: object
 ) -> int: ...
+def plan_ids(
+    local_ids: object,
+    remote_ids: object,
+    local_pool: int,
+    remote_pool: int,
+    out: object,
+    local_rows: object,
+    local_lengths: object,
+    remote_rows: object,
+    remote_lengths: object,
+) -> bool: ...

@@ -241,6 +241,27 @@ class TransferPlan:
         )
 
 
+@dataclass(frozen=True)
+class Pairing:
+    """What planning reads of one pair of engine incarnations and list of layers, derived once
+    (`OffsetCache.pairing`): the layers, both sides' rows, region lengths and pool sizes, and
+    the rows as the one C call of `plan_transfer` takes them."""
+
+    layers: tuple[str, ...]
+    local: PartRows
+    remote: PartRows
+    local_lengths: tuple[int, ...]
+    remote_lengths: tuple[int, ...]
+    local_pool: int
+    remote_pool: int
+    #: Each side's rows as one 4 x rows int64 array (region, base, stride, bytes), and its
+    #: region lengths as int64.
+    local_table: Int64Array
+    local_length_array: Int64Array
+    remote_table: Int64Array
+    remote_length_array: Int64Array
+
+
 # ---- the offset cache ----------------------------------------------------------------------
 
 
@@ -251,6 +272,7 @@ class OffsetCache:
         self._layers: dict[OffsetKey, LayerPlacement] = {}
         self._rows: dict[tuple[str, int, tuple[str, ...]], PartRows] = {}
         self._pairs: dict[tuple[str, int, str, int, tuple[str, ...] | None], tuple[str, ...]] = {}
+        self._pairings: dict[tuple[str, int, str, int, tuple[str, ...] | None], Pairing] = {}
         self._engines: dict[str, tuple[int, EngineInfo]] = {}
         self.hits = 0
         self.misses = 0
@@ -319,6 +341,51 @@ class OffsetCache:
         self._layers = {k: v for k, v in self._layers.items() if k.engine_id != engine_id}
         self._rows = {k: v for k, v in self._rows.items() if k[0] != engine_id}
         self._pairs = {k: v for k, v in self._pairs.items() if engine_id not in (k[0], k[2])}
+        self._pairings = {k: v for k, v in self._pairings.items() if engine_id not in (k[0], k[2])}
+
+    def known_pairing(
+        self, local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None = None
+    ) -> Pairing | None:
+        """The `pairing` of these engine incarnations and layers if planning has derived it
+        already, else None."""
+        self._admit(local)
+        self._admit(remote)
+        wanted = None if layers is None else tuple(layers)
+        pairing = self._pairings.get(
+            (local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)
+        )
+        if pairing is not None:
+            self.hits += 2  # both sides' rows, served from the cache
+        return pairing
+
+    def pairing(self, local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None = None) -> Pairing:
+        """`compatible`, both sides' `rows` and their region lengths, once per pair of engine
+        incarnations and list of layers."""
+        known = self.known_pairing(local, remote, layers)
+        if known is not None:
+            return known
+        names = self.compatible(local, remote, layers)
+        local_rows, remote_rows = self.rows(local, names), self.rows(remote, names)
+        local_lengths = tuple(region.length for region in local.regions)
+        remote_lengths = tuple(region.length for region in remote.regions)
+        pairing = Pairing(
+            names,
+            local_rows,
+            remote_rows,
+            local_lengths,
+            remote_lengths,
+            local.layout.num_blocks,
+            remote.layout.num_blocks,
+            _row_table(local_rows),
+            np.array(local_lengths, dtype=np.int64),
+            _row_table(remote_rows),
+            np.array(remote_lengths, dtype=np.int64),
+        )
+        wanted = None if layers is None else tuple(layers)
+        self._pairings[(local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)] = (
+            pairing
+        )
+        return pairing
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -420,16 +487,26 @@ def plan_transfer(
 ) -> TransferPlan:
     """Write ops moving `local_blocks` of `layers` into the remote's `remote_blocks`."""
     cache = cache if cache is not None else OffsetCache()
-    names = cache.compatible(local, remote, layers)
     # Blocks in ascending local order: each row's ops then come out sorted by local offset
     # (a layer's block stride is positive), which usually spares the merge its sort.
-    local_ids, remote_ids, remote_span = _paired_ids(local, remote, local_blocks, remote_blocks)
-    local_rows = cache.rows(local, names)
-    remote_rows = cache.rows(remote, names)
-    check_row_bounds(local_rows, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
-    check_row_bounds(remote_rows, remote_ids, remote, "remote", remote_span)
-    local_lengths = tuple(region.length for region in local.regions)
-    remote_lengths = tuple(region.length for region in remote.regions)
+    known = cache.known_pairing(local, remote, layers)
+    ids = _checked_ids(known, local_blocks, remote_blocks) if known is not None else None
+    if known is not None and ids is not None:
+        pairing = known
+        local_ids, remote_ids = ids[0], ids[1]
+    else:
+        # A pair's first request, or one the one-call check refused: step by step, the ids
+        # before any offset, each check saying what is wrong.
+        cache.compatible(local, remote, layers)
+        local_ids, remote_ids, remote_span = _paired_ids(local, remote, local_blocks, remote_blocks)
+        checked_by_c = known is not None and _native is not None
+        pairing = cache.pairing(local, remote, layers)
+        check_row_bounds(pairing.local, local_ids, local, "local", (int(local_ids[0]), int(local_ids[-1])))
+        check_row_bounds(pairing.remote, remote_ids, remote, "remote", remote_span)
+        if checked_by_c:
+            raise PlanError(
+                f"kvray._plan refused a request that the numpy checks accept: {local_ids}, {remote_ids}"
+            )
     # The ops (one per (layer, part) row × block, in that order, then merged) are expanded
     # from these rows when first read; a GPU writer reads the rows alone.
     return TransferPlan(
@@ -437,15 +514,52 @@ def plan_transfer(
         src_incarnation=local.incarnation,
         dst_engine=remote.engine_id,
         dst_incarnation=remote.incarnation,
-        layers=names,
+        layers=pairing.layers,
         rows=RequestRows(
-            local_rows,
-            remote_rows,
+            pairing.local,
+            pairing.remote,
             local_ids,
             remote_ids,
-            checked=(local_lengths, remote_lengths, local_ids.tobytes() + remote_ids.tobytes()),
+            checked=(
+                pairing.local_lengths,
+                pairing.remote_lengths,
+                ids.tobytes() if ids is not None else local_ids.tobytes() + remote_ids.tobytes(),
+            ),
         ),
     )
+
+
+def _checked_ids(
+    pairing: Pairing,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+) -> Int64Array | None:
+    """Both sides' ids, paired in ascending local order (2 x n), after every check planning
+    makes (ids in their pools without repeats, every row inside its regions at both ends), in
+    one C call: one request's planning is a few dozen numpy calls otherwise. None when the C
+    loops are not built or a check fails: the numpy twin then plans, or says what is wrong."""
+    if _native is None:
+        return None
+    local_ids, remote_ids = _id_array(local_blocks), _id_array(remote_blocks)
+    if local_ids is None or remote_ids is None or local_ids.size != remote_ids.size:
+        return None
+    ids = np.empty((2, local_ids.size), dtype=np.int64)
+    passed = _native.plan_ids(
+        local_ids,
+        remote_ids,
+        pairing.local_pool,
+        pairing.remote_pool,
+        ids,
+        pairing.local_table,
+        pairing.local_length_array,
+        pairing.remote_table,
+        pairing.remote_length_array,
+    )
+    return ids if passed else None
+
+
+def _row_table(rows: PartRows) -> Int64Array:
+    return np.ascontiguousarray(np.stack([rows.region, rows.base, rows.block_stride, rows.nbytes]))
 
 
 def _id_array(blocks: Sequence[int] | npt.NDArray[np.integer]) -> Int64Array | None:

@@ -4,7 +4,8 @@ prefill process opens it once per peer incarnation and writes a plan's ops with 
 never one launch per block: ONE Triton kernel launch per region pair, on the decode engine's
 GPU (each program copies one op, or one piece of a long op, with wide loads and stores). A plan
 that carries its rows is written by replaying a CUDA graph captured once per row table, source,
-target and size: the block ids' upload from a pinned buffer, then a kernel that expands the ops.
+target and size: a small kernel fetching the block ids from a pinned buffer, then a kernel that
+expands the ops.
 Across two GPUs with peer access (NVLink) that kernel loads the source over the link; without
 peer access, a gather kernel, one device-to-device copy and a scatter kernel stage it.
 Completion waits for the last event off the event loop.
@@ -178,6 +179,25 @@ def _rows_kernel() -> Any:
 
     return triton.jit(copy_rows)
 
+
+@functools.cache
+def _fetch_kernel() -> Any:
+    """Copies `n` int64 from pinned host memory (read through the GPU's mapping of it) into a
+    buffer on the GPU: a captured row copy's block ids, fetched by a kernel because a graph's
+    kernel node starts its successor sooner than a host-to-device copy node does."""
+    import triton
+    import triton.language as tl
+
+    def fetch_ids(host, device_ids, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = index < n
+        tl.store(device_ids + index, tl.load(host + index, mask=mask), mask=mask)
+
+    return triton.jit(fetch_ids)
+
+
+#: Ids one program of `_fetch_kernel` copies.
+_FETCH_BLOCK = 1024
 
 _UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: CUDA's limit on a grid's second and third dimensions.
@@ -368,7 +388,7 @@ def capacity_for(count: int) -> int:
 
 @dataclass
 class RowGraph:
-    """The upload of a request's block ids (from a pinned buffer of this graph's own) and the row
+    """The fetch of a request's block ids (from a pinned buffer of this graph's own) and the row
     kernel, captured once as a CUDA graph for one source, target and capacity; replayed for each
     request. `done` completes when the last replay's copy has; until then the pinned buffer is
     that request's and the graph is not replayed again. `done` is recorded anew by each replay
@@ -453,27 +473,20 @@ def launch_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: 
     _launch_rows_kernel(dst, src, table, ids, count)
 
 
-def _memcpy_to_device(target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    """An asynchronous host-to-device copy of `source` (pinned) into `target` on `stream`,
-    through the driver: inside a capture it becomes the graph's copy node, and torch's host
-    allocator records no event for it."""
-    result = _libcuda().cuMemcpyHtoDAsync_v2(
-        ctypes.c_uint64(target.data_ptr()),
-        ctypes.c_void_p(source.data_ptr()),
-        ctypes.c_size_t(source.numel() * source.element_size()),
-        ctypes.c_void_p(stream.cuda_stream),
-    )
-    if result != 0:
-        raise TransportError(f"cuMemcpyHtoDAsync failed (CUresult {result})", result=result)
+def _fetch_ids(ids: torch.Tensor, pinned: torch.Tensor) -> None:
+    """`ids` (on the GPU) := `pinned` (host memory), by `_fetch_kernel` on the current stream."""
+    count = pinned.numel()
+    _fetch_kernel()[(-(-count // _FETCH_BLOCK),)](pinned, ids, count, BLOCK=_FETCH_BLOCK, num_warps=4)
 
 
 def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph:
-    """Capture the ids' upload and the row kernel for requests of up to `capacity` block pairs
+    """Capture the ids' fetch and the row kernel for requests of up to `capacity` block pairs
     into `dst` from `src`. The capture records from this thread only (`thread_local`), so an
     engine's other threads keep using the GPU meanwhile."""
     pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
     ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
-    # Compiles and loads the kernel outside the capture; a count of 0 copies nothing.
+    # Compiles and loads both kernels outside the capture; a count of 0 copies nothing.
+    _fetch_ids(ids, pinned)
     _launch_rows_kernel(dst, src, table, ids, capacity)
     capturing = _capture_stream(dst.device.index or 0)
     graph = torch.cuda.CUDAGraph()
@@ -486,7 +499,7 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
         with torch.cuda.stream(capturing):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                _memcpy_to_device(ids, pinned, capturing)
+                _fetch_ids(ids, pinned)
                 _launch_rows_kernel(dst, src, table, ids, capacity)
             finally:
                 graph.capture_end()
@@ -522,7 +535,7 @@ def copy_rows(
     """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
     copy waits for the work queued on the source GPU's current stream, and the returned event
     completes when every byte is in `dst`. With `replay`, the ids go into an idle captured row
-    copy's pinned buffer and that graph is replayed (no allocation, no upload of its own, no
+    copy's pinned buffer and that graph is replayed (no allocation, no upload, no
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
     the ids are uploaded and the kernel launched."""
     source_device = src.device.index or 0

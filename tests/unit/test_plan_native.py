@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import kvray.plan as plan_module
 from kvray.layout import DTYPE_ITEMSIZE, BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.memory import Backing
-from kvray.plan import OpTable, PartRows, check_ops, check_rows, merge_ops, plan_transfer
+from kvray.plan import OffsetCache, OpTable, PartRows, check_ops, check_rows, merge_ops, plan_transfer
 from kvray.wire import EngineInfo, Role
 
 pytestmark = pytest.mark.skipif(not plan_module.native(), reason="kvray._plan (the C extension) is not built")
@@ -87,15 +87,34 @@ def test_the_same_plan_both_ways(data: st.DataObject, make_info: Callable[..., E
     remote_ids = data.draw(st.permutations(range(remote.layout.num_blocks)))[:count]
     names = list(local.layout.layer_names)
     layers = data.draw(st.sampled_from([None, names[: data.draw(st.integers(1, len(names)))]]))
-    as_array = data.draw(st.sampled_from([list, lambda ids: np.asarray(ids, dtype=np.int32)]))
+    as_array = data.draw(
+        st.sampled_from([list, lambda ids: np.asarray(ids, dtype=np.int32), lambda ids: np.asarray(ids)])
+    )
+    # A cache that has seen the pair plans in one C call (`plan_ids`); a new one step by step.
+    warm = data.draw(st.booleans(), label="warm cache")
     native, twin = both_ways(
-        lambda: plan_transfer(local, remote, as_array(local_ids), as_array(remote_ids), layers)
+        lambda: plan_transfer(
+            local,
+            remote,
+            as_array(local_ids),
+            as_array(remote_ids),
+            layers,
+            cache=cache(local, remote, layers, warm),
+        )
     )
     same_table(native.ops, twin.ops)
     same_table(native.unmerged, twin.unmerged)
     assert native.layer_starts == twin.layer_starts
     for layer in native.layers:
         same_table(native.layer_ops(layer), twin.layer_ops(layer))
+
+
+def cache(local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None, warm: bool) -> OffsetCache:
+    """A new offset cache; `warm`: one that has derived this pair's rows already."""
+    fresh = OffsetCache()
+    if warm:
+        fresh.pairing(local, remote, layers)
+    return fresh
 
 
 def _bad_ids(pool: int) -> st.SearchStrategy[Any]:
@@ -116,7 +135,10 @@ def test_the_same_error_both_ways(data: st.DataObject, make_info: Callable[..., 
     local, remote = infos(data, make_info)
     local_ids = data.draw(_bad_ids(local.layout.num_blocks), label="local ids")
     remote_ids = data.draw(_bad_ids(remote.layout.num_blocks), label="remote ids")
-    native, twin = both_ways(lambda: plan_transfer(local, remote, local_ids, remote_ids))
+    warm = data.draw(st.booleans(), label="warm cache")
+    native, twin = both_ways(
+        lambda: plan_transfer(local, remote, local_ids, remote_ids, cache=cache(local, remote, None, warm))
+    )
     if isinstance(twin, Exception):
         same_error(native, twin)
     else:
@@ -252,3 +274,97 @@ def test_the_same_row_check_both_ways(data: st.DataObject) -> None:
         for i in ids.tolist()
     ]
     assert (native is None) == all(inside)
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_plan_ids_passes_exactly_what_the_step_by_step_checks_pass(data: st.DataObject) -> None:
+    """`plan_ids` (ids sorted and checked, then both sides' rows at their ends, in one call)
+    passes a request exactly when `sort_blocks` and `check_rows` on each side pass it, and then
+    writes the same pairs; rows and lengths near int64's ends included."""
+    pools = (
+        data.draw(st.integers(1, 12), label="local pool"),
+        data.draw(st.integers(1, 12), label="remote pool"),
+    )
+    count = data.draw(st.integers(1, 6))
+    local_ids = np.asarray(
+        data.draw(st.lists(st.integers(-1, pools[0]), min_size=count, max_size=count)), np.int64
+    )
+    remote_ids = np.asarray(
+        data.draw(st.lists(st.integers(-1, pools[1]), min_size=count, max_size=count)), np.int64
+    )
+    values = st.one_of(edgy, big, st.integers(-64, 4096))
+    sides = []
+    for side in ("local", "remote"):
+        size = data.draw(st.integers(1, 4))
+        columns = [
+            np.asarray(
+                data.draw(st.lists(column, min_size=size, max_size=size), label=f"{side} {name}"), np.int64
+            )
+            for name, column in zip(
+                ("region", "base", "stride", "bytes"),
+                [st.integers(-1, 2), values, values, values],
+                strict=True,
+            )
+        ]
+        lengths = data.draw(
+            st.lists(st.one_of(st.integers(0, 8192), edgy.filter(lambda v: v >= 0)), max_size=3),
+            label=f"{side} lengths",
+        )
+        sides.append((PartRows(("layer",), *columns, (0, size)), lengths))
+    (local_rows, local_lengths), (remote_rows, remote_lengths) = sides
+
+    def table(rows: PartRows) -> np.ndarray:
+        return np.ascontiguousarray(np.stack([rows.region, rows.base, rows.block_stride, rows.nbytes]))
+
+    out = np.empty((2, count), dtype=np.int64)
+    passed = NATIVE.plan_ids(
+        local_ids,
+        remote_ids,
+        *pools,
+        out,
+        table(local_rows),
+        np.asarray(local_lengths, np.int64),
+        table(remote_rows),
+        np.asarray(remote_lengths, np.int64),
+    )
+    sorted_local, paired_remote = np.empty(count, np.int64), np.empty(count, np.int64)
+    span = NATIVE.sort_blocks(local_ids, remote_ids, *pools, sorted_local, paired_remote)
+    step_by_step = span is not None
+    for rows, ids, lengths, ends in (
+        (local_rows, sorted_local, local_lengths, (int(sorted_local[0]), int(sorted_local[-1]))),
+        (remote_rows, paired_remote, remote_lengths, span),
+    ):
+        if step_by_step:
+            try:
+                check_rows(rows, ids, lengths, side="local", engine_id="p", span=ends)
+            except Exception:
+                step_by_step = False
+    assert passed is step_by_step
+    if passed:
+        assert out[0].tolist() == sorted_local.tolist() and out[1].tolist() == paired_remote.tolist()
+
+
+def test_plan_ids_takes_int64_rows_of_four_columns_and_an_output_of_two_rows() -> None:
+    ids, rows, lengths = (
+        np.array([1, 0], np.int64),
+        np.array([0, 0, 8, 8], np.int64),
+        np.array([64], np.int64),
+    )
+    assert NATIVE.plan_ids(ids, ids, 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths) is True
+    with pytest.raises(ValueError, match="4 columns"):
+        NATIVE.plan_ids(ids, ids, 4, 4, np.empty((2, 2), np.int64), rows[:3], lengths, rows, lengths)
+    with pytest.raises(ValueError, match="2 x n"):
+        NATIVE.plan_ids(ids, ids, 4, 4, np.empty(3, np.int64), rows, lengths, rows, lengths)
+    with pytest.raises(TypeError, match="int64"):
+        NATIVE.plan_ids(
+            ids.astype(np.int32), ids, 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths
+        )
+    # Ids of different counts, or none, never pass.
+    assert (
+        NATIVE.plan_ids(ids, ids[:1], 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths) is False
+    )
+    empty = np.empty(0, np.int64)
+    assert (
+        NATIVE.plan_ids(empty, empty, 4, 4, np.empty((2, 0), np.int64), rows, lengths, rows, lengths) is False
+    )
