@@ -3,6 +3,7 @@ GPU (or both on one GPU), against the NVLink copy ceiling, one copy per block, a
 send/recv of a gathered buffer. Runs without Ray (the GPU machine has none).
 
     python examples/bench_gpu.py [--repeat 10] [--quick] [--same-gpu] [--json gpu.json]
+                                 [--workload 4k ...] [--kvray-only]
 
 Workloads: DeepSeek-V3-style requests (61 MLA layers + indexer, block 64, scattered block ids
 out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB blocks.
@@ -238,7 +239,12 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
     loop = asyncio.new_event_loop()
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
-    for incarnation, (name, (layout, request_blocks)) in enumerate(workloads(args.quick).items(), start=1):
+    chosen = {
+        name: workload
+        for name, workload in workloads(args.quick).items()
+        if not args.workload or any(part in name for part in args.workload)
+    }
+    for incarnation, (name, (layout, request_blocks)) in enumerate(chosen.items(), start=1):
         conn.send(("layout", layout, incarnation))
         remote = decode_engine_info(conn.recv())
         source = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
@@ -389,7 +395,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             start = time.perf_counter()
             plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
             plan_samples.append(time.perf_counter() - start)
-        for label, run, per_run in (
+        contenders: tuple[tuple[str, Callable[[], None], int], ...] = (
             ("before: op-table plan + write", op_table_write, 1),
             (f"before: op-table stream of {STREAM}", op_table_streamed, STREAM),
             ("before: rows, launched: plan + write", launched_write, 1),
@@ -400,12 +406,16 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             (f"kvray cuda_ipc: stream of {STREAM}, {IN_FLIGHT} in flight", kvray_stream, STREAM),
             (f"kvray copy kernel, {BACK_TO_BACK} queued", kvray_back_to_back, BACK_TO_BACK),
             ("kvray kernels, staged (no peer reads)", kvray_staged, 1),
-        ):
+        )
+        for label, run, per_run in contenders:
+            if args.kvray_only and not label.startswith("kvray cuda_ipc"):
+                continue
             samples = [sample / per_run for sample in timed(run, scrub, args.repeat)]
             results[label] = (samples, verify(label))
-        naive_repeat = max(2, args.repeat // 4)
-        results["naive: one copy per op"] = (timed(naive, scrub, naive_repeat, warmup=1), verify("naive"))
-        if use_nccl:
+        if not args.kvray_only:
+            naive_repeat = max(2, args.repeat // 4)
+            results["naive: one copy per op"] = (timed(naive, scrub, naive_repeat, warmup=1), verify("naive"))
+        if use_nccl and not args.kvray_only:
             staging = torch.empty(total, dtype=torch.uint8, device="cuda:0")
             staged = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
             ack = torch.zeros(1, device="cuda:0")
@@ -466,6 +476,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--same-gpu", action="store_true", help="only prefill and decode on one GPU")
     parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument(
+        "--workload", action="append", help="only the workloads whose name contains this (repeatable)"
+    )
+    parser.add_argument(
+        "--kvray-only", action="store_true", help="only the ceiling and kvray's own rows (no baselines)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
