@@ -28,12 +28,13 @@
  * rows_outside(region, base, stride, nbytes, low, high, region_lengths) -> int
  *   first_outside over the ops of every row at block ids `low` and `high` (offset = base +
  *   id * stride): the first row with one outside, or whose offset overflows int64; -1 if none.
- * plan_ids(local_ids, remote_ids, local_pool, remote_pool, out, local_rows, local_lengths,
+ * plan_ids(local_ids, remote_ids, out, local_pool, remote_pool, local_rows, local_lengths,
  *          remote_rows, remote_lengths) -> bool
  *   What planning checks of a request, in one call: sort_blocks into `out` (local ids, then the
  *   paired remote ids: 2 x n), then, for each side, check_rows' checks at the smallest and
  *   largest id of that side. A side's rows are 4 x rows: region, base, stride, bytes. True when
- *   every check passes; False when one fails (the numpy twin then says which).
+ *   every check passes; False when one fails, or the ids are not 1-D (the numpy twin then says
+ *   which).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -388,7 +389,7 @@ static int side_inside(const Array *rows, const Array *lengths, int64_t low, int
 static PyObject *plan_ids(PyObject *self, PyObject *args) {
     PyObject *objects[7];
     long long local_pool, remote_pool;
-    if (!PyArg_ParseTuple(args, "OOLLOOOOO", &objects[0], &objects[1], &local_pool, &remote_pool, &objects[2],
+    if (!PyArg_ParseTuple(args, "OOOLLOOOO", &objects[0], &objects[1], &objects[2], &local_pool, &remote_pool,
                           &objects[3], &objects[4], &objects[5], &objects[6])) {
         return NULL;
     }
@@ -409,7 +410,8 @@ static PyObject *plan_ids(PyObject *self, PyObject *args) {
         goto done;
     }
     int ok = 0;
-    if (a[1].len == n) {
+    /* Ids of another shape are the numpy twin's to refuse, in its words. */
+    if (a[0].view.ndim == 1 && a[1].view.ndim == 1 && a[1].len == n) {
         int64_t *out_local = a[6].data, *out_remote = out_local + n;
         int64_t remote_min, remote_max;
         int sorted = sort_pairs(a[0].data, a[1].data, n, local_pool, remote_pool, out_local, out_remote,

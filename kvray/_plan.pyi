@@ -44,9 +44,9 @@ def rows_outside(
 def plan_ids(
     local_ids: object,
     remote_ids: object,
+    out: object,
     local_pool: int,
     remote_pool: int,
-    out: object,
     local_rows: object,
     local_lengths: object,
     remote_rows: object,

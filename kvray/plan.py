@@ -244,22 +244,17 @@ class TransferPlan:
 @dataclass(frozen=True)
 class Pairing:
     """What planning reads of one pair of engine incarnations and list of layers, derived once
-    (`OffsetCache.pairing`): the layers, both sides' rows, region lengths and pool sizes, and
-    the rows as the one C call of `plan_transfer` takes them."""
+    (`OffsetCache.pairing`): the layers, both sides' rows and region lengths, and what the one
+    C call of `plan_transfer` takes besides the ids."""
 
     layers: tuple[str, ...]
     local: PartRows
     remote: PartRows
     local_lengths: tuple[int, ...]
     remote_lengths: tuple[int, ...]
-    local_pool: int
-    remote_pool: int
-    #: Each side's rows as one 4 x rows int64 array (region, base, stride, bytes), and its
-    #: region lengths as int64.
-    local_table: Int64Array
-    local_length_array: Int64Array
-    remote_table: Int64Array
-    remote_length_array: Int64Array
+    #: The rest of `kvray._plan.plan_ids`' arguments: both pool sizes, then each side's rows
+    #: as one 4 x rows int64 array (region, base, stride, bytes) and its region lengths.
+    native_args: tuple[int, int, Int64Array, Int64Array, Int64Array, Int64Array]
 
 
 # ---- the offset cache ----------------------------------------------------------------------
@@ -374,12 +369,14 @@ class OffsetCache:
             remote_rows,
             local_lengths,
             remote_lengths,
-            local.layout.num_blocks,
-            remote.layout.num_blocks,
-            _row_table(local_rows),
-            np.array(local_lengths, dtype=np.int64),
-            _row_table(remote_rows),
-            np.array(remote_lengths, dtype=np.int64),
+            (
+                local.layout.num_blocks,
+                remote.layout.num_blocks,
+                _row_table(local_rows),
+                np.array(local_lengths, dtype=np.int64),
+                _row_table(remote_rows),
+                np.array(remote_lengths, dtype=np.int64),
+            ),
         )
         wanted = None if layers is None else tuple(layers)
         self._pairings[(local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)] = (
@@ -536,26 +533,22 @@ def _checked_ids(
 ) -> Int64Array | None:
     """Both sides' ids, paired in ascending local order (2 x n), after every check planning
     makes (ids in their pools without repeats, every row inside its regions at both ends), in
-    one C call: one request's planning is a few dozen numpy calls otherwise. None when the C
-    loops are not built or a check fails: the numpy twin then plans, or says what is wrong."""
+    one C call: one request's planning is a few dozen numpy calls otherwise. Ids already in
+    1-D int64 arrays go in as they are. None when the C loops are not built or a check fails:
+    the numpy twin then plans, or says what is wrong."""
     if _native is None:
         return None
+    if type(local_blocks) is np.ndarray and type(remote_blocks) is np.ndarray:
+        try:
+            ids = np.empty((2, len(local_blocks)), dtype=np.int64)
+            return ids if _native.plan_ids(local_blocks, remote_blocks, ids, *pairing.native_args) else None
+        except (TypeError, ValueError, BufferError):  # not int64 buffers of one length
+            pass
     local_ids, remote_ids = _id_array(local_blocks), _id_array(remote_blocks)
     if local_ids is None or remote_ids is None or local_ids.size != remote_ids.size:
         return None
     ids = np.empty((2, local_ids.size), dtype=np.int64)
-    passed = _native.plan_ids(
-        local_ids,
-        remote_ids,
-        pairing.local_pool,
-        pairing.remote_pool,
-        ids,
-        pairing.local_table,
-        pairing.local_length_array,
-        pairing.remote_table,
-        pairing.remote_length_array,
-    )
-    return ids if passed else None
+    return ids if _native.plan_ids(local_ids, remote_ids, ids, *pairing.native_args) else None
 
 
 def _row_table(rows: PartRows) -> Int64Array:

@@ -321,8 +321,8 @@ def test_plan_ids_passes_exactly_what_the_step_by_step_checks_pass(data: st.Data
     passed = NATIVE.plan_ids(
         local_ids,
         remote_ids,
-        *pools,
         out,
+        *pools,
         table(local_rows),
         np.asarray(local_lengths, np.int64),
         table(remote_rows),
@@ -351,20 +351,26 @@ def test_plan_ids_takes_int64_rows_of_four_columns_and_an_output_of_two_rows() -
         np.array([0, 0, 8, 8], np.int64),
         np.array([64], np.int64),
     )
-    assert NATIVE.plan_ids(ids, ids, 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths) is True
+    assert NATIVE.plan_ids(ids, ids, np.empty((2, 2), np.int64), 4, 4, rows, lengths, rows, lengths) is True
     with pytest.raises(ValueError, match="4 columns"):
-        NATIVE.plan_ids(ids, ids, 4, 4, np.empty((2, 2), np.int64), rows[:3], lengths, rows, lengths)
+        NATIVE.plan_ids(ids, ids, np.empty((2, 2), np.int64), 4, 4, rows[:3], lengths, rows, lengths)
     with pytest.raises(ValueError, match="2 x n"):
-        NATIVE.plan_ids(ids, ids, 4, 4, np.empty(3, np.int64), rows, lengths, rows, lengths)
+        NATIVE.plan_ids(ids, ids, np.empty(3, np.int64), 4, 4, rows, lengths, rows, lengths)
     with pytest.raises(TypeError, match="int64"):
         NATIVE.plan_ids(
-            ids.astype(np.int32), ids, 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths
+            ids.astype(np.int32), ids, np.empty((2, 2), np.int64), 4, 4, rows, lengths, rows, lengths
         )
+    # Ids of another shape are left to the numpy twin.
+    square = np.array([[1, 0], [2, 3]], np.int64)
+    assert (
+        NATIVE.plan_ids(square, square, np.empty((2, 4), np.int64), 4, 4, rows, lengths, rows, lengths)
+        is False
+    )
     # Ids of different counts, or none, never pass.
     assert (
-        NATIVE.plan_ids(ids, ids[:1], 4, 4, np.empty((2, 2), np.int64), rows, lengths, rows, lengths) is False
+        NATIVE.plan_ids(ids, ids[:1], np.empty((2, 2), np.int64), 4, 4, rows, lengths, rows, lengths) is False
     )
     empty = np.empty(0, np.int64)
     assert (
-        NATIVE.plan_ids(empty, empty, 4, 4, np.empty((2, 0), np.int64), rows, lengths, rows, lengths) is False
+        NATIVE.plan_ids(empty, empty, np.empty((2, 0), np.int64), 4, 4, rows, lengths, rows, lengths) is False
     )
