@@ -7,9 +7,7 @@ send/recv of a gathered buffer. Runs without Ray (the GPU machine has none).
 
 Workloads: DeepSeek-V3-style requests (61 MLA layers + indexer, block 64, scattered block ids
 out of a pool twice the request) of 4k and 16k tokens, and 4096 scattered 64 KiB blocks.
-Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory,
-take turns: each round times the ceiling and every contender once (the naive and NCCL rows
-run after, on their own):
+Contenders, each timed from a synchronized start to its bytes being in the decode GPU's memory:
 - `ceiling`: one device-to-device copy of the same number of bytes between two plain
   allocations on the two GPUs (peer-to-peer over NVLink), or within the GPU;
 - `before`: the op-table path every request took before the row kernel: the plan expanded and
@@ -168,33 +166,6 @@ def timed(run: Callable[[], None], scrub: Callable[[], None], repeat: int, warmu
         sync_all()
         if index >= warmup:
             samples.append(time.perf_counter() - start)
-    return samples
-
-
-def timed_in_turns(
-    runs: dict[str, Callable[[], None]],
-    scrub: Callable[[], None],
-    repeat: int,
-    after_last: Callable[[str], None],
-    warmup: int = 2,
-) -> dict[str, list[float]]:
-    """`timed` for several contenders taking turns: each round times every contender once, so
-    a slow spell of the machine (a few tens of ms, as long as one contender's runs) falls on
-    all of them alike instead of on one. `after_last(label)` runs after a contender's last run
-    (the decode buffer then holds its bytes), outside the clock."""
-    samples: dict[str, list[float]] = {label: [] for label in runs}
-    rounds = warmup + repeat
-    for index in range(rounds):
-        for label, run in runs.items():
-            scrub()
-            sync_all()
-            start = time.perf_counter()
-            run()
-            sync_all()
-            if index >= warmup:
-                samples[label].append(time.perf_counter() - start)
-            if index == rounds - 1:
-                after_last(label)
     return samples
 
 
@@ -416,13 +387,15 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             plain.copy_(src[:total], non_blocking=True)
 
         results: dict[str, tuple[list[float], int]] = {}
+        results["ceiling: one D2D copy"] = (timed(ceiling, scrub, args.repeat), 0)
+        ceiling_bad = 0 if torch.equal(plain, src[:total].to(plain.device)) else 1
+        results["ceiling: one D2D copy"] = (results["ceiling: one D2D copy"][0], ceiling_bad)
         plan_samples = []
         for _ in range(args.repeat):
             start = time.perf_counter()
             plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
             plan_samples.append(time.perf_counter() - start)
         contenders: tuple[tuple[str, Callable[[], None], int], ...] = (
-            ("ceiling: one D2D copy", ceiling, 1),
             ("before: op-table plan + write", op_table_write, 1),
             (f"before: op-table stream of {STREAM}", op_table_streamed, STREAM),
             ("before: rows, launched: plan + write", launched_write, 1),
@@ -434,23 +407,11 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             (f"kvray copy kernel, {BACK_TO_BACK} queued", kvray_back_to_back, BACK_TO_BACK),
             ("kvray kernels, staged (no peer reads)", kvray_staged, 1),
         )
-        chosen = [
-            contender
-            for contender in contenders
-            if not args.kvray_only or contender[0].startswith(("ceiling", "kvray cuda_ipc"))
-        ]
-        bad_ops: dict[str, int] = {}
-
-        def check_last(label: str) -> None:
-            if label.startswith("ceiling"):
-                bad_ops[label] = 0 if torch.equal(plain, src[:total].to(plain.device)) else 1
-            else:
-                bad_ops[label] = verify(label)
-
-        # Every contender against the ceiling in turns, round by round (see `timed_in_turns`).
-        turns = timed_in_turns({label: run for label, run, _ in chosen}, scrub, args.repeat, check_last)
-        for label, _, per_run in chosen:
-            results[label] = ([sample / per_run for sample in turns[label]], bad_ops[label])
+        for label, run, per_run in contenders:
+            if args.kvray_only and not label.startswith("kvray cuda_ipc"):
+                continue
+            samples = [sample / per_run for sample in timed(run, scrub, args.repeat)]
+            results[label] = (samples, verify(label))
         if not args.kvray_only:
             naive_repeat = max(2, args.repeat // 4)
             results["naive: one copy per op"] = (timed(naive, scrub, naive_repeat, warmup=1), verify("naive"))
