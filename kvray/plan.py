@@ -8,9 +8,11 @@ by `(engine, incarnation, layer, geometry)` (invariant 3): two layers of the sam
 never share an entry, an unknown layer raises, and a new incarnation misses the cache.
 
 The per-op loops run in C where `kvray._plan` is built (`pip install` builds it): sorting and
-checking block ids, expanding rows into ops, merging, and the bounds check. Each has a numpy twin
-here that gives the same answer; the twin runs when the module is missing, and whenever a C
-check fails, so that every error is raised, and worded, by the numpy code alone.
+checking block ids, expanding rows into ops, merging, and the bounds check; for a pair of
+engines planned before, a request's checks are one C call over rows derived once per pair
+(`OffsetCache.pairing`). Each has a numpy twin here that gives the same answer; the twin runs
+when the module is missing, and whenever a C check fails, so that every error is raised, and
+worded, by the numpy code alone.
 
 It is longer than kvray's other modules because each of those loops and its numpy twin are
 kept side by side, where one can be read against the other.
