@@ -388,21 +388,24 @@ def capacity_for(count: int) -> int:
 
 @dataclass
 class RowGraph:
-    """The fetch of a request's block ids (from a pinned buffer of this graph's own) and the row
-    kernel, captured once as a CUDA graph for one source, target and capacity; replayed for each
-    request. `done` completes when the last replay's copy has; until then the pinned buffer is
-    that request's and the graph is not replayed again. `done` is recorded anew by each replay
-    (creating an event costs more host time than the replay): a waiter that has not seen its
-    copy end before the next replay waits for that one too, never less."""
+    """A wait for `produced`, the fetch of a request's block ids (from a pinned buffer of this
+    graph's own), the row kernel and a record of `done`, captured once as a CUDA graph for one
+    source, target and capacity; replayed for each request after recording `produced` on the
+    source GPU's current stream. `done` completes when the last replay's copy has; until then
+    the pinned buffer is that request's and the graph is not replayed again. Both events are
+    recorded anew by each replay (creating an event costs more host time than the replay): a
+    waiter that has not seen its copy end before the next replay waits for that one too, never
+    less."""
 
     graph: torch.cuda.CUDAGraph
     staging: npt.NDArray[np.int64]
     pinned: torch.Tensor
     ids: torch.Tensor
+    produced: torch.cuda.Event
     done: torch.cuda.Event
-    #: The driver's handles of the instantiated graph and of `done` (`_replay_rows`).
+    #: The driver's handles of the instantiated graph and of `produced` (`_replay_rows`).
     exec_handle: int = 0
-    done_handle: int = 0
+    produced_handle: int = 0
 
 
 @dataclass(frozen=True)
@@ -481,7 +484,9 @@ def _fetch_ids(ids: torch.Tensor, pinned: torch.Tensor) -> None:
 
 def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph:
     """Capture the ids' fetch and the row kernel for requests of up to `capacity` block pairs
-    into `dst` from `src`. The capture records from this thread only (`thread_local`), so an
+    into `dst` from `src`, between a wait for a `produced` event of the source GPU and a record
+    of `done` (both external nodes of the graph, so a replay is two driver calls: record
+    `produced`, launch). The capture records from this thread only (`thread_local`), so an
     engine's other threads keep using the GPU meanwhile."""
     pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
     ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
@@ -489,6 +494,14 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
     _fetch_ids(ids, pinned)
     _launch_rows_kernel(dst, src, table, ids, capacity)
     capturing = _capture_stream(dst.device.index or 0)
+    # Each event recorded once on an idle stream, so that the driver's event exists (and reads
+    # as completed) before the capture names it.
+    with torch.cuda.device(src.device):
+        produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        produced.record(_capture_stream(src.device.index or 0))
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(capturing)
+    calls = _driver_calls()
     graph = torch.cuda.CUDAGraph()
     # No garbage collection during the capture: a collected object that releases CUDA memory
     # (an opened IPC handle, a pinned buffer) would call the driver in a way a capture forbids,
@@ -499,18 +512,26 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
         with torch.cuda.stream(capturing):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
+                _driver_check(
+                    "cuStreamWaitEvent",
+                    calls.stream_wait_event(capturing.cuda_stream, produced.cuda_event, _EVENT_WAIT_EXTERNAL),
+                )
                 _fetch_ids(ids, pinned)
                 _launch_rows_kernel(dst, src, table, ids, capacity)
+                _driver_check(
+                    "cuEventRecordWithFlags",
+                    calls.event_record_with_flags(
+                        done.cuda_event, capturing.cuda_stream, _EVENT_RECORD_EXTERNAL
+                    ),
+                )
             finally:
                 graph.capture_end()
     finally:
         if collecting:
             gc.enable()
-    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    # Recorded once on the idle capture stream so that the driver's event exists (and reads
-    # as completed) before the first replay.
-    done.record(capturing)
-    return RowGraph(graph, pinned.numpy(), pinned, ids, done, graph.raw_cuda_graph_exec(), done.cuda_event)
+    return RowGraph(
+        graph, pinned.numpy(), pinned, ids, produced, done, graph.raw_cuda_graph_exec(), produced.cuda_event
+    )
 
 
 def _idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph | None:
@@ -550,57 +571,59 @@ def copy_rows(
         graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
         if source_device == target_device == torch.cuda.current_device():
             _replay_rows(graph, target_device, target_stream)
-            return graph.done
+        else:
+            with torch.cuda.device(src.device):
+                graph.produced.record(torch.cuda.current_stream(source_device))
+            with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
+                graph.graph.replay()
+        return graph.done
     follow_current(source_device, target_stream)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        if graph is None:
-            launch_rows(dst, src, rows, table)
-        else:
-            graph.graph.replay()
-        done = torch.cuda.Event() if graph is None else graph.done  # type: ignore[no-untyped-call]
+        launch_rows(dst, src, rows, table)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(target_stream)
     return done
+
+
+#: Flags of a wait and a record captured as a graph's own nodes (`cudaEventWaitExternal`,
+#: `cudaEventRecordExternal`), not as dependencies inside the capture.
+_EVENT_WAIT_EXTERNAL = 1
+_EVENT_RECORD_EXTERNAL = 1
 
 
 @dataclass(frozen=True)
 class _DriverCalls:
     event_record: Callable[[int, int], int]
+    event_record_with_flags: Callable[[int, int, int], int]
     stream_wait_event: Callable[[int, int, int], int]
     graph_launch: Callable[[int, int], int]
 
 
 @functools.cache
 def _driver_calls() -> _DriverCalls:
-    """The driver entry points a replay uses, with their argument types declared (so that ctypes
-    converts each argument without guessing, on every call)."""
+    """The driver entry points a capture and a replay use, with their argument types declared
+    (so that ctypes converts each argument without guessing, on every call)."""
     lib = _libcuda()
     pair = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
     triple = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
     return _DriverCalls(
         pair(("cuEventRecord", lib)),
+        triple(("cuEventRecordWithFlags", lib)),
         triple(("cuStreamWaitEvent", lib)),
         pair(("cuGraphLaunch", lib)),
     )
 
 
 def _replay_rows(graph: RowGraph, device: int, stream: torch.cuda.Stream) -> None:
-    """The replay step of `copy_rows` (order `stream` after `device`'s current stream, replay,
-    record `done`) through the driver directly, for a source and target on the current device:
-    torch's device and stream guards and its event and graph wrappers cost several times the
-    driver calls they make."""
+    """The replay step of `copy_rows` through the driver directly, for a source and target on
+    the current device: record the graph's `produced` on the device's current stream (the graph
+    waits for it, then records `done`), and launch the graph on `stream`. Torch's device and
+    stream guards and its event and graph wrappers cost several times the driver calls they
+    make."""
     calls = _driver_calls()
-    produced = _produced_event(device)
-    produced_handle = produced.cuda_event
-    if not produced_handle:
-        # The driver's event is created on the first record.
-        produced.record(torch.cuda.current_stream(device))
-        produced_handle = produced.cuda_event
-    stream_handle = stream.cuda_stream
     current = torch._C._cuda_getCurrentRawStream(device)
-    _driver_check("cuEventRecord", calls.event_record(produced_handle, current))
-    _driver_check("cuStreamWaitEvent", calls.stream_wait_event(stream_handle, produced_handle, 0))
-    _driver_check("cuGraphLaunch", calls.graph_launch(graph.exec_handle, stream_handle))
-    _driver_check("cuEventRecord", calls.event_record(graph.done_handle, stream_handle))
+    _driver_check("cuEventRecord", calls.event_record(graph.produced_handle, current))
+    _driver_check("cuGraphLaunch", calls.graph_launch(graph.exec_handle, stream.cuda_stream))
 
 
 def _driver_check(name: str, result: int) -> None:

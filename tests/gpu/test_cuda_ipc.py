@@ -257,6 +257,56 @@ def test_requests_of_every_size_land_through_one_transport(decode_process: Any, 
     assert np.array_equal(after[~written], before[~written]), "bytes outside the written blocks changed"
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "launched"])
+@pytest.mark.parametrize(
+    "decode_process", [pytest.param((mixed(32), _devices()[0], False), id="cuda")], indirect=True
+)
+def test_the_copy_waits_for_the_work_queued_before_it(decode_process: Any, replay: bool) -> None:
+    """A write issued while the model's stream is still busy writing the KV copies those writes,
+    not the bytes before them: the copy follows the source GPU's current stream. The stream is
+    kept busy for about 0.1 s before the new bytes are written, so a copy that did not wait
+    would read the old ones."""
+    from kvray.config import Settings
+    from kvray.transport import Peer
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+
+    conn, info = decode_process
+    source = _source(info.layout)
+    src = source.regions[0].tensor
+    local = source.engine_info(
+        "prefill",
+        1,
+        Role.PREFILL,
+        "node",
+        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
+    )
+    transport = CudaIpcTransport(Settings(), replay_graphs=replay)
+    peer = Peer(info)
+    plan = plan_transfer(local, info, LOCAL_BLOCKS, REMOTE_BLOCKS)
+    fresh = _pattern(src.numel(), 4321, src.device)
+
+    async def write_after_late_writes() -> None:
+        await transport.write(plan, source, peer)  # the old bytes (and, replayed, the capture)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 28)
+        src.copy_(fresh)
+        await transport.write(plan, source, peer)
+        await transport.close()
+
+    asyncio.run(write_after_late_writes())
+    conn.send("snapshot")
+    region_offset, after = conn.recv()
+    before = _pattern(after.size, CANARY_SEED, torch.device("cuda:0")).cpu().numpy()
+    fresh_bytes = fresh.cpu().numpy()
+    written = np.zeros(after.size, dtype=bool)
+    for _, lo, _, ro, n in plan.ops.rows():
+        assert np.array_equal(after[region_offset + ro : region_offset + ro + n], fresh_bytes[lo : lo + n]), (
+            "the copy read the bytes from before the model's last writes"
+        )
+        written[region_offset + ro : region_offset + ro + n] = True
+    assert np.array_equal(after[~written], before[~written]), "bytes outside the written blocks changed"
+
+
 @pytest.mark.parametrize(
     "decode_process", [pytest.param((mixed(32), _devices()[0], True), id="agent")], indirect=True
 )
