@@ -397,7 +397,7 @@ def main() -> int:
             "staging writes": staging_writes,
             "graph.replay (torch)": row_graph.graph.replay,
             "event.record (torch)": lambda: done.record(target_stream),
-            "lean: driver calls": lean,
+            "four driver calls (replay without event nodes)": lean,
         }
         host_samples: dict[str, list[float]] = {label: [] for label in host_steps}
         for _ in range(3 * args.repeat):

@@ -324,11 +324,10 @@ class OffsetCache:
         """`check_compatible` once per pair of engine incarnations and list of layers."""
         self._admit(local)
         self._admit(remote)
-        wanted = None if layers is None else tuple(layers)
-        pair_key = (local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)
+        pair_key = _pair_key(local, remote, layers)
         names = self._pairs.get(pair_key)
         if names is None:
-            names = check_compatible(local, remote, wanted)
+            names = check_compatible(local, remote, pair_key[4])
             self._pairs[pair_key] = names
         return names
 
@@ -347,10 +346,7 @@ class OffsetCache:
         already, else None."""
         self._admit(local)
         self._admit(remote)
-        wanted = None if layers is None else tuple(layers)
-        pairing = self._pairings.get(
-            (local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)
-        )
+        pairing = self._pairings.get(_pair_key(local, remote, layers))
         if pairing is not None:
             self.hits += 2  # both sides' rows, served from the cache
         return pairing
@@ -380,10 +376,7 @@ class OffsetCache:
                 np.array(remote_lengths, dtype=np.int64),
             ),
         )
-        wanted = None if layers is None else tuple(layers)
-        self._pairings[(local.engine_id, local.incarnation, remote.engine_id, remote.incarnation, wanted)] = (
-            pairing
-        )
+        self._pairings[_pair_key(local, remote, layers)] = pairing
         return pairing
 
     def __len__(self) -> int:
@@ -406,6 +399,19 @@ class OffsetCache:
         if known is not None:
             self.forget(info.engine_id)
         self._engines[info.engine_id] = (info.incarnation, info)
+
+
+def _pair_key(
+    local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None
+) -> tuple[str, int, str, int, tuple[str, ...] | None]:
+    """The key of a pair of engine incarnations and list of layers (None: every layer)."""
+    return (
+        local.engine_id,
+        local.incarnation,
+        remote.engine_id,
+        remote.incarnation,
+        None if layers is None else tuple(layers),
+    )
 
 
 # ---- planning ------------------------------------------------------------------------------
