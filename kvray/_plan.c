@@ -13,7 +13,8 @@
  * sort_blocks(local_ids, remote_ids, local_pool, remote_pool, out_local, out_remote)
  *     -> None | (remote_min, remote_max)
  *   Checks that each side's ids lie in [0, pool) without repeats (None when they do not), and
- *   writes the pairs in ascending local id order: a counting sort over the local pool.
+ *   writes the pairs in ascending local id order: a counting sort over the local pool, or a
+ *   sort of the pairs when the pools are large next to the request.
  * expand_ops(local_region, local_base, local_stride, remote_region, remote_base, remote_stride,
  *            row_nbytes, local_ids, remote_ids, out_lr, out_lo, out_rr, out_ro, out_n) -> bool
  *   One op per (row, block), rows outer: offset = base + id * stride on each side. Returns True
@@ -98,48 +99,105 @@ static int lengths_are(Array *arrays, int count, Py_ssize_t len) {
     return 1;
 }
 
+typedef struct {
+    int64_t local, remote;
+} Pair;
+
+static int by_local(const void *a, const void *b) {
+    int64_t x = ((const Pair *)a)->local, y = ((const Pair *)b)->local;
+    return (x > y) - (x < y);
+}
+
+static int by_value(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Below this many pool slots per id, a count over the pool beats sorting the ids. */
+#define COUNTING_SLOTS_PER_ID 16
+
 /* The pairs in ascending local id order, and the smallest and largest remote id: 1; 0 when an id
  * is outside its pool or repeats (or there are none); -1 and a Python error when memory runs out.
- * A counting sort over the local pool. */
+ * A counting sort over the local pool when the pools are small next to the request, else a sort
+ * of the request's pairs (a request of 64 blocks in a pool of a million would otherwise clear
+ * and scan megabytes): the same pairs either way, since local ids are unique. */
 static int sort_pairs(const int64_t *local, const int64_t *remote, Py_ssize_t n, int64_t local_pool,
                       int64_t remote_pool, int64_t *out_local, int64_t *out_remote, int64_t *remote_min,
                       int64_t *remote_max) {
-    /* slot[local id] = 1 + index of the pair, 0 = unused; seen = bitmap of remote ids. */
-    int64_t *slot = calloc((size_t)local_pool + 1, sizeof(int64_t));
-    uint8_t *seen = calloc((size_t)remote_pool / 8 + 1, 1);
-    if (slot == NULL || seen == NULL) {
+    *remote_min = INT64_MAX;
+    *remote_max = INT64_MIN;
+    if (n <= 0) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (local[i] < 0 || local[i] >= local_pool || remote[i] < 0 || remote[i] >= remote_pool) {
+            return 0;
+        }
+        *remote_min = remote[i] < *remote_min ? remote[i] : *remote_min;
+        *remote_max = remote[i] > *remote_max ? remote[i] : *remote_max;
+    }
+    int64_t slots = local_pool > remote_pool ? local_pool : remote_pool;
+    if (slots / COUNTING_SLOTS_PER_ID <= (int64_t)n) {
+        /* slot[local id] = 1 + index of the pair, 0 = unused; seen = bitmap of remote ids. */
+        int64_t *slot = calloc((size_t)local_pool + 1, sizeof(int64_t));
+        uint8_t *seen = calloc((size_t)remote_pool / 8 + 1, 1);
+        if (slot == NULL || seen == NULL) {
+            free(slot);
+            free(seen);
+            PyErr_NoMemory();
+            return -1;
+        }
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t l = local[i], r = remote[i];
+            if (slot[l] != 0 || (seen[r >> 3] & (1u << (r & 7)))) {
+                ok = 0;
+                break;
+            }
+            slot[l] = (int64_t)i + 1;
+            seen[r >> 3] |= (uint8_t)(1u << (r & 7));
+        }
+        if (ok) {
+            Py_ssize_t k = 0;
+            for (int64_t id = 0; id < local_pool && k < n; id++) {
+                if (slot[id] != 0) {
+                    out_local[k] = id;
+                    out_remote[k] = remote[slot[id] - 1];
+                    k++;
+                }
+            }
+        }
         free(slot);
         free(seen);
+        return ok;
+    }
+    Pair *pairs = malloc((size_t)n * sizeof(Pair));
+    int64_t *remote_sorted = malloc((size_t)n * sizeof(int64_t));
+    if (pairs == NULL || remote_sorted == NULL) {
+        free(pairs);
+        free(remote_sorted);
         PyErr_NoMemory();
         return -1;
     }
-    int ok = n > 0;
-    *remote_min = INT64_MAX;
-    *remote_max = INT64_MIN;
-    for (Py_ssize_t i = 0; i < n && ok; i++) {
-        int64_t l = local[i], r = remote[i];
-        if (l < 0 || l >= local_pool || slot[l] != 0 || r < 0 || r >= remote_pool ||
-            (seen[r >> 3] & (1u << (r & 7)))) {
-            ok = 0;
-            break;
-        }
-        slot[l] = (int64_t)i + 1;
-        seen[r >> 3] |= (uint8_t)(1u << (r & 7));
-        *remote_min = r < *remote_min ? r : *remote_min;
-        *remote_max = r > *remote_max ? r : *remote_max;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pairs[i].local = local[i];
+        pairs[i].remote = remote[i];
+        remote_sorted[i] = remote[i];
+    }
+    qsort(pairs, (size_t)n, sizeof(Pair), by_local);
+    qsort(remote_sorted, (size_t)n, sizeof(int64_t), by_value);
+    int ok = 1;
+    for (Py_ssize_t i = 1; i < n && ok; i++) {
+        ok = pairs[i].local != pairs[i - 1].local && remote_sorted[i] != remote_sorted[i - 1];
     }
     if (ok) {
-        Py_ssize_t k = 0;
-        for (int64_t id = 0; id < local_pool && k < n; id++) {
-            if (slot[id] != 0) {
-                out_local[k] = id;
-                out_remote[k] = remote[slot[id] - 1];
-                k++;
-            }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            out_local[i] = pairs[i].local;
+            out_remote[i] = pairs[i].remote;
         }
     }
-    free(slot);
-    free(seen);
+    free(pairs);
+    free(remote_sorted);
     return ok;
 }
 

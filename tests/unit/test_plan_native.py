@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvray.plan as plan_module
+from kvray.errors import BlockIdError
 from kvray.layout import DTYPE_ITEMSIZE, BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.memory import Backing
 from kvray.plan import OffsetCache, OpTable, PartRows, check_ops, check_rows, merge_ops, plan_transfer
@@ -374,3 +375,65 @@ def test_plan_ids_takes_int64_rows_of_four_columns_and_an_output_of_two_rows() -
     assert (
         NATIVE.plan_ids(empty, empty, np.empty((2, 0), np.int64), 4, 4, rows, lengths, rows, lengths) is False
     )
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_sort_blocks_sorts_the_request_when_the_pools_dwarf_it(data: st.DataObject) -> None:
+    """In pools many times the request's size the ids are sorted rather than counted over the
+    pool: the same pairs, and the same refusals (an id outside its pool, or repeated)."""
+    pools = (
+        data.draw(st.integers(1, 2**40), label="local pool"),
+        data.draw(st.integers(1, 2**40), label="remote pool"),
+    )
+    count = data.draw(st.integers(1, 8))
+    sides = []
+    for pool in pools:
+        ids = st.one_of(st.integers(0, pool - 1), st.sampled_from([-1, 0, pool - 1, pool]))
+        sides.append(np.asarray(data.draw(st.lists(ids, min_size=count, max_size=count)), dtype=np.int64))
+    local, remote = sides
+    out_local, out_remote = np.empty(count, np.int64), np.empty(count, np.int64)
+    span = NATIVE.sort_blocks(local, remote, *pools, out_local, out_remote)
+    valid = all(
+        (ids >= 0).all() and (ids < pool).all() and np.unique(ids).size == ids.size
+        for ids, pool in zip(sides, pools, strict=True)
+    )
+    assert (span is not None) == valid
+    if valid:
+        order = np.argsort(local, kind="stable")
+        assert out_local.tolist() == local[order].tolist()
+        assert out_remote.tolist() == remote[order].tolist()
+        assert span == (int(remote.min()), int(remote.max()))
+
+
+@pytest.mark.parametrize("blocks", [[5, 999_999, 3, 700_000], [0], list(range(64, 0, -1))])
+def test_a_plan_in_a_pool_of_a_million_blocks_is_the_same_both_ways(
+    blocks: list[int], make_info: Callable[..., EngineInfo]
+) -> None:
+    """A request of a few blocks in a pool of a million: planned in one C call (ids sorted, not
+    counted over the pool), and by the numpy twin, the same plan."""
+    layout = KVLayout(
+        layers=(LayerSpec(name="layer", geometry=Geometry(block_size=1, entry_shape=(8,), dtype="uint8")),),
+        num_blocks=1_000_000,
+    )
+    infos = []
+    for role in (Role.PREFILL, Role.DECODE):
+        backing = Backing.allocate(layout)
+        infos.append(make_info(backing, f"{role.value}-0", 1, role))
+        backing.close()
+    local, remote = infos
+    remote_blocks = [1_000_000 - 1 - block for block in blocks]
+    native, twin = both_ways(
+        lambda: plan_transfer(
+            local,
+            remote,
+            np.asarray(blocks),
+            np.asarray(remote_blocks),
+            cache=cache(local, remote, None, True),
+        )
+    )
+    same_table(native.ops, twin.ops)
+    with pytest.raises(BlockIdError):
+        plan_transfer(
+            local, remote, [*blocks, blocks[0]], [*remote_blocks, 12], cache=cache(local, remote, None, True)
+        )
