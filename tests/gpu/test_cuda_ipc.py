@@ -21,7 +21,7 @@ from kvray.errors import BoundsError, StaleIncarnationError
 from kvray.layout import BlockOrder, KVLayout, mixed
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OpTable, TransferPlan, plan_transfer
-from kvray.wire import Role, decode_engine_info, encode
+from kvray.wire import EngineInfo, Role, decode_engine_info, encode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,6 +107,18 @@ def _source(layout: KVLayout) -> Backing:
     return source
 
 
+def _prefill_info(source: Backing, peer: EngineInfo) -> EngineInfo:
+    """The prefill engine's info for `source`, its regions described for `peer`'s transport."""
+    transport = peer.regions[0].transport
+    return source.engine_info(
+        "prefill",
+        1,
+        Role.PREFILL,
+        "node",
+        source.region_descriptors("prefill", 1, transport, remote_writable=False),
+    )
+
+
 def _cases() -> list[Any]:
     cases = [
         pytest.param((mixed(32, order), device, False), True, id=f"{order.value}-to-cuda{device}")
@@ -132,13 +144,7 @@ def test_bytes_land_and_canaries_hold(
     conn, info = decode_process
     layout = info.layout
     source = _source(layout)
-    local = source.engine_info(
-        "prefill",
-        1,
-        Role.PREFILL,
-        "node",
-        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
-    )
+    local = _prefill_info(source, info)
     rng = np.random.default_rng(0)
     plan = plan_transfer(local, info, rng.permutation(32)[:11], rng.permutation(32)[:11])
     transport = CudaIpcTransport(Settings())
@@ -215,13 +221,7 @@ def test_requests_of_every_size_land_through_one_transport(decode_process: Any, 
 
     conn, info = decode_process
     source = _source(info.layout)
-    local = source.engine_info(
-        "prefill",
-        1,
-        Role.PREFILL,
-        "node",
-        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
-    )
+    local = _prefill_info(source, info)
     transport = CudaIpcTransport(Settings(), replay_graphs=replay)
     peer = Peer(info)
     rng = np.random.default_rng(5)
@@ -273,13 +273,7 @@ def test_the_copy_waits_for_the_work_queued_before_it(decode_process: Any, repla
     conn, info = decode_process
     source = _source(info.layout)
     src = source.regions[0].tensor
-    local = source.engine_info(
-        "prefill",
-        1,
-        Role.PREFILL,
-        "node",
-        source.region_descriptors("prefill", 1, info.regions[0].transport, remote_writable=False),
-    )
+    local = _prefill_info(source, info)
     transport = CudaIpcTransport(Settings(), replay_graphs=replay)
     peer = Peer(info)
     plan = plan_transfer(local, info, LOCAL_BLOCKS, REMOTE_BLOCKS)
@@ -390,13 +384,7 @@ def test_a_handle_claiming_more_than_its_allocation_is_refused(decode_process: A
     forged = msgspec.structs.replace(info, regions=(forged_region,))
     layout = info.layout
     source = _source(layout)
-    local = source.engine_info(
-        "prefill",
-        1,
-        Role.PREFILL,
-        "node",
-        source.region_descriptors("prefill", 1, region.transport, remote_writable=False),
-    )
+    local = _prefill_info(source, info)
     conn.send("snapshot")
     _, before = conn.recv()
     plan = plan_transfer(local, forged, list(range(8)), list(range(24, 32)))
