@@ -2,6 +2,7 @@
 reference application over the reference model (`app`). Needs the `serve` extra."""
 
 from kvray.serve.app import (
+    KV_TIMEOUT_MESSAGE,
     PUBLIC_MESSAGES,
     DecodeReplica,
     GenerateReply,
@@ -20,6 +21,7 @@ from kvray.serve.app import (
 from kvray.serve.host import HostCall, ReplicaDirectory, ReplicaEngine, ReplicaHost, replica_engine_id
 
 __all__ = [
+    "KV_TIMEOUT_MESSAGE",
     "PUBLIC_MESSAGES",
     "DecodeReplica",
     "GenerateReply",

@@ -54,7 +54,9 @@ the names below or a kvray error class (`kvray.errors`), never a wrapper's name:
     503  no capacity right now: BackpressureError (kvray), BackPressureError (Serve's queue
          bound), DeploymentUnavailableError; or ReplicaDied: retry. (Serve's proxy answers its own
          queue bound with a plain-text 503.)
-    504  TransferTimeoutError: the request passed its deadline
+    504  TransferTimeoutError: the router's deadline passed before the decode replica answered
+         (`request_timeout_s`, plus one control message); or the decode replica reported one:
+         the KV did not arrive within the replica's deadline. The message says which
     500  InternalError, or another kvray error: anything else
 """
 
@@ -400,7 +402,7 @@ class Router:
             )
         except Exception as error:
             status, kind, message = http_error(error)
-            logger.warning("request %s failed (%d %s): %s", request_id, status, kind, error)
+            logger.warning("request %s failed (%d %s): %s", request_id, status, kind, failure_detail(error))
             return _error_response(status, kind, message, request_id)
         return JSONResponse(
             {
@@ -442,11 +444,18 @@ async def _call_with_deadline(response: Any, timeout_s: float, what: str) -> Any
     called goes on (holding blocks, pushing) unless `response.cancel()` is called, so every
     way out calls it. This can go once Serve cancels a response whose awaiting task is
     cancelled (its parent-request cancellation covers only a whole request, not a deadline
-    inside one)."""
+    inside one).
+
+    Only this deadline's expiry raises a new error: a TimeoutError the callee raised (a
+    TransferTimeoutError it reports crosses the call as one) is its own, and propagates as is."""
+    scope = asyncio.timeout(max(0.0, timeout_s))
     try:
-        async with asyncio.timeout(max(0.0, timeout_s)):
+        async with scope:
             return await response
-    except TimeoutError:
+    except TimeoutError as error:
+        # The scope's own TimeoutError is raised from the cancellation it caused.
+        if not (scope.expired() and isinstance(error.__cause__, asyncio.CancelledError)):
+            raise
         response.cancel()
         raise TransferTimeoutError(
             f"{what} passed its {timeout_s:.3g} s deadline", timeout_s=timeout_s
@@ -466,11 +475,16 @@ PUBLIC_MESSAGES: dict[int, str] = {
     504: "the request passed its deadline; retry, or ask for fewer tokens",
 }
 
+#: The public message of a 504 that a replica reported: its KV transfer passed the replica's
+#: deadline, which may be shorter than the request's (a lookup, a notice).
+KV_TIMEOUT_MESSAGE = "the KV of this request did not arrive in time; retry"
+
 
 def http_error(error: BaseException) -> tuple[int, str, str]:
     """(HTTP status, error type, public message) for a failure behind the router. The type is a
     kvray error class name (`kvray.errors`) or one of the names documented in this module, never
-    the name of a Ray wrapper; the message is fixed per status (see `PUBLIC_MESSAGES`)."""
+    the name of a Ray wrapper; the message is fixed per status (see `PUBLIC_MESSAGES`), but for
+    a timeout a replica reported (`KV_TIMEOUT_MESSAGE`)."""
     # A replica that died answers ReplicaDied, whatever error its death carries.
     cause = _cause(error, KvrayError, stop=(ray.exceptions.RayActorError,))
     if cause is not None:
@@ -480,6 +494,8 @@ def http_error(error: BaseException) -> tuple[int, str, str]:
         elif isinstance(cause, BackpressureError):
             status = 503
         elif isinstance(cause, TransferTimeoutError):
+            if _from_replica(error):
+                return 504, name, KV_TIMEOUT_MESSAGE
             status = 504
         elif isinstance(cause, TransportError | MetadataError):
             status = 502
@@ -493,6 +509,25 @@ def http_error(error: BaseException) -> tuple[int, str, str]:
     if _cause(error, serve.exceptions.DeploymentUnavailableError):
         return 503, "DeploymentUnavailableError", PUBLIC_MESSAGES[503]
     return 500, "InternalError", PUBLIC_MESSAGES[500]
+
+
+def failure_detail(error: BaseException) -> str:
+    """What the Serve log says of a failure behind the router, after its status and type: whose
+    deadline a timeout was (the router's own wait, or one a replica reported), then the error."""
+    if _cause(error, TransferTimeoutError, stop=(ray.exceptions.RayActorError,)) is None:
+        return str(error)
+    if _from_replica(error):
+        return (
+            "the decode replica reported a TransferTimeoutError: the KV did not arrive within the "
+            f"replica's deadline: {error}"
+        )
+    return f"no answer from the decode replica within the router's own deadline: {error}"
+
+
+def _from_replica(error: BaseException) -> bool:
+    # A replica's error reaches the router re-raised by Ray (`RayTaskError`); an error raised in
+    # the router itself (its own deadline) never crossed a Ray call.
+    return _cause(error, ray.exceptions.RayTaskError) is not None
 
 
 def _kvray_class(error: KvrayError) -> type[KvrayError]:

@@ -11,6 +11,7 @@ replica's host takes and answers forwarded calls for its owner alone, within a b
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import select
 import socket
@@ -158,7 +159,8 @@ def _check_public_error(status: int, body: bytes) -> dict[str, Any]:
     assert set(error) == {"error", "type", "request_id"}, error
     assert error["type"] in PUBLIC_TYPES, error
     if status >= 500:
-        assert error["error"] in kvray_serve.PUBLIC_MESSAGES.values() or error["type"] == "ReplicaDied", error
+        fixed = {*kvray_serve.PUBLIC_MESSAGES.values(), kvray_serve.KV_TIMEOUT_MESSAGE}
+        assert error["error"] in fixed or error["type"] == "ReplicaDied", error
         assert not LEAKS.search(body.decode()), body
     return error
 
@@ -599,20 +601,21 @@ async def test_replica_host_takes_and_answers_for_its_owner_alone_within_a_bound
 
 
 @pytest.mark.parametrize(
-    ("cause", "status", "kind"),
+    ("cause", "status", "kind", "message"),
     [
         (
             TransferTimeoutError("the prefill of 'serve-1' passed its deadline", timeout_s=1.0),
             504,
             "TransferTimeoutError",
+            kvray_serve.KV_TIMEOUT_MESSAGE,
         ),
-        (BackpressureError("8 pushes queued", queued=8), 503, "BackpressureError"),
-        (MetadataError("engine 'kvray-Decode-x' at /dev/shm/kvray-1 is gone"), 502, "MetadataError"),
-        (ZeroDivisionError("division by zero"), 500, "InternalError"),
+        (BackpressureError("8 pushes queued", queued=8), 503, "BackpressureError", None),
+        (MetadataError("engine 'kvray-Decode-x' at /dev/shm/kvray-1 is gone"), 502, "MetadataError", None),
+        (ZeroDivisionError("division by zero"), 500, "InternalError", None),
     ],
 )
 def test_failures_behind_the_router_answer_the_documented_type_and_a_fixed_message(
-    cause: Exception, status: int, kind: str
+    cause: Exception, status: int, kind: str, message: str | None
 ) -> None:
     """No Ray needed: a failure as Ray re-raises it from a replica (a class named after Ray's
     wrapper and the cause, whose text is the remote traceback with pid, address and paths)."""
@@ -625,9 +628,104 @@ def test_failures_behind_the_router_answer_the_documented_type_and_a_fixed_messa
     ).as_instanceof_cause()
     assert "RayTaskError" in type(remote).__name__ and "/srv/kvray" in str(remote)
     answer = kvray_serve.http_error(remote)
-    assert answer == (status, kind, kvray_serve.PUBLIC_MESSAGES[status])
+    assert answer == (status, kind, message or kvray_serve.PUBLIC_MESSAGES[status])
     body = msgspec.json.encode({"error": answer[2], "type": answer[1], "request_id": "serve-1"})
     _check_public_error(status, body)
+
+
+class _Response:
+    """A stand-in `DeploymentResponse`: raises `error` when awaited, or never answers."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.cancelled = False
+
+    def __await__(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        yield from asyncio.get_running_loop().create_future().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Decode:
+    """A stand-in handle to the decode deployment whose every `generate` call answers `response`."""
+
+    def __init__(self, response: _Response) -> None:
+        self.generate = self
+        self.response = response
+
+    def remote(self, *args: Any) -> _Response:
+        return self.response
+
+
+async def _route(response: _Response, options: Any) -> tuple[int, dict[str, Any], str]:
+    """(status, body, Serve log line) of the router's answer to one good request when the decode
+    replica answers `response`."""
+    from starlette.requests import Request
+
+    body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": 2})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/generate",
+        "headers": [(b"content-length", str(len(body)).encode())],
+    }
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        sent, was_sent = True, sent
+        return {"type": "http.disconnect"} if was_sent else {"type": "http.request", "body": body}
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(handler)
+    try:
+        answer = await kvray_serve.Router(options, _Decode(response))(Request(scope, receive))
+    finally:
+        logger.removeHandler(handler)
+    (record,) = [record for record in records if record.levelno >= logging.WARNING]
+    return answer.status_code, msgspec.json.decode(bytes(answer.body)), record.getMessage()
+
+
+async def test_the_router_tells_its_own_deadline_from_a_timeout_a_replica_reported() -> None:
+    """No Ray needed: the router over a stand-in decode handle. A replica that reports a
+    TransferTimeoutError (its KV did not arrive within its deadline) and a replica that does not
+    answer within the router's own deadline both answer 504 TransferTimeoutError, each with its
+    own fixed message, and the Serve log says whose deadline it was."""
+    settings = msgspec.structs.replace(SETTINGS, notify_timeout_s=0.05)
+    options = msgspec.structs.replace(OPTIONS, request_timeout_s=0.05, settings=settings)
+
+    message = "wait_for_kv of 'serve-1' passed its 0.05 s deadline"
+    # As Ray re-raises it: the remote traceback ends with the error's class and message.
+    remote = ray.exceptions.RayTaskError(
+        "generate",
+        f"Traceback (most recent call last):\nkvray.errors.TransferTimeoutError: {message}",
+        TransferTimeoutError(message, timeout_s=0.05),
+        pid=4242,
+        ip="10.1.2.3",
+    ).as_instanceof_cause()
+    replica = _Response(remote)
+    status, body, log = await _route(replica, options)
+    assert (status, body["type"]) == (504, "TransferTimeoutError"), body
+    assert body["error"] == kvray_serve.KV_TIMEOUT_MESSAGE
+    _check_public_error(status, msgspec.json.encode(body))
+    assert "decode replica reported a TransferTimeoutError" in log, log
+    assert "did not arrive within the replica's deadline" in log and "router's own deadline" not in log, log
+    assert "wait_for_kv of 'serve-1'" in log, log
+
+    silent = _Response(None)
+    status, body, log = await _route(silent, options)
+    assert (status, body["type"]) == (504, "TransferTimeoutError"), body
+    assert body["error"] == kvray_serve.PUBLIC_MESSAGES[504]
+    _check_public_error(status, msgspec.json.encode(body))
+    assert "no answer from the decode replica within the router's own deadline" in log, log
+    assert "replica reported" not in log and "passed its 0.1 s deadline" in log, log
+    assert silent.cancelled and not replica.cancelled
 
 
 def test_the_example_config_documents_every_option() -> None:
