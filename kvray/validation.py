@@ -5,18 +5,14 @@ Pure code: no Ray, no devices.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 from typing import NamedTuple
-
-import numpy as np
 
 from kvray.errors import BoundsError, MetadataError, WireDecodeError
 from kvray.layout import Geometry, LayerPlacement
 from kvray.wire import MAX_REGIONS, EngineInfo, writer_target
-
-#: Most (layer, part, block) segments enumerated to prove an irregular placement disjoint;
-#: the placements kvray and the engines it serves publish are checked in closed form instead.
-MAX_ENUMERATED_SEGMENTS = 2**22
 
 
 class _Row(NamedTuple):
@@ -37,9 +33,10 @@ def validate_engine_info(info: EngineInfo) -> None:
     every layer of the layout has a placement consistent with its geometry; every byte any
     block of any layer can touch lies inside its region; and no two (layer, part, block)
     segments overlap, which is the shape the seed bug had on the wire (two layers at one
-    address). The work grows with the number of layers, not of blocks: rows whose byte ranges
-    do not meet are disjoint at once, and rows interleaved block by block (block-major, or K
-    and V within a block) are checked within one block.
+    address). The work grows with the number of layers, never with the number of blocks a peer
+    claims: rows whose byte ranges do not meet are disjoint at once, and rows interleaved block
+    by block (block-major, or K and V within a block) are decided by arithmetic on their bases
+    and their one block stride (`_check_one_stride`).
     """
     engine = info.engine_id
     if len(info.regions) > MAX_REGIONS:
@@ -132,12 +129,12 @@ def _segment_overlap(info: EngineInfo, region: int, first: int, second: int) -> 
 def _check_segments_disjoint(info: EngineInfo, rows: list[_Row]) -> None:
     """No two (layer, part, block) segments share a byte (every row is already inside its region).
 
-    Rows are grouped into clusters whose byte ranges `[base, base + (n-1)·stride + nbytes)`
-    meet; a cluster of one row is disjoint from all others. Within a cluster whose rows share
-    one stride and fit, block for block, in one window of that stride (block-major blocks, K
-    and V interleaved by block), segments of different blocks lie in different windows, so the
-    rows are disjoint exactly when their segments in block 0 are. Anything else is enumerated,
-    up to `MAX_ENUMERATED_SEGMENTS`."""
+    Arithmetic on each row's base, stride and extent, never one segment at a time. Rows are
+    grouped into clusters whose byte ranges `[base, base + (n-1)·stride + nbytes)` meet; a
+    cluster of one row is disjoint from all others. The rows of a larger cluster must share one
+    block stride (`_check_one_stride` decides those exactly); rows of different strides
+    interleaved over the same bytes are refused, since no placement kvray or an engine it
+    serves publishes looks like that."""
     num_blocks = info.layout.num_blocks
     for row in rows:
         if num_blocks > 1 and row.stride < row.nbytes:
@@ -164,31 +161,76 @@ def _check_cluster(info: EngineInfo, cluster: list[_Row], num_blocks: int) -> No
     if num_blocks == 1:
         first, second = sorted(cluster)[:2]
         raise _segment_overlap(info, region, first.base, second.base)
-    window_start = min(row.base for row in cluster)
-    stride = cluster[0].stride
-    if all(row.stride == stride and row.base - window_start + row.nbytes <= stride for row in cluster):
-        overlap = _first_overlap([(row.base, row.base + row.nbytes, 0) for row in cluster])
-        if overlap is not None:
-            raise _segment_overlap(info, region, overlap[0][0], overlap[1][0])
-        return
-    if len(cluster) * num_blocks > MAX_ENUMERATED_SEGMENTS:
+    strides = sorted({row.stride for row in cluster})
+    if len(strides) > 1:
         raise MetadataError(
-            f"engine {info.engine_id!r} interleaves {len(cluster)} layer parts of region {region} "
-            f"irregularly over {num_blocks} blocks; kvray proves such placements disjoint only up to "
-            f"{MAX_ENUMERATED_SEGMENTS} segments (give interleaved parts one block stride)",
+            f"engine {info.engine_id!r} interleaves layer parts of region {region} with different "
+            f"block strides ({strides[0]} and {strides[1]} bytes) over the same bytes; kvray proves "
+            "interleaved parts disjoint only when they share one block stride",
             engine_id=info.engine_id,
             region=region,
+            strides=strides[:2],
         )
-    blocks = np.arange(num_blocks, dtype=np.int64)
-    # Every segment lies inside its region (< 2**62 bytes), so no start or end wraps.
-    starts = np.concatenate([row.base + blocks * row.stride for row in cluster])
-    ends = np.concatenate([row.base + blocks * row.stride + row.nbytes for row in cluster])
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    overlapping = np.flatnonzero(starts[1:] < np.maximum.accumulate(ends)[:-1])
-    if overlapping.size:
-        at = int(overlapping[0])
-        raise _segment_overlap(info, region, int(starts[at]), int(starts[at + 1]))
+    _check_one_stride(info, cluster, num_blocks)
+
+
+class _Piece(NamedTuple):
+    """Bytes [start, end) of every window from `first_window` to `last_window` (windows of one
+    block stride): all of a row's segments, or the parts of them that cross into the next
+    window. The segment in window w is the row's block `w - block0_window`."""
+
+    start: int
+    end: int
+    first_window: int
+    last_window: int
+    block0_window: int
+    row: _Row
+
+
+def _check_one_stride(info: EngineInfo, cluster: list[_Row], num_blocks: int) -> None:
+    """Rows sharing one block stride (at least their longest segment): disjoint, exactly.
+
+    Cut the region into windows of one stride. A row whose base is `window · stride + start`
+    covers bytes [start, start + nbytes) of windows `window` to `window + num_blocks - 1`, and
+    where that crosses a window's end, bytes [0, start + nbytes - stride) of the windows after
+    them: at most two pieces, each one byte range times one window range. Two rows share a byte
+    exactly when a piece of one meets a piece of the other in both ranges. A sweep over the
+    byte ranges finds the first such pair: the pieces it holds open all contain the byte it is
+    at, so (none having met yet) their window ranges are disjoint, and a new piece is compared
+    with the open piece whose window range starts nearest below its end only."""
+    stride = cluster[0].stride
+    pieces: list[_Piece] = []
+    for row in cluster:
+        window, start = divmod(row.base, stride)
+        end = start + row.nbytes
+        last_window = window + num_blocks - 1
+        pieces.append(_Piece(start, min(end, stride), window, last_window, window, row))
+        if end > stride:
+            pieces.append(_Piece(0, end - stride, window + 1, last_window + 1, window + 1, row))
+    pieces.sort(key=lambda piece: piece.start)
+    open_firsts: list[int] = []
+    open_pieces: dict[int, _Piece] = {}
+    closing: list[tuple[int, int]] = []
+    for piece in pieces:
+        while closing and closing[0][0] <= piece.start:
+            _, first_window = heapq.heappop(closing)
+            del open_firsts[bisect.bisect_left(open_firsts, first_window)]
+            del open_pieces[first_window]
+        below = bisect.bisect_right(open_firsts, piece.last_window)
+        if below:
+            neighbour = open_pieces[open_firsts[below - 1]]
+            if neighbour.last_window >= piece.first_window:
+                window = max(piece.first_window, neighbour.first_window)
+                first, second = sorted(
+                    (
+                        neighbour.row.base + (window - neighbour.block0_window) * stride,
+                        piece.row.base + (window - piece.block0_window) * stride,
+                    )
+                )
+                raise _segment_overlap(info, piece.row.region, first, second)
+        bisect.insort(open_firsts, piece.first_window)
+        open_pieces[piece.first_window] = piece
+        heapq.heappush(closing, (piece.end, piece.first_window))
 
 
 def _check_placement(info: EngineInfo, layer: str, geometry: Geometry, placement: LayerPlacement) -> None:
