@@ -7,11 +7,13 @@ nowhere else, into these types only (never pickle). New fields go last, with def
 
 Which error means what:
 
-- `WireDecodeError` (a `MetadataError`): the bytes are not one kvray message. Too large
-  (`MAX_MESSAGE_BYTES`, `MAX_ENGINE_INFO_BYTES`, `MAX_HANDSHAKE_BYTES`), not msgpack, nested
-  too deep, a missing or mistyped field, or one field's value out of its own range (a region
-  of length 0, a size past 2**62, more blocks, layers or regions than the bounds below). It
-  names the offending field where it can. Receivers count these as malformed and drop them.
+- `WireDecodeError` (a `MetadataError`): the bytes are not one kvray message of the family the
+  receiver expects. Larger than that family's bound (`MAX_NOTICE_BYTES`, `MAX_PUSH_REQUEST_BYTES`,
+  `MAX_WRITE_OPS_BYTES`, `MAX_ENGINE_INFO_BYTES`, `MAX_HANDSHAKE_BYTES`), not msgpack, nested
+  too deep, a missing, foreign or unknown `type` tag, a missing or mistyped field, or one
+  field's value out of its own range (a region of length 0, a size past 2**62, more blocks,
+  ops, layers or regions than the bounds below). It names the offending field where it can.
+  Receivers count these as malformed and drop them.
 - `MetadataError` (and its other subclasses): the message decoded, but the description as a
   whole cannot be honoured: regions of another engine or numbered out of order, two regions
   or two layers over the same bytes, a layer that leaves its region (`BoundsError`).
@@ -19,7 +21,8 @@ Which error means what:
   registration and a writer on every peer before its first write.
 
 The bounds keep one message cheap to decode and to validate: a peer cannot make a receiver
-allocate or loop in proportion to a number it claims.
+allocate or loop in proportion to a number it claims. Each family's byte bound is what its
+longest sequences allow, and is checked before a byte is decoded.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from kvray.errors import MetadataError, UnknownLayerError, WireDecodeError
-from kvray.layout import MAX_BYTES, MAX_LAYERS, ByteCount, KVLayout, LayerPlacement
+from kvray.layout import MAX_BLOCKS, MAX_BYTES, MAX_LAYERS, ByteCount, KVLayout, LayerPlacement
 
 #: Most regions one engine may publish (one per tensor of a non-shared backing: K and V of
 #: every layer).
@@ -40,10 +43,29 @@ MAX_REGIONS = 2 * MAX_LAYERS
 MAX_ENDPOINTS = 64
 #: Largest encoded `EngineInfo` decoded at all (a thousand-layer model takes well under 1 MiB).
 MAX_ENGINE_INFO_BYTES = 8 * 1024 * 1024
-#: Largest encoded transfer message (a `WriteOps` header lists every op of a `ray` write).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Most blocks one request may hold. A request's blocks hold its context: 2**20 blocks of 16
+#: tokens is 16M tokens, past any model's context and past the whole pool of a vLLM engine on
+#: a large GPU (tens of thousands to a few hundred thousand blocks).
+MAX_REQUEST_BLOCKS = 1 << 20
+#: Most ops one `ray` write lists: one per layer part and run of contiguous blocks, so a request
+#: of some thousands of scattered blocks over a hundred layer parts comes near a million.
+MAX_WRITE_OPS = 1 << 22
+#: Largest encoded notice or write claim: ids, counters and a failure's reason (a TCP notice
+#: frame and a local datagram carry no more either).
+MAX_NOTICE_BYTES = 64 * 1024
+#: Largest encoded push request: its reservation's block ids (5 bytes each at most: msgpack
+#: writes a number below 2**32 in 5), the decode engine's `EngineInfo`, and ids and counters.
+MAX_PUSH_REQUEST_BYTES = MAX_REQUEST_BLOCKS * 5 + MAX_ENGINE_INFO_BYTES + MAX_NOTICE_BYTES
+#: Largest encoded `WriteOps` header: 16 bytes an op (a region index, an offset past 4 GiB in
+#: 9 bytes, a size in 5) leaves room for the rest.
+MAX_WRITE_OPS_BYTES = MAX_WRITE_OPS * 16
 #: Largest encoded verbs handshake.
 MAX_HANDSHAKE_BYTES = 1024 * 1024
+
+#: A block's index in its engine's pool, as it travels on the wire.
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
+#: One column of a `WriteOps` header.
+OpColumn = Annotated[list[ByteCount], msgspec.Meta(max_length=MAX_WRITE_OPS)]
 
 
 class Role(enum.Enum):
@@ -195,7 +217,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     engine_id: str
     incarnation: ByteCount
-    blocks: tuple[ByteCount, ...]
+    blocks: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_REQUEST_BLOCKS)]
     token: ByteCount
     slot: ByteCount = 0
 
@@ -245,9 +267,9 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     transfer_id: str
     dst_engine: str
     dst_incarnation: int
-    regions: list[ByteCount]
-    remote_offsets: list[ByteCount]
-    nbytes: list[ByteCount]
+    regions: OpColumn
+    remote_offsets: OpColumn
+    nbytes: OpColumn
     #: The request the bytes belong to: the receiver takes writes only for requests it expects.
     request_id: str = ""
     #: The secret of the decode engine's `Reservation`: a write without it is refused.
@@ -322,13 +344,18 @@ VerbsHandshake = VerbsConnect | VerbsAccept
 
 _message_encoder = msgspec.msgpack.Encoder()
 _notice_decoder = msgspec.msgpack.Decoder(Notice)
-_write_ops_decoder = msgspec.msgpack.Decoder(WriteOps)
 _engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
 _handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
-_claim_decoder = msgspec.msgpack.Decoder(WriteClaim)
-_push_request_decoder = msgspec.msgpack.Decoder(PushRequest)
+# The families of one struct decode through the union of every tagged message: msgspec requires
+# a struct's tag only where it must choose among a union's members, so a `WriteOps` decoded on
+# its own would pass without its tag. The tag comes first in every encoding, so the union costs
+# one lookup.
+_tagged_decoder = msgspec.msgpack.Decoder(
+    TransferDone | TransferFailed | WriteOps | WriteClaim | PushRequest | VerbsConnect | VerbsAccept
+)
 
 T = TypeVar("T")
+Tagged = TypeVar("Tagged", WriteOps, WriteClaim, PushRequest)
 
 
 def encode(
@@ -338,11 +365,11 @@ def encode(
 
 
 def decode_notice(data: bytes) -> Notice:
-    return _decode(_notice_decoder, data, "notice", MAX_MESSAGE_BYTES)
+    return _decode(_notice_decoder, data, "notice", MAX_NOTICE_BYTES)
 
 
 def decode_write_ops(data: bytes) -> WriteOps:
-    return _decode(_write_ops_decoder, data, "write_ops header", MAX_MESSAGE_BYTES)
+    return _decode_tagged(WriteOps, data, "write_ops header", MAX_WRITE_OPS_BYTES)
 
 
 def decode_engine_info(data: bytes) -> EngineInfo:
@@ -350,20 +377,30 @@ def decode_engine_info(data: bytes) -> EngineInfo:
 
 
 def decode_write_claim(data: bytes) -> WriteClaim:
-    return _decode(_claim_decoder, data, "write claim")
+    return _decode_tagged(WriteClaim, data, "write claim", MAX_NOTICE_BYTES)
 
 
 def decode_push_request(data: bytes) -> PushRequest:
-    return _decode(_push_request_decoder, data, "push request")
+    return _decode_tagged(PushRequest, data, "push request", MAX_PUSH_REQUEST_BYTES)
 
 
 def decode_verbs_handshake(data: bytes) -> VerbsHandshake:
     return _decode(_handshake_decoder, data, "verbs handshake", MAX_HANDSHAKE_BYTES)
 
 
-def _decode(
-    decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str, max_nbytes: int = MAX_MESSAGE_BYTES
-) -> T:
+def _decode_tagged(family: type[Tagged], data: bytes, what: str, max_nbytes: int) -> Tagged:
+    message = _decode(_tagged_decoder, data, what, max_nbytes)
+    if not isinstance(message, family):
+        tag = type(message).__struct_config__.tag
+        raise WireDecodeError(
+            f"invalid kvray {what}: got a {tag!r} message - at `$.type`",
+            what=what,
+            field="$.type",
+        )
+    return message
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str, max_nbytes: int) -> T:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireDecodeError(f"a kvray {what} must arrive as bytes, got {type(data).__name__}", what=what)
     nbytes = memoryview(data).nbytes
