@@ -18,6 +18,11 @@ be forged, replayed or reordered without the key. The listener answers every not
 verdict (taken, or why the engine refused it), tagged the same way, so the writer learns what a
 Ray call would have told it. A connection that breaks the protocol in any way is closed before
 its notice reaches the engine.
+
+What a connection may hold at the listener is bounded: it has `HANDSHAKE_S` to prove the key,
+in one of `MAX_UNPROVEN` places of which a newcomer takes the oldest (so idle connections
+cannot keep writers out), and once proven, it is not read while `MAX_QUEUED_VERDICTS` of its
+verdicts wait (so a writer that does not read them stalls itself, not the listener).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from kvray.errors import (
     TransportUnavailableError,
 )
 from kvray.metrics import DropReason
+from kvray.wire import MAX_NOTICE_BYTES
 
 #: Keys of the listener's address and key in `EngineInfo.endpoints`.
 ADDRESS_ENDPOINT = "completion_tcp"
@@ -53,12 +59,21 @@ KEY_NBYTES = 32
 NONCE_NBYTES = 16
 MAC_NBYTES = 32
 TAG_NBYTES = 16
-#: The largest notice body a listener reads; a longer one closes the connection.
-MAX_NOTICE_NBYTES = 64 * 1024
-#: Connections a listener keeps that have not proved the key yet; more are closed at once.
+#: The largest notice body a listener reads (the largest notice the wire decodes); a longer
+#: one closes the connection.
+MAX_NOTICE_NBYTES = MAX_NOTICE_BYTES
+#: Seconds a connection has to prove the key, whatever the notices' own deadline: a writer
+#: answers the greeting at once, and until it does its connection holds an unproven place.
+HANDSHAKE_S = 3.0
+#: Connections a listener keeps that have not proved the key yet; a new one past these takes
+#: the place of the oldest.
 MAX_UNPROVEN = 64
-#: Connections a listener keeps in all (one per writer engine that notified it recently).
-MAX_CONNECTIONS = 1024
+#: Connections a listener keeps that have proved the key (one per writer engine that notified
+#: it recently); one more that proves it is closed, and its writer takes the Ray path.
+MAX_PROVEN = 1024
+#: Verdicts one connection may have queued at the listener (not yet written, or written but not
+#: yet taken by the writer's end) before the listener stops reading its notices, until they go.
+MAX_QUEUED_VERDICTS = 1024
 #: Bytes a writer lets queue unsent on one connection before it calls the listener stalled.
 MAX_UNSENT_NBYTES = 1024 * 1024
 
@@ -150,17 +165,19 @@ class NoticeListener:
     """A decode engine's TCP listener for notices from writers on other nodes.
 
     `handler` takes each authenticated notice on the event loop; `handshake_s` bounds how long
-    a connection may take to prove the key; `stats` counts connections refused and notices read.
+    a connection may take to prove the key (never more than `HANDSHAKE_S`); `stats` counts
+    connections refused and notices read.
     """
 
     def __init__(self, key: bytes, handler: NoticeHandler, handshake_s: float, stats: Counter[str]) -> None:
         self.key = key
         self.handler = handler
-        self.handshake_s = handshake_s
+        self.handshake_s = min(handshake_s, HANDSHAKE_S)
         self.stats = stats
         self.address = ""
         self._server: asyncio.AbstractServer | None = None
-        self._unproven: set[_ListenerConnection] = set()
+        # Oldest first: a newcomer past MAX_UNPROVEN takes the first one's place.
+        self._unproven: dict[_ListenerConnection, None] = {}
         self._proven: set[_ListenerConnection] = set()
 
     @classmethod
@@ -170,7 +187,7 @@ class NoticeListener:
         port: int,
         handler: NoticeHandler,
         *,
-        handshake_s: float,
+        handshake_s: float = HANDSHAKE_S,
         stats: Counter[str],
         ports: int = 1,
     ) -> NoticeListener:
@@ -208,25 +225,31 @@ class NoticeListener:
     def connections(self) -> int:
         return len(self._unproven) + len(self._proven)
 
-    def _admit(self, connection: _ListenerConnection) -> bool:
-        if len(self._unproven) >= MAX_UNPROVEN or self.connections >= MAX_CONNECTIONS:
+    def _admit(self, connection: _ListenerConnection) -> None:
+        # The oldest has had the longest to prove the key: it makes room, not the newcomer, so
+        # that connections holding their places without proving it cannot keep writers out.
+        if len(self._unproven) >= MAX_UNPROVEN:
+            oldest = next(iter(self._unproven))
+            del self._unproven[oldest]
+            oldest._refuse("evicted")
+        self._unproven[connection] = None
+
+    def _proved(self, connection: _ListenerConnection) -> bool:
+        self._unproven.pop(connection, None)
+        if len(self._proven) >= MAX_PROVEN:
             self.stats["notice_connections_refused"] += 1
             return False
-        self._unproven.add(connection)
+        self._proven.add(connection)
         return True
 
-    def _proved(self, connection: _ListenerConnection) -> None:
-        self._unproven.discard(connection)
-        self._proven.add(connection)
-
     def _gone(self, connection: _ListenerConnection) -> None:
-        self._unproven.discard(connection)
+        self._unproven.pop(connection, None)
         self._proven.discard(connection)
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for connection in list(self._unproven | self._proven):
+        for connection in [*self._unproven, *self._proven]:
             connection.abort()
 
 
@@ -239,17 +262,22 @@ class _ListenerConnection(asyncio.Protocol):
         self._session: bytes | None = None
         self._received = 0
         self._timer: asyncio.TimerHandle | None = None
+        #: Verdicts scheduled and not yet written.
+        self._unanswered = 0
+        #: The transport holds more unsent verdicts than it should (`pause_writing`).
+        self._backlogged = False
+        #: Notices are read (not paused until this connection's verdicts have gone).
+        self._reading = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio's, so no isinstance check here.
         stream = self._transport = cast(asyncio.Transport, transport)
-        if not self._listener._admit(self):
-            stream.abort()
-            return
+        self._listener._admit(self)
         # A writer whose node vanished without closing is noticed, and its connection dropped.
         sock = stream.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        stream.set_write_buffer_limits(high=MAX_QUEUED_VERDICTS * _VERDICT.size)
         stream.write(MAGIC + self._nonce)
         self._timer = asyncio.get_running_loop().call_later(self._listener.handshake_s, self._refuse, "slow")
 
@@ -273,8 +301,10 @@ class _ListenerConnection(asyncio.Protocol):
             return False
         if self._timer is not None:
             self._timer.cancel()
+        if not listener._proved(self):
+            self.abort()
+            return False
         self._session = _session_key(listener.key, self._nonce, writer_nonce)
-        listener._proved(self)
         assert self._transport is not None
         self._transport.write(_mac(listener.key, b"listener", self._nonce, writer_nonce))
         return True
@@ -282,7 +312,7 @@ class _ListenerConnection(asyncio.Protocol):
     def _read_notices(self) -> None:
         buffer, session = self._buffer, self._session
         assert session is not None
-        while len(buffer) >= _FRAME.size:
+        while self._reading and len(buffer) >= _FRAME.size:
             length, tag = _FRAME.unpack_from(buffer)
             if length > MAX_NOTICE_NBYTES:
                 self._refuse("oversized")
@@ -301,12 +331,44 @@ class _ListenerConnection(asyncio.Protocol):
             verdict = _VERDICT_OF.get(self._listener.handler(body), Verdict.MALFORMED)
             # After the waiter the notice woke, which is already in the loop's queue.
             asyncio.get_running_loop().call_soon(self._answer, sequence, verdict)
+            self._unanswered += 1
+            self._throttle()
 
     def _answer(self, sequence: int, verdict: Verdict) -> None:
+        self._unanswered -= 1
         transport, session = self._transport, self._session
         if transport is None or session is None or transport.is_closing():
             return
         transport.write(_VERDICT.pack(sequence, verdict, _verdict_tag(session, sequence, verdict)))
+        self._throttle()
+
+    def pause_writing(self) -> None:
+        # The writer does not take its verdicts as fast as its notices come.
+        self._listener.stats["notice_connections_stalled"] += 1
+        self._backlogged = True
+        self._throttle()
+
+    def resume_writing(self) -> None:
+        self._backlogged = False
+        self._throttle()
+
+    def _throttle(self) -> None:
+        """Stop reading notices while this connection's verdicts queue (`MAX_QUEUED_VERDICTS`
+        not yet written, or the transport's unsent bytes past their limit), and read again once
+        they have all gone: a writer that does not read its verdicts stalls its own connection
+        and makes the listener queue nothing more."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._reading:
+            if self._backlogged or self._unanswered >= MAX_QUEUED_VERDICTS:
+                self._reading = False
+                transport.pause_reading()
+        elif not self._backlogged and self._unanswered == 0:
+            self._reading = True
+            transport.resume_reading()
+            # Notices that arrived with the last ones read are still in the buffer.
+            self._read_notices()
 
     def _refuse(self, why: str) -> None:
         self._listener.stats[f"notice_connections_closed_{why}"] += 1

@@ -1,12 +1,15 @@
 """The notice listener a decode engine opens for writers on other nodes (`kvray.completion_tcp`):
 nothing a connection sends reaches the engine before it proves the engine's key; a forged,
 replayed, reordered or oversized notice closes the connection unread; a listener that cannot
-prove the key gets no notice; each notice is answered with the engine's verdict."""
+prove the key gets no notice; each notice is answered with the engine's verdict. What a
+connection may hold at the listener is bounded: idle connections neither keep writers out nor
+stay past the handshake bound, and a writer that does not read its verdicts stalls only itself."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -14,7 +17,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 from event_loops import loop_params, run_on
 
+from kvray import completion_tcp
 from kvray.completion_tcp import (
+    HANDSHAKE_S,
     KEY_NBYTES,
     MAC_NBYTES,
     MAGIC,
@@ -35,6 +40,7 @@ from kvray.errors import MetadataError, TransportError, TransportUnavailableErro
 from kvray.metrics import DropReason
 
 FRAME = struct.Struct(">I16s")
+VERDICT = struct.Struct(">QB16s")
 
 
 class Engine:
@@ -50,9 +56,13 @@ class Engine:
         return self.answer
 
 
-async def with_listener(check: Callable[[NoticeListener, Engine], Awaitable[None]]) -> None:
+async def with_listener(
+    check: Callable[[NoticeListener, Engine], Awaitable[None]], handshake_s: float = 0.5
+) -> None:
     engine = Engine()
-    listener = await NoticeListener.open("127.0.0.1", 0, engine.take, handshake_s=0.5, stats=engine.stats)
+    listener = await NoticeListener.open(
+        "127.0.0.1", 0, engine.take, handshake_s=handshake_s, stats=engine.stats
+    )
     try:
         await check(listener, engine)
     finally:
@@ -77,9 +87,17 @@ async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
     return True
 
 
-async def proven(listener: NoticeListener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    """A raw connection that has proved the key: (reader, writer, session key)."""
-    reader, writer = await asyncio.open_connection(*host_port(listener))
+async def proven(
+    listener: NoticeListener, receive_nbytes: int = 0
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A raw connection that has proved the key: (reader, writer, session key); with
+    `receive_nbytes`, its socket's receive buffer is that small."""
+    sock = socket.socket()
+    if receive_nbytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_nbytes)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, host_port(listener))
+    reader, writer = await asyncio.open_connection(sock=sock)
     greeting = await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
     listener_nonce, nonce = greeting[len(MAGIC) :], os.urandom(NONCE_NBYTES)
     writer.write(MAGIC + nonce + _mac(listener.key, b"writer", listener_nonce, nonce))
@@ -185,23 +203,66 @@ async def forged_replayed_and_oversized_notices_close_the_connection_unread(
     assert engine.stats["notice_connections_closed_oversized"] == 1
 
 
-async def connections_that_have_not_proved_the_key_are_capped(
-    listener: NoticeListener, engine: Engine
-) -> None:
+async def idle_connections_do_not_keep_a_writer_out(listener: NoticeListener, engine: Engine) -> None:
     held = [await asyncio.open_connection(*host_port(listener)) for _ in range(MAX_UNPROVEN)]
     for reader, _ in held:
         await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
-    reader, writer = await asyncio.open_connection(*host_port(listener))
-    assert await closed_by_peer(reader)
-    assert engine.stats["notice_connections_refused"] == 1
-    writer.close()
+    # Every unproven place is taken, and the idle connections have seconds left to prove the
+    # key: a writer still gets in now, and its notice through.
+    async with asyncio.timeout(1):
+        channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+        assert await channel.send(b"done") is Verdict.TAKEN
+    assert engine.notices == [b"done"]
+    # It took the place of the oldest idle connection; the others keep theirs.
+    assert await closed_by_peer(held[0][0])
+    assert engine.stats["notice_connections_closed_evicted"] == 1
+    assert listener.connections == MAX_UNPROVEN
     for _, held_writer in held:
         held_writer.close()
-    await until(lambda: listener.connections == 0)
-    # A writer with the key gets in again.
-    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
-    assert await channel.send(b"done") is Verdict.TAKEN
+    await until(lambda: listener.connections == 1)
     channel.close()
+
+
+async def an_idle_connection_is_closed_at_the_handshake_bound(
+    listener: NoticeListener, engine: Engine
+) -> None:
+    reader, writer = await asyncio.open_connection(*host_port(listener))
+    assert await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
+    async with asyncio.timeout(completion_tcp.HANDSHAKE_S + 1):
+        assert await reader.read() == b""
+    writer.close()
+    assert engine.stats["notice_connections_closed_slow"] == 1
+    await until(lambda: listener.connections == 0)
+
+
+async def a_writer_that_does_not_read_its_verdicts_stalls_only_itself(
+    listener: NoticeListener, engine: Engine
+) -> None:
+    # Small socket buffers on both ends (accepted sockets take the listening socket's), so that
+    # unread verdicts soon queue at the listener itself.
+    assert listener._server is not None
+    listener._server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    reader, writer, session = await proven(listener, receive_nbytes=4096)
+    notices = 20_000
+    writer.write(b"".join(frame(session, sequence, b"") for sequence in range(notices)))
+    taken = -1
+    while taken != len(engine.notices):
+        taken = len(engine.notices)
+        await asyncio.sleep(0.2)
+    # The listener stopped reading the writer's notices, rather than queue their verdicts.
+    assert taken < notices // 2
+    assert engine.stats["notice_connections_stalled"] >= 1
+    # Other writers are served meanwhile.
+    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    assert await channel.send(b"other") is Verdict.TAKEN
+    channel.close()
+    # Once the writer reads its verdicts, the rest of its notices are read and answered.
+    async with asyncio.timeout(10):
+        verdicts = await reader.readexactly(notices * VERDICT.size)
+    last_sequence, last_verdict, _ = VERDICT.unpack_from(verdicts, (notices - 1) * VERDICT.size)
+    assert (last_sequence, last_verdict) == (notices - 1, Verdict.TAKEN)
+    assert len(engine.notices) == notices + 1
+    writer.close()
 
 
 async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[bytes]]:
@@ -302,7 +363,7 @@ def test_published_addresses_and_keys_parse() -> None:
         a_writer_without_the_key_is_closed_before_a_notice_is_read,
         garbage_and_silence_are_closed_unread,
         forged_replayed_and_oversized_notices_close_the_connection_unread,
-        connections_that_have_not_proved_the_key_are_capped,
+        a_writer_that_does_not_read_its_verdicts_stalls_only_itself,
         a_lost_connection_fails_the_notices_waiting_for_their_verdict,
         a_busy_port_is_a_clear_error,
     ],
@@ -312,6 +373,24 @@ def test_listener(
     check: Callable[[NoticeListener, Engine], Awaitable[None]],
 ) -> None:
     run_on(new_loop, with_listener(check))
+
+
+@pytest.mark.parametrize("new_loop", loop_params())
+def test_idle_connections_do_not_keep_a_writer_out(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    # The notices' own deadline, as the agent passes it: idle connections keep their places
+    # for the whole handshake bound.
+    run_on(new_loop, with_listener(idle_connections_do_not_keep_a_writer_out, handshake_s=60.0))
+
+
+@pytest.mark.parametrize("new_loop", loop_params())
+def test_the_handshake_has_its_own_bound(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection has HANDSHAKE_S to prove the key, however long the notices' own deadline
+    (the agent passes its notify_timeout_s)."""
+    assert NoticeListener(bytes(KEY_NBYTES), Engine().take, 60.0, Counter()).handshake_s == HANDSHAKE_S
+    monkeypatch.setattr(completion_tcp, "HANDSHAKE_S", 0.3)
+    run_on(new_loop, with_listener(an_idle_connection_is_closed_at_the_handshake_bound, handshake_s=60.0))
 
 
 @pytest.mark.parametrize("new_loop", loop_params())
