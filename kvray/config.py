@@ -231,3 +231,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 source = f"{variable}: " if setting not in overrides and variable in environ else ""
                 raise ConfigError(f"{source}{cause.message}", **cause.facts) from None
             raise ConfigError(f"invalid settings: {error}") from None
+
+
+#: The variable that may hold the hand-off key the engines of one P/D deployment share (hex
+#: digits; see `kvray.integrations.vllm.tickets`), when their configuration does not name one.
+HANDOFF_KEY_VARIABLE = "KVRAY_HANDOFF_KEY"
+
+
+def handoff_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The hand-off key from the environment, or None."""
+    environ = os.environ if environ is None else environ
+    return environ.get(HANDOFF_KEY_VARIABLE) or None

@@ -12,7 +12,8 @@
     │   ├── UnknownLayerError        (never a fallback to offset 0: invariant 3)
     │   ├── StaleIncarnationError    (invariant 4)
     │   ├── RegistrationRefusedError an engine id is held by another live registrant
-    │   └── WireDecodeError (ValueError)  bytes from a peer are not one kvray message
+    │   ├── WireDecodeError (ValueError)  bytes from a peer are not one kvray message
+    │   └── TicketError (ValueError)  hand-off parameters are malformed or not signed by kvray
     ├── PlanError (ValueError)       a transfer request cannot be planned
     │   ├── BlockIdError
     │   └── GeometryMismatchError
@@ -108,6 +109,12 @@ class RegistrationRefusedError(MetadataError):
 class WireDecodeError(MetadataError, ValueError):
     """Bytes from a peer are not a valid kvray message: too large, not msgpack, nested too
     deep, or a field missing, mistyped or out of its own range (see `kvray.wire`)."""
+
+
+class TicketError(MetadataError, ValueError):
+    """A request's hand-off parameters (vLLM's `kv_transfer_params`, client input) are
+    malformed, or their tag does not verify under the engines' shared hand-off key (see
+    `kvray.integrations.vllm.tickets`)."""
 
 
 class PlanError(KvrayError, ValueError):

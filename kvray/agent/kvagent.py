@@ -304,6 +304,11 @@ class KVAgent:
         """Complete a layer-wise push: the decode side's `wait_for_kv` resolves."""
         return await self._pusher.finish(request_id, timeout=timeout)
 
+    async def forget_layers(self, request_id: str) -> None:
+        """Drop a request's layer-wise push without a word to the decode engine, once no layer
+        write of it is in progress (its blocks were preempted: a whole push follows later)."""
+        await self._pusher.forget_layers(request_id)
+
     async def abort(self, reservation: Reservation, reason: str) -> None:
         """Tell the decode side a request's KV will not come (best effort, bounded).
 

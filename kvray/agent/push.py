@@ -378,6 +378,17 @@ class Pusher:
             state.busy_s + time.perf_counter() - started,
         )
 
+    async def forget_layers(self, request_id: str) -> None:
+        """Drop a layer-wise push without telling the decode engine, once no layer write of it
+        is in progress: its layers will be written again (a whole push into the same
+        reservation), which alone completes the request."""
+        state = self._layerwise.pop(request_id, None)
+        self._failed_layerwise.pop(request_id, None)
+        if state is None:
+            return
+        await state.idle.wait()
+        self.messenger.end_claim(state.reservation)
+
     async def abort(self, reservation: Reservation, reason: str) -> None:
         request_id = reservation.request_id
         state = self._layerwise.pop(request_id, None)

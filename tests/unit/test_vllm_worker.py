@@ -16,7 +16,15 @@ import torch
 
 from kvray.config import Settings
 from kvray.errors import ConfigError, RegionError, TransferTimeoutError, WireDecodeError
-from kvray.integrations.vllm.worker import ConnectorWorker, LoadSpec, layout_of, settings_from
+from kvray.integrations.vllm.worker import (
+    PUSH_ENDPOINT,
+    ConnectorWorker,
+    LayerwiseSpec,
+    LoadSpec,
+    SendSpec,
+    layout_of,
+    settings_from,
+)
 from kvray.memory import Backing, MemoryKind
 from kvray.owned import is_owned_name
 from kvray.wire import (
@@ -139,6 +147,17 @@ def registered_pair(
     return prefill, decode
 
 
+def load_from(
+    prefill: ConnectorWorker, request_id: str, key: str, blocks: tuple[int, ...], first_block: int = 0
+) -> LoadSpec:
+    """A decode load of the request `prefill` holds (or will hold) under `key`, as its ticket
+    would name it."""
+    info = prefill.info
+    inbox = info.endpoints[PUSH_ENDPOINT]
+    engine, incarnation = info.engine_id, info.incarnation
+    return LoadSpec(request_id, engine, incarnation, key, info.node_id, inbox, blocks, first_block)
+
+
 def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,7 +181,7 @@ def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
     ending: list[asyncio.Task[None]] = []
 
     monkeypatch.setattr(agent, "release", held_release)
-    load = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
+    load = load_from(prefill, "d-1", "p-1", (2, 3))
     try:
         decode.begin({"d-1": load}, {})
         deadline = time.monotonic() + 20
@@ -207,7 +226,7 @@ def test_a_load_vllm_ends_stops_waiting_and_frees_its_blocks_without_load_errors
     # vLLM aborts the decode request: the wait ends at once, the blocks are released, and the
     # request is reported received, with no load errors (its blocks are free, not to recompute).
     prefill, decode = registered_pair(tmp_path)
-    load = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
+    load = load_from(prefill, "d-1", "p-1", (2, 3))
     try:
         decode.begin({"d-1": load}, {})
         time.sleep(0.5)  # the push request is on its way or parked at the prefill engine
@@ -217,7 +236,7 @@ def test_a_load_vllm_ends_stops_waiting_and_frees_its_blocks_without_load_errors
         assert reported_within(decode, "d-1", 5.0) == (set(), set())
         assert time.monotonic() - started < 5.0
         # Released: the same request id is reserved again (else that load fails at once).
-        again = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-2", encode(prefill.info), (2, 3), 0)
+        again = load_from(prefill, "d-1", "p-2", (2, 3))
         decode.begin({"d-1": again}, {})
         time.sleep(0.5)
         decode.begin({}, {}, cancelled={"d-1"})
@@ -234,8 +253,8 @@ def test_a_push_request_for_a_prefill_request_that_ended_without_kv_is_refused_a
     # request is refused then, and one that comes later is refused as it comes, not after the
     # lease; the decode side's wait fails at once and its blocks are load errors.
     prefill, decode = registered_pair(tmp_path)
-    first = LoadSpec("d-1", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (2, 3), 0)
-    later = LoadSpec("d-2", "vllm-p", prefill.info.incarnation, "p-1", encode(prefill.info), (4,), 0)
+    first = load_from(prefill, "d-1", "p-1", (2, 3))
+    later = load_from(prefill, "d-2", "p-1", (4,))
     try:
         decode.begin({"d-1": first}, {})
         time.sleep(0.5)
@@ -284,3 +303,155 @@ def test_a_push_request_round_trips_and_is_its_own_family() -> None:
     raw["reservation"]["blocks"] = [-1]
     with pytest.raises(WireDecodeError):
         decode_push_request(msgspec.msgpack.encode(raw))
+
+
+# ---- the serving boundary: hand-off ids, cancels, releases, preemption ----------------------
+
+KEY = "0" * 31 + "1"
+
+
+def fill_blocks(worker: ConnectorWorker, values: dict[int, float]) -> None:
+    """Every layer's block `b` filled with `values[b]` plus the layer's index (distinct per layer)."""
+    for index, view in enumerate(worker.agent.backing.views.values()):
+        for block, value in values.items():
+            view[block].fill_(value + 16 * index)
+
+
+def block_values(worker: ConnectorWorker, block: int) -> list[set[float]]:
+    """The distinct values in `block` of each layer."""
+    return [set(view[block].float().unique().tolist()) for view in worker.agent.backing.views.values()]
+
+
+def reserve(worker: ConnectorWorker, request_id: str, blocks: list[int]) -> None:
+    """Reserve `blocks` for `request_id` on the worker's agent (fails if they are reserved)."""
+
+    async def expect() -> None:
+        worker.agent.expect(request_id, blocks)
+
+    assert worker._loop is not None
+    worker._loop.run(expect(), timeout=10)
+
+
+def sent_within(worker: ConnectorWorker, request_id: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if request_id in worker.finished()[0]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{request_id} was not reported sent within {seconds} s")
+
+
+def test_a_load_cancelled_in_the_turn_it_is_handed_over_is_reported_every_time(tmp_path: Path) -> None:
+    # vLLM frees an aborted waiting-for-KV request's blocks only once finished_recving names it:
+    # a load and its cancel handed over together (one step, or two back to back) must be reported
+    # even when the load's task never took its first step.
+    prefill, decode = registered_pair(tmp_path)
+    try:
+        for index in range(100):
+            request_id = f"d-{index}"
+            load = load_from(prefill, request_id, f"p-{index}", (2, 3))
+            if index % 2:
+                decode.begin({request_id: load}, {}, cancelled={request_id})
+            else:
+                decode.begin({request_id: load}, {})
+                decode.begin({}, {}, cancelled={request_id})
+        reported: set[str] = set()
+        failed: set[str] = set()
+        errors: set[int] = set()
+        deadline = time.monotonic() + 20
+        while len(reported) < 100 and time.monotonic() < deadline:
+            _, received, blocks, failures = decode.finished()
+            reported |= received
+            failed |= failures
+            errors |= blocks
+            time.sleep(0.02)
+        assert reported == {f"d-{index}" for index in range(100)}
+        assert failed == set() and errors == set()
+        # Nothing stays reserved: every id can be reserved again.
+        for index in range(100):
+            reserve(decode, f"d-{index}", [2, 3])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_the_first(
+    tmp_path: Path,
+) -> None:
+    prefill, decode = registered_pair(tmp_path)
+    fill_blocks(prefill, {1: 1.0, 4: 4.0})
+    try:
+        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        prefill.begin({}, {"r-2": SendSpec("r-2", (4,), key=KEY)})
+        sent_within(prefill, "r-2", 5.0)  # the newcomer's blocks go back to vLLM at once
+        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2,))}, {})
+        assert reported_within(decode, "d-1", 10.0) == (set(), set())
+        assert block_values(decode, 2) == block_values(prefill, 1)  # the first request's KV
+        for canary in (0, 1, 3, 4, 5):
+            assert block_values(decode, canary) == [{0.0}] * 3
+        sent_within(prefill, "r-1", 5.0)
+        # The id is spent: another ask for it is refused at once, and so is another hold.
+        decode.begin({"d-2": load_from(prefill, "d-2", KEY, (3,))}, {})
+        assert reported_within(decode, "d-2", 5.0) == ({"d-2"}, {3})
+        prefill.begin({}, {"r-3": SendSpec("r-3", (5,), key=KEY)})
+        sent_within(prefill, "r-3", 5.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_released_hold_is_freed_at_once_and_its_ask_refused(tmp_path: Path) -> None:
+    prefill, decode = registered_pair(tmp_path, lease_s=60.0)
+    try:
+        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        started = time.monotonic()
+        prefill.begin({}, {}, released={KEY})
+        sent_within(prefill, "r-1", 5.0)
+        assert time.monotonic() - started < 5.0
+        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2,))}, {})
+        assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2})
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_load_whose_ticket_was_refused_fails_at_once_with_its_blocks_as_load_errors(tmp_path: Path) -> None:
+    prefill, decode = registered_pair(tmp_path)
+    try:
+        decode.begin({"d-1": LoadSpec.refused("d-1", (2, 3), "not signed")}, {})
+        assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2, 3})
+        reserve(decode, "d-1", [2, 3])  # nothing was reserved
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_path: Path) -> None:
+    # The decode engine asked first; the prefill's forward saved one layer (pushed from blocks 0
+    # and 1), then vLLM preempted the request: once `preempt` returns no copy reads blocks 0 and
+    # 1, which vLLM gives to another request. The request runs again in blocks 4 and 5, finishes,
+    # and the decode side gets every layer from there.
+    prefill, decode = registered_pair(tmp_path)
+    fill_blocks(prefill, {0: 1.0, 1: 2.0})
+    layers = prefill.agent.layout.layer_names
+    try:
+        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
+        deadline = time.monotonic() + 10
+        while not prefill._early and time.monotonic() < deadline:  # the ask is parked
+            time.sleep(0.01)
+        prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0, 1))})
+        prefill.save_layer(layers[0])
+        time.sleep(0.2)
+        prefill.preempt({KEY})
+        fill_blocks(prefill, {0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
+        assert decode.finished()[1] == set()
+        prefill.begin({}, {"r-1": SendSpec("r-1", (4, 5), key=KEY)})
+        assert reported_within(decode, "d-1", 10.0) == (set(), set())
+        assert block_values(decode, 2) == block_values(prefill, 4)
+        assert block_values(decode, 3) == block_values(prefill, 5)
+        for canary in (0, 1, 4, 5):
+            assert block_values(decode, canary) == [{0.0}] * 3
+        sent_within(prefill, "r-1", 5.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -4,23 +4,28 @@
                            "kv_connector_module_path": "kvray.integrations.vllm.connector",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
-`kv_connector_extra_config` keys are `kvray.Settings` fields (e.g. `transfer_timeout_s`, or
-`transport`: auto, shm or ray, the transport this engine's pushes take), plus
-`lease_s` (how long a prefill engine holds a finished request's blocks for a decode engine),
-`digest_log` (a file to append per-layer digests of the KV each side sent and received, to
-compare them, and each side's time), `digest_every` (hash one request in this many) and
-`seed_bug` (plan with offsets cached by geometry alone: the bug kvray exists to stop, for
-demonstrations), `ray_address` (a Ray cluster's GCS address: the worker joins it and registers
-with kvray's coordinator, so engines on other nodes reach it) and `node_id` (the Ray node the
-engine runs on, when its launcher knows it).
+Every engine of one P/D deployment (and the proxy or orchestrator in front of them) shares a
+hand-off key: `KVRAY_HANDOFF_KEY` in the environment (64 hex digits), or `handoff_key` in
+`kv_connector_extra_config` (which vLLM prints in its start-up log). Without one the
+connector does not start. `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g.
+`transfer_timeout_s`, or `transport`: auto, shm or ray, the transport this engine's pushes
+take), plus `handoff_key`, `lease_s` (how long a prefill engine holds a finished request's
+blocks for a decode engine), `digest_log` (a file to append per-layer digests of the KV each
+side sent and received, to compare them, and each side's time), `digest_every` (hash one
+request in this many) and `seed_bug` (plan with offsets cached by geometry alone: the bug
+kvray exists to stop, for demonstrations), `ray_address` (a Ray cluster's GCS address: the
+worker joins it and registers with kvray's coordinator, so engines on other nodes reach it)
+and `node_id` (the Ray node the engine runs on, when its launcher knows it).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
+kv_transfer_params are client input: kvray reads only tickets it signed (`tickets`).
 
-    client -> P   request with kv_transfer_params {"do_remote_decode": true}, max_tokens 1
-    P scheduler   request_finished: holds the blocks, returns params naming P's engine,
-                  incarnation, request and info (they reach the client as kv_transfer_params)
-    client -> D   the request with those params
-    D scheduler   get_num_new_matched_tokens: the prompt's tokens load asynchronously;
+    proxy -> P    request with kv_transfer_params {"do_remote_decode": true}, max_tokens 1
+    P scheduler   request_finished: holds the blocks under a hand-off id it mints, returns a
+                  signed ticket naming P's engine, incarnation, node, inbox and that id
+    proxy -> D    the request with that ticket
+    D scheduler   get_num_new_matched_tokens: checks the ticket, the prompt's tokens load
+                  asynchronously (a bad ticket: the load fails at once, never an exception);
                   update_state_after_alloc: the blocks vLLM allocated for them
     D worker      expects the request (a Reservation over those blocks) and sends P a
                   PushRequest (fenced by both incarnations, carrying D's token)
@@ -28,18 +33,27 @@ The hand-off is kvray's push: the decode side reserves, the prefill side writes 
                   geometry, one-sided write, notify); reports the request finished sending
     D worker      wait_for_kv, release; reports it finished receiving (or failed: its blocks
                   are load errors, and vLLM's kv_load_failure_policy applies)
+    proxy -> P    only if D refused the request: the ticket back with kvray_release; P frees
+                  the held blocks at once
+
+Decode first (Ray Serve LLM's orchestrator): the orchestrator mints the id and signs a `load`
+ticket for D and a `hold` ticket for P; D asks while P computes, and P pushes each layer as its
+forward saves it. A layer-wise request vLLM preempts stops its layer copies before its blocks
+are reused (`handle_preemptions`) and is pushed whole once it runs again.
 
 A prefill engine frees a held request's blocks once it has pushed them, or when no decode
-engine asked within `lease_s`. On one node the `shm` transport writes straight into the decode
-engine's KV cache (kvray places it in a shared-memory file) and push requests and notices go
-through Unix datagram sockets; across nodes both engines join Ray (`ray_address`), the KV goes
-by the `ray` transport and the messages through each engine's host actor.
+engine asked within `lease_s`. A second request under a hand-off id already held, pushed or
+dropped is not held (its blocks go back at once). On one node the `shm` transport writes
+straight into the decode engine's KV cache (kvray places it in a shared-memory file) and push
+requests and notices go through Unix datagram sockets; across nodes both engines join Ray
+(`ray_address`), the KV goes by the `ray` transport and the messages through each engine's
+host actor.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,9 +65,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvray.errors import ConfigError
+from kvray.config import handoff_key_from_env
+from kvray.errors import ConfigError, TicketError
+from kvray.integrations.vllm.tickets import (
+    HANDOFF,
+    PREFILL_ENGINE,
+    PREFILL_REQUEST,
+    RELEASE,
+    HandoffKey,
+    Held,
+    Load,
+    held_params,
+    key_from,
+    mint_handoff,
+    read_held,
+    read_hold,
+    read_load,
+)
 from kvray.integrations.vllm.worker import (
     CONNECTOR_KEYS,
+    PUSH_ENDPOINT,
     ConnectorWorker,
     LayerwiseSpec,
     LoadSpec,
@@ -61,7 +92,7 @@ from kvray.integrations.vllm.worker import (
     settings_from,
 )
 from kvray.layout import ceil_div
-from kvray.wire import Role, encode
+from kvray.wire import Role
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -70,14 +101,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvray.vllm")
 
-#: The kv_transfer_params keys kvray reads and writes.
-PREFILL_ENGINE = "kvray_prefill_engine"
-PREFILL_INCARNATION = "kvray_prefill_incarnation"
-PREFILL_REQUEST = "kvray_prefill_request"
-PREFILL_INFO = "kvray_prefill_info"
-#: A hand-off id the client chooses and gives both engines (decode first: see below).
-HANDOFF = "kvray_handoff"
-
 
 @dataclass
 class KvrayHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
@@ -85,7 +108,10 @@ class KvrayHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
     engine_id: str
     incarnation: int
-    info: bytes
+    #: The engine's Ray node ("" outside Ray) and its push-request inbox: what a decode engine
+    #: on the same node needs to ask it to push (the rest of its info stays inside kvray).
+    node: str
+    inbox: str
 
 
 @dataclass
@@ -105,6 +131,11 @@ class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: Decode: requests that ended (aborted) while their KV was loading: their wait ends now,
     #: and their blocks go back once no write of theirs can land.
     cancelled: set[str] = field(default_factory=set)
+    #: Prefill: hand-off ids a proxy released (the decode leg failed): freed at once.
+    released: set[str] = field(default_factory=set)
+    #: Prefill: hand-off ids of layer-wise requests vLLM preempted this step
+    #: (`handle_preemptions`): their layer pushes end before their blocks are reused.
+    preempted: set[str] = field(default_factory=set)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -133,8 +164,10 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: ConnectorWorker | None = None
         #: Blocks that failed to load since vLLM last asked (worker side).
         self._load_errors: set[int] = set()
+        # Refuse to start without the deployment's hand-off key, on both sides.
+        key = key_from(extra, handoff_key_from_env())
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(self.engine_id, self.block_size)
+            self._scheduler = _Scheduler(self.engine_id, self.block_size, key)
         else:
             settings = settings_from({k: v for k, v in extra.items() if k not in CONNECTOR_KEYS})
             # A pure producer exposes nothing writable (least privilege); otherwise the engine
@@ -175,7 +208,9 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is None:
             return None
         info = self._worker.info
-        return KvrayHandshake(info.engine_id, info.incarnation, encode(info))
+        return KvrayHandshake(
+            info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -186,7 +221,15 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # agent's loop; the forward does not wait for it.
         if self._worker is not None and isinstance(connector_metadata, KvrayMetadata):
             meta = connector_metadata
-            self._worker.begin(meta.loads, meta.sends, dropped=meta.dropped, cancelled=meta.cancelled)
+            self._worker.begin(
+                meta.loads, meta.sends, dropped=meta.dropped, cancelled=meta.cancelled, released=meta.released
+            )
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's forward may write into a preempted request's blocks: its layer
+        # copies (which read them after save_kv_layer returned) have ended.
+        if self._worker is not None and isinstance(kv_connector_metadata, KvrayMetadata):
+            self._worker.preempt(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # begun as the metadata was bound
@@ -262,78 +305,144 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 class _Scheduler:
     """The scheduler side: which requests load from a prefill engine (decode) and which
-    finished requests are held for a decode engine (prefill)."""
+    finished requests are held for a decode engine (prefill). Nothing here raises on a
+    request's `kv_transfer_params` (client input): vLLM's scheduler would end the engine."""
 
-    def __init__(self, engine_id: str, block_size: int) -> None:
+    def __init__(self, engine_id: str, block_size: int, key: HandoffKey) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
+        self.key = key
         self.handshake: KvrayHandshake | None = None
-        #: Decode: local prefix-cache hits at the time of the match, per request.
+        #: Decode: local prefix-cache hits at the time of the match, per request, and the
+        #: ticket it loads by (or why its ticket was refused: the load then fails at once).
         self._local_tokens: dict[str, int] = {}
+        self._tickets: dict[str, Load | str] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._sends: dict[str, SendSpec] = {}
         #: Requests whose hand-off the workers have not reported finished.
         self._held: set[str] = set()
         self._loading: set[str] = set()
-        #: Prefill: requests a decode engine will take, not yet scheduled, by vLLM's id: their
-        #: hand-off key (the client's `kvray_handoff`, else the request id).
+        #: Prefill: the hand-off id of each request a decode engine will take, by vLLM's id,
+        #: from its first allocation to its end (minted here, or the orchestrator's signed
+        #: one); None: its hold ticket did not verify, so it is not held.
+        self._keys: dict[str, str | None] = {}
+        #: Prefill: decode-first requests not yet scheduled, by vLLM's id (layer-wise candidates).
         self._producing: dict[str, str] = {}
         #: Prefill: requests whose layers the workers push during the forward.
         self._layered: set[str] = set()
-        #: This step's `KvrayMetadata.dropped` and `cancelled`.
+        #: This step's `KvrayMetadata.dropped`, `cancelled`, `released` and `preempted`.
         self._dropped: set[str] = set()
         self._cancelled: set[str] = set()
+        self._released: set[str] = set()
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or PREFILL_ENGINE not in params:
+        params = _params(request)
+        if params is None:
+            return 0, False
+        if params.get(RELEASE):
+            self._release(params)
+            return 0, False
+        if not params.get("do_remote_prefill") or not _KVRAY_LOAD_KEYS & params.keys():
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
             return 0, False
+        try:
+            ticket: Load | str = read_load(self.key, params)
+        except TicketError as error:
+            # The request waits for KV that will never come: the workers report its load
+            # failed at once, and vLLM's kv_load_failure_policy decides (fail: an error).
+            log.warning("kvray: request %s: %s", request.request_id, error)
+            ticket = str(error)
+        self._tickets[request.request_id] = ticket
         self._local_tokens[request.request_id] = num_computed_tokens
         return count, True
 
-    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_decode"):
-            self._producing[request.request_id] = str(params.get(HANDOFF) or request.request_id)
-        if not params or not params.get("do_remote_prefill"):
+    def _release(self, params: Mapping[str, Any]) -> None:
+        """A proxy hands back this engine's own ticket: the decode leg will not take it."""
+        try:
+            held = read_held(self.key, params)
+        except TicketError as error:
+            log.warning("kvray: a release was refused: %s", error)
             return
-        params["do_remote_prefill"] = False  # once: a re-entry after the load loads nothing
+        handshake = self.handshake
+        if handshake is not None and (held.engine, held.incarnation) == (
+            handshake.engine_id,
+            handshake.incarnation,
+        ):
+            self._released.add(held.request)
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = _params(request)
+        if params is None:
+            return
+        if params.get("do_remote_decode") and request.request_id not in self._keys:
+            self._keys[request.request_id] = self._hold_key(request, params)
+        ticket = self._tickets.pop(request.request_id, None)
+        local = self._local_tokens.pop(request.request_id, 0)
+        if ticket is None or not params.get("do_remote_prefill"):
+            return
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False  # once: a re-entry after the load loads nothing
         if num_external_tokens <= 0:
             return
-        local = self._local_tokens.pop(request.request_id, 0)
         first = local // self.block_size
         count = ceil_div(local + num_external_tokens, self.block_size) - first
         block_ids = _first_group(blocks.get_block_ids())[first : first + count]
-        self._loads[request.request_id] = LoadSpec(
-            request_id=request.request_id,
-            prefill_engine=str(params[PREFILL_ENGINE]),
-            # Decode first, the client knows the prefill engine's name alone (and the hand-off
-            # id); the worker then finds its current incarnation through the coordinator.
-            prefill_incarnation=int(params[PREFILL_INCARNATION]) if PREFILL_INCARNATION in params else None,
-            prefill_request_id=str(params.get(PREFILL_REQUEST) or params.get(HANDOFF) or ""),
-            prefill_info=base64.b64decode(params[PREFILL_INFO]) if PREFILL_INFO in params else b"",
-            block_ids=tuple(block_ids),
-            first_block=first,
-        )
+        if isinstance(ticket, str):
+            spec = LoadSpec.refused(request.request_id, tuple(block_ids), ticket)
+        else:
+            held = ticket.held
+            spec = LoadSpec(
+                request_id=request.request_id,
+                prefill_engine=ticket.engine,
+                prefill_incarnation=held.incarnation if held is not None else None,
+                prefill_request_id=ticket.request,
+                prefill_node=held.node if held is not None else "",
+                prefill_inbox=held.inbox if held is not None else "",
+                block_ids=tuple(block_ids),
+                first_block=first,
+            )
+        self._loads[request.request_id] = spec
         self._loading.add(request.request_id)
+
+    def _hold_key(self, request: Any, params: Mapping[str, Any]) -> str | None:
+        """The hand-off id a request held for a decode engine goes by: the orchestrator's
+        (signed: the decode engine was given it first) or a fresh one."""
+        try:
+            handoff = read_hold(self.key, params)
+        except TicketError as error:
+            log.warning("kvray: request %s is not held for a decode engine: %s", request.request_id, error)
+            return None
+        if handoff is None:
+            return mint_handoff()
+        self._producing[request.request_id] = handoff
+        return handoff
 
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        params = request.kv_transfer_params
+        params = _params(request)
         self._producing.pop(request.request_id, None)
+        self._tickets.pop(request.request_id, None)
+        self._local_tokens.pop(request.request_id, None)
         if request.request_id in self._loading:
             # vLLM keeps the blocks of a request that ends while its KV loads until the
             # workers report the load finished; they stop waiting for it now.
             self._cancelled.add(request.request_id)
-        if not params or not params.get("do_remote_decode"):
+        allocated = request.request_id in self._keys
+        key = self._keys.pop(request.request_id, None)
+        if params is None or not params.get("do_remote_decode"):
             return False, None
-        key = str(params.get(HANDOFF) or request.request_id)
+        if not allocated:
+            # Ended before it was scheduled: a decode engine given it first is refused at once.
+            key = self._hold_key(request, params)
+            self._producing.pop(request.request_id, None)
+        if key is None:
+            return False, None
         blocks = _first_group(block_ids)
         succeeded = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        handshake = self.handshake
         if request.request_id in self._layered:
             # Layers may be in flight from these blocks: the workers end the push (or abort
             # it, if the request did not finish well) before vLLM may free them.
@@ -342,22 +451,22 @@ class _Scheduler:
                 request.request_id, tuple(blocks), key=key, failed=not succeeded
             )
             self._held.add(request.request_id)
-            if not succeeded or self.handshake is None:
+            if not succeeded or handshake is None:
                 return True, None
-        elif not succeeded or not blocks or self.handshake is None:
+        elif not succeeded or not blocks or handshake is None:
             self._dropped.add(key)
             return False, None
         else:
             self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks), key=key)
             self._held.add(request.request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            PREFILL_ENGINE: self.handshake.engine_id,
-            PREFILL_INCARNATION: self.handshake.incarnation,
-            PREFILL_REQUEST: key,
-            PREFILL_INFO: base64.b64encode(self.handshake.info).decode(),
-        }
+        held = Held(
+            engine=handshake.engine_id,
+            incarnation=handshake.incarnation,
+            request=key,
+            node=handshake.node,
+            inbox=handshake.inbox,
+        )
+        return True, held_params(self.key, held)
 
     def step(self, scheduler_output: Any) -> KvrayMetadata:
         meta = KvrayMetadata(
@@ -366,9 +475,24 @@ class _Scheduler:
             layerwise=self._whole_prompts(scheduler_output),
             dropped=self._dropped,
             cancelled=self._cancelled,
+            released=self._released,
+            preempted=self._preempted(scheduler_output),
         )
         self._loads, self._sends, self._dropped, self._cancelled = {}, {}, set(), set()
+        self._released = set()
         return meta
+
+    def _preempted(self, scheduler_output: Any) -> set[str]:
+        """Hand-off ids of layer-wise requests vLLM preempted this step: their blocks go to
+        other requests, so their layer pushes must end before this step's forward writes."""
+        preempted: set[str] = set()
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if request_id in self._layered:
+                self._layered.discard(request_id)
+                key = self._keys.get(request_id)
+                if key is not None:
+                    preempted.add(key)
+        return preempted
 
     def _whole_prompts(self, scheduler_output: Any) -> dict[str, LayerwiseSpec]:
         """This step's new requests for a decode engine whose whole prompt it computes (a
@@ -392,4 +516,16 @@ class _Scheduler:
             self._loading.discard(request_id)
 
     def pending(self) -> bool:
-        return bool(self._held or self._loads or self._sends or self._dropped or self._cancelled)
+        return bool(
+            self._held or self._loads or self._sends or self._dropped or self._cancelled or self._released
+        )
+
+
+#: Any of these in a request's kv_transfer_params makes `do_remote_prefill` a kvray load.
+_KVRAY_LOAD_KEYS = frozenset({PREFILL_ENGINE, PREFILL_REQUEST, HANDOFF})
+
+
+def _params(request: Any) -> Mapping[str, Any] | None:
+    """A request's kv_transfer_params, if they are a mapping (anything else: no hand-off)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, Mapping) and params else None

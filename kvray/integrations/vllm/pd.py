@@ -16,16 +16,30 @@ from typing import Any
 CONNECTOR_MODULE = "kvray.integrations.vllm.connector"
 
 
+def deployment_key() -> str:
+    """The hand-off key of the engines this process configures: `KVRAY_HANDOFF_KEY`, set here
+    to a fresh key when it is unset (processes started from here later inherit it)."""
+    from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
+    from kvray.integrations.vllm.tickets import new_key_hex
+
+    key = handoff_key_from_env()
+    if key is None:
+        key = os.environ[HANDOFF_KEY_VARIABLE] = new_key_hex()
+    return key
+
+
 def transfer_config(
     extra: Mapping[str, Any] | None = None, *, kv_role: str = "kv_both", failure_policy: str = "fail"
 ) -> dict[str, Any]:
-    """The `--kv-transfer-config` of an engine using `KvrayConnector`."""
+    """The `--kv-transfer-config` of an engine using `KvrayConnector`, with this process's
+    hand-off key (`deployment_key`) unless `extra` names one: engines configured by one
+    process trust each other's tickets."""
     return {
         "kv_connector": "KvrayConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": kv_role,
         "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": dict(extra or {}),
+        "kv_connector_extra_config": {"handoff_key": deployment_key(), **dict(extra or {})},
     }
 
 
@@ -213,22 +227,19 @@ def decode_first(
     handles."""
     import ray
 
-    from kvray.integrations.vllm.connector import HANDOFF, PREFILL_ENGINE
+    from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff
 
-    handoffs = [uuid.uuid4().hex for _ in prompts]
+    key = HandoffKey.from_hex(deployment_key())
+    handoffs = [mint_handoff() for _ in prompts]
     engine = ray.get(prefill.kv_engine_id.remote())
     started = time.perf_counter()
     decoding = decode.generate.remote(
-        list(prompts),
-        max_tokens,
-        [{"do_remote_prefill": True, PREFILL_ENGINE: engine, HANDOFF: handoff} for handoff in handoffs],
+        list(prompts), max_tokens, [load_params(key, engine, handoff) for handoff in handoffs]
     )
     if before_prefill is not None:
         before_prefill(handoffs)
     first = ray.get(
-        prefill.generate.remote(
-            list(prompts), 1, [{"do_remote_decode": True, HANDOFF: handoff} for handoff in handoffs]
-        )
+        prefill.generate.remote(list(prompts), 1, [hold_params(key, handoff) for handoff in handoffs])
     )
     middle = time.perf_counter()
     second = ray.get(decoding)

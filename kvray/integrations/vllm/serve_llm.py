@@ -5,10 +5,13 @@ Ray Serve LLM's P/D orchestrator (in the decode replica) asks the back-end how t
 requests. kvray's write model fits its push pattern (`requires_peer_binding`,
 `concurrent_handoff`): the orchestrator picks the prefill replica first and reads its
 `replica_metadata` (here, its kvray engine id); the decode request names that engine and a
-hand-off id derived from the request's id, the prefill request the same hand-off id, and both
-run at once. The decode engine reserves its blocks and asks the prefill engine to push (through
-kvray's coordinator: every replica's connector joins the Serve cluster); the prefill engine
-pushes each layer as its forward saves it when it can, else the whole prompt once it is done.
+hand-off id kvray mints for the request (never the client's `request_id`), the prefill request
+the same id, each signed with the deployment's hand-off key, and both run at once. A decode
+leg that would be refused (more new tokens than the model's context) is refused before the
+prefill runs, so no prefill engine holds KV for it. The decode engine reserves its blocks and
+asks the prefill engine to push (through kvray's coordinator: every replica's connector joins
+the Serve cluster); the prefill engine pushes each layer as its forward saves it when it can,
+else the whole prompt once it is done.
 
     from kvray.integrations.vllm.serve_llm import register, kv_transfer_config
     register()                                   # once, before building the app
@@ -20,9 +23,10 @@ or `build_pd_app(model_folder)`, which does all of that for the test model on a 
 
 from __future__ import annotations
 
-import hashlib
+import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,9 +37,10 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     clamp_request_to_single_token,
 )
 
+from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
 from kvray.errors import ConfigError
-from kvray.integrations.vllm.connector import HANDOFF, PREFILL_ENGINE
 from kvray.integrations.vllm.pd import CONNECTOR_MODULE, transfer_config
+from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff, new_key_hex
 
 #: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
 CONNECTOR = "KvrayConnector"
@@ -118,10 +123,45 @@ def wait_until_serving(url: str, timeout_s: float = 600.0) -> None:
         time.sleep(2.0)
 
 
-def handoff_id(request: Any) -> str:
-    """The hand-off id of a request: a digest of its id, so that the two shaping calls (which
-    share no state) agree."""
-    return hashlib.sha256(str(request.request_id).encode()).hexdigest()[:32]
+#: Hand-off ids minted for prefill requests whose decode request is not shaped yet (the
+#: orchestrator shapes the two back to back; a bound keeps a lost one from growing this).
+MAX_UNPAIRED = 4096
+
+
+def deployment_key(extra: Mapping[str, Any]) -> str:
+    """The hand-off key of this replica's engine: `handoff_key` in its connector's extra
+    config, else KVRAY_HANDOFF_KEY, else one key per Ray cluster (kept in Ray's internal KV),
+    which this process then exports so the engine it starts reads the same."""
+    named = extra.get("handoff_key") or handoff_key_from_env()
+    if named is not None:
+        return str(named)
+    from ray.experimental import internal_kv
+
+    name = b"kvray/handoff_key"
+    internal_kv._internal_kv_put(name, new_key_hex().encode(), overwrite=False, namespace="kvray")
+    stored = internal_kv._internal_kv_get(name, namespace="kvray")
+    if not stored:
+        raise ConfigError("Ray's internal KV store lost kvray's hand-off key; set KVRAY_HANDOFF_KEY")
+    key = os.environ[HANDOFF_KEY_VARIABLE] = stored.decode()
+    return key
+
+
+def _bad_request(message: str) -> Exception:
+    """An error Ray Serve LLM answers with HTTP 400."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    return OpenAIHTTPException(status_code=400, message=message, type="BadRequestError")
+
+
+def check_decode_leg(request: Any, max_model_len: int | None) -> None:
+    """Refuse, before any prefill runs, what the decode engine would refuse although the
+    prefill leg (clamped to one token) passes: more new tokens than the model's context."""
+    if max_model_len is None:
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, field, None)
+        if isinstance(value, int) and value > max_model_len:
+            raise _bad_request(f"{field}={value} is more than the model's context of {max_model_len} tokens")
 
 
 class KvrayConnectorBackend(BaseConnectorBackend):
@@ -133,6 +173,9 @@ class KvrayConnectorBackend(BaseConnectorBackend):
     def __init__(self, llm_config: Any) -> None:
         super().__init__(llm_config)
         self._engine = ""
+        self._key: HandoffKey | None = None
+        #: id(request) -> (request, hand-off id), from shaping its prefill to its decode.
+        self._unpaired: OrderedDict[int, tuple[Any, str]] = OrderedDict()
 
     def setup(self) -> None:
         """Name this replica's engine uniquely and have its connector join this Ray cluster
@@ -147,14 +190,35 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         context = ray.get_runtime_context()
         extra.setdefault("ray_address", context.gcs_address)
         extra.setdefault("node_id", context.get_node_id())
+        self._key = HandoffKey.from_hex(deployment_key(extra))
         self._engine = f"vllm-{config['engine_id']}"
+
+    @property
+    def _max_model_len(self) -> int | None:
+        value = self.llm_config.engine_kwargs.get("max_model_len")
+        return value if isinstance(value, int) else None
+
+    def _signing_key(self) -> HandoffKey:
+        if self._key is None:
+            extra = self.kv_transfer_config.get("kv_connector_extra_config") or {}
+            self._key = HandoffKey.from_hex(deployment_key(extra))
+        return self._key
 
     def replica_metadata(self) -> dict[str, Any]:
         return {ENGINE_KEY: self._engine}
 
     def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
+        handoff = mint_handoff()
+        # The same request object comes to `prepare_decode_request` next; holding it keeps
+        # its id from being reused meanwhile.
+        self._unpaired[id(request)] = (request, handoff)
+        while len(self._unpaired) > MAX_UNPAIRED:
+            self._unpaired.popitem(last=False)
         prefill = request.model_copy(deep=True)
-        prefill.kv_transfer_params = {**base_prefill_kv_transfer_params(), HANDOFF: handoff_id(request)}
+        prefill.kv_transfer_params = {
+            **base_prefill_kv_transfer_params(),
+            **hold_params(self._signing_key(), handoff),
+        }
         clamp_request_to_single_token(prefill)
         return prefill
 
@@ -167,11 +231,13 @@ class KvrayConnectorBackend(BaseConnectorBackend):
                 "the prefill replica published no kvray engine id: is KvrayConnector (with "
                 "kvray.integrations.vllm.serve_llm.register()) configured on the prefill deployment?"
             )
+        paired = self._unpaired.pop(id(request), None)
+        if paired is None or paired[0] is not request:
+            raise ConfigError(
+                "the decode request was shaped without its prefill request: Ray Serve LLM's "
+                "orchestrator shapes the prefill request first (requires_peer_binding)"
+            )
+        check_decode_leg(request, self._max_model_len)
         decode = request.model_copy(deep=True)
-        decode.kv_transfer_params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            PREFILL_ENGINE: engine,
-            HANDOFF: handoff_id(request),
-        }
+        decode.kv_transfer_params = load_params(self._signing_key(), engine, paired[1])
         return decode

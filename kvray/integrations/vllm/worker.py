@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -69,16 +70,35 @@ class LoadSpec:
 
     request_id: str
     prefill_engine: str
-    #: None (and `prefill_info` empty): the client named the prefill engine alone; its
-    #: current incarnation and info come from the coordinator.
+    #: None: the orchestrator gave this engine the request first, naming the prefill engine
+    #: alone; its current incarnation, node and inbox come from the coordinator.
     prefill_incarnation: int | None
-    #: The hand-off's key at the prefill engine (its request id, or the client's hand-off id).
+    #: The hand-off's id at the prefill engine (minted by kvray, signed).
     prefill_request_id: str
-    prefill_info: bytes
+    #: The prefill engine's Ray node and push-request inbox, as its ticket names them.
+    prefill_node: str
+    prefill_inbox: str
     #: The blocks vLLM allocated here for the request's pushed tokens, in order.
     block_ids: tuple[int, ...]
     #: Which of the prefill engine's blocks of the request the first of them takes.
     first_block: int
+    #: Why the request's ticket was refused ("": it was not): its load fails at once.
+    refusal: str = ""
+
+    @classmethod
+    def refused(cls, request_id: str, block_ids: tuple[int, ...], why: str) -> LoadSpec:
+        return cls(request_id, "", None, "", "", "", block_ids, 0, refusal=why)
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    """Where a decode engine sends a push request: the prefill engine's id and incarnation,
+    its Ray node and its push-request inbox on that node ("" if it has none)."""
+
+    engine_id: str
+    incarnation: int
+    node_id: str
+    inbox: str
 
 
 @dataclass(frozen=True)
@@ -273,6 +293,8 @@ class ConnectorWorker:
         #: request for one is refused at once; and the decode side's loads still waiting.
         self._dropped: dict[str, float] = {}
         self._receiving: dict[str, asyncio.Task[None]] = {}
+        #: Loop thread only: loads whose task has taken its first step.
+        self._loads_begun: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- memory -------------------------------------------------------------------------
@@ -434,44 +456,108 @@ class ConnectorWorker:
         *,
         dropped: Collection[str] = (),
         cancelled: Collection[str] = (),
+        released: Collection[str] = (),
     ) -> None:
         """This step's new hand-offs, from the scheduler (called from vLLM's thread): loads
-        and sends to start, hand-offs that will never have KV (`dropped`, by key) and loads no
-        longer wanted (`cancelled`, by request id)."""
-        if self._loop is None or not (loads or sends or dropped or cancelled):
+        and sends to start, hand-offs that will never have KV (`dropped`, by key), loads no
+        longer wanted (`cancelled`, by request id) and held requests a proxy released
+        (`released`, by key: their decode leg failed)."""
+        if self._loop is None or not (loads or sends or dropped or cancelled or released):
             return
         self._loop.loop.call_soon_threadsafe(
-            self._begin, dict(loads), dict(sends), set(dropped), set(cancelled)
+            self._begin, dict(loads), dict(sends), set(dropped), set(cancelled), set(released)
         )
 
     def _begin(
-        self, loads: dict[str, LoadSpec], sends: dict[str, SendSpec], dropped: set[str], cancelled: set[str]
+        self,
+        loads: dict[str, LoadSpec],
+        sends: dict[str, SendSpec],
+        dropped: set[str],
+        cancelled: set[str],
+        released: set[str],
     ) -> None:
         now = time.monotonic()
         for spec in sends.values():
-            layered = self._layered.pop(spec.handoff, None)
-            if layered is not None and layered.request is not None:
-                self._spawn(self._finish_layered(layered, spec))
-                continue
-            if spec.failed:
-                self._done_sending(spec.request_id)
-                dropped.add(spec.handoff)
-                continue
-            self._sending[spec.handoff] = _Sending(spec, now + self.lease_s)
-            early = self._early.pop(spec.handoff, None)
-            if early is not None:
-                self._spawn(self._push(early[0]))
+            self._hold(spec, now, dropped)
         for key in dropped:
             self._dropped[key] = now + self.lease_s
             early = self._early.pop(key, None)
             if early is not None:
                 self._spawn(self._refuse(early[0], _ENDED_WITHOUT_KV))
+        for key in released:
+            sending = self._sending.get(key)
+            if sending is not None and not sending.pushing:
+                del self._sending[key]
+                self._spent(key, now)
+                self._done_sending(sending.spec.request_id)
         for load in loads.values():
-            self._receiving[load.request_id] = self._spawn(self._receive(load))
+            task = self._receiving[load.request_id] = self._spawn(self._receive(load))
+            task.add_done_callback(functools.partial(self._load_ended, load))
         for request_id in cancelled:
             receiving = self._receiving.pop(request_id, None)
             if receiving is not None:
                 receiving.cancel()
+
+    def _hold(self, spec: SendSpec, now: float, dropped: set[str]) -> None:
+        """Hold a finished request for its decode engine, unless its hand-off id is taken:
+        a second request under one id ends at once and never replaces the first."""
+        key = spec.handoff
+        layered = self._layered.get(key)
+        if layered is not None and layered.spec.request_id == spec.request_id:
+            del self._layered[key]
+            if layered.request is not None:
+                self._spawn(self._finish_layered(layered, spec))
+                return
+        elif layered is not None or key in self._sending or key in self._dropped:
+            log.warning("kvray: hand-off %s is taken; request %s is not held", key, spec.request_id)
+            self._done_sending(spec.request_id)
+            return
+        if spec.failed:
+            self._done_sending(spec.request_id)
+            dropped.add(key)
+            return
+        self._sending[key] = _Sending(spec, now + self.lease_s)
+        early = self._early.pop(key, None)
+        if early is not None:
+            self._spawn(self._push(early[0]))
+
+    def _spent(self, key: str, now: float) -> None:
+        """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
+        self._dropped[key] = now + self.lease_s
+
+    def _load_ended(self, spec: LoadSpec, task: asyncio.Task[None]) -> None:
+        """A load cancelled before its first step never ran its own reporting: report it here
+        (it reserved nothing, so its blocks are simply free)."""
+        if task.cancelled() and spec.request_id not in self._loads_begun:
+            self._receiving.pop(spec.request_id, None)
+            with self._results.lock:
+                self._results.finished_recving.add(spec.request_id)
+        self._loads_begun.discard(spec.request_id)
+
+    def preempt(self, keys: Collection[str]) -> None:
+        """vLLM preempted these layer-wise requests (from vLLM's thread, before the step's
+        forward): return once no layer copy reads their blocks. The decode engine's ask is
+        kept; the request is pushed whole once it runs again and finishes."""
+        if self._loop is None or not keys:
+            return
+        try:
+            self._loop.run(self._preempt(set(keys)), timeout=self.settings.transfer_timeout_s + 5.0)
+        except TimeoutError:
+            log.error("kvray: layer copies of preempted requests %s did not end in time", sorted(keys))
+
+    async def _preempt(self, keys: set[str]) -> None:
+        for key in keys:
+            layered = self._layered.pop(key, None)
+            if layered is None:
+                continue
+            if layered in self._this_step:
+                self._this_step.remove(layered)
+            await asyncio.gather(*layered.pushes, return_exceptions=True)
+            if layered.request is None:
+                continue
+            assert self._agent is not None
+            await self._agent.forget_layers(layered.request.reservation.request_id)
+            self._early[key] = (layered.request, time.monotonic())
 
     def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
         """This step's forward computes these requests' whole prompts (from vLLM's thread,
@@ -526,10 +612,15 @@ class ConnectorWorker:
         vLLM's again only once no write of the request can land."""
         agent = self._agent
         assert agent is not None
+        self._loads_begun.add(spec.request_id)
         ok = False
         reserved = False
         cancelled = False
         try:
+            if spec.refusal:
+                raise NotExpectedError(
+                    f"request {spec.request_id!r} was refused: {spec.refusal}", request_id=spec.request_id
+                )
             prefill = await self._prefill_engine(spec)
             if prefill.engine_id != spec.prefill_engine or spec.prefill_incarnation not in (
                 None,
@@ -537,7 +628,7 @@ class ConnectorWorker:
             ):
                 raise StaleIncarnationError(
                     f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} "
-                    f"incarnation {spec.prefill_incarnation}, but carries the info of "
+                    f"incarnation {spec.prefill_incarnation}, but the coordinator knows "
                     f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
                     engine_id=spec.prefill_engine,
                 )
@@ -586,30 +677,35 @@ class ConnectorWorker:
                     self._results.failed_recving.add(spec.request_id)
                     self._results.load_errors.update(spec.block_ids)
 
-    async def _prefill_engine(self, spec: LoadSpec) -> EngineInfo:
-        """The prefill engine's info: as the request carries it, else from the coordinator."""
-        if spec.prefill_info:
-            return decode_engine_info(spec.prefill_info)
+    async def _prefill_engine(self, spec: LoadSpec) -> PrefillAddress:
+        """Where the prefill engine takes push requests: as its own ticket names it, else (the
+        request came here first) from the coordinator."""
+        if spec.prefill_incarnation is not None:
+            return PrefillAddress(
+                spec.prefill_engine, spec.prefill_incarnation, spec.prefill_node, spec.prefill_inbox
+            )
         agent = self._agent
         assert agent is not None
         if self._replica is None:
             raise NotExpectedError(
-                f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} without its "
-                f"info (kvray_prefill_info): only an engine that joined Ray (ray_address) can look it "
-                "up; pass the prefill engine's kv_transfer_params instead",
+                f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} alone: only "
+                "an engine that joined Ray (ray_address) can look it up; give this engine the "
+                "prefill engine's kv_transfer_params instead",
                 engine_id=spec.prefill_engine,
             )
         peer = await agent.peer(spec.prefill_engine, wait_s=self.settings.lookup_timeout_s)
-        return peer.info
+        info = peer.info
+        return PrefillAddress(
+            info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
+        )
 
-    async def _ask_to_push(self, prefill: EngineInfo, request: PushRequest) -> None:
+    async def _ask_to_push(self, prefill: PrefillAddress, request: PushRequest) -> None:
         """Send the push request: through the prefill engine's inbox on this node, else
         through its host actor (found by the coordinator, which must know this incarnation)."""
         agent = self._agent
         assert agent is not None and self._outbox is not None
-        inbox = prefill.endpoints.get(PUSH_ENDPOINT)
-        if inbox and prefill.node_id == agent.node_id:
-            await self._outbox.send(inbox, encode(request))
+        if prefill.inbox and prefill.node_id == agent.node_id:
+            await self._outbox.send(prefill.inbox, encode(request))
             return
         if self._replica is None:
             raise NotExpectedError(
@@ -695,7 +791,9 @@ class ConnectorWorker:
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
                 await agent.abort(reservation, _why(error))
         finally:
-            self._sending.pop(request.request_id, None)
+            if self._sending.get(request.request_id) is sending:
+                del self._sending[request.request_id]
+                self._spent(request.request_id, time.monotonic())
             self._done_sending(sending.spec.request_id)
 
     # ---- prefill side, layer by layer -------------------------------------------------
@@ -703,6 +801,11 @@ class ConnectorWorker:
     def _begin_layerwise(self, specs: dict[str, LayerwiseSpec]) -> None:
         self._this_step = []
         for spec in specs.values():
+            if spec.key in self._layered or spec.key in self._sending or spec.key in self._dropped:
+                log.warning(
+                    "kvray: hand-off %s is taken; request %s is not pushed", spec.key, spec.request_id
+                )
+                continue
             layered = self._layered[spec.key] = _Layered(spec)
             self._this_step.append(layered)
             early = self._early.pop(spec.key, None)
@@ -767,6 +870,7 @@ class ConnectorWorker:
             with contextlib.suppress(Exception):
                 await agent.abort(reservation, _why(error))
         finally:
+            self._spent(layered.spec.key, time.monotonic())
             self._done_sending(spec.request_id)
 
     async def _record(
@@ -865,7 +969,9 @@ def _why(error: BaseException) -> str:
 _ENDED_WITHOUT_KV = "the prefill request ended without its KV"
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
-CONNECTOR_KEYS = frozenset({"lease_s", "digest_log", "digest_every", "seed_bug", "ray_address", "node_id"})
+CONNECTOR_KEYS = frozenset(
+    {"lease_s", "digest_log", "digest_every", "seed_bug", "ray_address", "node_id", "handoff_key"}
+)
 
 
 def settings_from(extra: Mapping[str, Any]) -> Settings:

@@ -1,0 +1,173 @@
+"""`KvrayConnector`'s scheduler side against the kv_transfer_params a client can send: nothing
+raises inside vLLM's scheduler (an exception there ends the engine core), a forged or malformed
+load fails that request's load at once, an unsigned hold is not held, hand-off ids are minted
+here, and what a prefill engine answers carries only what the decode side needs. No engine is
+started (vLLM's request statuses are imported)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm_installed import require_vllm
+
+require_vllm()
+
+from vllm.v1.request import RequestStatus  # noqa: E402 - after the check that vLLM is installed
+
+from kvray.integrations.vllm import tickets  # noqa: E402 - after the check that vLLM is installed
+from kvray.integrations.vllm.connector import KvrayHandshake, _Scheduler  # noqa: E402 - after the check
+
+KEY = tickets.HandoffKey.from_hex(tickets.new_key_hex())
+BLOCK_SIZE = 16
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def request(request_id: str, params: Any, tokens: int = 40) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        kv_transfer_params=params,
+        prompt_token_ids=list(range(tokens)),
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+
+
+def scheduler() -> _Scheduler:
+    sched = _Scheduler("vllm-p", BLOCK_SIZE, KEY)
+    sched.handshake = KvrayHandshake("vllm-p", 5, "node-1", "/dev/shm/kvray-inbox")
+    return sched
+
+
+def run_decode(sched: _Scheduler, req: SimpleNamespace) -> Any:
+    """vLLM's scheduler calls for a decode request: match, allocate, build the step's metadata."""
+    count, asynchronous = sched.matched(req, 0)
+    if count:
+        sched.allocated(req, Blocks([3, 4, 5]), count)
+    return count, asynchronous, sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+
+
+def test_a_prefill_engine_mints_the_hand_off_id_and_answers_only_what_the_decode_side_needs() -> None:
+    sched = scheduler()
+    # One client request_id twice (vLLM adds its own suffix to each).
+    first = request("cmpl-dup-1-a1b2c3d4", {"do_remote_decode": True})
+    second = request("cmpl-dup-1-e5f6a7b8", {"do_remote_decode": True})
+    answers = []
+    for req in (first, second):
+        sched.allocated(req, Blocks([1, 2]), 0)
+        held, params = sched.finished(req, ([1, 2],))
+        assert held
+        answers.append(params)
+    ids = [tickets.read_held(KEY, params).request for params in answers]
+    assert ids[0] != ids[1] and "dup" not in ids[0]
+    assert set(answers[0]) == {
+        "do_remote_prefill",
+        "do_remote_decode",
+        tickets.PREFILL_ENGINE,
+        tickets.PREFILL_INCARNATION,
+        tickets.PREFILL_REQUEST,
+        tickets.PREFILL_NODE,
+        tickets.PREFILL_INBOX,
+        tickets.TAG,
+    }
+    meta = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+    assert {spec.key for spec in meta.sends.values()} == set(ids)
+
+
+def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
+    prefill = scheduler()
+    held_req = request("p-1", {"do_remote_decode": True})
+    prefill.allocated(held_req, Blocks([1, 2, 3]), 0)
+    _, params = prefill.finished(held_req, ([1, 2, 3],))
+    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    count, asynchronous, meta = run_decode(decode, request("d-1", dict(params)))
+    assert (count, asynchronous) == (40, True)
+    spec = meta.loads["d-1"]
+    assert not spec.refusal
+    assert (spec.prefill_engine, spec.prefill_incarnation, spec.prefill_inbox) == (
+        "vllm-p",
+        5,
+        "/dev/shm/kvray-inbox",
+    )
+    assert spec.block_ids == (3, 4, 5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_prefill": True, tickets.PREFILL_ENGINE: "vllm-p", tickets.PREFILL_INCARNATION: "x"},
+        {"do_remote_prefill": True, tickets.PREFILL_ENGINE: "vllm-p", tickets.HANDOFF: "a" * 32},
+        {"do_remote_prefill": True, tickets.PREFILL_ENGINE: ["vllm-p"], tickets.HANDOFF: 5},
+        {"do_remote_prefill": True, tickets.PREFILL_REQUEST: None, "kvray_prefill_info": "!!not base64"},
+        {"do_remote_prefill": True, tickets.PREFILL_ENGINE: "vllm-p", tickets.PREFILL_INCARNATION: 2**80},
+    ],
+)
+def test_a_forged_or_malformed_load_fails_that_load_and_raises_nothing(params: dict[str, Any]) -> None:
+    count, asynchronous, meta = run_decode(scheduler(), request("d-1", params))
+    assert (count, asynchronous) == (40, True)
+    assert meta.loads["d-1"].refusal and meta.loads["d-1"].block_ids == (3, 4, 5)
+
+
+def test_an_unsigned_hold_is_not_held() -> None:
+    sched = scheduler()
+    req = request("p-1", {"do_remote_decode": True, tickets.HANDOFF: "b" * 32})
+    sched.allocated(req, Blocks([1]), 0)
+    assert sched.finished(req, ([1],)) == (False, None)
+    assert not sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends
+
+
+def test_a_release_names_this_engines_own_held_ticket() -> None:
+    sched = scheduler()
+    req = request("p-1", {"do_remote_decode": True})
+    sched.allocated(req, Blocks([1]), 0)
+    _, params = sched.finished(req, ([1],))
+    key = tickets.read_held(KEY, params).request
+    sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+    forged = {**tickets.release_params(params), tickets.PREFILL_REQUEST: "c" * 32}
+    for params_sent in (forged, tickets.release_params(params)):
+        assert sched.matched(request("p-2", params_sent, tokens=1), 0) == (0, False)
+    assert sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).released == {key}
+
+
+anything = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+keys = st.sampled_from(
+    [
+        "do_remote_prefill",
+        "do_remote_decode",
+        tickets.PREFILL_ENGINE,
+        tickets.PREFILL_INCARNATION,
+        tickets.PREFILL_REQUEST,
+        tickets.PREFILL_NODE,
+        tickets.PREFILL_INBOX,
+        tickets.HANDOFF,
+        tickets.TAG,
+        tickets.RELEASE,
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(anything, st.dictionaries(keys, anything, max_size=9)))
+def test_no_kv_transfer_params_raise_inside_the_scheduler(params: Any) -> None:
+    sched = scheduler()
+    req = request("r-1", params)
+    count, _ = sched.matched(req, 0)
+    sched.allocated(req, Blocks([1, 2, 3]), count)
+    sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids={"r-1"}))
+    sched.finished(req, ([1, 2, 3],))
+    sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
