@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from kvray.config import Settings
+from kvray.config import TIMEOUT_CEILING_S, Settings
 from kvray.errors import (
     KvrayError,
     RegistrationRefusedError,
@@ -49,6 +49,11 @@ LAPSED_HEARTBEATS = 5
 TAKEOVER_WAIT_S = 2 * LIVENESS_PROBE_S
 #: The shortest registrant secret accepted, in bytes.
 MIN_SECRET_BYTES = 16
+#: The longest a lookup waits for an engine to register, whatever its caller asks: the longest
+#: wait any deployment's `max_timeout_s` allows (an agent clamps to its own first).
+MAX_LOOKUP_WAIT_S = TIMEOUT_CEILING_S
+#: Checks and clamps the waits callers ask of the coordinator (`Settings.deadline`).
+_WAITS = Settings(max_timeout_s=MAX_LOOKUP_WAIT_S)
 
 
 @dataclass
@@ -81,7 +86,7 @@ class Coordinator:
         self.epoch = secrets.randbits(62)
         self._engines: dict[str, _Entry] = {}
         self._changed = asyncio.Condition()
-        self._lapse_s = lapse_s
+        self._lapse_s = _WAITS.deadline(lapse_s, 10.0, "lapse_s")
         self.dropped_dead = 0
 
     async def register(self, info_bytes: bytes, host: Any, secret: bytes) -> int:
@@ -158,7 +163,10 @@ class Coordinator:
         return True
 
     async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
-        """(engine info bytes, host actor) of `engine_id`, waiting up to `timeout_s` for it."""
+        """(engine info bytes, host actor) of `engine_id`, waiting up to `timeout_s` for it
+        (0 or None: not at all; more than `MAX_LOOKUP_WAIT_S`: that long). NaN, infinities, negative
+        values and non-numbers raise `ConfigError`: nothing waits forever."""
+        timeout_s = _WAITS.deadline(timeout_s, 0.0, "timeout_s", allow_zero=True)
         try:
             async with asyncio.timeout(timeout_s), self._changed:
                 await self._changed.wait_for(lambda: engine_id in self._engines)

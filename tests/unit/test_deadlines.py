@@ -15,9 +15,11 @@ import pytest
 import pytest_asyncio
 from agent_pair import agent_pair
 
+import kvray.coordinator as coordinator_module
 from kvray.agent import KVAgent
 from kvray.config import TIMEOUT_CEILING_S, Settings
-from kvray.errors import ConfigError, TransferTimeoutError
+from kvray.coordinator import MAX_LOOKUP_WAIT_S, Coordinator
+from kvray.errors import ConfigError, TransferTimeoutError, UnknownEngineError
 from kvray.layout import BlockOrder, mixed
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
@@ -70,6 +72,7 @@ def test_deadline_takes_numbers_and_defaults() -> None:
         ("notify_timeout_s", math.nan),
         ("heartbeat_s", 1000.0),
         ("max_cached_peers", 0),
+        ("max_mapped_bytes", 0),
     ],
 )
 def test_settings_bound_their_own_waits(field: str, value: object) -> None:
@@ -139,3 +142,37 @@ async def test_a_huge_wait_is_clamped_to_max_timeout_s(agents: tuple[KVAgent, KV
         with pytest.raises(TransferTimeoutError) as caught:
             await decode.wait_for_kv("never", timeout=1e12)
     assert caught.value.timeout_s == 2.0
+
+
+# ---- the coordinator's lookup: any Ray caller may name its wait ---------------------------------
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0, "5", b"5", True], ids=repr)
+async def test_a_coordinator_lookup_refuses_a_wait_that_is_not_finite_and_positive(value: Any) -> None:
+    coordinator = Coordinator()
+    async with asyncio.timeout(60):  # the test's own guard: an unchecked NaN or inf waits forever
+        with pytest.raises(ConfigError, match="timeout_s") as caught:
+            await coordinator.lookup("nobody", value)
+    assert caught.value.setting == "timeout_s"
+    with pytest.raises(ConfigError, match="lapse_s"):
+        Coordinator(lapse_s=value)
+
+
+async def test_a_coordinator_lookup_waits_at_most_its_named_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    coordinator = Coordinator()
+    asked: list[float] = []
+    real_timeout = asyncio.timeout
+
+    def timeout(delay: float) -> Any:
+        asked.append(delay)
+        return real_timeout(0.01)  # what was asked is recorded; the test need not wait a day
+
+    monkeypatch.setattr(coordinator_module.asyncio, "timeout", timeout)
+    with pytest.raises(UnknownEngineError) as caught:
+        await coordinator.lookup("nobody", 1e12)
+    monkeypatch.undo()
+    assert asked == [MAX_LOOKUP_WAIT_S] and caught.value.timeout_s == MAX_LOOKUP_WAIT_S
+    assert MAX_LOOKUP_WAIT_S == TIMEOUT_CEILING_S
+    # A wait of zero is an answer now, and an engine that is there is found at once.
+    with pytest.raises(UnknownEngineError):
+        await coordinator.lookup("nobody", 0)
