@@ -103,6 +103,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: handles, RDMA connections, offset tables); the least recently used beyond this is
     #: forgotten and looked up again when next needed.
     max_cached_peers: int = 256
+    #: Bytes of peers' shared memory one writer keeps mapped (`shm`); past it the least recently
+    #: used peers are unmapped first (and mapped again when next written to).
+    max_mapped_bytes: int = 1 << 40
     #: Requests one decode agent may expect at once (the slots of its claim board).
     max_expected_requests: int = 4096
     #: Take notices from writers on other nodes over an authenticated TCP connection
@@ -150,6 +153,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "verbs_signal_every",
             "verbs_queue_depth",
             "max_cached_peers",
+            "max_mapped_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", setting=name, value=getattr(self, name))

@@ -181,15 +181,28 @@ V = TypeVar("V")
 class PeerCache(Generic[K, V]):
     """What a transport opened for its peers (mappings, handles, connections), each entry
     under (engine, incarnation, part): one incarnation per engine (opening another drops the
-    old one's entries) and at most `max_peers` engines, the least recently used forgotten
-    first. A dropped entry goes to `drop` (e.g. to unmap it once its last user is done)."""
+    old one's entries), at most `max_peers` engines and, where entries have a size (`nbytes`),
+    at most `max_nbytes` in all; the least recently used engines are forgotten first, never
+    the one just opened. A dropped entry goes to `drop` (e.g. to unmap it once its last user
+    is done)."""
 
-    def __init__(self, max_peers: int, drop: Callable[[V], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_peers: int,
+        drop: Callable[[V], None] | None = None,
+        *,
+        nbytes: Callable[[V], int] | None = None,
+        max_nbytes: int | None = None,
+    ) -> None:
         self._max_peers = max_peers
         self._drop = drop
+        self._nbytes = nbytes
+        self._max_nbytes = max_nbytes
         self._entries: dict[tuple[str, int, K], V] = {}
         #: Engines with entries, least recently used first.
         self._engines: OrderedDict[str, int] = OrderedDict()
+        #: The size of every entry, by `nbytes`.
+        self.total_nbytes = 0
 
     def get(self, engine_id: str, incarnation: int, part: K) -> V | None:
         """The entry, if one is open; counts as a use of the engine."""
@@ -200,16 +213,26 @@ class PeerCache(Generic[K, V]):
     def put(self, engine_id: str, incarnation: int, part: K, value: V) -> None:
         if self._engines.get(engine_id, incarnation) != incarnation:
             self.forget(engine_id)
-        self._entries[(engine_id, incarnation, part)] = value
+        key = (engine_id, incarnation, part)
+        replaced = self._entries.get(key)
+        self._entries[key] = value
+        if self._nbytes is not None:
+            self.total_nbytes += self._nbytes(value) - (0 if replaced is None else self._nbytes(replaced))
         self._engines[engine_id] = incarnation
         self._engines.move_to_end(engine_id)
-        while len(self._engines) > self._max_peers:
+        while len(self._engines) > self._max_peers or (
+            self._max_nbytes is not None and self.total_nbytes > self._max_nbytes and len(self._engines) > 1
+        ):
             self.forget(next(iter(self._engines)))
 
     def pop(self, engine_id: str, incarnation: int, part: K) -> None:
         """Drop one entry."""
         value = self._entries.pop((engine_id, incarnation, part), None)
-        if value is not None and self._drop is not None:
+        if value is None:
+            return
+        if self._nbytes is not None:
+            self.total_nbytes -= self._nbytes(value)
+        if self._drop is not None:
             self._drop(value)
 
     def forget(self, engine_id: str) -> None:
@@ -217,6 +240,20 @@ class PeerCache(Generic[K, V]):
         self._engines.pop(engine_id, None)
         for key in [key for key in self._entries if key[0] == engine_id]:
             self.pop(*key)
+
+    def forget_where(self, gone: Callable[[V], bool], *, keep: str | None = None) -> list[str]:
+        """Forget every engine but `keep` one of whose entries is `gone` (e.g. its memory was
+        removed: that life of the engine is over); the engines forgotten."""
+        engines = list(
+            dict.fromkeys(
+                engine_id
+                for (engine_id, _, _), value in self._entries.items()
+                if engine_id != keep and gone(value)
+            )
+        )
+        for engine_id in engines:
+            self.forget(engine_id)
+        return engines
 
     def clear(self) -> None:
         for engine_id in list(self._engines):

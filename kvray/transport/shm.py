@@ -10,6 +10,11 @@ mapped and that the file still covers the region: a peer that shrank its file (f
 a `RegionError`, not a writer killed by SIGBUS. What remains is a race no check can close: a
 process of this user that shrinks the file between that check and the copy still kills the
 writer; kvray's own engines never shrink a backing while it is published.
+
+A removed file stays in RAM for as long as anyone maps it, and a writer may never write to a
+departed peer again to find out it left: so every write first lets go of the peers whose file
+is gone (at most once per `heartbeat_s`, and whenever a new region is to be mapped), and the
+mappings kept are bounded in bytes (`max_mapped_bytes`) as well as in peers.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import errno
 import mmap
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,7 +108,14 @@ class ShmTransport(Transport):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         #: The peers' regions mapped here, by region index.
-        self._mappings: PeerCache[int, _Mapping] = PeerCache(settings.max_cached_peers, _Mapping.retire)
+        self._mappings: PeerCache[int, _Mapping] = PeerCache(
+            settings.max_cached_peers,
+            _Mapping.retire,
+            nbytes=lambda mapping: mapping.length,
+            max_nbytes=settings.max_mapped_bytes,
+        )
+        #: When the mappings were last checked for peers that left (`time.monotonic`).
+        self._checked_at = time.monotonic()
 
     @classmethod
     def accepts(cls, peer: EngineInfo) -> bool:
@@ -139,6 +152,14 @@ class ShmTransport(Transport):
         check_write(plan, local, peer)
         ops = plan.ops
         pairs = region_pairs(ops.local_region, ops.remote_region)
+        info = peer.info
+        # Before this write holds a mapping; a region to map is memory about to grow. The peer
+        # written keeps its own: `_map` tells its writer that peer is gone.
+        due = time.monotonic() - self._checked_at >= self.settings.heartbeat_s
+        if due or any(
+            self._mappings.get(info.engine_id, info.incarnation, remote) is None for (_, remote), _ in pairs
+        ):
+            self._forget_departed(keep=info.engine_id)
         # Every region is opened and checked before the first byte moves.
         mappings = {remote_index: self._map(peer, remote_index) for (_, remote_index), _ in pairs}
         for number, ((local_index, remote_index), select) in enumerate(pairs, start=1):
@@ -282,6 +303,12 @@ class ShmTransport(Transport):
                 region=index,
                 path=path,
             )
+
+    def _forget_departed(self, keep: str) -> None:
+        """Unmap every peer but `keep` one of whose files is gone (it closed, or a restart on this
+        node swept a dead one's files): one `stat` per mapping."""
+        self._checked_at = time.monotonic()
+        self._mappings.forget_where(lambda mapping: mapping.file_state() is None, keep=keep)
 
     def forget(self, engine_id: str) -> None:
         self._mappings.forget(engine_id)

@@ -178,3 +178,91 @@ async def test_a_huge_lookup_wait_is_clamped(directory: tuple[InProcess, Setting
         assert caught.value.timeout_s == settings.max_timeout_s
     finally:
         await prefill.close()
+
+
+# ---- without a coordinator (the vLLM connector's same-node engines) ---------------------------------
+
+
+def _alone(settings: Settings, engine_id: str, role: Role) -> KVAgent:
+    return KVAgent(engine_id, role, LAYOUT, settings=settings, use_coordinator=False)
+
+
+async def _started_decodes(prefill: KVAgent, settings: Settings, count: int, prefix: str) -> list[KVAgent]:
+    """`count` decode engines, started and wired into `prefill` by hand (no directory to ask)."""
+    decodes = [_alone(settings, f"{prefix}{index}", Role.DECODE) for index in range(count)]
+    for decode in decodes:
+        await decode.start()
+        prefill.add_peer(decode.info)
+    return decodes
+
+
+def _writer_mappings(decodes: list[KVAgent]) -> Callable[[], list[int]]:
+    """How many mappings of each decode engine's file this process has beyond the engine's own
+    (which last as long as its tensors, after it closed too): the writer's."""
+    paths = [decode.backing.regions[0].shm_path or "" for decode in decodes]
+    own = [mappings_of(path) for path in paths]
+    return lambda: [mappings_of(path) - count for path, count in zip(paths, own, strict=True)]
+
+
+async def test_without_a_coordinator_a_departed_peer_is_unmapped_at_the_next_push(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    """No heartbeat forgets a peer here, and the writer never pushes into a departed decode
+    engine again: the next push into another engine lets go of its memory (an unlinked
+    shared-memory file stays in RAM while anyone maps it), and so does a push into an engine
+    already mapped once a heartbeat period has passed."""
+    _, settings = directory
+    settings = msgspec.structs.replace(settings, max_cached_peers=256, heartbeat_s=0.2)
+    prefill = _alone(settings, "alone-p", Role.PREFILL)
+    await prefill.start()
+    decodes = await _started_decodes(prefill, settings, 4, "alone-d")
+    writer_mappings = _writer_mappings(decodes)
+    try:
+        for index, decode in enumerate(decodes[:3]):
+            await _push_into(prefill, decode, f"r{index}")
+        assert writer_mappings() == [1, 1, 1, 0]
+        await decodes[0].close()
+        # Mapping a new peer is when a writer's memory grows: it lets go of the departed first.
+        await _push_into(prefill, decodes[3], "r3")
+        assert writer_mappings() == [0, 1, 1, 1]
+
+        await decodes[1].close()
+        await asyncio.sleep(settings.heartbeat_s)
+        await _push_into(prefill, decodes[2], "r4")  # mapped already
+        assert writer_mappings() == [0, 0, 1, 1]
+    finally:
+        for decode in decodes:
+            await decode.close()
+        await prefill.close()
+
+
+async def test_a_writer_keeps_at_most_max_mapped_bytes_of_peers_mapped(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    """The bound is on bytes too, not only on engines: past `max_mapped_bytes` the least
+    recently used engines' mappings go, never the one being written."""
+    _, settings = directory
+    decodes = [_alone(settings, f"bytes-d{index}", Role.DECODE) for index in range(3)]
+    for decode in decodes:
+        await decode.start()
+    writer_mappings = _writer_mappings(decodes)
+    region_nbytes = decodes[0].info.regions[0].length
+    # Room for two engines' regions, not three.
+    bound = region_nbytes * 2 + region_nbytes // 2
+    bounded = msgspec.structs.replace(settings, max_cached_peers=256, max_mapped_bytes=bound)
+    prefill = _alone(bounded, "bytes-p", Role.PREFILL)
+    await prefill.start()
+    for decode in decodes:
+        prefill.add_peer(decode.info)
+    try:
+        await _push_into(prefill, decodes[0], "a")
+        await _push_into(prefill, decodes[1], "b")
+        assert writer_mappings() == [1, 1, 0]
+        await _push_into(prefill, decodes[2], "c")  # over the bound: d0, the least recently used, goes
+        assert writer_mappings() == [0, 1, 1]
+        await _push_into(prefill, decodes[0], "d")  # mapped again; d1 goes
+        assert writer_mappings() == [1, 0, 1]
+    finally:
+        for decode in decodes:
+            await decode.close()
+        await prefill.close()
