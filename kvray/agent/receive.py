@@ -354,6 +354,9 @@ class Receiving:
                         engine_id=self.engine.engine_id,
                     )
                 )
+                # Retrieved here, or asyncio logs it for a request nobody waits for; a
+                # wait_for_kv under way still raises it.
+                expectation.future.exception()
         self._pending.clear()
         if self.board is not None:
             self.board.dispose()
