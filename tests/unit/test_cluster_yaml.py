@@ -48,3 +48,19 @@ def test_every_node_runs_with_token_auth_and_the_dashboard_stays_on_loopback() -
     text = CONFIG.read_text()
     assert "0.0.0.0" not in text and "RAY_AUTH_MODE=disabled" not in text
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+def test_nodes_install_the_tested_versions_with_the_pip_they_have() -> None:
+    """Setup never upgrades pip at boot (a pip no one tested), and every install it runs is held
+    to constraints/tested.txt, the versions CI tests with."""
+    config = yaml.safe_load(CONFIG.read_text())
+    commands = config["setup_commands"]
+    assert not [command for command in commands if "--upgrade pip" in command or "-U pip" in command]
+    assert "--upgrade pip" not in CONFIG.read_text()
+    installs = [command for command in commands if "pip install" in command]
+    assert installs, commands
+    for command in installs:
+        assert '-c "$HOME/kvray/constraints/tested.txt"' in command, command
+    assert (CONFIG.parent / "constraints" / "tested.txt").is_file()
+    ci = (CONFIG.parent / ".ci" / "run").read_text()
+    assert "pip install -q -c constraints/tested.txt -e '.[dev,vllm]'" in ci
