@@ -12,11 +12,13 @@ import contextlib
 import ctypes
 import enum
 import itertools
+import mmap
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvray.config import Settings, check_alignment
@@ -29,7 +31,7 @@ from kvray.layout import (
     align_up,
     per_layer_placement,
 )
-from kvray.owned import create_owned_file, is_owned_name, remove_owned
+from kvray.owned import create_owned_file, is_owned_name, open_owned_file, remove_owned
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
@@ -210,7 +212,7 @@ class Backing:
             buffer = torch.empty(alloc_nbytes, dtype=torch.uint8)
             _advise_huge_pages(buffer.data_ptr(), alloc_nbytes)
         elif kind is MemoryKind.SHM:
-            shm_path, buffer = _create_shm_buffer(settings.shm_dir, alloc_nbytes)
+            shm_path, buffer = create_shm_buffer(settings.shm_dir, alloc_nbytes)
         else:
             if not torch.cuda.is_available():
                 raise RegionError("a CUDA backing needs a CUDA device, and torch sees none")
@@ -502,17 +504,31 @@ def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor,
     return buffer, pool
 
 
-def _create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
-    """A fresh owned file in `shm_dir` of `nbytes`, mapped shared."""
+def create_shm_buffer(shm_dir: str, nbytes: int) -> tuple[str, torch.Tensor]:
+    """A fresh kvray shared-memory file in `shm_dir` of `nbytes` zero bytes, and a uint8 tensor
+    mapping all of it (shared): its path and the tensor.
+
+    The file is sized and mapped through the descriptor that created it, never reopened by
+    name (another process of this user could rename a file of its own over the name in
+    between). It is kept until `kvray.owned.remove_owned(path)` or this process's exit; the
+    mapping lives as long as any view of the tensor, and once this process is gone, even
+    killed, the next kvray file made in `shm_dir` sweeps the file away."""
     path = create_owned_file(shm_dir)
     try:
-        os.truncate(path, nbytes)
-        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        fd = open_owned_file(path)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        # The numpy array holds the mapping open (an exported buffer) for as long as the tensor,
+        # or any view of it, lives: it cannot be unmapped under a view.
+        buffer = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
     except Exception as error:
         remove_owned(path)
         if isinstance(error, OSError):
             raise RegionError(
-                f"cannot size the shared-memory file {path} to {nbytes} bytes: {error}",
+                f"cannot size and map the shared-memory file {path} to {nbytes} bytes: {error}",
                 path=path,
             ) from error
         raise

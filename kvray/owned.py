@@ -93,6 +93,23 @@ def create_owned_folder(shm_dir: str) -> str:
     return _create_owned(shm_dir, folder=True)
 
 
+def open_owned_file(path: str) -> int:
+    """A new read-write descriptor (close-on-exec) of the file `create_owned_file` made at
+    `path` in this process, opened through the descriptor that made it, never by name: a name
+    can be made to name another file after it was created, a descriptor cannot. It is an open
+    file of its own, not a duplicate, so neither it nor a mapping made through it holds the
+    file's lock. The caller closes it."""
+    # Under the lock: `remove_owned` cannot close the descriptor (and its number be reused).
+    with _OWNED_LOCK:
+        owned = _OWNED.get(path)
+        if owned is None or owned[1] != os.getpid():
+            raise RegionError(f"{path} is not a shared-memory file this process made and owns", path=path)
+        try:
+            return os.open(f"/proc/self/fd/{owned[0]}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            raise RegionError(f"cannot open the shared-memory file {path}: {error}", path=path) from error
+
+
 def remove_owned(path: str) -> None:
     """Remove a file or folder made by `_create_owned`, then release its lock (in that order: an
     unlocked entry is fair game for a sweeper)."""
