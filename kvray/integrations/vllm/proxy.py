@@ -62,12 +62,21 @@ def check_request(body: object, max_model_len: int | None) -> str | None:
     return None
 
 
-def build_app(prefill: str, decode: str) -> FastAPI:
-    """The proxy as an ASGI app over the two servers' base URLs."""
-    app = FastAPI(title="kvray P/D proxy")
-    client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT_S)
+def build_app(prefill: str, decode: str, client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The proxy as an ASGI app over the two servers' base URLs (`client`: the HTTP client it
+    reaches them with, e.g. one over `httpx.MockTransport` in tests)."""
+    client = client or httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT_S)
     context: dict[str, int] = {}
     releases: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if releases:  # tickets on their way back to the prefill server
+            await asyncio.wait(releases, timeout=RELEASE_TIMEOUT_S)
+        await client.aclose()
+
+    app = FastAPI(title="kvray P/D proxy", lifespan=lifespan)
 
     async def max_model_len(model: object) -> int | None:
         """The decode server's context length for `model` (asked once per model)."""
@@ -136,8 +145,8 @@ def build_app(prefill: str, decode: str) -> FastAPI:
             return Response(decoded.content, decoded.status_code, media_type="application/json")
 
         async def relay() -> AsyncIterator[bytes]:
-            # Unless the answer streamed to its end, the decode engine may never ask for the
-            # KV (refused, or the client hung up first): release it (a no-op once pushed).
+            # Until the first token comes (which the decode engine computes from the pushed KV)
+            # it may never ask for the KV (refused, or the client hung up): release it then.
             relayed = False
             try:
                 async with client.stream("POST", f"{decode}{path}", json=second) as upstream:
@@ -147,8 +156,8 @@ def build_app(prefill: str, decode: str) -> FastAPI:
                         yield b"data: " + json.dumps(failure).encode() + b"\n\n"
                         return
                     async for chunk in upstream.aiter_raw():
+                        relayed = True
                         yield chunk
-                    relayed = True
             finally:
                 if not relayed:
                     release_soon(body, params)
@@ -170,10 +179,6 @@ def build_app(prefill: str, decode: str) -> FastAPI:
             if answer.status_code != 200:
                 return Response(status_code=503)
         return Response(status_code=200)
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await client.aclose()
 
     return app
 
