@@ -36,11 +36,31 @@ def is_owned_name(name: str) -> bool:
 # its owner for as long as it exists. The kernel drops the lock when the owner dies, in any pid
 # namespace, so a lock that can be taken is the proof that the owner is gone; a pid is not (a
 # process of another container sharing /dev/shm has a pid this one cannot see, or sees as
-# someone else's).
+# someone else's). The lock belongs to the open file, not to a descriptor: only the descriptor
+# that made an entry holds it (`open_owned_file` opens the file anew, so mappings do not), and a
+# forked child closes its copy at once (`_disown_in_child`).
 
 #: Path -> (locked descriptor, pid of the process that made it).
 _OWNED: dict[str, tuple[int, int]] = {}
 _OWNED_LOCK = threading.Lock()
+
+
+def _disown_in_child() -> None:
+    """In a child forked without exec (a multiprocessing worker, a compile pool): the entries
+    stay the parent's. The lock belongs to the open file, which the child's copies of the
+    descriptors share, so a child that kept them would keep a SIGKILLed parent's files alive
+    (unswept) for as long as it lives."""
+    for fd, _ in _OWNED.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OWNED.clear()
+    _OWNED_LOCK.release()
+
+
+# Held across the fork, so the child inherits the table whole, never half-updated.
+os.register_at_fork(
+    before=_OWNED_LOCK.acquire, after_in_parent=_OWNED_LOCK.release, after_in_child=_disown_in_child
+)
 
 
 def _create_owned(shm_dir: str, folder: bool) -> str:
@@ -118,7 +138,7 @@ def remove_owned(path: str) -> None:
     if owned is None:
         return
     fd, creator = owned
-    if creator == os.getpid():  # a forked child shares the lock, not the ownership
+    if creator == os.getpid():  # a child forked past Python's fork hooks owns nothing
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:

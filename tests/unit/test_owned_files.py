@@ -1,15 +1,22 @@
 """The shared-memory files kvray makes for KV caches (`kvray.memory.create_shm_buffer`): sized
-and mapped through the descriptor that created them, never by a name that may have changed."""
+and mapped through the descriptor that created them, never by a name that may have changed, and
+swept once their owner is gone, SIGKILLed or not, whatever children it forked."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import kvray.memory as memory
-from kvray.owned import remove_owned
+from kvray.owned import remove_owned, remove_stale_shm_files
 
 NBYTES = 3 * 4096
 
@@ -44,3 +51,68 @@ def test_a_shm_buffer_is_sized_and_mapped_through_its_descriptor_not_its_name(
     finally:
         os.close(made_fd)
         remove_owned(path)
+
+
+# ---- a KV cache file outlives no owner ---------------------------------------------------------
+
+
+_OWNER = textwrap.dedent(
+    """
+    import multiprocessing, sys, time
+    from kvray.memory import create_shm_buffer
+
+    path, buffer = create_shm_buffer(sys.argv[1], 1 << 16)
+    buffer[:] = 1
+    helper = 0
+    if sys.argv[2] == "fork":  # e.g. a compile or data-loader worker, forked and never exec'd
+        process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+        process.start()
+        helper = process.pid
+    print(path, helper, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@contextlib.contextmanager
+def kv_cache_owner(folder: str, helper: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """A process holding a KV cache file it made in `folder` (and, with `helper="fork"`, a
+    forked child that outlives it): the process, the file and the child's pid (0: none)."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, folder, helper],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = 0
+    try:
+        assert owner.stdout is not None
+        path, pid = owner.stdout.readline().split()
+        child = int(pid)
+        yield owner, path, child
+    finally:
+        owner.kill()
+        owner.wait(timeout=60)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("helper", ["none", "fork"])
+def test_a_sigkilled_owners_kv_cache_file_is_swept_and_a_live_ones_kept(tmp_path: Path, helper: str) -> None:
+    folder = str(tmp_path)
+    with (
+        kv_cache_owner(folder, helper) as (live, kept, _),
+        kv_cache_owner(folder, helper) as (killed, gone, _),
+    ):
+        assert remove_stale_shm_files(folder) == []
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        assert os.path.exists(gone), "nothing ran at the owner's exit"
+        # Its forked child (if any) lives on, holding a copy of every descriptor the owner had.
+        assert remove_stale_shm_files(folder) == [gone]
+        assert os.path.exists(kept) and live.poll() is None
+        # Any later kvray file made in the folder sweeps the same way.
+        path, _ = memory.create_shm_buffer(folder, 4096)
+        remove_owned(path)
+        assert os.path.exists(kept)
