@@ -29,10 +29,17 @@ from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the chec
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
     Engine,
     decode_first,
+    deployment_key,
     prefill_then_decode,
     transfer_config,
 )
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.tickets import (  # noqa: E402 - after the check that they are installed
+    HandoffKey,
+    hold_params,
+    load_params,
+    mint_handoff,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -64,6 +71,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             model, transfer_config({**extra, "digest_log": str(logs / "bug.jsonl"), "seed_bug": True})
         ),
         "recompute": actor.remote(model, transfer_config(extra, failure_policy="recompute")),
+        # A prefill engine of 16 blocks of 128 tokens: requests that keep generating preempt
+        # each other.
+        "small": actor.remote(
+            model,
+            transfer_config({**extra, "digest_every": 1, "digest_log": str(logs / "small.jsonl")}),
+            engine_options={"num_gpu_blocks_override": 16},
+        ),
     }
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
@@ -178,3 +192,38 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
         0,
         0,
     ]
+
+
+def test_layerwise_requests_vllm_preempts_are_pushed_whole_from_where_they_ran_again(
+    engines: dict[str, Any],
+) -> None:
+    # Hold tickets make every request layer-wise on the small prefill engine, which keeps them
+    # generating (150 tokens) until its 16 blocks run out and it preempts some, giving their
+    # blocks to others. The decode engine asks only then: a preempted request must not be pushed
+    # from the blocks it lost, but whole from the blocks it ran again in once it finishes.
+    prompts = load_prompts()[:16]
+    small, decode, logs = engines["small"], engines["decode"], engines["logs"]
+    single = ray.get(decode.generate.remote(prompts, NEW_TOKENS))
+    key = HandoffKey.from_hex(deployment_key())
+    handoffs = [mint_handoff() for _ in prompts]
+    engine = ray.get(small.kv_engine_id.remote())
+    before = ray.get(small.preemptions.remote())
+    prefilling = small.generate.remote(prompts, 150, [hold_params(key, h) for h in handoffs])
+    deadline = time.monotonic() + 120
+    while ray.get(small.preemptions.remote()) == before:
+        assert time.monotonic() < deadline, "the small prefill engine never preempted a request"
+        time.sleep(0.2)
+    decoded = ray.get(
+        decode.generate.remote(prompts, NEW_TOKENS, [load_params(key, engine, h) for h in handoffs])
+    )
+    ray.get(prefilling)
+    assert [g.token_ids for g in decoded] == [g.token_ids for g in single], failures(
+        logs / "small.jsonl", logs / "d.jsonl"
+    )
+    sent = by_request(logs / "small.jsonl", "sent")
+    received = by_request(logs / "d.jsonl", "received")
+    assert set(handoffs) <= set(sent) and set(handoffs) <= set(received)
+    assert not all(sent[h]["layerwise"] for h in handoffs), "no preempted request was pushed whole"
+    for handoff in handoffs:
+        assert sent[handoff]["layers"] and sent[handoff]["layers"] == received[handoff]["layers"], handoff
+    assert ray.get([small.blocks_in_use.remote(), decode.blocks_in_use.remote()]) == [0, 0]

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,116 @@ def test_chat_and_streaming_through_the_proxy(servers: dict[str, str]) -> None:
             if line.startswith("data: ") and line != "data: [DONE]":
                 streamed.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
     assert "".join(streamed) == expected
+
+
+# ---- the serving boundary, against the live servers ------------------------------------------
+
+
+def kv_cache_usage(url: str, model: str) -> float:
+    """The KV cache usage the server's engine records once one more one-token request has run
+    (vLLM records it as each step ends): 0.0 when no block is held."""
+    complete(url, model, ".", max_tokens=1)
+    for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the server exports no vllm:kv_cache_usage_perc")
+
+
+def prompt_tokens(url: str) -> float:
+    """How many prompt tokens the server's engine has computed so far."""
+    for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the server exports no vllm:prompt_tokens_total")
+
+
+def test_forged_and_malformed_params_fail_only_their_own_request(servers: dict[str, str]) -> None:
+    # A client that reaches the decode server directly chooses kv_transfer_params: none of them
+    # may raise inside vLLM's scheduler (which would end the engine), forged ones are refused,
+    # and the engine serves the next request exactly.
+    model, decode, prefill = servers["model"], servers["decode"], servers["prefill"]
+    prompt = load_prompts()[0]
+    expected = complete(decode, model, prompt)["choices"][0]["text"]
+    held = complete(prefill, model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    ticket = held["kv_transfer_params"]
+    assert set(ticket) >= {"kvray_prefill_engine", "kvray_prefill_request", "kvray_tag"}
+    assert "kvray_prefill_info" not in ticket  # the engine's info (its listener key) stays inside kvray
+    forged = [
+        {"do_remote_prefill": True, "kvray_prefill_engine": "x", "kvray_prefill_incarnation": "not a number"},
+        {
+            "do_remote_prefill": True,
+            "kvray_prefill_engine": ticket["kvray_prefill_engine"],
+            "kvray_handoff": "dup",
+        },
+        {"do_remote_prefill": True, "kvray_prefill_request": None, "kvray_prefill_info": "!!not base64"},
+        {**ticket, "kvray_prefill_inbox": "/tmp/elsewhere.sock"},
+        {**ticket, "kvray_prefill_incarnation": ticket["kvray_prefill_incarnation"] + 1},
+        {**ticket, "kvray_tag": "0" * 64},
+    ]
+    for params in forged:
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+        answer = httpx.post(
+            f"{decode}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=300.0
+        )
+        # kv_load_failure_policy "fail": the load fails, the request ends with an error, or
+        # (a finished response) with no text made up from someone else's KV.
+        if answer.status_code == 200:
+            choice = answer.json()["choices"][0]
+            assert choice["finish_reason"] == "error" or choice["text"] == "", (params, choice)
+        else:
+            assert 400 <= answer.status_code < 600 and "error" in answer.text.lower(), answer.text
+        assert httpx.get(f"{decode}/health", timeout=10.0).status_code == 200
+    # The genuine ticket still works (none of the forgeries consumed it), and the engine is exact.
+    genuine = complete(decode, model, prompt, kv_transfer_params=ticket)
+    assert genuine["choices"][0]["text"] == expected
+    assert complete(decode, model, prompt)["choices"][0]["text"] == expected
+    assert kv_cache_usage(decode, model) == 0.0 and kv_cache_usage(prefill, model) == 0.0
+
+
+def test_a_held_request_is_freed_when_its_ticket_comes_back(servers: dict[str, str]) -> None:
+    model, prefill = servers["model"], servers["prefill"]
+    held = complete(
+        prefill, model, load_prompts()[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    assert kv_cache_usage(prefill, model) > 0.0  # held for a decode engine (lease 120 s)
+    forged = {**held["kv_transfer_params"], "kvray_release": True, "kvray_prefill_request": "e" * 32}
+    complete(prefill, model, ".", max_tokens=1, kv_transfer_params=forged)
+    assert kv_cache_usage(prefill, model) > 0.0  # a forged release frees nothing
+    release = {**held["kv_transfer_params"], "do_remote_prefill": False, "kvray_release": True}
+    complete(prefill, model, ".", max_tokens=1, kv_transfer_params=release)
+    assert kv_cache_usage(prefill, model) == 0.0
+
+
+def test_what_the_decode_leg_would_refuse_is_refused_before_the_prefill_runs(servers: dict[str, str]) -> None:
+    model, proxy, prefill = servers["model"], servers["proxy"], servers["prefill"]
+    before = prompt_tokens(prefill)
+    bodies: list[Any] = [
+        {"model": model, "prompt": "The capital of France is", "max_tokens": 100000},
+        {
+            "model": model,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "stream_options": {"include_usage": True},
+        },
+        ["not", "an", "object"],
+        "text",
+    ]
+    for body in bodies:
+        answer = httpx.post(f"{proxy}/v1/completions", json=body, timeout=60.0)
+        assert answer.status_code == 400, answer.text
+    assert prompt_tokens(prefill) == before  # no prefill ran for any of them
+    assert kv_cache_usage(prefill, model) == 0.0
+
+
+def test_clients_sharing_one_request_id_each_get_their_own_answer(servers: dict[str, str]) -> None:
+    model, proxy, decode = servers["model"], servers["proxy"], servers["decode"]
+    prompts = load_prompts()[2:8]
+    alone = [complete(decode, model, prompt)["choices"][0]["text"] for prompt in prompts]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as clients:
+        served = list(clients.map(lambda p: complete(proxy, model, p, request_id="dup-1"), prompts))
+    assert [answer["choices"][0]["text"] for answer in served] == alone
+    again = [
+        complete(proxy, model, prompt, request_id="dup-1")["choices"][0]["text"] for prompt in prompts[:2]
+    ]
+    assert again == alone[:2]
+    assert kv_cache_usage(servers["prefill"], model) == 0.0 and kv_cache_usage(decode, model) == 0.0

@@ -11,7 +11,6 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 from __future__ import annotations
 
 import json
-import re
 import socket
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 from handoff_logs import by_request, failures
+from serve_llm_clients import MODEL_ID, hang_up, kv_cache_usage, wait_until_nothing_held
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 START_S = 600.0
-MODEL_ID = "smollm2"
 
 
 def free_port() -> int:
@@ -139,45 +138,6 @@ def test_eight_clients_at_once(app: dict[str, Any]) -> None:
     assert served == alone, failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
 
 
-def kv_cache_usage() -> dict[str, float]:
-    """The KV cache usage (the fraction of blocks held) that each Serve replica's vLLM engine
-    last recorded, by replica id, as Ray's metrics agents export it. An engine records it as
-    each of its steps ends, and a series not recorded for a while is no longer exported."""
-    usage: dict[str, float] = {}
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-        for line in httpx.get(url, timeout=10.0).text.splitlines():
-            if line.startswith("ray_vllm_kv_cache_usage_perc{"):
-                replica = re.search(r'ReplicaId="([^"]*)"', line)
-                assert replica is not None, line
-                usage[replica.group(1)] = float(line.rsplit(" ", 1)[1])
-    return usage
-
-
-def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: int | None = None) -> int:
-    """A streamed completion whose client goes away `after_s` seconds after sending it (whatever
-    has come back by then), or once `after_chunks` chunks have arrived: the chunks it read."""
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 384, "temperature": 0.0}
-    body.update(stream=True, ignore_eos=True)
-    if after_s is not None:
-        host, port = url.removeprefix("http://").split(":")
-        payload = json.dumps(body).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        with socket.create_connection((host, int(port))) as connection:
-            connection.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            time.sleep(after_s)
-        return 0
-    chunks = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as reply:
-        for line in reply.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks == after_chunks:
-                break
-    return chunks
-
-
 def test_clients_that_hang_up_leave_no_block_held_on_either_side(app: dict[str, Any]) -> None:
     """Clients go away before the prompt's KV has arrived (at several moments of the prefill,
     the push and the first token) and while tokens stream; once they are gone every KV block
@@ -204,9 +164,4 @@ def test_clients_that_hang_up_leave_no_block_held_on_either_side(app: dict[str, 
     prompt = prompts[44]
     alone = ray.get(app["reference"].generate.remote([prompt], NEW_TOKENS))[0].text
     assert complete(app["url"], prompt) == alone
-    deadline = time.monotonic() + 30.0
-    usage: dict[str, float] = {}
-    while len(usage) < 2 or any(usage.values()):
-        assert time.monotonic() < deadline, f"KV blocks held after every client went away: {usage}"
-        time.sleep(0.5)
-        usage.update(kv_cache_usage())
+    wait_until_nothing_held()

@@ -93,13 +93,15 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
         small = torch.zeros(10, dtype=torch.int8)
         other = torch.zeros(nbytes, dtype=torch.float32)
         buffer = torch.zeros(nbytes, dtype=torch.int8)
-    assert small.untyped_storage().filename is None and other.untyped_storage().filename is None
-    assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
-    path = buffer.untyped_storage().filename
+    # Only the one int8 CPU buffer of the KV cache is placed; it lies inside the file's mapping.
+    path = worker._shm_path
     assert (
         path is not None and os.path.dirname(path) == str(tmp_path) and is_owned_name(os.path.basename(path))
     )
-    assert torch.zeros(4, dtype=torch.int8).untyped_storage().filename is None  # the patch is gone
+    assert worker._shm_storage <= buffer.data_ptr() < worker._shm_storage + os.path.getsize(path)
+    for unplaced in (small, other, torch.zeros(4, dtype=torch.int8)):  # the last: the patch is gone
+        assert unplaced.untyped_storage().data_ptr() != worker._shm_storage
+    assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
     caches = vllm_cpu_caches(buffer)
     layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
     backing = Backing.adopt(layout, views, settings=settings, shm_path=path)

@@ -68,7 +68,8 @@ class Engine:
     `join_ray`: inside a Ray actor (the default there), the connector's worker joins the same
     Ray cluster and registers with kvray's coordinator, naming the actor's node: engines on
     other nodes then reach it (the `ray` transport). Outside Ray, or with False, the engines
-    know each other only from `kv_transfer_params` and must share a node."""
+    know each other only from `kv_transfer_params` and must share a node. `engine_options`: more
+    `vllm.LLM` arguments (e.g. `num_gpu_blocks_override`, a small KV cache)."""
 
     def __init__(
         self,
@@ -79,13 +80,14 @@ class Engine:
         kv_cache_gib: int = 1,
         dtype: str = "float32",
         join_ray: bool | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local folder: never fetch
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(engine_options or {})
         #: The engine's kvray engine id ("" without a connector): what a client names in a
         #: decode engine's `kvray_prefill_engine` to hand it a request first (`decode_first`).
         self.kv_engine = ""
@@ -108,9 +110,11 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         max_tokens: int,
         params: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        ignore_eos: bool = False,
     ) -> list[Generation]:
         """Greedy generations of `prompts` (text, or token ids), each with its
-        `kv_transfer_params` (if any)."""
+        `kv_transfer_params` (if any); `ignore_eos`: every one `max_tokens` long."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -119,6 +123,7 @@ class Engine:
             SamplingParams(
                 temperature=0.0,
                 max_tokens=max_tokens,
+                ignore_eos=ignore_eos,
                 extra_args=None if p is None else {"kv_transfer_params": dict(p)},
             )
             for p in params
@@ -154,6 +159,11 @@ class Engine:
 
     def kv_engine_id(self) -> str:
         return self.kv_engine
+
+    def preemptions(self) -> int:
+        """How many times the engine's scheduler has preempted a request."""
+        counters = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:num_preemptions"]
+        return int(sum(getattr(metric, "value", 0) for metric in counters))
 
     def node_id(self) -> str:
         """The Ray node this engine runs on ("" outside Ray)."""

