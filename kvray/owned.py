@@ -3,7 +3,8 @@ backings (`kvray.memory`) and the private folders that hold completion inboxes a
 (`kvray.completion`, `kvray.claims`). Each is named `kvray-<pid>-<random>`, created here, locked
 by its creator for as long as it exists, and removed here: by its owner (`remove_owned`, or at
 exit), or by anyone once its owner is gone (`remove_stale_shm_files`). A peer's published path
-is trusted only if it names one of these (`is_owned_name`).
+is trusted only if it names one of these (`is_owned_name`), and a file only for what its owner
+sealed it to hold (`seal_owned_file`, `read_seal`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import secrets
 import shutil
 import stat
+import struct
 import threading
 
 from kvray.errors import RegionError
@@ -42,6 +44,8 @@ def is_owned_name(name: str) -> bool:
 
 #: Path -> (locked descriptor, pid of the process that made it).
 _OWNED: dict[str, tuple[int, int]] = {}
+#: Path -> where the data of a file this process sealed ends (and its seal begins).
+_SEALED: dict[str, int] = {}
 _OWNED_LOCK = threading.Lock()
 
 
@@ -54,6 +58,7 @@ def _disown_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _OWNED.clear()
+    _SEALED.clear()
     _OWNED_LOCK.release()
 
 
@@ -130,11 +135,61 @@ def open_owned_file(path: str) -> int:
             raise RegionError(f"cannot open the shared-memory file {path}: {error}", path=path) from error
 
 
+# # A seal is what a file's owner says the file is for (the shm transport: which engine
+# incarnation's region it holds), written after the file's data by the owner alone, so a peer's
+# published description cannot claim another engine's file: it would have to write into it.
+# The file ends with the seal, the seal's length and `_SEAL_MAGIC`; the data before it never
+# moves, and sealing again replaces the seal.
+
+#: The last bytes of a sealed file.
+_SEAL_MAGIC = b"kvray-seal\x00\x01"
+#: The seal's length (little-endian) and `_SEAL_MAGIC`.
+_SEAL_TAIL = struct.Struct(f"<I{len(_SEAL_MAGIC)}s")
+#: The longest seal a file may carry.
+MAX_SEAL_BYTES = 4096
+
+
+def seal_owned_file(path: str, seal: bytes) -> None:
+    """Write `seal` after the data of the file `create_owned_file` made at `path` in this
+    process (through its own descriptor), replacing any seal written before. The data is what
+    the file held when first sealed; it never moves or shrinks."""
+    if not 0 < len(seal) <= MAX_SEAL_BYTES:
+        raise RegionError(f"a seal holds 1 to {MAX_SEAL_BYTES} bytes, not {len(seal)}", path=path)
+    tail = seal + _SEAL_TAIL.pack(len(seal), _SEAL_MAGIC)
+    fd = open_owned_file(path)
+    try:
+        with _OWNED_LOCK:
+            data_end = _SEALED.get(path)
+            if data_end is None:
+                data_end = os.fstat(fd).st_size
+            os.ftruncate(fd, data_end + len(tail))
+            os.pwrite(fd, tail, data_end)
+            _SEALED[path] = data_end
+    except OSError as error:
+        raise RegionError(f"cannot seal the shared-memory file {path}: {error}", path=path) from error
+    finally:
+        os.close(fd)
+
+
+def read_seal(fd: int, size: int) -> tuple[bytes, int] | None:
+    """The seal of an open file of `size` bytes (`seal_owned_file`) and where the file's data
+    ends; None if it carries none."""
+    if size < _SEAL_TAIL.size:
+        return None
+    length, magic = _SEAL_TAIL.unpack(os.pread(fd, _SEAL_TAIL.size, size - _SEAL_TAIL.size))
+    data_end = size - _SEAL_TAIL.size - length
+    if magic != _SEAL_MAGIC or not 0 < length <= MAX_SEAL_BYTES or data_end < 0:
+        return None
+    seal = os.pread(fd, length, data_end)
+    return (seal, data_end) if len(seal) == length else None
+
+
 def remove_owned(path: str) -> None:
     """Remove a file or folder made by `_create_owned`, then release its lock (in that order: an
     unlocked entry is fair game for a sweeper)."""
     with _OWNED_LOCK:
         owned = _OWNED.pop(path, None)
+        _SEALED.pop(path, None)
     if owned is None:
         return
     fd, creator = owned

@@ -4,12 +4,15 @@ into it with batched C copies on a few threads.
 
 A peer's region names a path, and a path is only a claim: the writer opens it only if it is a
 file kvray itself creates (directly in the configured `shm_dir`, under kvray's name pattern),
-without following a symbolic link, and only if it is a regular file owned by this user and long
-enough for the region. Before every write it checks again that the path still names the file it
-mapped and that the file still covers the region: a peer that shrank its file (ftruncate) gets
-a `RegionError`, not a writer killed by SIGBUS. What remains is a race no check can close: a
-process of this user that shrinks the file between that check and the copy still kills the
-writer; kvray's own engines never shrink a backing while it is published.
+without following a symbolic link, and only if it is a regular file owned by this user, sealed
+by its owner as a region of the very engine incarnation that publishes it (a decode engine seals
+its file when it registers: `kvray.owned.seal_owned_file`), and long enough for the region. So a
+peer can publish no other engine's file as its own. Before every write it checks again that the
+path still names the file it mapped and that the file still covers the region: a peer that
+shrank its file (ftruncate) gets a `RegionError`, not a writer killed by SIGBUS. What remains is
+a race no check can close: a process of this user that shrinks the file between that check and
+the copy still kills the writer; kvray's own engines never shrink a backing while it is
+published.
 
 A removed file stays in RAM for as long as anyone maps it, and a writer may never write to a
 departed peer again to find out it left: so every write first lets go of the peers whose file
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvray.config import Settings
@@ -40,11 +44,30 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
-from kvray.owned import is_owned_name
+from kvray.owned import is_owned_name, read_seal, seal_owned_file
 from kvray.plan import TransferPlan
 from kvray.transport._copy import scatter_copy_async
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
+
+
+class _RegionSeal(msgspec.Struct, frozen=True, kw_only=True):
+    """What a decode engine seals its shared-memory file with when it registers it: the engine
+    incarnation whose regions the file holds."""
+
+    engine_id: str
+    incarnation: int
+
+
+_seal_encoder = msgspec.msgpack.Encoder()
+_seal_decoder = msgspec.msgpack.Decoder(_RegionSeal)
+
+
+def _sealed_for(seal: bytes) -> _RegionSeal | None:
+    try:
+        return _seal_decoder.decode(seal)
+    except msgspec.DecodeError:
+        return None
 
 
 @dataclass
@@ -136,7 +159,12 @@ class ShmTransport(Transport):
                 f"{backing.kind.value} backing (allocate it with MemoryKind.SHM)",
                 engine_id=engine_id,
             )
-        return super().register(backing, engine_id, incarnation, remote_writable=remote_writable)
+        descriptors = super().register(backing, engine_id, incarnation, remote_writable=remote_writable)
+        if remote_writable:
+            seal = _seal_encoder.encode(_RegionSeal(engine_id=engine_id, incarnation=incarnation))
+            for path in {region.shm_path for region in backing.regions if region.shm_path is not None}:
+                seal_owned_file(path, seal)
+        return descriptors
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         await self._copy(plan, local, peer, None)
@@ -262,12 +290,13 @@ class ShmTransport(Transport):
                     region=index,
                     path=path,
                 )
-            size = status.st_size
+            data_end = self._check_seal(info, index, path, fd, status.st_size)
             file_end = region.handle_offset + region.length
-            if file_end > size:
+            if file_end > data_end:
                 raise RegionError(
                     f"engine {info.engine_id!r} describes region {index} as "
-                    f"[{region.handle_offset}, {file_end}) of {path}, but the file has {size} bytes",
+                    f"[{region.handle_offset}, {file_end}) of {path}, but the file holds {data_end} "
+                    "bytes of data",
                     engine_id=info.engine_id,
                 )
             mm = mmap.mmap(
@@ -289,6 +318,33 @@ class ShmTransport(Transport):
         )
         self._mappings.put(info.engine_id, info.incarnation, index, mapping)
         return mapping
+
+    @staticmethod
+    def _check_seal(info: EngineInfo, index: int, path: str, fd: int, size: int) -> int:
+        """Refuse a file its owner did not seal for this engine incarnation; where its data ends."""
+        sealed = read_seal(fd, size)
+        owner = _sealed_for(sealed[0]) if sealed is not None else None
+        if sealed is not None and owner == _RegionSeal(
+            engine_id=info.engine_id, incarnation=info.incarnation
+        ):
+            return sealed[1]
+        if owner is not None and owner.engine_id == info.engine_id:
+            raise StaleIncarnationError(
+                f"engine {info.engine_id!r} region {index} names {path}, which now holds incarnation "
+                f"{owner.incarnation}, not {info.incarnation}; nothing was written (look it up again)",
+                engine_id=info.engine_id,
+                incarnation=owner.incarnation,
+                stale_incarnation=info.incarnation,
+                path=path,
+            )
+        held = f"engine {owner.engine_id!r}'s regions" if owner is not None else "no sealed regions"
+        raise MetadataError(
+            f"engine {info.engine_id!r} region {index} names {path}, a file that holds {held}; a "
+            "region must be a file its own engine sealed when it registered, and nothing was written",
+            engine_id=info.engine_id,
+            region=index,
+            path=path,
+        )
 
     def _check_peer_path(self, engine_id: str, index: int, path: str) -> None:
         """Refuse a path that is not a kvray-made file directly in the configured `shm_dir`."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import pytest
 
-from kvray.errors import KvrayError, MetadataError, RegionError, TransportError
+from kvray.errors import KvrayError, MetadataError, RegionError, StaleIncarnationError, TransportError
 from kvray.layout import BlockOrder, KVLayout, mixed
 from kvray.memory import Backing, MemoryKind
 
@@ -287,6 +287,48 @@ async def test_a_kvray_named_fifo_is_not_a_regular_file(shm: TransportUnderTest)
             )
     finally:
         fifo.unlink()
+
+
+# ---- a region is bound to the engine that sealed its file ------------------------------------------
+
+
+async def test_a_region_naming_another_engines_file_is_refused_before_a_byte_moves(
+    shm: TransportUnderTest,
+) -> None:
+    source = shm.source(small_layout())
+    victim = shm.destination(small_layout(), engine_id="decode-0")
+    liar = shm.destination(small_layout(), engine_id="decode-1")
+    theirs = victim.info.regions[0]
+    # decode-1 publishes decode-0's file (a kvray file of this user, long enough) as its region.
+    forged = with_region(liar, handle=theirs.handle, handle_offset=theirs.handle_offset, length=theirs.length)
+    local, remote = shm.scattered(16, 4)
+    plan = shm.plan(source, liar, local, remote)
+    before_victim, before_liar = shm.snapshot(victim), shm.snapshot(liar)
+
+    with pytest.raises(MetadataError, match="holds engine 'decode-0'") as raised:
+        await shm.transport.write(plan, source.backing, shm.peer(forged))
+
+    assert type(raised.value) is MetadataError and raised.value.engine_id == "decode-1"
+    shm.assert_unchanged(victim, before_victim, "the other engine's allocation")
+    shm.assert_unchanged(liar, before_liar)
+    assert len(shm.maps(shm_path(victim))) == 1, "the writer mapped the other engine's file"
+    # Each engine's own description still works.
+    await shm.write(shm.plan(source, victim, local, remote), source, victim)
+    await shm.write(plan, source, liar)
+
+
+async def test_a_file_registered_again_refuses_its_earlier_incarnation(shm: TransportUnderTest) -> None:
+    source = shm.source(small_layout())
+    backing = Backing.allocate(small_layout(), MemoryKind.SHM)
+    old = shm.destination(small_layout(), backing=backing)
+    new = shm.destination(small_layout(), backing=backing)
+    local, remote = shm.scattered(16, 4)
+    before = shm.snapshot(new)
+    with pytest.raises(StaleIncarnationError) as raised:
+        await shm.write(shm.plan(source, old, local, remote), source, old)
+    assert raised.value.stale_incarnation == old.incarnation
+    shm.assert_unchanged(new, before)
+    await shm.write(shm.plan(source, new, local, remote), source, new)
 
 
 _SHRINKING_PEER = textwrap.dedent(

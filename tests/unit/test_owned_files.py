@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvray.memory as memory
-from kvray.owned import remove_owned, remove_stale_shm_files
+from kvray.owned import read_seal, remove_owned, remove_stale_shm_files, seal_owned_file
 
 NBYTES = 3 * 4096
 
@@ -50,6 +50,22 @@ def test_a_shm_buffer_is_sized_and_mapped_through_its_descriptor_not_its_name(
         assert os.pread(made_fd, NBYTES, 0) == b"\x5a" * NBYTES
     finally:
         os.close(made_fd)
+        remove_owned(path)
+
+
+def test_a_seal_follows_the_data_and_replaces_the_one_before(tmp_path: Path) -> None:
+    path, buffer = memory.create_shm_buffer(str(tmp_path), NBYTES)
+    buffer[:] = 0x5A
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_seal(fd, os.fstat(fd).st_size) is None
+        seal_owned_file(path, b"a first, longer seal")
+        assert read_seal(fd, os.fstat(fd).st_size) == (b"a first, longer seal", NBYTES)
+        seal_owned_file(path, b"second")
+        assert read_seal(fd, os.fstat(fd).st_size) == (b"second", NBYTES)
+        assert os.pread(fd, NBYTES, 0) == b"\x5a" * NBYTES  # the data never moves
+    finally:
+        os.close(fd)
         remove_owned(path)
 
 
