@@ -45,6 +45,11 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 }
 
 
+#: Transports whose writers name a region by its virtual address in the owner's process (an
+#: RDMA WRITE's remote address); every other one reaches a region by offset.
+_WRITES_BY_ADDRESS = frozenset({TransportKind.VERBS})
+
+
 class MemoryKind(enum.Enum):
     CPU = "cpu"
     SHM = "shm"
@@ -398,14 +403,18 @@ class Backing:
         remote_writable: bool,
     ) -> tuple[RegionDescriptor, ...]:
         """Descriptors of this backing's regions as a transport with no handle of its own
-        (shared memory: the file and the region's offset in it) would publish them."""
+        (shared memory: the file and the region's offset in it) would publish them. Only a
+        transport that writes by virtual address (`verbs`) publishes where a region lies in
+        this process; the others reach it by offset (into the file, or through the owner),
+        and their descriptors say address 0."""
+        by_address = transport in _WRITES_BY_ADDRESS
         return tuple(
             RegionDescriptor(
                 engine_id=engine_id,
                 incarnation=incarnation,
                 transport=transport,
                 index=region.index,
-                address=region.address,
+                address=region.address if by_address else 0,
                 length=region.nbytes,
                 handle=(region.shm_path or "").encode(),
                 handle_offset=region.span.offset_in_allocation,

@@ -29,7 +29,8 @@ def validate_engine_info(info: EngineInfo) -> None:
     """Check that `info` describes memory it can honestly be written through.
 
     Regions belong to this engine incarnation and are numbered 0..n-1, and no two of them share
-    a byte, neither by address nor in what a same-node writer opens (`wire.writer_target`);
+    a byte, neither by address (where one is published: 0 says the transport writes by offset)
+    nor in what a same-node writer opens (`wire.writer_target`);
     every layer of the layout has a placement consistent with its geometry; every byte any
     block of any layer can touch lies inside its region; and no two (layer, part, block)
     segments overlap, which is the shape the seed bug had on the wire (two layers at one
@@ -62,7 +63,8 @@ def validate_engine_info(info: EngineInfo) -> None:
                 engine_id=engine,
                 region=index,
             )
-        address_spans.append((region.address, region.address + region.length, index))
+        if region.address:  # 0: the transport reaches the region by offset, not by address
+            address_spans.append((region.address, region.address + region.length, index))
         try:
             target = writer_target(region)
         except WireDecodeError as error:

@@ -752,7 +752,7 @@ def test_descriptors_and_engine_info_match_the_backing(
     assert descriptor.engine_id == "decode-0" and descriptor.incarnation == 42
     assert descriptor.transport is TransportKind.SHM
     assert descriptor.index == 0
-    assert descriptor.address == region.address
+    assert descriptor.address == 0  # reached by offset: where the memory lies is not published
     assert descriptor.length == region.nbytes
     assert descriptor.handle_offset == region.span.offset_in_allocation
     assert 0 <= descriptor.handle_offset < backing.alignment
@@ -772,6 +772,31 @@ def test_descriptors_and_engine_info_match_the_backing(
     assert info.endpoints == {"qp": "17"}
     assert (info.role, info.node_id) == (Role.DECODE, "node-a")
     validate_engine_info(info)
+
+
+@pytest.mark.parametrize("transport", [TransportKind.SHM, TransportKind.RAY, TransportKind.LOOPBACK])
+def test_regions_reached_by_offset_publish_no_address(
+    transport: TransportKind, closing: Callable[[Backing], Backing]
+) -> None:
+    """A peer writes a shm region through its file and a ray region through its owner, by offset
+    either way: the owner's virtual addresses are not published (address 0), and several such
+    regions of one engine are still valid."""
+    layout = llama_gqa(num_blocks=4, num_layers=2)
+    memory = MemoryKind.SHM if transport is TransportKind.SHM else MemoryKind.CPU
+    backings = [closing(Backing.allocate(layout, memory))]
+    if memory is MemoryKind.CPU:  # every layer a tensor of its own: one region each
+        backings.append(closing(Backing.adopt(layout, padded_layer_tensors(layout, 4096, 0), alignment=4096)))
+    for backing in backings:
+        descriptors = backing.region_descriptors("decode-0", 1, transport, remote_writable=True)
+        assert [descriptor.address for descriptor in descriptors] == [0] * len(backing.regions)
+        validate_engine_info(backing.engine_info("decode-0", 1, Role.DECODE, "node-a", descriptors))
+
+
+def test_verbs_regions_keep_their_address(closing: Callable[[Backing], Backing]) -> None:
+    """RDMA writes name a remote virtual address: there it is part of the region."""
+    backing = closing(Backing.allocate(llama_gqa(num_blocks=4, num_layers=2), MemoryKind.CPU))
+    (descriptor,) = backing.region_descriptors("decode-0", 1, TransportKind.VERBS, remote_writable=True)
+    assert descriptor.address == backing.regions[0].address != 0
 
 
 def test_every_dtype_gets_a_view() -> None:
