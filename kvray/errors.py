@@ -171,6 +171,7 @@ __all__ = [
     "RegistrationRefusedError",
     "RequestCancelledError",
     "StaleIncarnationError",
+    "TicketError",
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",

@@ -89,7 +89,8 @@ class RegionDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: ByteCount
     transport: TransportKind
     index: ByteCount
-    #: Virtual address of the region's first byte in the owner's process.
+    #: Virtual address of the region's first byte in the owner's process where a writer needs it
+    #: (`verbs`); 0 where the transport reaches the region by offset (shm, ray, loopback).
     address: ByteCount
     length: ByteCount
     #: Transport handle: a shared-memory path, a CUDA IPC handle, empty for `ray`.
