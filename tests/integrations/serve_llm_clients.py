@@ -1,4 +1,4 @@
-"""Clients of a live Ray Serve LLM P/D app in the tests: the engines' KV cache usage as Ray's
+"""A live Ray Serve LLM P/D app in the tests: starting it, the engines' KV cache usage as Ray's
 metrics agents export it, and streamed completions whose client goes away."""
 
 from __future__ import annotations
@@ -7,11 +7,16 @@ import json
 import re
 import socket
 import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import httpx
 import ray
 
 MODEL_ID = "smollm2"
+#: How long the app may take to start serving (seconds).
+START_S = 600.0
 
 
 def exported(metric: str) -> dict[str, float]:
@@ -67,3 +72,46 @@ def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: i
             if chunks == after_chunks:
                 break
     return chunks
+
+
+def serving(logs: Path, extra: Mapping[str, Any], **app_options: Any) -> Iterator[dict[str, Any]]:
+    """A local Ray with Ray Serve LLM's P/D app over the test model (`extra`: both sides'
+    connector settings, each side's digest log in `logs`; `app_options`: more `build_pd_app`
+    arguments) and a reference engine without kvray: {"url", "reference", "logs"}. For a
+    module fixture (vLLM must be installed)."""
+    from ray import serve
+
+    from kvray.integrations.vllm.model import smollm2
+    from kvray.integrations.vllm.pd import Engine
+    from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving
+
+    model = str(smollm2())
+    # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
+    # Metrics each second: tests read the engines' KV cache usage from them.
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(
+        build_pd_app(
+            model,
+            model_id=MODEL_ID,
+            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
+            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
+            **app_options,
+        ),
+        blocking=False,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(url, START_S)
+    ray.get(reference.processes.remote())
+    yield {"url": url, "reference": reference, "logs": logs}
+    serve.shutdown()
+    ray.shutdown()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from handoff_logs import asked, by_request, digests, failures
+from handoff_logs import asked, by_request, digests, failures, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -71,12 +71,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             model, transfer_config({**extra, "digest_log": str(logs / "bug.jsonl"), "seed_bug": True})
         ),
         "recompute": actor.remote(model, transfer_config(extra, failure_policy="recompute")),
-        # A prefill engine of 16 blocks of 128 tokens: requests that keep generating preempt
+        # A prefill engine of 20 blocks of 128 tokens: requests that keep generating preempt
         # each other.
         "small": actor.remote(
             model,
             transfer_config({**extra, "digest_every": 1, "digest_log": str(logs / "small.jsonl")}),
-            engine_options={"num_gpu_blocks_override": 16},
+            engine_options={"num_gpu_blocks_override": 20},
         ),
     }
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
@@ -198,21 +198,21 @@ def test_layerwise_requests_vllm_preempts_are_pushed_whole_from_where_they_ran_a
     engines: dict[str, Any],
 ) -> None:
     # Hold tickets make every request layer-wise on the small prefill engine, which keeps them
-    # generating (150 tokens) until its 16 blocks run out and it preempts some, giving their
+    # generating (100 tokens) until its 20 blocks run out and it preempts some, giving their
     # blocks to others. The decode engine asks only then: a preempted request must not be pushed
     # from the blocks it lost, but whole from the blocks it ran again in once it finishes.
-    prompts = load_prompts()[:16]
+    prompts = load_prompts()[:12]  # a block each; 2 each once they have generated 100 tokens
     small, decode, logs = engines["small"], engines["decode"], engines["logs"]
     single = ray.get(decode.generate.remote(prompts, NEW_TOKENS))
     key = HandoffKey.from_hex(deployment_key())
     handoffs = [mint_handoff() for _ in prompts]
     engine = ray.get(small.kv_engine_id.remote())
-    before = ray.get(small.preemptions.remote())
-    prefilling = small.generate.remote(prompts, 150, [hold_params(key, h) for h in handoffs])
+    prefilling = small.generate.remote(prompts, 100, [hold_params(key, h) for h in handoffs], ignore_eos=True)
+    # The engine's actor is busy generating: its digest log says when a request is preempted.
     deadline = time.monotonic() + 120
-    while ray.get(small.preemptions.remote()) == before:
+    while not [r for r in records(logs / "small.jsonl") if r["side"] == "preempted"]:
         assert time.monotonic() < deadline, "the small prefill engine never preempted a request"
-        time.sleep(0.2)
+        time.sleep(0.1)
     decoded = ray.get(
         decode.generate.remote(prompts, NEW_TOKENS, [load_params(key, engine, h) for h in handoffs])
     )
@@ -224,6 +224,9 @@ def test_layerwise_requests_vllm_preempts_are_pushed_whole_from_where_they_ran_a
     received = by_request(logs / "d.jsonl", "received")
     assert set(handoffs) <= set(sent) and set(handoffs) <= set(received)
     assert not all(sent[h]["layerwise"] for h in handoffs), "no preempted request was pushed whole"
-    for handoff in handoffs:
-        assert sent[handoff]["layers"] and sent[handoff]["layers"] == received[handoff]["layers"], handoff
+    # The decode engine hashes one request in DIGEST_EVERY; the small engine every one.
+    sampled = [h for h in handoffs if received[h]["layers"]]
+    assert sampled
+    for handoff in sampled:
+        assert sent[handoff]["layers"] == received[handoff]["layers"], handoff
     assert ray.get([small.blocks_in_use.remote(), decode.blocks_in_use.remote()]) == [0, 0]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from handoff_logs import by_request, failures
-from serve_llm_clients import MODEL_ID, hang_up, kv_cache_usage, wait_until_nothing_held
+from serve_llm_clients import MODEL_ID, hang_up, kv_cache_usage, serving, wait_until_nothing_held
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -27,17 +27,12 @@ pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install 
 
 import httpx  # noqa: E402 - after the check that they are installed
 import ray  # noqa: E402 - after the check that they are installed
-from ray import serve  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
-START_S = 600.0
 
 
 def free_port() -> int:
@@ -48,35 +43,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("serve-llm")
-    model = str(smollm2())
-    # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
-    # Metrics each second: the hang-up test reads the engines' KV cache usage from them.
-    ray.init(
-        num_cpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    extra = {"transfer_timeout_s": 60.0, "digest_every": 1}  # every request: ids are random
-    serve.run(
-        build_pd_app(
-            model,
-            model_id=MODEL_ID,
-            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
-            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
-        ),
-        blocking=False,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_until_serving(url, START_S)
-    ray.get(reference.processes.remote())
-    yield {"url": url, "reference": reference, "logs": logs}
-    serve.shutdown()
-    ray.shutdown()
+    extra = {"transfer_timeout_s": 60.0, "digest_every": 1}  # every request's digests: ids are random
+    yield from serving(tmp_path_factory.mktemp("serve-llm"), extra)
 
 
 def complete(url: str, prompt: str) -> str:

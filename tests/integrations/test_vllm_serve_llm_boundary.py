@@ -9,14 +9,13 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from handoff_logs import failures
-from serve_llm_clients import MODEL_ID, exported, hang_up, wait_until_nothing_held
+from serve_llm_clients import MODEL_ID, exported, hang_up, serving, wait_until_nothing_held
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -24,18 +23,13 @@ pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install 
 
 import httpx  # noqa: E402 - after the check that they are installed
 import ray  # noqa: E402 - after the check that they are installed
-from ray import serve  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 LONG_TOKENS = 160
-START_S = 600.0
 #: The decode engine's KV cache: 24 blocks of 128 tokens, so that a few long generations at once
 #: run out of blocks and vLLM preempts some of them.
 DECODE_BLOCKS = 24
@@ -43,36 +37,13 @@ DECODE_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("serve-llm-boundary")
-    model = str(smollm2())
-    ray.init(
-        num_cpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Every request's digests: ids are random.
     extra = {"transfer_timeout_s": 60.0, "lease_s": 60.0, "digest_every": 1}
-    serve.run(
-        build_pd_app(
-            model,
-            model_id=MODEL_ID,
-            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
-            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
-            decode_options={"num_gpu_blocks_override": DECODE_BLOCKS},
-        ),
-        blocking=False,
+    yield from serving(
+        tmp_path_factory.mktemp("serve-llm-boundary"),
+        extra,
+        decode_options={"num_gpu_blocks_override": DECODE_BLOCKS},
     )
-    url = f"http://127.0.0.1:{port}"
-    wait_until_serving(url, START_S)
-    ray.get(reference.processes.remote())
-    yield {"url": url, "reference": reference, "logs": logs}
-    serve.shutdown()
-    ray.shutdown()
 
 
 def post(url: str, prompt: str, max_tokens: int, **extra: Any) -> tuple[int, str]:

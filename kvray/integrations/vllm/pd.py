@@ -160,11 +160,6 @@ class Engine:
     def kv_engine_id(self) -> str:
         return self.kv_engine
 
-    def preemptions(self) -> int:
-        """How many times the engine's scheduler has preempted a request."""
-        counters = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:num_preemptions"]
-        return int(sum(getattr(metric, "value", 0) for metric in counters))
-
     def node_id(self) -> str:
         """The Ray node this engine runs on ("" outside Ray)."""
         import ray

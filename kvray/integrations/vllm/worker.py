@@ -542,6 +542,7 @@ class ConnectorWorker:
             layered = self._layered.pop(key, None)
             if layered is None:
                 continue
+            self._log_event("preempted", layered.spec.request_id, key)
             if layered in self._this_step:
                 self._this_step.remove(layered)
             await asyncio.gather(*layered.pushes, return_exceptions=True)
