@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,8 +175,17 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
     prompts = load_prompts()[:12]
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
     logs = engines["logs"]
+    # Digests are taken for one request in DIGEST_EVERY, chosen by its id: make the first one of them.
+    handoffs = [mint_handoff() for _ in prompts]
+    while zlib.crc32(handoffs[0].encode()) % DIGEST_EVERY:
+        handoffs[0] = mint_handoff()
     handoff = decode_first(
-        engines["prefill"], engines["decode"], prompts, NEW_TOKENS, before_prefill=asked(logs / "p.jsonl")
+        engines["prefill"],
+        engines["decode"],
+        prompts,
+        NEW_TOKENS,
+        before_prefill=asked(logs / "p.jsonl"),
+        handoffs=handoffs,
     )
     assert [g.token_ids for g in handoff.decode] == [g.token_ids for g in single], failures(
         logs / "p.jsonl", logs / "d.jsonl"
@@ -197,17 +207,20 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
 def test_layerwise_requests_vllm_preempts_are_pushed_whole_from_where_they_ran_again(
     engines: dict[str, Any],
 ) -> None:
-    # Hold tickets make every request layer-wise on the small prefill engine, which keeps them
-    # generating (100 tokens) until its 20 blocks run out and it preempts some, giving their
-    # blocks to others. The decode engine asks only then: a preempted request must not be pushed
-    # from the blocks it lost, but whole from the blocks it ran again in once it finishes.
-    prompts = load_prompts()[:12]  # a block each; 2 each once they have generated 100 tokens
+    # Hold tickets make every request layer-wise on the small prefill engine: 16 prompts of 100
+    # tokens take a block each (its 20 blocks hold 19 requests' worth), and once each has
+    # generated 28 tokens it needs a second: vLLM preempts some, giving their blocks to others.
+    # The decode engine asks only then: a preempted request must not be pushed from the blocks
+    # it lost, but whole from the blocks it ran again in once it finishes.
+    prompts = [[100 + (7 * request + 13 * token) % 5000 for token in range(100)] for request in range(16)]
     small, decode, logs = engines["small"], engines["decode"], engines["logs"]
     single = ray.get(decode.generate.remote(prompts, NEW_TOKENS))
     key = HandoffKey.from_hex(deployment_key())
     handoffs = [mint_handoff() for _ in prompts]
+    while zlib.crc32(handoffs[0].encode()) % DIGEST_EVERY:  # the decode side hashes this one
+        handoffs[0] = mint_handoff()
     engine = ray.get(small.kv_engine_id.remote())
-    prefilling = small.generate.remote(prompts, 100, [hold_params(key, h) for h in handoffs], ignore_eos=True)
+    prefilling = small.generate.remote(prompts, 60, [hold_params(key, h) for h in handoffs], ignore_eos=True)
     # The engine's actor is busy generating: its digest log says when a request is preempted.
     deadline = time.monotonic() + 120
     while not [r for r in records(logs / "small.jsonl") if r["side"] == "preempted"]:

@@ -221,6 +221,7 @@ def decode_first(
     max_tokens: int,
     *,
     before_prefill: Callable[[list[str]], None] | None = None,
+    handoffs: Sequence[str] | None = None,
 ) -> Handoff:
     """Give the decode engine the requests first, naming the prefill engine and a hand-off id
     per request; then run them on the prefill engine. The decode engine reserves its blocks and
@@ -228,14 +229,14 @@ def decode_first(
     prompt the prefill computes over several steps is pushed once it is done). Both engines must
     have joined Ray (`Engine(join_ray=...)`): the decode engine finds the prefill engine through
     kvray's coordinator. `before_prefill(handoff ids)` runs between the two (e.g. to wait until
-    the prefill engine holds every push request). `prefill`/`decode` are `Engine` Ray actor
-    handles."""
+    the prefill engine holds every push request). `handoffs`: the hand-off ids (minted here by
+    default). `prefill`/`decode` are `Engine` Ray actor handles."""
     import ray
 
     from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff
 
     key = HandoffKey.from_hex(deployment_key())
-    handoffs = [mint_handoff() for _ in prompts]
+    handoffs = list(handoffs) if handoffs is not None else [mint_handoff() for _ in prompts]
     engine = ray.get(prefill.kv_engine_id.remote())
     started = time.perf_counter()
     decoding = decode.generate.remote(
