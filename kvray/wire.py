@@ -308,6 +308,17 @@ class PushRequest(msgspec.Struct, frozen=True, kw_only=True, tag="push_request")
     decode_info: bytes = b""
 
 
+class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdrawn"):
+    """A decode engine will not take a request it was to ask for (it ended before its blocks
+    were reserved, or its load was cancelled): the prefill engine frees the request's blocks
+    (or refuses to hold them) instead of keeping them for its lease. `request_id` is the
+    hand-off id, which only the two engines know."""
+
+    request_id: str
+    src_engine: str
+    src_incarnation: ByteCount
+
+
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
     """One region of a decode engine as its RDMA memory region exposes it."""
 
@@ -352,15 +363,40 @@ _handshake_decoder = msgspec.msgpack.Decoder(VerbsHandshake)
 # its own would pass without its tag. The tag comes first in every encoding, so the union costs
 # one lookup.
 _tagged_decoder = msgspec.msgpack.Decoder(
-    TransferDone | TransferFailed | WriteOps | WriteClaim | PushRequest | VerbsConnect | VerbsAccept
+    TransferDone
+    | TransferFailed
+    | WriteOps
+    | WriteClaim
+    | PushRequest
+    | PushWithdrawn
+    | VerbsConnect
+    | VerbsAccept
 )
 
 T = TypeVar("T")
 Tagged = TypeVar("Tagged", WriteOps, WriteClaim, PushRequest)
 
 
+def decode_push_message(data: bytes) -> PushRequest | PushWithdrawn:
+    """What a decode engine sends a prefill engine's push inbox: a request or a withdrawal."""
+    message = _decode(_tagged_decoder, data, "push request", MAX_PUSH_REQUEST_BYTES)
+    if not isinstance(message, (PushRequest, PushWithdrawn)):
+        tag = type(message).__struct_config__.tag
+        raise WireDecodeError(
+            f"invalid kvray push request: got a {tag!r} message - at `$.type`", field="$.type"
+        )
+    return message
+
+
 def encode(
-    value: Notice | WriteOps | EngineInfo | RegionDescriptor | VerbsHandshake | WriteClaim | PushRequest,
+    value: Notice
+    | WriteOps
+    | EngineInfo
+    | RegionDescriptor
+    | VerbsHandshake
+    | WriteClaim
+    | PushRequest
+    | PushWithdrawn,
 ) -> bytes:
     return _message_encoder.encode(value)
 

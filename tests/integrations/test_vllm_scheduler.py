@@ -162,3 +162,22 @@ def test_no_kv_transfer_params_raise_inside_the_scheduler(params: Any) -> None:
     sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids={"r-1"}))
     sched.finished(req, ([1, 2, 3],))
     sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+
+
+def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None:
+    handoff = tickets.mint_handoff()
+    sched = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    req = request("d-1", tickets.load_params(KEY, "vllm-p", handoff))
+    assert sched.matched(req, 0) == (40, True)  # no blocks free yet: it waits, then is aborted
+    sched.finished(req, ())
+    (withdrawn,) = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).withdrawn
+    assert (withdrawn.prefill_engine, withdrawn.prefill_request_id) == ("vllm-p", handoff)
+    # A load that began is not withdrawn (its worker releases it), nor is a forged one.
+    for params in (
+        tickets.load_params(KEY, "vllm-p", handoff),
+        {"do_remote_prefill": True, tickets.HANDOFF: handoff},
+    ):
+        other = request("d-2", params)
+        run_decode(sched, other)
+        sched.finished(other, ([3, 4, 5],))
+        assert sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).withdrawn == []

@@ -457,3 +457,44 @@ def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_p
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_load_withdrawn_before_it_began_frees_the_prefill_engines_hold(tmp_path: Path) -> None:
+    # The decode request ended before its blocks were allocated (a client hung up while it
+    # waited): the prefill engine frees what it holds for it at once, and holds nothing later
+    # under that id, instead of keeping it for its lease.
+    prefill, decode = registered_pair(tmp_path, lease_s=60.0)
+    other = "0" * 31 + "2"
+    try:
+        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        started = time.monotonic()
+        decode.begin({}, {}, withdrawn=[load_from(prefill, "d-1", KEY, ())])
+        sent_within(prefill, "r-1", 5.0)
+        decode.begin({}, {}, withdrawn=[load_from(prefill, "d-2", other, ())])
+        time.sleep(0.5)
+        prefill.begin({}, {"r-2": SendSpec("r-2", (2,), key=other)})  # finished after the withdrawal
+        sent_within(prefill, "r-2", 5.0)
+        assert time.monotonic() - started < 10.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_cancelled_load_withdraws_its_ask_so_a_later_hold_is_freed_at_once(tmp_path: Path) -> None:
+    prefill, decode = registered_pair(tmp_path, lease_s=60.0)
+    try:
+        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
+        deadline = time.monotonic() + 10
+        while not prefill._early and time.monotonic() < deadline:  # the ask is parked
+            time.sleep(0.01)
+        decode.begin({}, {}, cancelled={"d-1"})
+        assert reported_within(decode, "d-1", 5.0) == (set(), set())
+        deadline = time.monotonic() + 10
+        while prefill._early and time.monotonic() < deadline:  # the withdrawal takes the ask back
+            time.sleep(0.01)
+        assert not prefill._early
+        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        sent_within(prefill, "r-1", 5.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

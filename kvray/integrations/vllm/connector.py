@@ -136,6 +136,9 @@ class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: Prefill: hand-off ids of layer-wise requests vLLM preempted this step
     #: (`handle_preemptions`): their layer pushes end before their blocks are reused.
     preempted: set[str] = field(default_factory=set)
+    #: Decode: loads of requests that ended before their blocks were allocated: their prefill
+    #: engines are told not to hold them.
+    withdrawn: list[LoadSpec] = field(default_factory=list)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -222,7 +225,12 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is not None and isinstance(connector_metadata, KvrayMetadata):
             meta = connector_metadata
             self._worker.begin(
-                meta.loads, meta.sends, dropped=meta.dropped, cancelled=meta.cancelled, released=meta.released
+                meta.loads,
+                meta.sends,
+                dropped=meta.dropped,
+                cancelled=meta.cancelled,
+                released=meta.released,
+                withdrawn=meta.withdrawn,
             )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -334,6 +342,7 @@ class _Scheduler:
         self._dropped: set[str] = set()
         self._cancelled: set[str] = set()
         self._released: set[str] = set()
+        self._withdrawn: list[LoadSpec] = []
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = _params(request)
@@ -392,19 +401,16 @@ class _Scheduler:
         if isinstance(ticket, str):
             spec = LoadSpec.refused(request.request_id, tuple(block_ids), ticket)
         else:
-            held = ticket.held
-            spec = LoadSpec(
-                request_id=request.request_id,
-                prefill_engine=ticket.engine,
-                prefill_incarnation=held.incarnation if held is not None else None,
-                prefill_request_id=ticket.request,
-                prefill_node=held.node if held is not None else "",
-                prefill_inbox=held.inbox if held is not None else "",
-                block_ids=tuple(block_ids),
-                first_block=first,
-            )
+            spec = _load_spec(request.request_id, ticket, tuple(block_ids), first)
         self._loads[request.request_id] = spec
         self._loading.add(request.request_id)
+
+    def _withdraw(self, request_id: str, params: Mapping[str, Any]) -> None:
+        try:
+            ticket = read_load(self.key, params)
+        except TicketError:
+            return  # nothing to tell a prefill engine the params do not truly name
+        self._withdrawn.append(_load_spec(request_id, ticket, (), 0))
 
     def _hold_key(self, request: Any, params: Mapping[str, Any]) -> str | None:
         """The hand-off id a request held for a decode engine goes by: the orchestrator's
@@ -426,6 +432,10 @@ class _Scheduler:
         self._producing.pop(request.request_id, None)
         self._tickets.pop(request.request_id, None)
         self._local_tokens.pop(request.request_id, None)
+        if params is not None and params.get("do_remote_prefill") and _KVRAY_LOAD_KEYS & params.keys():
+            # Ended before its blocks were allocated (its load never began): the prefill engine
+            # need not hold the request for the rest of its lease.
+            self._withdraw(request.request_id, params)
         if request.request_id in self._loading:
             # vLLM keeps the blocks of a request that ends while its KV loads until the
             # workers report the load finished; they stop waiting for it now.
@@ -477,9 +487,10 @@ class _Scheduler:
             cancelled=self._cancelled,
             released=self._released,
             preempted=self._preempted(scheduler_output),
+            withdrawn=self._withdrawn,
         )
         self._loads, self._sends, self._dropped, self._cancelled = {}, {}, set(), set()
-        self._released = set()
+        self._released, self._withdrawn = set(), []
         return meta
 
     def _preempted(self, scheduler_output: Any) -> set[str]:
@@ -517,12 +528,33 @@ class _Scheduler:
 
     def pending(self) -> bool:
         return bool(
-            self._held or self._loads or self._sends or self._dropped or self._cancelled or self._released
+            self._held
+            or self._loads
+            or self._sends
+            or self._dropped
+            or self._cancelled
+            or self._released
+            or self._withdrawn
         )
 
 
 #: Any of these in a request's kv_transfer_params makes `do_remote_prefill` a kvray load.
 _KVRAY_LOAD_KEYS = frozenset({PREFILL_ENGINE, PREFILL_REQUEST, HANDOFF})
+
+
+def _load_spec(request_id: str, ticket: Load, block_ids: tuple[int, ...], first_block: int) -> LoadSpec:
+    """What the workers need to load a request by `ticket` into `block_ids`."""
+    held = ticket.held
+    return LoadSpec(
+        request_id=request_id,
+        prefill_engine=ticket.engine,
+        prefill_incarnation=held.incarnation if held is not None else None,
+        prefill_request_id=ticket.request,
+        prefill_node=held.node if held is not None else "",
+        prefill_inbox=held.inbox if held is not None else "",
+        block_ids=block_ids,
+        first_block=first_block,
+    )
 
 
 def _params(request: Any) -> Mapping[str, Any] | None:

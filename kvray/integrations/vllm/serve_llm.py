@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     BaseConnectorBackend,
     base_prefill_kv_transfer_params,
@@ -150,11 +151,16 @@ def deployment_key(extra: Mapping[str, Any]) -> str:
     return key
 
 
-def _bad_request(message: str) -> Exception:
-    """An error Ray Serve LLM answers with HTTP 400."""
-    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+class DecodeLegRefused(OpenAIHTTPException):
+    """The decode engine would refuse this request: Ray Serve LLM answers it with HTTP 400. It
+    crosses from the decode replica to the ingress, so it pickles by its message."""
 
-    return OpenAIHTTPException(status_code=400, message=message, type="BadRequestError")
+    def __init__(self, message: str) -> None:
+        super().__init__(status_code=400, message=message, type="BadRequestError")
+        self.args = (message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DecodeLegRefused, (self.message,))
 
 
 def check_decode_leg(request: Any, max_model_len: int | None) -> None:
@@ -165,7 +171,9 @@ def check_decode_leg(request: Any, max_model_len: int | None) -> None:
     for field in ("max_tokens", "max_completion_tokens"):
         value = getattr(request, field, None)
         if isinstance(value, int) and value > max_model_len:
-            raise _bad_request(f"{field}={value} is more than the model's context of {max_model_len} tokens")
+            raise DecodeLegRefused(
+                f"{field}={value} is more than the model's context of {max_model_len} tokens"
+            )
 
 
 class KvrayConnectorBackend(BaseConnectorBackend):

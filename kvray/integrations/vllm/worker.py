@@ -42,10 +42,11 @@ from kvray.owned import remove_owned
 from kvray.wire import (
     EngineInfo,
     PushRequest,
+    PushWithdrawn,
     Reservation,
     Role,
     decode_engine_info,
-    decode_push_request,
+    decode_push_message,
     encode,
 )
 
@@ -449,15 +450,23 @@ class ConnectorWorker:
         dropped: Collection[str] = (),
         cancelled: Collection[str] = (),
         released: Collection[str] = (),
+        withdrawn: Collection[LoadSpec] = (),
     ) -> None:
         """This step's new hand-offs, from the scheduler (called from vLLM's thread): loads
         and sends to start, hand-offs that will never have KV (`dropped`, by key), loads no
-        longer wanted (`cancelled`, by request id) and held requests a proxy released
-        (`released`, by key: their decode leg failed)."""
-        if self._loop is None or not (loads or sends or dropped or cancelled or released):
+        longer wanted (`cancelled`, by request id), held requests a proxy released
+        (`released`, by key: their decode leg failed) and loads that ended before they began
+        (`withdrawn`: their prefill engine is told not to hold them)."""
+        if self._loop is None or not (loads or sends or dropped or cancelled or released or withdrawn):
             return
         self._loop.loop.call_soon_threadsafe(
-            self._begin, dict(loads), dict(sends), set(dropped), set(cancelled), set(released)
+            self._begin,
+            dict(loads),
+            dict(sends),
+            set(dropped),
+            set(cancelled),
+            set(released),
+            list(withdrawn),
         )
 
     def _begin(
@@ -467,6 +476,7 @@ class ConnectorWorker:
         dropped: set[str],
         cancelled: set[str],
         released: set[str],
+        withdrawn: list[LoadSpec],
     ) -> None:
         now = time.monotonic()
         for spec in sends.values():
@@ -489,6 +499,8 @@ class ConnectorWorker:
             receiving = self._receiving.pop(request_id, None)
             if receiving is not None:
                 receiving.cancel()
+        for load in withdrawn:
+            self._spawn(self._withdraw_load(load))
 
     def _hold(self, spec: SendSpec, now: float, dropped: set[str]) -> None:
         """Hold a finished request for its decode engine, unless its hand-off id is taken:
@@ -499,6 +511,9 @@ class ConnectorWorker:
             del self._layered[key]
             if layered.request is not None:
                 self._spawn(self._finish_layered(layered, spec))
+                return
+            if key in self._dropped:  # the decode engine withdrew while the forward ran
+                self._done_sending(spec.request_id)
                 return
         elif layered is not None or key in self._sending or key in self._dropped:
             log.warning("kvray: hand-off %s is taken; request %s is not held", key, spec.request_id)
@@ -524,6 +539,8 @@ class ConnectorWorker:
             self._receiving.pop(spec.request_id, None)
             with self._results.lock:
                 self._results.finished_recving.add(spec.request_id)
+            if not spec.refusal:
+                self._spawn(self._withdraw_load(spec))
         self._loads_begun.discard(spec.request_id)
 
     def preempt(self, keys: Collection[str]) -> None:
@@ -637,14 +654,16 @@ class ConnectorWorker:
             )
             asked = time.perf_counter()
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                await self._ask_to_push(prefill, request)
+                await self._send_to_prefill(prefill, encode(request))
             await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
             ok = True
             waited = time.perf_counter() - asked
             await self._record("received", spec.prefill_request_id, spec.block_ids, None, seconds=waited)
         except asyncio.CancelledError:
-            # vLLM ended the request while its KV loaded: release as below, report no errors.
+            # vLLM ended the request while its KV loaded: release as below, report no errors,
+            # and tell the prefill engine not to keep the request for a push no one takes.
             cancelled = True
+            self._spawn(self._withdraw_load(spec))
             self._log_event("receive cancelled", spec.request_id, spec.prefill_request_id)
         except Exception as error:
             log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
@@ -692,13 +711,29 @@ class ConnectorWorker:
             info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
         )
 
-    async def _ask_to_push(self, prefill: PrefillAddress, request: PushRequest) -> None:
-        """Send the push request: through the prefill engine's inbox on this node, else
-        through its host actor (found by the coordinator, which must know this incarnation)."""
+    async def _withdraw_load(self, spec: LoadSpec) -> None:
+        """Tell the prefill engine this engine will not take the request (best effort, bounded:
+        otherwise its lease frees it)."""
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                prefill = await self._prefill_engine(spec)
+                withdrawn = PushWithdrawn(
+                    request_id=spec.prefill_request_id,
+                    src_engine=prefill.engine_id,
+                    src_incarnation=prefill.incarnation,
+                )
+                await self._send_to_prefill(prefill, encode(withdrawn))
+        except Exception as error:
+            log.info("kvray: could not withdraw %s from its prefill engine: %s", spec.request_id, _why(error))
+
+    async def _send_to_prefill(self, prefill: PrefillAddress, message: bytes) -> None:
+        """Send a push request or withdrawal: through the prefill engine's inbox on this node,
+        else through its host actor (found by the coordinator, which must know this
+        incarnation)."""
         agent = self._agent
         assert agent is not None and self._outbox is not None
         if prefill.inbox and prefill.node_id == agent.node_id:
-            await self._outbox.send(prefill.inbox, encode(request))
+            await self._outbox.send(prefill.inbox, message)
             return
         if self._replica is None:
             raise NotExpectedError(
@@ -719,7 +754,7 @@ class ConnectorWorker:
                 f"prefill engine {prefill.engine_id!r} has no host actor to take push requests",
                 engine_id=prefill.engine_id,
             )
-        await peer.host.kvray_request_push.remote(encode(request))
+        await peer.host.kvray_request_push.remote(message)
 
     def _learn_peer(self, request: PushRequest) -> None:
         """Check the decode engine's info a push request carries against its reservation, and
@@ -743,13 +778,17 @@ class ConnectorWorker:
     def _on_push_request(self, message: bytes) -> None:
         """A decode engine's push request, from the inbox (on the loop thread)."""
         try:
-            request = decode_push_request(message)
+            request = decode_push_message(message)
         except KvrayError as error:
             log.warning("kvray: dropped a malformed push request: %s", error)
             return
         assert self._agent is not None  # the inbox opens once the agent has started
         if (request.src_engine, request.src_incarnation) != (self.engine_id, self._agent.incarnation):
-            self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
+            if isinstance(request, PushRequest):
+                self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
+            return
+        if isinstance(request, PushWithdrawn):
+            self._withdraw(request.request_id)
             return
         layered = self._layered.get(request.request_id)
         if layered is not None and layered.request is None:
@@ -763,6 +802,23 @@ class ConnectorWorker:
         else:  # the request may not have reached this engine yet, or its hand-over is a step behind
             self._early[request.request_id] = (request, time.monotonic())
             self._log_event("asked", request.request_id, request.request_id)
+
+    def _withdraw(self, key: str) -> None:
+        """The decode engine will not take hand-off `key`: free it if held and not being pushed,
+        and refuse to hold it (or push it) later."""
+        now = time.monotonic()
+        self._early.pop(key, None)
+        sending = self._sending.get(key)
+        if sending is not None:
+            if sending.pushing:
+                return  # the push ends it either way
+            del self._sending[key]
+            self._done_sending(sending.spec.request_id)
+        layered = self._layered.get(key)
+        if layered is not None and layered.request is not None:
+            return  # its layers are being pushed: the decode side refuses them, and it ends
+        self._spent(key, now)
+        self._log_event("withdrawn", key, key)
 
     async def _push(self, request: PushRequest) -> None:
         agent = self._agent
