@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvray.config import Settings
-from kvray.errors import ConfigError, RegionError, TransferTimeoutError, WireDecodeError
+from kvray.errors import BackpressureError, ConfigError, RegionError, TransferTimeoutError, WireDecodeError
 from kvray.integrations.vllm.worker import (
     PUSH_ENDPOINT,
     ConnectorWorker,
@@ -495,6 +495,50 @@ def test_a_cancelled_load_withdraws_its_ask_so_a_later_hold_is_freed_at_once(tmp
         assert not prefill._early
         prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
         sent_within(prefill, "r-1", 5.0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_layers_queued_past_the_agents_bound_wait_for_room_instead_of_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A decode engine that asks for many layer-wise requests once their forwards have saved
+    # every layer queues all their layers at once, more than the agent takes: the agent refuses
+    # the excess with BackpressureError (here, the first two tries of every layer). They wait
+    # for room, and every request arrives whole.
+    prefill, decode = registered_pair(tmp_path)
+    push_layer = prefill.agent.push_layer
+    tries: dict[tuple[str, str], int] = {}
+
+    async def busy_at_first(reservation: Reservation, layer: str, blocks: object, **kw: object) -> int:
+        tried = tries[reservation.request_id, layer] = tries.get((reservation.request_id, layer), 0) + 1
+        if tried <= 2:
+            raise BackpressureError("full", request_id=reservation.request_id)
+        return await push_layer(reservation, layer, blocks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill.agent, "push_layer", busy_at_first)
+    fill_blocks(prefill, {0: 1.0, 1: 2.0, 2: 3.0})
+    keys = [f"{index:032x}" for index in range(1, 4)]
+    try:
+        prefill.begin_layerwise({f"r-{i}": LayerwiseSpec(f"r-{i}", key, (i,)) for i, key in enumerate(keys)})
+        for layer in prefill.agent.layout.layer_names:
+            prefill.save_layer(layer)
+        decode.begin(
+            {f"d-{i}": load_from(prefill, f"d-{i}", key, (i + 3,)) for i, key in enumerate(keys)}, {}
+        )
+        time.sleep(0.5)  # every ask has come: 9 layers queued at once
+        prefill.begin({}, {f"r-{i}": SendSpec(f"r-{i}", (i,), key=key) for i, key in enumerate(keys)})
+        received: set[str] = set()
+        deadline = time.monotonic() + 15
+        while len(received) < 3 and time.monotonic() < deadline:
+            _, done, errors, failed = decode.finished()
+            assert not errors and not failed
+            received |= done
+            time.sleep(0.02)
+        assert received == {"d-0", "d-1", "d-2"}
+        for index in range(3):
+            assert block_values(decode, index + 3) == block_values(prefill, index)
     finally:
         prefill.shutdown()
         decode.shutdown()

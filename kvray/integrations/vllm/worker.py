@@ -883,9 +883,24 @@ class ConnectorWorker:
             self._push_layer(layered, layer_name)
 
     def _push_layer(self, layered: _Layered, layer_name: str) -> None:
-        assert self._agent is not None and layered.request is not None
-        push = self._agent.push_layer(layered.request.reservation, layer_name, np.asarray(layered.blocks))
+        assert layered.request is not None
+        push = self._layer_when_room(layered.request.reservation, layer_name, layered.blocks)
         layered.pushes.append(asyncio.get_running_loop().create_task(push))
+
+    async def _layer_when_room(self, reservation: Reservation, layer_name: str, blocks: Sequence[int]) -> int:
+        """Push one layer, waiting while the agent's queue of transfers is full (a decode engine
+        that asks once many forwards have saved every layer queues each of their layers at
+        once), up to a lease from now."""
+        agent = self._agent
+        assert agent is not None
+        until = time.monotonic() + self.lease_s
+        while True:
+            try:
+                return await agent.push_layer(reservation, layer_name, np.asarray(blocks))
+            except BackpressureError:
+                if time.monotonic() >= until:
+                    raise
+                await asyncio.sleep(BACKPRESSURE_RETRY_S)
 
     async def _finish_layered(self, layered: _Layered, spec: SendSpec) -> None:
         """Wait for the request's layer pushes, push any layer the forward did not save, and
