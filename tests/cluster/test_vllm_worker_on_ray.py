@@ -16,8 +16,8 @@ import ray
 import torch
 
 from kvray.config import Settings
-from kvray.integrations.vllm.worker import ConnectorWorker, LoadSpec, SendSpec
-from kvray.wire import Role, encode
+from kvray.integrations.vllm.worker import PUSH_ENDPOINT, ConnectorWorker, LoadSpec, SendSpec
+from kvray.wire import Role
 
 pytestmark = pytest.mark.cluster
 
@@ -75,7 +75,8 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
             prefill_engine=prefill.info.engine_id,
             prefill_incarnation=prefill.info.incarnation,
             prefill_request_id="p-request",
-            prefill_info=encode(prefill.info),
+            prefill_node=prefill.info.node_id,
+            prefill_inbox=prefill.info.endpoints[PUSH_ENDPOINT],
             block_ids=reserved,
             first_block=0,
         )
