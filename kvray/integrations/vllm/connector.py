@@ -167,9 +167,9 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: ConnectorWorker | None = None
         #: Blocks that failed to load since vLLM last asked (worker side).
         self._load_errors: set[int] = set()
-        # Refuse to start without the deployment's hand-off key, on both sides.
-        key = key_from(extra, handoff_key_from_env())
         if role == KVConnectorRole.SCHEDULER:
+            # The scheduler reads and writes the tickets: it refuses to start without the key.
+            key = key_from(extra, handoff_key_from_env())
             self._scheduler = _Scheduler(self.engine_id, self.block_size, key)
         else:
             settings = settings_from({k: v for k, v in extra.items() if k not in CONNECTOR_KEYS})
