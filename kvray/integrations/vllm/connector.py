@@ -405,11 +405,16 @@ class _Scheduler:
         self._loads[request.request_id] = spec
         self._loading.add(request.request_id)
 
-    def _withdraw(self, request_id: str, params: Mapping[str, Any]) -> None:
-        try:
-            ticket = read_load(self.key, params)
-        except TicketError:
+    def _withdraw(self, request_id: str, params: Mapping[str, Any], matched: Load | str | None) -> None:
+        """`matched`: the ticket `matched` read (a string if it was refused), if it ran."""
+        if isinstance(matched, str):
             return  # nothing to tell a prefill engine the params do not truly name
+        ticket = matched
+        if ticket is None:
+            try:
+                ticket = read_load(self.key, params)
+            except TicketError:
+                return
         self._withdrawn.append(_load_spec(request_id, ticket, (), 0))
 
     def _hold_key(self, request: Any, params: Mapping[str, Any]) -> str | None:
@@ -430,12 +435,12 @@ class _Scheduler:
 
         params = _params(request)
         self._producing.pop(request.request_id, None)
-        self._tickets.pop(request.request_id, None)
+        matched = self._tickets.pop(request.request_id, None)
         self._local_tokens.pop(request.request_id, None)
         if params is not None and params.get("do_remote_prefill") and _KVRAY_LOAD_KEYS & params.keys():
             # Ended before its blocks were allocated (its load never began): the prefill engine
             # need not hold the request for the rest of its lease.
-            self._withdraw(request.request_id, params)
+            self._withdraw(request.request_id, params, matched)
         if request.request_id in self._loading:
             # vLLM keeps the blocks of a request that ends while its KV loads until the
             # workers report the load finished; they stop waiting for it now.
