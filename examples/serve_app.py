@@ -20,7 +20,8 @@ import requests
 
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel
-from kvray.serve import ServeOptions, build_app, tokenize
+from kvray.serve import ServeOptions, build_app
+from kvray.serve.app import tokenize
 
 PROMPTS = (
     "Disaggregated inference splits prefill from decode.",

@@ -4,7 +4,7 @@ Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> co
 agent (what an engine embeds: `KVAgent`).
 """
 
-from kvray.agent import AgentHost, Completion, KVAgent, PushResult
+from kvray.agent import Completion, KVAgent, PushResult
 from kvray.config import Settings
 from kvray.errors import (
     AgentNotRunningError,
@@ -31,6 +31,7 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
+from kvray.host import AgentHost
 from kvray.layout import (
     READY_LAYOUTS,
     BlockOrder,

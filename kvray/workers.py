@@ -22,7 +22,7 @@ import numpy.typing as npt
 import ray
 import torch
 
-from kvray.agent import AgentHost, Completion, KVAgent, PushResult
+from kvray.agent import Completion, KVAgent, PushResult
 from kvray.config import Settings
 from kvray.errors import (
     BackpressureError,
@@ -32,6 +32,7 @@ from kvray.errors import (
     PlanError,
     TransferTimeoutError,
 )
+from kvray.host import AgentHost
 from kvray.layout import KVLayout
 from kvray.memory import MemoryKind
 from kvray.metrics import EngineMetrics

@@ -5,19 +5,16 @@ transports  the transports an agent writes and receives through, and the choice 
 push        plan, write, notify: whole requests and layer-wise
 messages    claims and notices from a writer to a decode engine
 receive     expected requests, incoming writes and notices, `wait_for_kv`, release
-host        `AgentHost`: the Ray actor entry points peers and the coordinator call
 kvagent     `KVAgent`, the facade over them
 """
 
 from kvray.agent.directory import DirectoryService, RemoteDirectory
 from kvray.agent.engine import Blocks
-from kvray.agent.host import AgentHost
 from kvray.agent.kvagent import KVAgent
 from kvray.agent.push import PushResult
 from kvray.agent.receive import Completion
 
 __all__ = [
-    "AgentHost",
     "Blocks",
     "Completion",
     "DirectoryService",

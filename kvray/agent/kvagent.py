@@ -1,15 +1,15 @@
 """The agent: one engine's kvray side (steps three to seven of the data flow), a facade over the
 modules named for each step: `directory` (registration, peers), `transports` (which one writes
 where), `push` (plan, write, notify), `messages` (claims and notices to a decode engine),
-`receive` (expected requests, incoming writes and notices, `wait_for_kv`), `host` (the Ray
-actor entry points)."""
+`receive` (expected requests, incoming writes and notices, `wait_for_kv`). Peers reach it
+through a host (`kvray.host`)."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
 from kvray.completion import CompletionInbox
 from kvray.completion_tcp import NoticeListener
 from kvray.config import Settings
-from kvray.errors import MetadataError, PlanError
+from kvray.errors import MetadataError, NotExpectedError, PlanError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics, MetricsSink
@@ -50,7 +50,7 @@ class KVAgent:
         await agent.close()
 
     Layer-wise: `push_layer` per layer as the forward pass produces it, then `finish`; the
-    decode side sees one completion. The actor hosting an agent mixes in `AgentHost`.
+    decode side sees one completion. The actor hosting an agent mixes in `kvray.host.AgentHost`.
 
     Arguments: give a `layout` (kvray allocates the backing, in `memory`: shared memory for a
     decode engine, CPU memory for a prefill engine by default) or a `backing` of your own.
@@ -344,7 +344,10 @@ class KVAgent:
         it before its blocks go back to the pool."""
         self._receiving.cancel(request_id)
 
-    # ---- what peers call (through `AgentHost`) ----------------------------------------
+    # ---- what peers call (`kvray.host.calls.PeerCall`, through the agent's host) --------
+
+    #: What takes the push requests peers send (`serve_push_requests`); None: refused.
+    _push_requests: Callable[[bytes], None] | None = None
 
     async def deliver(self, header: bytes, payload: npt.NDArray[np.uint8]) -> int:
         """A `ray`-transport write arriving (checked by the transport and `Receiver.admit`)."""
@@ -369,3 +372,17 @@ class KVAgent:
         """A writer's RDMA connection request (`verbs`), answered by a queue pair of this engine
         if the writer is a registered prefill engine at the incarnation it claims."""
         return await self._transports.get(TransportKind.VERBS).accept(self._receiving, request)
+
+    async def request_push(self, message: bytes) -> None:
+        """A decode engine asks this prefill engine to push a request's KV
+        (`kvray.wire.PushRequest`): handed to what `serve_push_requests` named, else refused."""
+        if self._push_requests is None:
+            raise NotExpectedError(
+                f"engine {self.engine_id!r} takes no push requests", engine_id=self.engine_id
+            )
+        self._push_requests(message)
+
+    def serve_push_requests(self, handler: Callable[[bytes], None]) -> None:
+        """Hand the push requests peers send this engine (`request_push`) to `handler`, called
+        on the agent's loop; the engine answers each with the push itself, or a refusal."""
+        self._push_requests = handler

@@ -28,11 +28,12 @@ from typing import Any, ClassVar
 
 import ray
 
-from kvray.agent import AgentHost, KVAgent
+from kvray.agent import KVAgent
 from kvray.bench.harness import Contender, Run
 from kvray.bench.verify import Verdict, fill_source, scrub, verify_destination
 from kvray.bench.workload import Workload
 from kvray.config import Settings
+from kvray.host import AgentHost
 from kvray.memory import Backing, MemoryKind
 from kvray.wire import Reservation, Role, TransferDone, encode
 

@@ -1,44 +1,11 @@
-"""kvray on Ray Serve: the library host any engine embeds in its replicas (`host`), and the
-reference application over the reference model (`app`). Needs the `serve` extra."""
+"""kvray on Ray Serve: the reference application over the reference model (`app`), and what any
+engine's Serve deployment needs to host a kvray agent in its replicas (`host`; the agent itself
+is a `kvray.host.forwarded.ForwardedAgent`). Needs the `serve` extra.
 
-from kvray.serve.app import (
-    KV_TIMEOUT_MESSAGE,
-    PUBLIC_MESSAGES,
-    DecodeReplica,
-    GenerateReply,
-    GenerateRequest,
-    PrefillReplica,
-    Router,
-    ServeOptions,
-    build_app,
-    deployment_version,
-    http_error,
-    prompt_tokens,
-    read_body,
-    start_worker,
-    tokenize,
-)
-from kvray.serve.host import HostCall, ReplicaDirectory, ReplicaEngine, ReplicaHost, replica_engine_id
+Exported: what a user of the application deploys or configures. The application's internals
+(request and reply schemas, error mapping, worker start-up) stay in `kvray.serve.app`."""
 
-__all__ = [
-    "KV_TIMEOUT_MESSAGE",
-    "PUBLIC_MESSAGES",
-    "DecodeReplica",
-    "GenerateReply",
-    "GenerateRequest",
-    "HostCall",
-    "PrefillReplica",
-    "ReplicaDirectory",
-    "ReplicaEngine",
-    "ReplicaHost",
-    "Router",
-    "ServeOptions",
-    "build_app",
-    "deployment_version",
-    "http_error",
-    "prompt_tokens",
-    "read_body",
-    "replica_engine_id",
-    "start_worker",
-    "tokenize",
-]
+from kvray.serve.app import DecodeReplica, PrefillReplica, Router, ServeOptions, build_app
+from kvray.serve.host import replica_engine_id
+
+__all__ = ["DecodeReplica", "PrefillReplica", "Router", "ServeOptions", "build_app", "replica_engine_id"]

@@ -1,5 +1,5 @@
 """Reference application: an HTTP router, a prefill and a decode deployment around the reference
-model, each replica's worker hosted by the library host (`kvray.serve.host`).
+model, each replica's agent a forwarded one (`kvray.host.forwarded`).
 
 Needs the `serve` extra (`pip install -e '.[serve]'`). Build it with `build_app(args)`, the
 application builder `serve run examples/serve_config.yaml` imports.
@@ -20,8 +20,8 @@ holding its blocks, asks a prefill replica (through its own handle) to fill them
 it sends is its own, so the push lands where the blocks are. Serve's routing still chooses both
 replicas (least loaded of two), and a replica that is gone is no longer chosen.
 
-Each replica runs a reference-model worker (`kvray.workers`) whose agent a `ReplicaEngine`
-hosts: peers reach the replica through its `ReplicaHost` actor (see `kvray.serve.host`), and
+Each replica runs a reference-model worker (`kvray.workers`) whose agent a `ForwardedAgent`
+holds: peers reach the replica through its `ForwardingHost` actor (see `kvray.host`), and
 `check_health` follows the engine's.
 
 Scaling in place: `build_app` versions its deployments by `deployment_version`, which only the
@@ -91,9 +91,10 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
+from kvray.host.forwarded import ForwardedAgent, ForwardedDirectory
 from kvray.layout import BlockOrder, ceil_div
 from kvray.models.reference import MODEL_PRESETS, ModelConfig, ReferenceModel, decode_text
-from kvray.serve.host import ReplicaDirectory, ReplicaEngine, replica_engine_id
+from kvray.serve.host import replica_engine_id
 from kvray.wire import Reservation
 from kvray.workers import DecodeWorker, PrefillResult, PrefillWorker
 
@@ -255,19 +256,19 @@ W = TypeVar("W", PrefillWorker, DecodeWorker)
 
 async def start_worker(
     worker_class: type[W], engine_id: str, options: ServeOptions
-) -> tuple[W, ReplicaEngine]:
-    """A reference-model worker of `options` whose agent a `ReplicaEngine` hosts in this process
+) -> tuple[W, ForwardedAgent]:
+    """A reference-model worker of `options` whose agent a `ForwardedAgent` hosts in this process
     (a Serve replica), started and registered; `close` the engine to undo it."""
     config = options.model_config
     layout = ReferenceModel(config).layout(options.num_blocks, options.block_order)
     built: list[W] = []
 
-    def worker_agent(directory: ReplicaDirectory) -> KVAgent:
+    def worker_agent(directory: ForwardedDirectory) -> KVAgent:
         worker = worker_class(engine_id, layout, options.settings, model=config, coordinator=directory)
         built.append(worker)
         return worker.kvray_agent
 
-    engine = await ReplicaEngine.start_agent(worker_agent, options.settings)
+    engine = await ForwardedAgent.start_agent(worker_agent, options.settings)
     (worker,) = built
     return worker, engine
 
@@ -277,7 +278,7 @@ class _EngineReplica(Generic[W]):
     checks, its stats, and its removal (`__del__`: the engine deregisters)."""
 
     worker: W
-    engine: ReplicaEngine
+    engine: ForwardedAgent
 
     async def stats(self) -> dict[str, Any]:
         """This replica's engine id, agent counters and block pool (e.g. for `handle.broadcast`)."""

@@ -5,8 +5,7 @@ up and down in place (the other replicas keep running); a replica's host forward
 `ray`-transport writes (bytes and canaries checked) and its health check follows the agent and
 its registration. The app fails closed as a public service: bodies past the cap answer 413 before
 the router reads them whole, a full queue answers 503, failures behind the router answer only
-documented type names and fixed messages (no tracebacks, paths, pids, addresses), and a
-replica's host takes and answers forwarded calls for its owner alone, within a bounded queue."""
+documented type names and fixed messages (no tracebacks, paths, pids, addresses)."""
 
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ from kvray.errors import (
     UnknownEngineError,
     WireDecodeError,
 )
+from kvray.host.forwarded import ForwardedDirectory
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
 from kvray.wire import Role, TransportKind, decode_engine_info
@@ -46,6 +46,13 @@ from kvray.workers import DecodeWorker, PrefillWorker
 
 serve = pytest.importorskip("ray.serve", reason="the Serve app needs the serve extra")
 kvray_serve = pytest.importorskip("kvray.serve")
+from kvray.serve.app import (  # noqa: E402
+    KV_TIMEOUT_MESSAGE,
+    PUBLIC_MESSAGES,
+    deployment_version,
+    http_error,
+    start_worker,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -159,7 +166,7 @@ def _check_public_error(status: int, body: bytes) -> dict[str, Any]:
     assert set(error) == {"error", "type", "request_id"}, error
     assert error["type"] in PUBLIC_TYPES, error
     if status >= 500:
-        fixed = {*kvray_serve.PUBLIC_MESSAGES.values(), kvray_serve.KV_TIMEOUT_MESSAGE}
+        fixed = {*PUBLIC_MESSAGES.values(), KV_TIMEOUT_MESSAGE}
         assert error["error"] in fixed or error["type"] == "ReplicaDied", error
         assert not LEAKS.search(body.decode()), body
     return error
@@ -429,12 +436,12 @@ async def test_replica_host_forwards_ray_writes_and_health_follows_the_agent(
     # No heartbeat during the test: a lost registration stays lost until looked at.
     settings = msgspec.structs.replace(SETTINGS, transport="ray", heartbeat_s=300.0)
     options = kvray_serve.ServeOptions(model="mixed", num_blocks=16, settings=settings)
-    decode, engine = await kvray_serve.start_worker(DecodeWorker, "serve-host-d0", options)
+    decode, engine = await start_worker(DecodeWorker, "serve-host-d0", options)
     prefill = PrefillWorker(
         "serve-host-p0",
         decode.kvray_agent.layout,
         settings,
-        coordinator=kvray_serve.ReplicaDirectory(settings, None),
+        coordinator=ForwardedDirectory(settings, None),
     )
     coordinator = get_or_create_coordinator(SETTINGS)
     try:
@@ -494,9 +501,9 @@ def _dropped_dead() -> int:
 def _redeploy(decode_replicas: int) -> None:
     """`serve.run` of the module's app again, with only the decode replica count changed."""
     options = msgspec.structs.replace(OPTIONS, decode_replicas=decode_replicas)
-    assert kvray_serve.deployment_version(options) == kvray_serve.deployment_version(OPTIONS)
+    assert deployment_version(options) == deployment_version(OPTIONS)
     other = msgspec.structs.replace(OPTIONS, num_blocks=OPTIONS.num_blocks + 1)
-    assert kvray_serve.deployment_version(other) != kvray_serve.deployment_version(OPTIONS)
+    assert deployment_version(other) != deployment_version(OPTIONS)
     serve.run(kvray_serve.build_app(options), name="kvray", route_prefix="/")
 
 
@@ -559,47 +566,6 @@ def test_deleting_the_app_deregisters_every_engine(app_url: str) -> None:
     assert ray.get(coordinator.stats.remote(), timeout=30)["dropped_dead"] == dead_before
 
 
-async def test_replica_host_takes_and_answers_for_its_owner_alone_within_a_bounded_queue() -> None:
-    """No Ray needed: the host as a plain object. Another token can neither take nor answer a
-    forwarded call; call ids are random; a call whose caller gave up leaves the queue; past the
-    bound, a forwarded call is refused at once."""
-    settings = msgspec.structs.replace(SETTINGS, notify_timeout_s=0.05, max_queued_transfers=2)
-    owner, stranger = b"o" * 32, b"s" * 32
-    host = kvray_serve.ReplicaHost(settings, owner)
-
-    # The caller gives up before anyone takes its call: the call is gone, not served late.
-    with pytest.raises(TransferTimeoutError):
-        await host.kvray_notify(b"first")
-    assert await host.take(owner, 0.01) == []
-
-    pending = [asyncio.ensure_future(host.kvray_notify(message)) for message in (b"a", b"b")]
-    await asyncio.sleep(0)
-    with pytest.raises(BackpressureError):
-        await host.kvray_notify(b"over the bound")
-    for token in (stranger, b"", None):
-        with pytest.raises(KvrayError, match="owns this host"):
-            await host.take(token, 0.01)  # type: ignore[arg-type]
-    calls = await host.take(owner, 1.0)
-    assert [args for _, _, args in calls] == [(b"a",), (b"b",)]
-    ids = [call_id for call_id, _, _ in calls]
-    assert all(re.fullmatch("[0-9a-f]{32}", call_id) for call_id in ids) and ids[0] != ids[1]
-    with pytest.raises(KvrayError, match="owns this host"):
-        await host.answer(stranger, ids[0], None, None)
-    assert not pending[0].done()
-    await host.answer(owner, ids[0], None, None)
-    await host.answer(owner, ids[1], None, WireDecodeError("bad notice"))
-    assert await pending[0] is None
-    with pytest.raises(WireDecodeError):
-        await pending[1]
-
-    # A writer's claim (verbs, from another node) is forwarded like a notice.
-    claim = asyncio.ensure_future(host.kvray_claim(b"claim"))
-    ((call_id, call, args),) = await host.take(owner, 1.0)
-    assert (call, args) == (kvray_serve.HostCall.CLAIM, (b"claim",))
-    await host.answer(owner, call_id, None, None)
-    assert await claim is None
-
-
 @pytest.mark.parametrize(
     ("cause", "status", "kind", "message"),
     [
@@ -607,7 +573,7 @@ async def test_replica_host_takes_and_answers_for_its_owner_alone_within_a_bound
             TransferTimeoutError("the prefill of 'serve-1' passed its deadline", timeout_s=1.0),
             504,
             "TransferTimeoutError",
-            kvray_serve.KV_TIMEOUT_MESSAGE,
+            KV_TIMEOUT_MESSAGE,
         ),
         (BackpressureError("8 pushes queued", queued=8), 503, "BackpressureError", None),
         (MetadataError("engine 'kvray-Decode-x' at /dev/shm/kvray-1 is gone"), 502, "MetadataError", None),
@@ -627,8 +593,8 @@ def test_failures_behind_the_router_answer_the_documented_type_and_a_fixed_messa
         ip="10.1.2.3",
     ).as_instanceof_cause()
     assert "RayTaskError" in type(remote).__name__ and "/srv/kvray" in str(remote)
-    answer = kvray_serve.http_error(remote)
-    assert answer == (status, kind, message or kvray_serve.PUBLIC_MESSAGES[status])
+    answer = http_error(remote)
+    assert answer == (status, kind, message or PUBLIC_MESSAGES[status])
     body = msgspec.json.encode({"error": answer[2], "type": answer[1], "request_id": "serve-1"})
     _check_public_error(status, body)
 
@@ -712,7 +678,7 @@ async def test_the_router_tells_its_own_deadline_from_a_timeout_a_replica_report
     replica = _Response(remote)
     status, body, log = await _route(replica, options)
     assert (status, body["type"]) == (504, "TransferTimeoutError"), body
-    assert body["error"] == kvray_serve.KV_TIMEOUT_MESSAGE
+    assert body["error"] == KV_TIMEOUT_MESSAGE
     _check_public_error(status, msgspec.json.encode(body))
     assert "decode replica reported a TransferTimeoutError" in log, log
     assert "did not arrive within the replica's deadline" in log and "router's own deadline" not in log, log
@@ -721,7 +687,7 @@ async def test_the_router_tells_its_own_deadline_from_a_timeout_a_replica_report
     silent = _Response(None)
     status, body, log = await _route(silent, options)
     assert (status, body["type"]) == (504, "TransferTimeoutError"), body
-    assert body["error"] == kvray_serve.PUBLIC_MESSAGES[504]
+    assert body["error"] == PUBLIC_MESSAGES[504]
     _check_public_error(status, msgspec.json.encode(body))
     assert "no answer from the decode replica within the router's own deadline" in log, log
     assert "replica reported" not in log and "passed its 0.1 s deadline" in log, log

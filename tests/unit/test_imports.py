@@ -24,6 +24,8 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.transport",),
     ("kvray.completion", "kvray.completion_tcp", "kvray.claims"),
     ("kvray.agent",),
+    # how peers reach an agent: the table of peer calls and the hosts made from it
+    ("kvray.host",),
     # what is built on the agent: ready workers, the model, Serve, the command line, engines
     (
         "kvray.models",

@@ -51,7 +51,7 @@ from kvray.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvray.serve.host import ReplicaEngine
+    from kvray.host.forwarded import ForwardedAgent
 
 log = logging.getLogger("kvray.vllm")
 
@@ -265,7 +265,7 @@ class ConnectorWorker:
         #: exists to stop, for demonstrations and the tests that must catch it.
         self.seed_bug = seed_bug
         #: The Ray cluster to join (its GCS address), or None. Joined, the engine registers
-        #: with kvray's coordinator through a host actor (`kvray.serve.host.ReplicaEngine`):
+        #: with kvray's coordinator through a host actor (`kvray.host.forwarded.ForwardedAgent`):
         #: peers find it by engine id, and engines on other nodes reach it (the `ray`
         #: transport, push requests and notices through the host). Not joined, peers know it
         #: only from `kv_transfer_params`, and both engines must share a node.
@@ -273,7 +273,7 @@ class ConnectorWorker:
         #: The Ray node the engine runs on, if the engine's launcher knows better than the
         #: Ray client this worker starts (e.g. several nodes of one machine).
         self.node_id = node_id
-        self._replica: ReplicaEngine | None = None
+        self._replica: ForwardedAgent | None = None
         self._shm_path: str | None = None
         #: The storage mapping `_shm_path` (its first byte's address).
         self._shm_storage = 0
@@ -399,9 +399,9 @@ class ConnectorWorker:
         if self.ray_address is None:
             self._agent = self._new_agent(backing)
             return await self._agent.start(endpoints=endpoints)
-        from kvray.serve.host import ReplicaEngine
+        from kvray.host.forwarded import ForwardedAgent
 
-        self._replica = await ReplicaEngine.start_agent(
+        self._replica = await ForwardedAgent.start_agent(
             lambda directory: self._new_agent(backing, directory),
             self.settings,
             endpoints=endpoints,

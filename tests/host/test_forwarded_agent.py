@@ -1,14 +1,14 @@
-"""The library host (`kvray.serve.host`) around an engine that is not the reference model: a
-prefill and a decode `ReplicaEngine` over a layout of their own (two layers of one geometry and
-a split K/V layer), run in this process as two Serve replicas would run them. The prefill
+"""Forwarded agents (`kvray.host.forwarded`) around an engine that is not the reference model: a
+prefill and a decode `ForwardedAgent` over a layout of their own (two layers of one geometry and
+a split K/V layer), run in this process as two Serve replicas or vLLM workers would run them. The prefill
 engine's own compute writes the prompt's blocks, its agent pushes them, and the decode engine's
 blocks then hold exactly those bytes while every other byte of its allocation (canaries) is
-unchanged; over `ray` the write reaches the decode agent through its host actor. A replica's
-directory answers which peers departed, and its host forwards RDMA connection requests."""
+unchanged; over `ray` the write reaches the decode agent through its host actor. A push request
+sent to the prefill engine's host reaches the handler its process gave, and its directory
+answers which peers departed."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +20,9 @@ import torch
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import UnknownEngineError
+from kvray.host.forwarded import ForwardedAgent, ForwardedDirectory
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.wire import Role, TransportKind
-
-pytest.importorskip("ray.serve", reason="the library host needs the serve extra")
-from kvray.serve import HostCall, ReplicaDirectory, ReplicaEngine, ReplicaHost
 
 pytestmark = pytest.mark.cluster
 
@@ -33,7 +31,7 @@ SETTINGS = Settings(
     lookup_timeout_s=5.0,
     transfer_timeout_s=15.0,
     notify_timeout_s=5.0,
-    coordinator_name="kvray-coordinator-replica-host-tests",
+    coordinator_name="kvray-coordinator-forwarded-agent-tests",
 )
 LATENT = Geometry(block_size=4, entry_shape=(24,), dtype="bfloat16")
 SPLIT_KV = Geometry(block_size=4, entry_shape=(2, 8), dtype="float16", parts=2)
@@ -52,7 +50,7 @@ class CountingEngine:
     """An engine of its own on kvray's views: its 'forward pass' writes, into every byte of each
     prompt token's slot, the token id plus the layer's and the part's index."""
 
-    def __init__(self, kv: ReplicaEngine) -> None:
+    def __init__(self, kv: ForwardedAgent) -> None:
         self.kv = kv
         self.layout = kv.agent.layout
 
@@ -99,8 +97,8 @@ async def test_own_engine_pushes_kv_between_replica_engines(
     local_ray: None, canary_mask: Any, transport: str, layerwise: bool
 ) -> None:
     settings = msgspec.structs.replace(SETTINGS, transport=transport)
-    decode = await ReplicaEngine.start(f"own-decode-{transport}", Role.DECODE, LAYOUT, settings=settings)
-    prefill = await ReplicaEngine.start(f"own-prefill-{transport}", Role.PREFILL, LAYOUT, settings=settings)
+    decode = await ForwardedAgent.start(f"own-decode-{transport}", Role.DECODE, LAYOUT, settings=settings)
+    prefill = await ForwardedAgent.start(f"own-prefill-{transport}", Role.PREFILL, LAYOUT, settings=settings)
     try:
         await decode.check_health()
         await prefill.check_health()
@@ -139,15 +137,4 @@ async def test_own_engine_pushes_kv_between_replica_engines(
     with pytest.raises(UnknownEngineError):
         await coordinator.lookup.remote(decode.engine_id, 0.1)
     # What a replica's agent asks on its heartbeat, to forget the peers that left.
-    assert await ReplicaDirectory(SETTINGS, None).departed([gone]) == [gone]
-
-
-async def test_host_forwards_a_connection_request_and_returns_the_answer() -> None:
-    """No Ray needed: an RDMA connection request (`verbs`) reaches the replica like a notice,
-    and the replica's answer (its queue pair) goes back to the writer."""
-    host = ReplicaHost(SETTINGS, b"o" * 32)
-    connect = asyncio.ensure_future(host.kvray_connect(b"request"))
-    ((call_id, call, args),) = await host.take(b"o" * 32, 1.0)
-    assert (call, args) == (HostCall.CONNECT, (b"request",))
-    await host.answer(b"o" * 32, call_id, b"queue pair", None)
-    assert await connect == b"queue pair"
+    assert await ForwardedDirectory(SETTINGS, None).departed([gone]) == [gone]
