@@ -29,6 +29,13 @@ HOSTS: tuple[type, ...] = (AgentHost, ForwardingHost)
 WATCH = "kvray_watch"
 
 
+def positional(method: Any) -> list[str]:
+    """The names of a method's positional parameters (Ray adds a keyword-only one of its own to
+    the methods of a class it makes an actor class)."""
+    parameters = inspect.signature(method).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.kind is not parameter.KEYWORD_ONLY]
+
+
 def missing_calls(host: type) -> list[str]:
     """The peer calls `host` lacks, or exposes with other arguments than the table's."""
     missing = []
@@ -36,8 +43,8 @@ def missing_calls(host: type) -> list[str]:
         method = getattr(host, call.host_method, None)
         if method is None or not inspect.iscoroutinefunction(method):
             missing.append(f"{host.__name__} has no async {call.host_method}")
-        elif list(inspect.signature(method).parameters) != list(call.signature().parameters):
-            missing.append(f"{host.__name__}.{call.host_method}{list(inspect.signature(method).parameters)}")
+        elif positional(method) != list(call.signature().parameters):
+            missing.append(f"{host.__name__}.{call.host_method}{positional(method)}")
     return missing
 
 
