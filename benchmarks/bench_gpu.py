@@ -2,7 +2,7 @@
 GPU (or both on one GPU), against the NVLink copy ceiling, one copy per block, and NCCL
 send/recv of a gathered buffer. Runs without Ray (the GPU machine has none).
 
-    python examples/bench_gpu.py [--repeat 10] [--quick] [--same-gpu] [--json gpu.json]
+    python benchmarks/bench_gpu.py [--repeat 10] [--quick] [--same-gpu] [--json gpu.json]
                                  [--workload 4k ...] [--kvray-only]
 
 Workloads: DeepSeek-V3-style requests (61 MLA layers + indexer, block 64, scattered block ids

@@ -5,7 +5,7 @@ handle and through a CUDA graph, the op-table kernel's launch, a torch copy's la
 the row kernel (across loop-step sizes and warp counts), the replayed copy, the op-table kernel
 and one plain copy of the same bytes.
 
-    python examples/bench_gpu_launch.py [--repeat 200]
+    python benchmarks/bench_gpu_launch.py [--repeat 200]
 
 Host times are medians over `repeat` calls, each after a synchronize (so nothing queued ahead
 delays it); GPU times are medians of CUDA-event intervals. Prints one table.

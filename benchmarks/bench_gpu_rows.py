@@ -4,7 +4,7 @@ hints, block ids read from pinned host memory instead of uploaded) against one p
 same bytes, for DeepSeek-V3 requests of 4k and 16k tokens; and the host time of the steps of
 `copy_rows` against the same steps through the driver directly.
 
-    python examples/bench_gpu_rows.py [--repeat 100]
+    python benchmarks/bench_gpu_rows.py [--repeat 100]
 
 GPU times are CUDA-event intervals with the launch queued behind a GPU sleep (so the host's
 launch time is not in them), variants interleaved round by round; medians with the 10th and

@@ -2,7 +2,7 @@
 blocks, planned cold (fresh offset cache: validation + tables) and cached, against a naive
 per-op Python planner measured in the same run; op counts before/after merging in both orders.
 
-    python examples/bench_plan.py [--pool 1024] [--blocks 128] [--repeat 50] [--json out.json]
+    python benchmarks/bench_plan.py [--pool 1024] [--blocks 128] [--repeat 50] [--json out.json]
 """
 
 from __future__ import annotations

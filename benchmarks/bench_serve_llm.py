@@ -5,7 +5,7 @@ ignored): time to first token (TTFT) and inter-token latency (ITL, the gaps betw
 tokens), p50 and p90 over the requests, and whether every P/D answer equals the single engine's
 (greedy; a mismatch marks the row FAILED).
 
-    python examples/bench_serve_llm.py [--requests 16] [--new-tokens 32] [--json PATH]
+    python benchmarks/bench_serve_llm.py [--requests 16] [--new-tokens 32] [--json PATH]
 
 Needs the vllm extra (see the README's *vLLM* section). Starts a local Ray of its own.
 """

@@ -2,7 +2,7 @@
 transports against memcpy, Ray's object store, Ray Direct Transport (gloo) and NIXL/UCX on the
 same workloads, verifying every destination byte. This script only forwards to it:
 
-    python examples/bench_transfer.py [--quick] [--repeat N] [--json PATH] [--plot PATH] ...
+    python benchmarks/bench_transfer.py [--quick] [--repeat N] [--json PATH] [--plot PATH] ...
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time to first token of one long prompt, split into prefill compute, transfer and decode start,
 for whole-request pushes and layer-wise pushes, over the shm and ray transports.
 
-    python examples/bench_ttft.py [--tokens 960] [--repeat 5] [--model mixed] [--json out.json]
+    python benchmarks/bench_ttft.py [--tokens 960] [--repeat 5] [--model mixed] [--json out.json]
 
 For each mode: `compute` is the forward pass over the prompt on the prefill worker; `transfer`
 is the push (layer-wise: from the first layer's write to the completion); `exposed` is the part
