@@ -1,6 +1,8 @@
 """Plan-building benchmark: a DeepSeek-V3-style request (61 MLA layers + indexer) of 128 scattered
 blocks, planned cold (fresh offset cache: validation + tables) and cached, against a naive
 per-op Python planner measured in the same run; op counts before/after merging in both orders.
+The cases are `kvray bench`'s control-plane figures (`kvray.bench.control`), here over a pool
+and a request size of your choice.
 
     python benchmarks/bench_plan.py [--pool 1024] [--blocks 128] [--repeat 50] [--json out.json]
 """
@@ -10,27 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 
-from kvray.bench.control import engine_info as engine
-from kvray.bench.control import naive_plan
+from kvray.bench.control import engine_info, plan_cases
 from kvray.layout import BlockOrder, deepseek_v3
 from kvray.plan import OffsetCache, plan_transfer
 from kvray.wire import Role
-
-
-def timed(fn: Callable[[], object], repeat: int) -> list[float]:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return samples
 
 
 def main() -> None:
@@ -41,33 +29,28 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    local_blocks = rng.permutation(args.pool)[: args.blocks]
-    remote_blocks = rng.permutation(args.pool)[: args.blocks]
+    local_blocks = rng.permutation(args.pool)[: args.blocks].astype(np.int64)
+    remote_blocks = rng.permutation(args.pool)[: args.blocks].astype(np.int64)
     results = []
     print(
         f"plan: deepseek-v3 (61 MLA + indexer), pool {args.pool} blocks, request {args.blocks} "
         f"scattered blocks, {args.repeat} runs; microseconds"
     )
     print(
-        f"{'order':<12} {'case':<10} {'median':>9} {'min':>9} {'max':>9} {'vs naive':>9} "
+        f"{'order':<12} {'case':<22} {'median':>9} {'min':>9} {'max':>9} {'vs naive':>9} "
         f"{'ops':>6} {'merged':>6} {'contig':>6}"
     )
     for order in BlockOrder:
         layout = deepseek_v3(args.pool, order)
-        local, remote = engine(layout, "prefill", Role.PREFILL), engine(layout, "decode", Role.DECODE)
+        local, remote = (
+            engine_info(layout, "prefill", Role.PREFILL),
+            engine_info(layout, "decode", Role.DECODE),
+        )
         cache = OffsetCache()
         plan = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
         contiguous = plan_transfer(local, remote, np.arange(args.blocks), np.arange(args.blocks), cache=cache)
-        naive = partial(naive_plan, local, remote, local_blocks.tolist(), remote_blocks.tolist())
-        cold = partial(plan_transfer, local, remote, local_blocks, remote_blocks)
-        cached = partial(plan_transfer, local, remote, local_blocks, remote_blocks, cache=cache)
-        cases = {
-            "naive": timed(naive, max(5, args.repeat // 5)),
-            # A fresh cache each time: validating both engines' descriptions is part of the cost.
-            "cold": timed(lambda: cold(cache=OffsetCache()), args.repeat),  # noqa: B023 - called at once
-            "cached": timed(cached, args.repeat),
-        }
-        naive_median = statistics.median(cases["naive"])
+        cases = plan_cases(local, remote, local_blocks, remote_blocks, args.repeat)
+        naive_median = statistics.median(cases["naive Python planner"])
         for case, samples in cases.items():
             median = statistics.median(samples)
             row = {
@@ -83,7 +66,7 @@ def main() -> None:
             }
             results.append(row)
             print(
-                f"{order.value:<12} {case:<10} {median:>9.0f} {min(samples):>9.0f} {max(samples):>9.0f} "
+                f"{order.value:<12} {case:<22} {median:>9.0f} {min(samples):>9.0f} {max(samples):>9.0f} "
                 f"{naive_median / median:>8.1f}x {len(plan.unmerged):>6} {len(plan.ops):>6} "
                 f"{len(contiguous.ops):>6}"
             )
