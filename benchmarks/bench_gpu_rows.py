@@ -1,6 +1,6 @@
-"""The row kernel's shape on one GPU: GPU time of variants of `kvray.transport.cuda_ipc`'s row
-kernel (bytes per loop step, warps, bytes per program, an unmasked main loop, streaming cache
-hints, block ids read from pinned host memory instead of uploaded) against one plain copy of the
+"""The row kernel's shape on one GPU: GPU time of `kvray.transport.cuda_ipc`'s row kernel launched
+with other shapes (elements per loop step, warps, bytes per program; block ids read from pinned
+host memory instead of the GPU) and of kvray's captured row copy, against one plain copy of the
 same bytes, for DeepSeek-V3 requests of 4k and 16k tokens; and the host time of the steps of
 `copy_rows` against the same steps through the driver directly.
 
@@ -8,8 +8,8 @@ same bytes, for DeepSeek-V3 requests of 4k and 16k tokens; and the host time of 
 
 GPU times are CUDA-event intervals with the launch queued behind a GPU sleep (so the host's
 launch time is not in them), variants interleaved round by round; medians with the 10th and
-90th percentiles. Every variant's output is compared with kvray's kernel's, from a
-poisoned target. Prints one table. A variant without `tail` masks every loop step.
+90th percentiles. Every variant's output is compared with kvray's launch's, from a
+poisoned target. Prints one table.
 """
 
 # The closures timed below are called inside the loop iteration that defines them.
@@ -33,116 +33,28 @@ from kvray.plan import OffsetCache, plan_transfer
 from kvray.transport import cuda_ipc
 from kvray.wire import Role, TransportKind
 
-
-def variant_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    def copy_rows_variant(  # type: ignore[no-untyped-def]
-        src,
-        dst,
-        rows,
-        ids,
-        num_rows,
-        capacity,
-        SHIFT: tl.constexpr,
-        PIECE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        VEC: tl.constexpr,
-        TAIL: tl.constexpr,
-        STREAMING: tl.constexpr,
-    ):
-        pair = tl.program_id(0)
-        row = tl.program_id(1)
-        skip = tl.program_id(2).to(tl.int64) * PIECE
-        # Unmasked id loads: the buffer always holds `capacity` ids, so the three loads are
-        # independent (one round trip when the ids sit in host memory).
-        count = tl.load(ids)
-        local_id = tl.load(ids + 1 + pair)
-        remote_id = tl.load(ids + 1 + capacity + pair)
-        live = pair < count
-        local_base = tl.load(rows + row)
-        remote_base = tl.load(rows + num_rows + row)
-        local_stride = tl.load(rows + 2 * num_rows + row)
-        remote_stride = tl.load(rows + 3 * num_rows + row)
-        nbytes = tl.load(rows + 4 * num_rows + row)
-        length = tl.minimum(nbytes - skip, PIECE) >> SHIFT
-        length = tl.where(live, length, 0)
-        source = (local_base + local_id * local_stride + skip) >> SHIFT
-        target = (remote_base + remote_id * remote_stride + skip) >> SHIFT
-        if VEC > 1:
-            source = tl.multiple_of(source, VEC)
-            target = tl.multiple_of(target, VEC)
-            length = tl.multiple_of(length, VEC)
-        if TAIL:
-            full = length // BLOCK * BLOCK
-            for start in tl.range(0, full, BLOCK):
-                index = start + tl.arange(0, BLOCK)
-                if STREAMING:
-                    values = tl.load(src + source + index, eviction_policy="evict_first")
-                    tl.store(dst + target + index, values, cache_modifier=".cs")
-                else:
-                    values = tl.load(src + source + index)
-                    tl.store(dst + target + index, values)
-            if full < length:
-                index = full + tl.arange(0, BLOCK)
-                mask = index < length
-                values = tl.load(src + source + index, mask=mask)
-                tl.store(dst + target + index, values, mask=mask)
-        else:
-            for start in tl.range(0, length, BLOCK):
-                index = start + tl.arange(0, BLOCK)
-                mask = index < length
-                if STREAMING:
-                    values = tl.load(src + source + index, mask=mask, eviction_policy="evict_first")
-                    tl.store(dst + target + index, values, mask=mask, cache_modifier=".cs")
-                else:
-                    values = tl.load(src + source + index, mask=mask)
-                    tl.store(dst + target + index, values, mask=mask)
-
-    return triton.jit(copy_rows_variant)
-
-
-def ids_kernel() -> Any:
-    """One program that copies the block ids from pinned host memory into the GPU's buffer:
-    as kvray's captured copy does, here in one program."""
-    import triton
-    import triton.language as tl
-
-    def fetch_ids(host, device_ids, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        offsets = tl.arange(0, BLOCK)
-        mask = offsets < n
-        tl.store(device_ids + offsets, tl.load(host + offsets, mask=mask), mask=mask)
-
-    return triton.jit(fetch_ids)
-
-
-# (label, BLOCK elements, warps, PIECE bytes, TAIL, STREAMING)
-SHAPES: list[tuple[str, int, int, int, bool, bool]] = [
-    ("B4096 w16 P256K masked", 4096, 16, 256 * 1024, False, False),
-    ("B4096 w16 P256K tail", 4096, 16, 256 * 1024, True, False),
-    ("B4096 w16 P256K stream", 4096, 16, 256 * 1024, False, True),
-    ("B4096 w8 P256K tail", 4096, 8, 256 * 1024, True, False),
-    ("B2048 w8 P256K tail", 2048, 8, 256 * 1024, True, False),
-    ("B2048 w4 P256K tail", 2048, 4, 256 * 1024, True, False),
-    ("B2048 w16 P256K tail", 2048, 16, 256 * 1024, True, False),
-    ("B1024 w4 P256K", 1024, 4, 256 * 1024, False, False),
-    ("B1024 w8 P256K", 1024, 8, 256 * 1024, False, False),
-    ("B1024 w4 P24K", 1024, 4, 24 * 1024, False, False),
-    ("B1024 w8 P24K", 1024, 8, 24 * 1024, False, False),
-    ("B1024 w4 P8K", 1024, 4, 8 * 1024, False, False),
-    ("B1024 w8 P8K", 1024, 8, 8 * 1024, False, False),
-    ("B512 w4 P4K", 512, 4, 4 * 1024, False, False),
-    ("B2048 w8 P16K tail", 2048, 8, 16 * 1024, True, False),
-    ("B1024 w4 P24K stream", 1024, 4, 24 * 1024, False, True),
-    ("B4096 w16 P36K tail", 4096, 16, 36 * 1024, True, False),
+# (label, BLOCK elements per loop step, warps, PIECE bytes per program); the first is kvray's.
+SHAPES: list[tuple[str, int, int, int]] = [
+    ("B4096 w16 P256K (kvray)", 4096, 16, cuda_ipc.MAX_PIECE_NBYTES),
+    ("B4096 w8 P256K", 4096, 8, 256 * 1024),
+    ("B2048 w16 P256K", 2048, 16, 256 * 1024),
+    ("B2048 w8 P256K", 2048, 8, 256 * 1024),
+    ("B2048 w4 P256K", 2048, 4, 256 * 1024),
+    ("B1024 w8 P256K", 1024, 8, 256 * 1024),
+    ("B1024 w4 P256K", 1024, 4, 256 * 1024),
+    ("B4096 w16 P36K", 4096, 16, 36 * 1024),
+    ("B1024 w8 P24K", 1024, 8, 24 * 1024),
+    ("B1024 w4 P24K", 1024, 4, 24 * 1024),
+    ("B2048 w8 P16K", 2048, 8, 16 * 1024),
+    ("B1024 w8 P8K", 1024, 8, 8 * 1024),
+    ("B1024 w4 P8K", 1024, 4, 8 * 1024),
+    ("B512 w4 P4K", 512, 4, 4 * 1024),
 ]
+#: The small-piece shape also timed reading its block ids from pinned host memory.
+HOST_IDS_SHAPE = next(index for index, shape in enumerate(SHAPES) if shape[0] == "B1024 w4 P24K")
+
 
 SLEEP_CYCLES = 400_000
-
-
-def triton_next_power(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -184,8 +96,7 @@ def main() -> int:
     lines: list[str] = []
     failures = 0
     rng = np.random.default_rng(0)
-    kernel = variant_kernel()
-    fetch = ids_kernel()
+    kernel = cuda_ipc._rows_kernel()
     lib = cuda_ipc._libcuda()
     for name, blocks, request in (("deepseek-v3 4k", 128, 64), ("deepseek-v3 16k", 512, 256)):
         layout = deepseek_v3(blocks)
@@ -221,18 +132,13 @@ def main() -> int:
         staging[1 : 1 + count] = rows.local_ids
         staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
         ids = host_ids.to(device)
-        fetched = torch.zeros_like(ids)
-
-        def fetch_then_copy() -> None:
-            fetch[(1,)](host_ids, fetched, host_ids.numel(), BLOCK=triton_next_power(host_ids.numel()))
-            launch(SHAPES[1], fetched)
 
         unit = cuda_ipc.pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
         vec, unit = (2 if unit == 16 else 1), min(8, unit)
         view_src, view_dst = src.view(cuda_ipc._UNIT_DTYPES[unit]), dst.view(cuda_ipc._UNIT_DTYPES[unit])
 
-        def launch(shape: tuple[str, int, int, int, bool, bool], id_table: torch.Tensor) -> None:
-            _, block, warps, piece, tail, streaming = shape
+        def launch(shape: tuple[str, int, int, int], id_table: torch.Tensor) -> None:
+            _, block, warps, piece = shape
             pieces = -(-int(rows.local.nbytes.max()) // piece)
             kernel[(capacity, table.num_rows, pieces)](
                 view_src,
@@ -245,8 +151,6 @@ def main() -> int:
                 PIECE=piece,
                 BLOCK=block,
                 VEC=vec,
-                TAIL=tail,
-                STREAMING=streaming,
                 num_warps=warps,
             )
 
@@ -276,21 +180,21 @@ def main() -> int:
             dst.fill_(0xA5)
             launch(SHAPES[0], host_ids)
             check("host ids")
-            contenders["B4096 w16 P256K, host ids"] = lambda: launch(SHAPES[0], host_ids)
-            contenders["B1024 w4 P24K, host ids"] = lambda: launch(SHAPES[9], host_ids)
+            contenders[f"{SHAPES[0][0]}, host ids"] = lambda: launch(SHAPES[0], host_ids)
+            contenders[f"{SHAPES[HOST_IDS_SHAPE][0]}, host ids"] = lambda: launch(
+                SHAPES[HOST_IDS_SHAPE], host_ids
+            )
         except Exception as error:
             print(f"{name}: no host ids ({type(error).__name__}: {error})")
-        # Captured copies: kvray's (ids kernel + row kernel), the kernel alone with ids on the GPU,
-        # and the kernel alone reading the pinned ids.
+        # Captured copies: kvray's (ids fetch kernel + row kernel), the row kernel alone with ids on
+        # the GPU, and the row kernel alone reading the pinned ids.
         capture_stream = torch.cuda.Stream()
         graphs: dict[str, torch.cuda.CUDAGraph] = {}
         for label, body in (
             ("graph: kvray (ids fetch + kernel)", None),
             ("graph: kernel, ids on GPU", lambda: launch(SHAPES[0], ids)),
             ("graph: kernel, host ids", lambda: launch(SHAPES[0], host_ids)),
-            ("graph: kernel B1024 w4 P24K, host ids", lambda: launch(SHAPES[9], host_ids)),
-            ("graph: kernel tail, ids on GPU", lambda: launch(SHAPES[1], ids)),
-            ("graph: ids kernel + kernel tail", fetch_then_copy),
+            ("graph: kernel B1024 w4 P24K, host ids", lambda: launch(SHAPES[HOST_IDS_SHAPE], host_ids)),
         ):
             try:
                 if body is None:
@@ -323,7 +227,7 @@ def main() -> int:
         for label in contenders:
             lines.append(f"{name:<16} gpu  {label:<42} {summary(samples[label])}")
         # Ids changed in the pinned buffer between replays land: two requests alternating.
-        for checked in ("graph: kernel, host ids", "graph: ids kernel + kernel tail"):
+        for checked in ("graph: kernel, host ids", "graph: kernel B1024 w4 P24K, host ids"):
             if checked not in graphs:
                 continue
             other_local = rng.permutation(blocks)[:request]
