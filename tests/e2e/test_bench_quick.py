@@ -1,6 +1,6 @@
 """`kvray bench --quick`, as CI runs it: every contender that can run here runs, every run is
 verified, the table and the JSON come out. No timing is asserted (the numbers live in the
-benchmark's output and the README)."""
+benchmark's output and docs/benchmarks.md)."""
 
 from __future__ import annotations
 

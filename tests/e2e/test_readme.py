@@ -53,3 +53,28 @@ def test_the_loopback_example_runs_without_ray() -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "transport=<TransportKind.LOOPBACK" in result.stdout
     assert "Completion(request_id='req-1'" in result.stdout
+
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves() -> None:
+    """A file or folder the README or a page of docs/ links to exists (results, other pages)."""
+    assert DOCS, "docs/ lost its pages"
+    broken = []
+    for page in [README, *DOCS]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(README.parent)} -> {target}")
+    assert not broken, broken
+
+
+def test_every_name_the_docs_import_exists() -> None:
+    """Each `from kvray... import ...` in the Python examples of docs/."""
+    for page in DOCS:
+        for block in _python_blocks(page.read_text()):
+            for line in block.splitlines():
+                if re.match(r"\s*(from kvray[\w.]* import |import kvray)", line):
+                    exec(line.strip(), {})

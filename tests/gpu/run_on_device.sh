@@ -3,13 +3,13 @@
 # network: install the carried wheels, build kvray's C helpers, then run tests/gpu,
 # `kvray demo --device cuda` and the GPU benchmark, each one's output kept under $OUT.
 #
-# Here (once): bash /work/shared/device/wheels.sh .whl   (or any folder of the same wheels:
-# Ray 2.60.0, msgspec, pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored.
+# Here (once): download into .whl the wheels the GPU machine lacks (Ray 2.60.0, msgspec,
+# pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored by git.
 # There, from the repository root, carrying .whl:
 #     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch]   (default: the first three)
-# Outputs: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt, $OUT/bench-gpu.txt and $OUT/bench-gpu.json,
-# $OUT/bench-gpu-launch.txt (launch: where one write's host time goes)
-# ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
+# Outputs, named as their current copies in docs/results/: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt,
+# $OUT/gpu-request.txt and $OUT/gpu-request.json, $OUT/gpu-launch.txt (launch: where one write's
+# host time goes) ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -41,11 +41,11 @@ for step in "${steps[@]}"; do
             python3 -m kvray.cli demo --device cuda 2>&1 | tee "$out/demo-cuda.txt"
             rc=${PIPESTATUS[0]} ;;
         bench)
-            python3 examples/bench_gpu.py --same-gpu --no-nccl --repeat 10 --json "$out/bench-gpu.json" 2>&1 \
-                | tee "$out/bench-gpu.txt"
+            python3 benchmarks/bench_gpu.py --same-gpu --no-nccl --repeat 10 --json "$out/gpu-request.json" 2>&1 \
+                | tee "$out/gpu-request.txt"
             rc=${PIPESTATUS[0]} ;;
         launch)
-            python3 examples/bench_gpu_launch.py 2>&1 | tee "$out/bench-gpu-launch.txt"
+            python3 benchmarks/bench_gpu_launch.py 2>&1 | tee "$out/gpu-launch.txt"
             rc=${PIPESTATUS[0]} ;;
         *)
             echo "unknown step $step (tests, demo, bench, launch)"; rc=2 ;;

@@ -1,4 +1,4 @@
-"""The connector benchmark (`examples/bench_connectors.py`) in small: a single Serve LLM engine,
+"""The connector benchmark (`benchmarks/bench_connectors.py`) in small: a single Serve LLM engine,
 then the Serve LLM P/D app with `KvrayConnector` (and with vLLM's `NixlConnector` where NIXL is
 installed), the same token-id prompts on each. Every P/D answer's token ids equal the single
 engine's, and every request's hand-off was timed on both engines.
@@ -22,7 +22,7 @@ pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install 
 
 pytestmark = pytest.mark.cluster
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_connectors.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_connectors.py"
 REQUESTS = 2
 RUN_S = 600
 

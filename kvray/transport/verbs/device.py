@@ -175,10 +175,10 @@ def probe(settings: Settings, api: VerbsApi | None = None) -> str | None:
         api = api or load_pyverbs()
     except ImportError as error:
         if "pyverbs" in str(error) and "No module named" in str(error):
-            return "pyverbs is not installed (pip install 'kvray[rdma]', see the README's RDMA section)"
-        return f"pyverbs cannot load its libraries ({error}); see the README's RDMA section"
+            return "pyverbs is not installed (pip install 'kvray[rdma]', see docs/rdma.md)"
+        return f"pyverbs cannot load its libraries ({error}); see docs/rdma.md"
     except OSError as error:
-        return f"pyverbs cannot load its libraries ({error}); see the README's RDMA section"
+        return f"pyverbs cannot load its libraries ({error}); see docs/rdma.md"
     try:
         device = Device(api, settings)
     except TransportUnavailableError as error:
