@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import ray
 import torch
 
 from kvray.config import Settings
@@ -44,6 +45,15 @@ LAYOUT = KVLayout(
     ),
     num_blocks=12,
 )
+
+
+@pytest.fixture(scope="module")
+def coordinator(local_ray: None) -> Any:
+    """The coordinator, started and answering before an engine registers: on a loaded machine
+    its start alone can outlast a registration's deadline."""
+    actor = get_or_create_coordinator(SETTINGS)
+    ray.get(actor.departed.remote([]), timeout=120)
+    return actor
 
 
 class CountingEngine:
@@ -94,7 +104,7 @@ class CountingEngine:
 
 @pytest.mark.parametrize(("transport", "layerwise"), [("shm", False), ("ray", True)])
 async def test_own_engine_pushes_kv_between_replica_engines(
-    local_ray: None, canary_mask: Any, transport: str, layerwise: bool
+    coordinator: Any, canary_mask: Any, transport: str, layerwise: bool
 ) -> None:
     settings = msgspec.structs.replace(SETTINGS, transport=transport)
     decode = await ForwardedAgent.start(f"own-decode-{transport}", Role.DECODE, LAYOUT, settings=settings)
@@ -133,7 +143,6 @@ async def test_own_engine_pushes_kv_between_replica_engines(
     finally:
         await prefill.close()
         await decode.close()
-    coordinator = get_or_create_coordinator(SETTINGS)
     with pytest.raises(UnknownEngineError):
         await coordinator.lookup.remote(decode.engine_id, 0.1)
     # What a replica's agent asks on its heartbeat, to forget the peers that left.

@@ -14,6 +14,7 @@ import ray
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
+from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import NotExpectedError
 from kvray.host import AgentHost, PeerCall
 from kvray.host.forwarded import ForwardedAgent, ForwardedDirectory
@@ -30,6 +31,15 @@ SETTINGS = Settings(
     coordinator_name="kvray-coordinator-hosts-on-ray-tests",
 )
 LAYOUT = mixed(4, BlockOrder.LAYER_MAJOR)
+
+
+@pytest.fixture(scope="module")
+def coordinator(local_ray: None) -> Any:
+    """The coordinator, started and answering before an engine registers: on a loaded machine
+    its start alone can outlast a registration's deadline."""
+    actor = get_or_create_coordinator(SETTINGS)
+    ray.get(actor.departed.remote([]), timeout=120)
+    return actor
 
 
 class Where(enum.Enum):
@@ -97,7 +107,7 @@ async def start_prefill(where: Where, takes_push_requests: bool) -> Prefill:
 
 
 @pytest.fixture(params=list(Where), ids=lambda where: where.value)
-async def where(request: pytest.FixtureRequest, local_ray: None) -> AsyncIterator[Where]:
+async def where(request: pytest.FixtureRequest, coordinator: Any) -> AsyncIterator[Where]:
     yield request.param
 
 
