@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvray.layout import ceil_div
+from kvray.layout import Int64Array, ceil_div
 from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
@@ -25,8 +25,6 @@ try:
     from kvray._copy import start_copy as _start_copy
 except ImportError:  # built by `pip install`; a source checkout without a build falls back
     _scatter_copy = _start_copy = None
-
-Int64Array = npt.NDArray[np.int64]
 
 
 @runtime_checkable

@@ -42,12 +42,11 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
+from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import PartRows, RequestRows, TransferPlan, split_ops
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
-
-Int64Array = npt.NDArray[np.int64]
 
 #: Bytes one kernel program copies at most (longer ops are cut into pieces of this size).
 MAX_PIECE_NBYTES = 256 * 1024
