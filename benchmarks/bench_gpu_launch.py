@@ -91,12 +91,12 @@ def main() -> int:
         nbytes = ops.total_nbytes
         plain = torch.empty(nbytes, dtype=torch.uint8, device=device)
         count = int(rows.local_ids.size)
-        ids = cuda_ipc._upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
-        op_table = cuda_ipc._upload_table(device, ops.local_offset, ops.remote_offset, ops.nbytes)
+        ids = cuda_ipc.upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
+        op_table = cuda_ipc.upload_table(device, ops.local_offset, ops.remote_offset, ops.nbytes)
         unit = cuda_ipc.pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
         vec, unit = (2 if unit == 16 else 1), min(8, unit)
-        kernel = cuda_ipc._rows_kernel()
-        view_src, view_dst = src.view(cuda_ipc._UNIT_DTYPES[unit]), dst.view(cuda_ipc._UNIT_DTYPES[unit])
+        kernel = cuda_ipc.rows_kernel()
+        view_src, view_dst = src.view(cuda_ipc.UNIT_DTYPES[unit]), dst.view(cuda_ipc.UNIT_DTYPES[unit])
         grid = (count, table.num_rows, table.pieces)
         constants = {
             "SHIFT": unit.bit_length() - 1,
@@ -111,7 +111,7 @@ def main() -> int:
             kernel[grid](*kernel_args, **constants)
 
         def ops_jit() -> None:
-            cuda_ipc._kernel()[(len(ops),)](
+            cuda_ipc.copy_kernel()[(len(ops),)](
                 view_src,
                 view_dst,
                 op_table,
@@ -131,7 +131,7 @@ def main() -> int:
             torch.cuda.current_stream().wait_event(event)
 
         def upload() -> None:
-            cuda_ipc._upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
+            cuda_ipc.upload_table(device, np.array([count]), rows.local_ids, rows.remote_ids)
 
         def follow() -> None:
             cuda_ipc.follow_current(0, torch.cuda.current_stream())

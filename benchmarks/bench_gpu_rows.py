@@ -96,8 +96,8 @@ def main() -> int:
     lines: list[str] = []
     failures = 0
     rng = np.random.default_rng(0)
-    kernel = cuda_ipc._rows_kernel()
-    lib = cuda_ipc._libcuda()
+    kernel = cuda_ipc.rows_kernel()
+    lib = cuda_ipc.libcuda()
     for name, blocks, request in (("deepseek-v3 4k", 128, 64), ("deepseek-v3 16k", 512, 256)):
         layout = deepseek_v3(blocks)
         source = Backing.allocate(layout, MemoryKind.CUDA)
@@ -135,7 +135,7 @@ def main() -> int:
 
         unit = cuda_ipc.pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
         vec, unit = (2 if unit == 16 else 1), min(8, unit)
-        view_src, view_dst = src.view(cuda_ipc._UNIT_DTYPES[unit]), dst.view(cuda_ipc._UNIT_DTYPES[unit])
+        view_src, view_dst = src.view(cuda_ipc.UNIT_DTYPES[unit]), dst.view(cuda_ipc.UNIT_DTYPES[unit])
 
         def launch(shape: tuple[str, int, int, int], id_table: torch.Tensor) -> None:
             _, block, warps, piece = shape
@@ -156,7 +156,7 @@ def main() -> int:
 
         # The reference bytes: kvray's kernel into a poisoned target.
         dst.fill_(0xA5)
-        cuda_ipc._launch_rows_kernel(dst, src, table, ids, capacity)
+        cuda_ipc.launch_rows_kernel(dst, src, table, ids, capacity)
         torch.cuda.synchronize()
         expected = dst.clone()
 
@@ -171,7 +171,7 @@ def main() -> int:
 
         contenders: dict[str, Callable[[], Any]] = {
             "plain copy of the bytes": lambda: plain.copy_(src[:nbytes], non_blocking=True),
-            "kvray _launch_rows_kernel": lambda: cuda_ipc._launch_rows_kernel(dst, src, table, ids, capacity),
+            "kvray launch_rows_kernel": lambda: cuda_ipc.launch_rows_kernel(dst, src, table, ids, capacity),
         }
         for shape in SHAPES:
             contenders[shape[0]] = lambda shape=shape: launch(shape, ids)
@@ -255,9 +255,9 @@ def main() -> int:
 
         # Host time of copy_rows' steps, and the same through the driver.
         dst.fill_(0xA5)
-        target_stream = cuda_ipc._stream(0)
+        target_stream = cuda_ipc.copy_stream(0)
         cuda_ipc.copy_rows(dst, src, rows, table)
-        row_graph = cuda_ipc._idle_graph(dst, src, table, capacity)
+        row_graph = cuda_ipc.idle_graph(dst, src, table, capacity)
         assert row_graph is not None
         produced = torch.cuda.Event()
         produced.record()
@@ -297,7 +297,7 @@ def main() -> int:
             "copy_rows (replay)": lambda: cuda_ipc.copy_rows(dst, src, rows, table),
             "follow_current": lambda: cuda_ipc.follow_current(0, target_stream),
             "device+stream contexts": contexts,
-            "_idle_graph": lambda: cuda_ipc._idle_graph(dst, src, table, capacity),
+            "idle_graph": lambda: cuda_ipc.idle_graph(dst, src, table, capacity),
             "staging writes": staging_writes,
             "graph.replay (torch)": row_graph.graph.replay,
             "event.record (torch)": lambda: done.record(target_stream),

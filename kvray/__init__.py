@@ -2,105 +2,88 @@
 
 Data flow: layout -> backing -> region -> coordinator -> plan -> transport -> completion ->
 agent (what an engine embeds: `KVAgent`).
+
+The names here are the ones a user needs: the agent and its results, settings, layouts, the
+descriptors an engine publishes and hands over, the in-process loopback transport, the Ray
+actors of the minimal example, and the branches of the error tree. Everything else is imported
+from the module that defines it (`kvray.plan`, `kvray.memory`, `kvray.errors`, ...).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvray.agent import Completion, KVAgent, PushResult
 from kvray.config import Settings
 from kvray.errors import (
     AgentNotRunningError,
-    BackpressureError,
-    BlockIdError,
-    BoundsError,
     ConfigError,
-    GeometryMismatchError,
     KvrayError,
     LayoutError,
     MetadataError,
-    NotExpectedError,
     PlanError,
     RegionError,
-    RegistrationRefusedError,
     RequestCancelledError,
-    StaleIncarnationError,
-    TicketError,
     TransferTimeoutError,
     TransportError,
-    TransportUnavailableError,
-    UnknownEngineError,
-    UnknownLayerError,
-    WireDecodeError,
-    WriteFailedError,
 )
 from kvray.host import AgentHost
-from kvray.layout import (
-    READY_LAYOUTS,
-    BlockOrder,
-    Geometry,
-    KVLayout,
-    LayerPlacement,
-    LayerSpec,
-    deepseek_v3,
-    llama_gqa,
-    mixed,
-)
-from kvray.memory import Backing, MemoryKind, MemoryRegion, RegionSpan
-from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
+from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, deepseek_v3, llama_gqa, mixed
+from kvray.memory import Backing, MemoryKind
 from kvray.transport.loopback import LoopbackNetwork, LoopbackTransport
-from kvray.wire import EngineInfo, RegionDescriptor, Reservation, Role, TransportKind
+from kvray.wire import EngineInfo, Reservation, Role, TransportKind
 
 __version__ = "0.1.0"
 
+#: Names whose module imports Ray, loaded on first use: `import kvray` works without Ray.
+_ON_FIRST_USE = {"PrefillActor": "kvray.workers", "DecodeActor": "kvray.workers"}
+
+if TYPE_CHECKING:
+    from kvray.workers import DecodeActor, PrefillActor
+else:
+    # Only at run time: a type checker sees the names above, and still flags unknown ones.
+
+    def __getattr__(name: str) -> Any:
+        module = _ON_FIRST_USE.get(name)
+        if module is None:
+            raise AttributeError(f"module 'kvray' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
 __all__ = [
-    "READY_LAYOUTS",
     "AgentHost",
     "AgentNotRunningError",
-    "BackpressureError",
     "Backing",
-    "BlockIdError",
     "BlockOrder",
-    "BoundsError",
     "Completion",
     "ConfigError",
+    "DecodeActor",
     "EngineInfo",
     "Geometry",
-    "GeometryMismatchError",
     "KVAgent",
     "KVLayout",
     "KvrayError",
-    "LayerPlacement",
     "LayerSpec",
     "LayoutError",
     "LoopbackNetwork",
     "LoopbackTransport",
     "MemoryKind",
-    "MemoryRegion",
     "MetadataError",
-    "NotExpectedError",
-    "OffsetCache",
-    "OpTable",
     "PlanError",
+    "PrefillActor",
     "PushResult",
-    "RegionDescriptor",
     "RegionError",
-    "RegionSpan",
-    "RegistrationRefusedError",
     "RequestCancelledError",
     "Reservation",
     "Role",
     "Settings",
-    "StaleIncarnationError",
-    "TicketError",
-    "TransferPlan",
     "TransferTimeoutError",
     "TransportError",
     "TransportKind",
-    "TransportUnavailableError",
-    "UnknownEngineError",
-    "UnknownLayerError",
-    "WireDecodeError",
-    "WriteFailedError",
     "deepseek_v3",
     "llama_gqa",
     "mixed",
-    "plan_transfer",
 ]

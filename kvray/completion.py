@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvray.errors import MetadataError, TransportError
 from kvray.owned import create_owned_folder, is_owned_name, remove_owned
-from kvray.transport._copy import resolve_once
+from kvray.transport.cpu_copy import resolve_once
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"

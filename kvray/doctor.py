@@ -41,7 +41,7 @@ class DoctorReport:
     cuda_devices: int
     cuda_error: str | None = None
     settings: dict[str, object] = field(default_factory=dict)
-    #: Per C helper (`kvray._copy`, `kvray._plan`): whether it is built and imports.
+    #: Per C helper (`kvray._copy_pool`, `kvray._plan`): whether it is built and imports.
     native: dict[str, bool] = field(default_factory=dict)
     #: Where a decode engine here takes notices from writers on other nodes, and whether it can.
     notices: str = ""
@@ -114,7 +114,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
     except Exception as error:  # a broken driver or torch build: say so, do not fail
         cuda_error = f"{type(error).__name__}: {error}"
     from kvray import plan
-    from kvray.transport import _copy
+    from kvray.transport import cpu_copy
 
     return DoctorReport(
         versions=versions,
@@ -127,7 +127,10 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
             "verbs_device": settings.verbs_device,
             "verbs_port": settings.verbs_port,
         },
-        native={"kvray._copy (CPU copy pool)": _copy.native(), "kvray._plan (planner loops)": plan.native()},
+        native={
+            "kvray._copy_pool (CPU copy pool)": cpu_copy.native(),
+            "kvray._plan (planner loops)": plan.native(),
+        },
         notices=notices_report(settings),
     )
 

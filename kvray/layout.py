@@ -12,17 +12,17 @@ import enum
 import functools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, overload
+from typing import Annotated, overload
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from kvray.errors import LayoutError, UnknownLayerError
 
-if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
-
-    Int64Array = npt.NDArray[np.int64]
+#: Byte offsets, byte counts or block ids, one per op or block: the array type of every table
+#: kvray computes (plans, op tables, copies).
+Int64Array = npt.NDArray[np.int64]
 
 #: Bytes per element of every dtype a geometry may use.
 DTYPE_ITEMSIZE: Mapping[str, int] = {

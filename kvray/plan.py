@@ -37,7 +37,7 @@ from kvray.errors import (
     PlanError,
     UnknownLayerError,
 )
-from kvray.layout import Geometry, LayerPlacement, ceil_div
+from kvray.layout import Geometry, Int64Array, LayerPlacement, ceil_div
 from kvray.validation import validate_engine_info
 from kvray.wire import EngineInfo
 
@@ -46,8 +46,6 @@ try:
     from kvray import _plan as _native
 except ImportError:  # built by `pip install`; a source checkout without a build uses numpy alone
     _native = None
-
-Int64Array = npt.NDArray[np.int64]
 
 
 def native() -> bool:

@@ -41,10 +41,11 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
+from kvray.layout import Int64Array
 from kvray.memory import Backing
 from kvray.metrics import DropReason, Outcome
 from kvray.plan import OffsetCache, block_ids, check_ops_within, request_spans
-from kvray.transport.base import Int64Array, OpsCheck
+from kvray.transport.base import OpsCheck
 from kvray.wire import (
     EngineInfo,
     Reservation,

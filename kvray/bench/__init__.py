@@ -237,7 +237,7 @@ def _machine() -> dict[str, Any]:
 
     import kvray
     from kvray.config import Settings
-    from kvray.transport._copy import copy_threads, native
+    from kvray.transport.cpu_copy import copy_threads, native
 
     try:
         from importlib.metadata import version

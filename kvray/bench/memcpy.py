@@ -32,7 +32,7 @@ from kvray.bench.verify import (
 from kvray.bench.workload import Workload
 from kvray.config import Settings
 from kvray.plan import plan_transfer
-from kvray.transport._copy import copy_threads, scatter_copy_async
+from kvray.transport.cpu_copy import copy_threads, scatter_copy_async
 from kvray.wire import Role
 
 ALL_THREADS = f"memcpy, {os.cpu_count()} threads"

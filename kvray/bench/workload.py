@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, ceil_div, deepseek_v3
+from kvray.layout import BlockOrder, Geometry, Int64Array, KVLayout, LayerSpec, ceil_div, deepseek_v3
 
 ByteArray = npt.NDArray[np.uint8]
-IdArray = npt.NDArray[np.int64]
 
 KIB = 2**10
 MIB = 2**20
@@ -88,10 +87,10 @@ class Workload:
         """Copies a per-block transfer layer issues: one per block and segment."""
         return self.blocks * len(self.segments)
 
-    def src_ids(self) -> IdArray:
+    def src_ids(self) -> Int64Array:
         return np.asarray(self.src_blocks, dtype=np.int64)
 
-    def dst_ids(self) -> IdArray:
+    def dst_ids(self) -> Int64Array:
         return np.asarray(self.dst_blocks, dtype=np.int64)
 
 
@@ -104,7 +103,9 @@ def segment_rows(pool: ByteArray, segment: Segment, num_blocks: int) -> ByteArra
     )
 
 
-def gather(pool: ByteArray, workload: Workload, blocks: IdArray, out: ByteArray | None = None) -> ByteArray:
+def gather(
+    pool: ByteArray, workload: Workload, blocks: Int64Array, out: ByteArray | None = None
+) -> ByteArray:
     """The request's bytes, segment by segment, block by block, in one contiguous buffer: what a
     user without kvray sends (numpy fancy indexing, one `np.take` per segment)."""
     if out is None:
@@ -118,7 +119,7 @@ def gather(pool: ByteArray, workload: Workload, blocks: IdArray, out: ByteArray 
     return out
 
 
-def scatter(pool: ByteArray, workload: Workload, blocks: IdArray, payload: ByteArray) -> None:
+def scatter(pool: ByteArray, workload: Workload, blocks: Int64Array, payload: ByteArray) -> None:
     """The receiving half of `gather`: each segment's rows into the destination blocks."""
     start = 0
     for segment in workload.segments:

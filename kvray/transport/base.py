@@ -35,11 +35,11 @@ import numpy.typing as npt
 
 from kvray.config import Settings
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
+from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, check_op_table, check_rows
 from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
-Int64Array = npt.NDArray[np.int64]
 #: Raises unless every op (region, offset, nbytes) lies inside what one request may change.
 OpsCheck = Callable[[Int64Array, Int64Array, Int64Array], None]
 

@@ -17,10 +17,11 @@ import torch
 
 from kvray.config import Settings
 from kvray.errors import StaleIncarnationError, TransportError
+from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan
-from kvray.transport._copy import scatter_copy_async
-from kvray.transport.base import Int64Array, Peer, Reach, Receiver, Transport, check_write, region_pairs
+from kvray.transport.base import Peer, Reach, Receiver, Transport, check_write, region_pairs
+from kvray.transport.cpu_copy import scatter_copy_async
 from kvray.wire import EngineInfo, TransportKind
 
 _EVERY_KIND = frozenset(MemoryKind)

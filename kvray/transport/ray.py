@@ -16,8 +16,8 @@ from kvray.config import Settings
 from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import TransferPlan, check_ops
-from kvray.transport._copy import StagingBuffers, scatter_copy_async
 from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
+from kvray.transport.cpu_copy import StagingBuffers, scatter_copy_async
 from kvray.wire import TransportKind, WriteOps, decode_write_ops, encode
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ from kvray.errors import (
 from kvray.memory import Backing, MemoryKind
 from kvray.owned import is_owned_name, read_seal, seal_owned_file
 from kvray.plan import TransferPlan
-from kvray.transport._copy import scatter_copy_async
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
+from kvray.transport.cpu_copy import scatter_copy_async
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 

@@ -17,17 +17,18 @@ class HoldingGpuPrefill(PrefillWorker):
 
     async def hold_writes(self) -> None:
         """From now on every cuda_ipc write waits at a gate once its copies are queued."""
-        from kvray.transport import cuda_ipc
+        # The name the transport's write looks up when it waits for its copies.
+        from kvray.transport.cuda_ipc import transport
 
         gate = self._gate = asyncio.Event()
-        original = cuda_ipc.wait_for_events
+        original = transport.wait_for_events
 
         async def held(events: Any, nbytes: int) -> None:
             self._holding += 1
             await gate.wait()
             await original(events, nbytes)
 
-        cuda_ipc.wait_for_events = held  # type: ignore[assignment]
+        transport.wait_for_events = held  # type: ignore[assignment]
 
     async def held(self) -> int:
         return self._holding

@@ -136,11 +136,13 @@ def test_bytes_land_and_canaries_hold(
     decode_process: Any, peer_reads: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvray.config import Settings
-    from kvray.transport import Peer, cuda_ipc
-    from kvray.transport.cuda_ipc import CudaIpcTransport
+    from kvray.transport import Peer
+    from kvray.transport.cuda_ipc import CudaIpcTransport, ops, transport
 
     if not peer_reads:
-        monkeypatch.setattr(cuda_ipc, "peer_reads", lambda reader, owner: reader == owner)
+        # Both places that choose between a direct read and the staged path.
+        for module in (ops, transport):
+            monkeypatch.setattr(module, "peer_reads", lambda reader, owner: reader == owner)
     conn, info = decode_process
     layout = info.layout
     source = _source(layout)
@@ -403,7 +405,7 @@ def test_a_cuda_backing_has_its_allocation_to_itself() -> None:
     """A peer that opens a backing's IPC handle can reach the whole CUDA allocation behind it,
     whatever the handle claims: that allocation holds the backing alone, never another tensor
     of the process (torch's caching allocator would otherwise carve others out of it)."""
-    from kvray.transport.cuda_ipc import cuda_allocation_range
+    from kvray.transport.cuda_ipc.allocation import cuda_allocation_range
 
     freed = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")  # a cached segment to reuse
     del freed

@@ -16,7 +16,7 @@ from kvray.workers import DecodeWorker, PrefillWorker
 
 class CopyGate:
     """Stands in front of the batched copies the copy threads run (the C copy pool's claims of a
-    few ops, through its test hook; without the C extension, `kvray.transport._copy`'s
+    few ops, through its test hook; without the C extension, `kvray.transport.cpu_copy`'s
     `scatter_copy` on Python threads): the first `pass_calls` copies run, later ones wait at a
     gate, in the copy threads, so the actor's event loop still answers while a transfer is stuck
     halfway."""
@@ -53,20 +53,20 @@ class HoldingPrefill(PrefillWorker):
 
     async def hold_copies(self, pass_calls: int) -> None:
         """From now on every batch is copied by two threads; after `pass_calls` copies, hold."""
-        from kvray.transport import _copy
+        from kvray.transport import cpu_copy
 
         self._gate = CopyGate(pass_calls)
-        _copy._PARALLEL_THRESHOLD = 1
-        _copy.copy_threads = lambda: 2
-        if _copy.native():
-            import kvray._copy
+        cpu_copy._PARALLEL_THRESHOLD = 1
+        cpu_copy.copy_threads = lambda: 2
+        if cpu_copy.native():
+            import kvray._copy_pool
 
             # Ops cut into 64-byte pieces, claimed 4 at a time: however few ops a request has,
             # the first claim passes and the rest of the transfer waits.
-            _copy._CLAIM_NBYTES = 64
-            kvray._copy.set_worker_hook(self._gate.admit)
+            cpu_copy._CLAIM_NBYTES = 64
+            kvray._copy_pool.set_worker_hook(self._gate.admit)
         else:
-            _copy.scatter_copy = self._gate.wrap(_copy.scatter_copy)
+            cpu_copy.scatter_copy = self._gate.wrap(cpu_copy.scatter_copy)
 
     async def held(self) -> int:
         return self._gate.held if self._gate is not None else 0

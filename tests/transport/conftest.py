@@ -530,7 +530,7 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> CopyGuard:
 
 
 class GatedCopies:
-    """Stands in for `_copy.scatter_copy` (what the copy threads run): each copy waits at a gate.
+    """Stands in for `cpu_copy.scatter_copy` (what the copy threads run): each copy waits at a gate.
     A copy that would start after the write that issued it has already returned, or whose
     destination is no longer the memory it was when the copy was issued (`where` names what
     holds an address range, e.g. which file is mapped there), is recorded and skipped, not run."""
@@ -555,7 +555,7 @@ class GatedCopies:
 
     def admit(self, low: int, high: int, total: int) -> bool:
         """Wait at the gate, then say whether the copy of [low, high) may run. The C pool's
-        threads call this (`kvray._copy.set_worker_hook`) before each batch of ops they claim."""
+        threads call this (`kvray._copy_pool.set_worker_hook`) before each batch of ops they claim."""
         with self.lock:
             self.running += 1
         try:
@@ -586,22 +586,22 @@ class GatedCopies:
 def gated(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[GatedCopies]:
     """Every batched copy goes through two threads (threshold 1) and a `GatedCopies`: the C
     copy pool's threads, or the fallback's Python threads."""
-    from kvray.transport import _copy
+    from kvray.transport import cpu_copy
 
-    gated_copies = GatedCopies(_copy.scatter_copy)
-    monkeypatch.setattr(_copy, "scatter_copy", gated_copies)
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
-    monkeypatch.setattr(_copy, "copy_threads", lambda: 2)
+    gated_copies = GatedCopies(cpu_copy.scatter_copy)
+    monkeypatch.setattr(cpu_copy, "scatter_copy", gated_copies)
+    monkeypatch.setattr(cpu_copy, "_PARALLEL_THRESHOLD", 1)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: 2)
     if request.param == "python-threads":
-        monkeypatch.setattr(_copy, "_start_copy", None)
+        monkeypatch.setattr(cpu_copy, "_start_copy", None)
         yield gated_copies
         return
-    if not _copy.native():
-        pytest.skip("kvray._copy (the C extension) is not built here")
-    import kvray._copy
+    if not cpu_copy.native():
+        pytest.skip("kvray._copy_pool (the C extension) is not built here")
+    import kvray._copy_pool
 
-    kvray._copy.set_worker_hook(gated_copies.admit)
+    kvray._copy_pool.set_worker_hook(gated_copies.admit)
     try:
         yield gated_copies
     finally:
-        kvray._copy.set_worker_hook(None)
+        kvray._copy_pool.set_worker_hook(None)

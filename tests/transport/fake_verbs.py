@@ -15,7 +15,7 @@ without hardware. What it enforces, as real hardware would:
   completes it with IBV_WC_RECV_RDMA_WITH_IMM and the immediate.
 
 Requests are executed in order by one "NIC" thread, which moves bytes through
-`kvray.transport._copy.scatter_copy` (looked up per copy, so tests that gate copies gate it too).
+`kvray.transport.cpu_copy.scatter_copy` (looked up per copy, so tests that gate copies gate it too).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvray.transport import _copy
+from kvray.transport import cpu_copy
 from kvray.transport.verbs import VerbsApi
 
 
@@ -155,7 +155,7 @@ class FakeFabric:
         if status == E.IBV_WC_SUCCESS and copy is not None:
             dst_base, src_addresses, dst_offsets, lengths = copy
             if lengths.size:
-                _copy.scatter_copy(dst_base, 0, dst_offsets, src_addresses, lengths)
+                cpu_copy.scatter_copy(dst_base, 0, dst_offsets, src_addresses, lengths)
         with self.lock:
             self.executed.append((wr.opcode, wr.num_sge, int(sum(s.length for s in wr.sg)), wr.signalled))
             if status != E.IBV_WC_SUCCESS:

@@ -22,7 +22,7 @@ from kvray.errors import BoundsError, KvrayError, RegionError, StaleIncarnationE
 from kvray.layout import READY_LAYOUTS, BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.memory import TORCH_DTYPES, Backing, MemoryKind
 from kvray.plan import OffsetCache, OpTable, TransferPlan
-from kvray.transport import _copy
+from kvray.transport import cpu_copy
 
 if TYPE_CHECKING:
     from conftest import CopyGuard, Engine, GatedCopies, TransportUnderTest
@@ -145,7 +145,7 @@ async def test_large_scattered_batch_splits_ops_across_threads(
     tut: TransportUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads = 3  # shares of an odd byte count: cuts fall inside ops
-    monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
     geometry = Geometry(block_size=16, entry_shape=(1000,), dtype="uint8")  # 16000-byte blocks
     layout = KVLayout(layers=(LayerSpec(name="kv", geometry=geometry),), num_blocks=2048)
     source = tut.source(layout)
@@ -153,7 +153,7 @@ async def test_large_scattered_batch_splits_ops_across_threads(
     local, remote = tut.scattered(layout.num_blocks, 1024)
     plan = tut.plan(source, destination, local, remote)
     total = plan.nbytes
-    assert total > _copy._PARALLEL_THRESHOLD and len(plan.ops) > 500
+    assert total > cpu_copy._PARALLEL_THRESHOLD and len(plan.ops) > 500
     share_cuts = [total * k // threads for k in range(1, threads)]
     assert any(cut % geometry.block_nbytes for cut in share_cuts), "no share boundary falls inside an op"
     before = tut.snapshot(destination)
@@ -174,7 +174,7 @@ async def test_one_huge_contiguous_op(tut: TransportUnderTest) -> None:
     destination = tut.destination(layout)
     blocks = np.arange(10, 290)
     plan = tut.plan(source, destination, blocks, blocks)
-    assert len(plan.ops) == 1 and plan.nbytes > _copy._PARALLEL_THRESHOLD
+    assert len(plan.ops) == 1 and plan.nbytes > cpu_copy._PARALLEL_THRESHOLD
     before = tut.snapshot(destination)
 
     await tut.write(plan, source, destination)
@@ -219,7 +219,7 @@ async def test_per_layer_source_regions(tut: TransportUnderTest, adopt_destinati
 async def test_concurrent_writes_to_one_peer(
     tut: TransportUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 64 * 1024)  # both writes take the threaded path
+    monkeypatch.setattr(cpu_copy, "_PARALLEL_THRESHOLD", 64 * 1024)  # both writes take the threaded path
     layout = ready_layout("mixed", BlockOrder.BLOCK_MAJOR)
     source = tut.source(layout)
     destination = tut.destination(layout)
@@ -497,7 +497,7 @@ async def test_write_then_calls_its_hook_once_after_the_last_byte(tut: Transport
     local, remote = tut.scattered(layout.num_blocks, count)
     plan = tut.plan(source, destination, local, remote)
     if size == "threaded":
-        assert plan.nbytes > _copy._PARALLEL_THRESHOLD
+        assert plan.nbytes > cpu_copy._PARALLEL_THRESHOLD
     before = tut.snapshot(destination)
     seen: list[list[np.ndarray]] = []
 

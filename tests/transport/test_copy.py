@@ -1,4 +1,4 @@
-"""The batched CPU copy under both CPU transports (`kvray.transport._copy`): every op's bytes go
+"""The batched CPU copy under both CPU transports (`kvray.transport.cpu_copy`): every op's bytes go
 exactly where they are sent, on the calling thread or over a few threads (the C extension's
 pool of pthreads claiming ops from one job, or the ctypes fallback's equal shares on Python
 threads), through either implementation alike."""
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvray.layout import ceil_div
-from kvray.transport import _copy
+from kvray.transport import cpu_copy
 
 IMPLEMENTATIONS = [
     pytest.param("native", id="native"),
@@ -72,11 +72,13 @@ def buffers(src_nbytes: int, ops: list[tuple[int, int, int]], seed: int) -> tupl
 
 
 def use(implementation: str) -> mock._patch[object]:
-    if implementation == "native" and not _copy.native():
-        pytest.skip("kvray._copy (the C extension) is not built here")
+    if implementation == "native" and not cpu_copy.native():
+        pytest.skip("kvray._copy_pool (the C extension) is not built here")
     if implementation == "native":
-        return mock.patch.multiple(_copy, _scatter_copy=_copy._scatter_copy, _start_copy=_copy._start_copy)
-    return mock.patch.multiple(_copy, _scatter_copy=None, _start_copy=None)
+        return mock.patch.multiple(
+            cpu_copy, _scatter_copy=cpu_copy._scatter_copy, _start_copy=cpu_copy._start_copy
+        )
+    return mock.patch.multiple(cpu_copy, _scatter_copy=None, _start_copy=None)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -89,7 +91,7 @@ def test_scatter_copy(
     dst, src = buffers(src_nbytes, ops, seed)
     expected = reference(dst, src, ops)
     with use(implementation):
-        _copy.scatter_copy(dst.ctypes.data, src.ctypes.data, *columns(ops))
+        cpu_copy.scatter_copy(dst.ctypes.data, src.ctypes.data, *columns(ops))
     np.testing.assert_array_equal(dst, expected)
 
 
@@ -115,11 +117,11 @@ def test_scatter_copy_async_in_shares(
     expected = reference(dst, src, ops)
     with (
         use(implementation),
-        mock.patch.object(_copy, "copy_threads", lambda: threads),
-        mock.patch.object(_copy, "_PARALLEL_THRESHOLD", threshold),
-        mock.patch.object(_copy, "_CLAIM_NBYTES", claim),
+        mock.patch.object(cpu_copy, "copy_threads", lambda: threads),
+        mock.patch.object(cpu_copy, "_PARALLEL_THRESHOLD", threshold),
+        mock.patch.object(cpu_copy, "_CLAIM_NBYTES", claim),
     ):
-        asyncio.run(_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops)))
+        asyncio.run(cpu_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops)))
     np.testing.assert_array_equal(dst, expected)
 
 
@@ -129,12 +131,12 @@ async def test_large_ops_are_split_into_balanced_shares(
 ) -> None:
     """The fallback (no C extension): few large ops of odd sizes; ops longer than a share are
     split, at most one call per thread, and no thread gets more than two shares' worth of bytes."""
-    monkeypatch.setattr(_copy, "_scatter_copy", None)
-    monkeypatch.setattr(_copy, "_start_copy", None)
-    monkeypatch.setattr(_copy, "copy_threads", lambda: threads)
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    monkeypatch.setattr(cpu_copy, "_scatter_copy", None)
+    monkeypatch.setattr(cpu_copy, "_start_copy", None)
+    monkeypatch.setattr(cpu_copy, "copy_threads", lambda: threads)
+    monkeypatch.setattr(cpu_copy, "_PARALLEL_THRESHOLD", 1)
     calls: list[int] = []
-    original = _copy.scatter_copy
+    original = cpu_copy.scatter_copy
 
     def counting(
         dst_base: int, src_base: int, dst_offsets: np.ndarray, src_offsets: np.ndarray, nbytes: np.ndarray
@@ -142,13 +144,13 @@ async def test_large_ops_are_split_into_balanced_shares(
         calls.append(int(np.asarray(nbytes).sum()))
         original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
 
-    monkeypatch.setattr(_copy, "scatter_copy", counting)
+    monkeypatch.setattr(cpu_copy, "scatter_copy", counting)
     ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
     dst, src = buffers(5000, ops, seed=threads)
     expected = reference(dst, src, ops)
     total = sum(nbytes for _, _, nbytes in ops)
 
-    await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
+    await cpu_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops))
 
     np.testing.assert_array_equal(dst, expected)
     share = ceil_div(total, threads)
@@ -158,11 +160,11 @@ async def test_large_ops_are_split_into_balanced_shares(
 
 
 def native_module() -> Any:
-    if not _copy.native():
-        pytest.skip("kvray._copy (the C extension) is not built here")
-    import kvray._copy
+    if not cpu_copy.native():
+        pytest.skip("kvray._copy_pool (the C extension) is not built here")
+    import kvray._copy_pool
 
-    return kvray._copy
+    return kvray._copy_pool
 
 
 def wait_over(job: Any) -> None:
@@ -288,7 +290,7 @@ async def test_a_cancelled_pool_copy_returns_only_once_every_thread_is_out(
     """Cancel `scatter_copy_async` while the pool's threads are held: the cancellation is
     delivered only after they have copied and left."""
     native = native_module()
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    monkeypatch.setattr(cpu_copy, "_PARALLEL_THRESHOLD", 1)
     gate = threading.Event()
     entered = threading.Event()
     admitted: list[int] = []
@@ -305,7 +307,7 @@ async def test_a_cancelled_pool_copy_returns_only_once_every_thread_is_out(
     native.set_worker_hook(hold)
     try:
         task = asyncio.create_task(
-            _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
+            cpu_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
         )
         assert await asyncio.to_thread(entered.wait, 10)
         task.cancel()
@@ -323,10 +325,10 @@ async def test_a_cancelled_pool_copy_returns_only_once_every_thread_is_out(
 )
 def test_ctypes_fallback_refuses_what_the_c_extension_refuses(dst_offset: int, nbytes: int) -> None:
     """Run in a child process: without the check, the fallback scribbles or crashes."""
-    if _copy.native():
+    if cpu_copy.native():
         dst = np.zeros(64, dtype=np.uint8)
         with pytest.raises(ValueError):
-            _copy.scatter_copy(
+            cpu_copy.scatter_copy(
                 dst.ctypes.data + 32,
                 dst.ctypes.data,
                 np.array([dst_offset]),
@@ -337,8 +339,8 @@ def test_ctypes_fallback_refuses_what_the_c_extension_refuses(dst_offset: int, n
         f"""
         import importlib.util, sys
         import numpy as np
-        sys.modules["kvray._copy"] = None  # no C extension: the fallback path
-        spec = importlib.util.spec_from_file_location("copy_fallback", {_copy.__file__!r})
+        sys.modules["kvray._copy_pool"] = None  # no C extension: the fallback path
+        spec = importlib.util.spec_from_file_location("copy_fallback", {cpu_copy.__file__!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert not module.native()
@@ -384,7 +386,7 @@ async def test_a_loop_that_cannot_watch_the_job_still_waits_for_its_threads(
     """If the event loop refuses to watch the job's eventfd, the error surfaces only after the
     pool's threads are out: the caller may release the memory the moment it sees the error."""
     native = native_module()
-    monkeypatch.setattr(_copy, "_PARALLEL_THRESHOLD", 1)
+    monkeypatch.setattr(cpu_copy, "_PARALLEL_THRESHOLD", 1)
     ops = [(block * 1024, block * 1024, 1024) for block in range(64)]
     dst, src = buffers(64 * 1024, ops, seed=5)
     expected = reference(dst, src, ops)
@@ -401,7 +403,7 @@ async def test_a_loop_that_cannot_watch_the_job_still_waits_for_its_threads(
     native.set_worker_hook(slow)
     try:
         with pytest.raises(RuntimeError, match="no readers"):
-            await _copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
+            await cpu_copy.scatter_copy_async(dst.ctypes.data, src.ctypes.data, *columns(ops), 2)
         np.testing.assert_array_equal(dst, expected)  # every byte already there
     finally:
         native.set_worker_hook(None)

@@ -42,13 +42,13 @@ def test_doctor_command_reports_pyverbs_as_this_machine_has_it(capsys: pytest.Ca
 
 def test_report_says_whether_the_c_helpers_are_built(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvray import plan
-    from kvray.transport import _copy
+    from kvray.transport import cpu_copy
 
     report = doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api())
-    assert list(report.native.values()) == [_copy.native(), plan.native()]
-    monkeypatch.setattr(_copy, "_start_copy", None)
+    assert list(report.native.values()) == [cpu_copy.native(), plan.native()]
+    monkeypatch.setattr(cpu_copy, "_start_copy", None)
     without = doctor.format_report(doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api()))
-    assert "kvray._copy (CPU copy pool): not built (a slower fallback runs" in without
+    assert "kvray._copy_pool (CPU copy pool): not built (a slower fallback runs" in without
 
 
 def test_report_says_where_notices_from_other_nodes_go() -> None:

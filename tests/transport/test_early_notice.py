@@ -22,7 +22,7 @@ from kvray.completion import CompletionOutbox, DatagramNotice
 from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.layout import Geometry, KVLayout, LayerSpec
-from kvray.transport import _copy
+from kvray.transport import cpu_copy
 
 # 16 KiB blocks: a 512-block request is 8 MiB, above the size that is copied by pool threads.
 LAYOUT = KVLayout(
@@ -55,10 +55,10 @@ def request(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Who copies: the C extension's pool (which sends the notice without Python), or the
     fallback's Python threads."""
-    if request.param == "pool" and not _copy.native():
-        pytest.skip("kvray._copy (the C extension) is not built here")
+    if request.param == "pool" and not cpu_copy.native():
+        pytest.skip("kvray._copy_pool (the C extension) is not built here")
     if request.param == "python-threads":
-        monkeypatch.setattr(_copy, "_start_copy", None)
+        monkeypatch.setattr(cpu_copy, "_start_copy", None)
     return str(request.param)
 
 
@@ -67,7 +67,7 @@ async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
 ) -> None:
     prefill, decode = agents
     local, remote = request(512, seed=1)
-    assert local.size * BLOCK > _copy._PARALLEL_THRESHOLD
+    assert local.size * BLOCK > cpu_copy._PARALLEL_THRESHOLD
     source = prefill.backing.regions[0].tensor.numpy()
     target = decode.backing.regions[0].tensor.numpy()
     untouched = np.setdiff1d(np.arange(LAYOUT.num_blocks), remote)

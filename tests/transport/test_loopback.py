@@ -14,21 +14,14 @@ import numpy.typing as npt
 import pytest
 import pytest_asyncio
 
-from kvray import (
-    BoundsError,
-    KVAgent,
-    LoopbackNetwork,
-    LoopbackTransport,
-    NotExpectedError,
-    Role,
-    Settings,
-    StaleIncarnationError,
-    TransferPlan,
-    TransportError,
-    mixed,
-    plan_transfer,
-)
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.errors import BoundsError, NotExpectedError, StaleIncarnationError, TransportError
+from kvray.layout import mixed
+from kvray.plan import TransferPlan, plan_transfer
 from kvray.transport import Peer
+from kvray.transport.loopback import LoopbackNetwork, LoopbackTransport
+from kvray.wire import Role
 
 LAYOUT = mixed(8)
 CANARY = 0xA5

@@ -235,7 +235,7 @@ async def test_a_writer_keeps_connections_to_at_most_max_cached_peers_engines(
     """Past `max_cached_peers` decode engines the least recently used one's connection is
     retired: a write still using it ends as it would have, then its queue pair closes; the next
     write to that engine connects again."""
-    from kvray.transport import _copy
+    from kvray.transport import cpu_copy
 
     layout = ready_layout("mixed", BlockOrder.LAYER_MAJOR)
     source = fake.source(layout)
@@ -243,7 +243,7 @@ async def test_a_writer_keeps_connections_to_at_most_max_cached_peers_engines(
     writing = VerbsTransport(Settings(max_cached_peers=1), api=fake.fabric.api())
     local, remote = fake.scattered(layout.num_blocks, 4)
     gate, entered = threading.Event(), threading.Event()
-    copy = _copy.scatter_copy
+    copy = cpu_copy.scatter_copy
 
     def gated_copy(*args: Any) -> None:  # what the fake NIC copies with, on its thread
         entered.set()
@@ -253,7 +253,7 @@ async def test_a_writer_keeps_connections_to_at_most_max_cached_peers_engines(
     try:
         into_first = fake.plan(source, first, local, remote)
         before = fake.snapshot(first)
-        monkeypatch.setattr(_copy, "scatter_copy", gated_copy)
+        monkeypatch.setattr(cpu_copy, "scatter_copy", gated_copy)
         held = asyncio.ensure_future(writing.write(into_first, source.backing, fake.peer(first)))
         assert await asyncio.to_thread(entered.wait, 10)
         connection = writing._connections.get("decode-0", first.incarnation, writer(source))

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvray.config import Settings
-from kvray.transport import availability, cuda_ipc
-from kvray.transport.cuda_ipc import CudaIpcHandle, pick_unit, wait_for_events
-from kvray.wire import TransportKind
+from kvray.transport import availability
+from kvray.transport.cuda_ipc import pick_unit, streams, wait_for_events
+from kvray.wire import CudaIpcHandle, TransportKind
 
 
 def test_pick_unit_is_the_widest_common_divisor() -> None:
@@ -68,7 +68,7 @@ class _Event:
 
 
 async def test_a_write_polls_its_copy_events_from_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_ipc, "POLL_FLOOR_S", 30.0)  # a loaded machine cannot run out the window
+    monkeypatch.setattr(streams, "POLL_FLOOR_S", 30.0)  # a loaded machine cannot run out the window
     events = [_Event(polls=3), _Event(polls=0)]
     await wait_for_events(events, nbytes=2**20)  # type: ignore[arg-type]
     assert [e.synchronized_on for e in events] == [[], []], "a thread waited for a copy that was quick"
@@ -78,7 +78,7 @@ async def test_a_write_polls_its_copy_events_from_the_loop(monkeypatch: pytest.M
 async def test_a_copy_running_past_the_poll_window_is_waited_for_on_a_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cuda_ipc, "POLL_FLOOR_S", 0.0)
+    monkeypatch.setattr(streams, "POLL_FLOOR_S", 0.0)
     slow = _Event(polls=10**9)
     await wait_for_events([slow], nbytes=0)  # type: ignore[list-item]
     assert len(slow.synchronized_on) == 1 and slow.synchronized_on[0] != threading.get_ident()
@@ -87,7 +87,7 @@ async def test_a_copy_running_past_the_poll_window_is_waited_for_on_a_thread(
 async def test_a_cancelled_write_returns_only_once_its_copies_are_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cuda_ipc, "POLL_FLOOR_S", 60.0)  # would poll for a minute
+    monkeypatch.setattr(streams, "POLL_FLOOR_S", 60.0)  # would poll for a minute
     running = _Event(polls=10**9)
     task = asyncio.create_task(wait_for_events([running], nbytes=0))  # type: ignore[list-item]
     await asyncio.sleep(0.01)
@@ -110,7 +110,7 @@ def test_inside_allocation_is_exactly_containment(
     allocation_start: int, allocation_nbytes: int, offset: int, region_nbytes: int
 ) -> None:
     from kvray.errors import RegionError
-    from kvray.transport.cuda_ipc import check_inside_allocation
+    from kvray.transport.cuda_ipc.allocation import check_inside_allocation
 
     inside = offset >= 0 and offset + region_nbytes <= allocation_nbytes
     region_start = allocation_start + offset
@@ -128,7 +128,7 @@ def test_inside_allocation_is_exactly_containment(
 
 def test_a_claim_of_twice_the_allocation_is_refused() -> None:
     from kvray.errors import RegionError
-    from kvray.transport.cuda_ipc import check_inside_allocation
+    from kvray.transport.cuda_ipc.allocation import check_inside_allocation
 
     allocation = (0x7F0000000000, 512 * 1024)
     check_inside_allocation(allocation[0], 512 * 1024, allocation, engine_id="d", region=0)

@@ -38,7 +38,13 @@ def test_all_lists_every_error_class() -> None:
         and value.__module__ == errors.__name__
     }
     assert defined == set(errors.__all__)
-    assert set(errors.__all__) <= set(kvray.__all__)
+
+
+def test_kvray_exports_every_branch_of_the_tree() -> None:
+    """Any kvray error can be caught by a name `kvray` exports: the root and its children."""
+    branches = {"KvrayError"} | {cls.__name__ for cls in ERROR_CLASSES if KvrayError in cls.__bases__}
+    exported = {name for name in kvray.__all__ if name.endswith("Error")}
+    assert branches <= exported <= set(errors.__all__)
 
 
 @pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda cls: cls.__name__)

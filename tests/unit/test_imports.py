@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvray"
 #: Each tier may import its own and the tiers before it, never a later one.
 TIERS: list[tuple[str, ...]] = [
     # foundations: errors, settings, counters, the C extensions
-    ("kvray.errors", "kvray.config", "kvray.metrics", "kvray._copy", "kvray._plan"),
+    ("kvray.errors", "kvray.config", "kvray.metrics", "kvray._copy_pool", "kvray._plan"),
     ("kvray.layout",),
     # what engines publish (descriptors, engine info and its checks) and the shm folder's entries
     ("kvray.wire", "kvray.validation", "kvray.owned"),

@@ -1,4 +1,5 @@
-"""kvray's batched CPU copy (kvray/_copy.c); each array is C-contiguous native int64."""
+"""kvray's batched memcpy and its pthread copy pool (kvray/_copy_pool.c); each array is
+C-contiguous native int64."""
 
 from collections.abc import Callable
 

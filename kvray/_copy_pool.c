@@ -388,7 +388,7 @@ static PyGetSetDef CopyJob_getset[] = {
 };
 
 static PyTypeObject CopyJobType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvray._copy.CopyJob",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvray._copy_pool.CopyJob",
     .tp_basicsize = sizeof(CopyJob),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A copy running on the pool (see start_copy).",
@@ -575,9 +575,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvray._copy", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvray._copy_pool", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__copy(void) {
+PyMODINIT_FUNC PyInit__copy_pool(void) {
 #ifdef KVRAY_STREAMING
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");

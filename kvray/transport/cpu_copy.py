@@ -1,4 +1,6 @@
-"""Batched CPU copies shared by the CPU transports: every op of a plan in a few C calls."""
+"""A plan's ops copied between two CPU buffers, for the CPU transports (shm, ray, loopback): by
+the C copy pool (`kvray._copy_pool`) when it is built, else by a per-op ctypes loop on Python
+threads; every op of a plan in a few calls either way."""
 
 from __future__ import annotations
 
@@ -15,18 +17,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvray.layout import ceil_div
+from kvray.layout import Int64Array, ceil_div
 from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
 try:
-    from kvray._copy import scatter_copy as _scatter_copy
-    from kvray._copy import start_copy as _start_copy
+    from kvray._copy_pool import scatter_copy as _scatter_copy
+    from kvray._copy_pool import start_copy as _start_copy
 except ImportError:  # built by `pip install`; a source checkout without a build falls back
     _scatter_copy = _start_copy = None
-
-Int64Array = npt.NDArray[np.int64]
 
 
 @runtime_checkable

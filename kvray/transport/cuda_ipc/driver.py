@@ -1,0 +1,52 @@
+"""The CUDA driver as the `cuda_ipc` transport calls it directly, through ctypes: the library,
+and the calls a captured row copy's capture and replay make (external event wait and record,
+graph launch), where torch's wrappers have none or cost more than the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvray.errors import TransportError
+
+
+@functools.cache
+def libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+#: Flags of a wait and a record captured as a graph's own nodes (`cudaEventWaitExternal`,
+#: `cudaEventRecordExternal`), not as dependencies inside the capture.
+EVENT_WAIT_EXTERNAL = 1
+EVENT_RECORD_EXTERNAL = 1
+
+
+@dataclass(frozen=True)
+class DriverCalls:
+    event_record: Callable[[int, int], int]
+    event_record_with_flags: Callable[[int, int, int], int]
+    stream_wait_event: Callable[[int, int, int], int]
+    graph_launch: Callable[[int, int], int]
+
+
+@functools.cache
+def driver_calls() -> DriverCalls:
+    """The driver entry points a capture and a replay use, with their argument types declared
+    (so that ctypes converts each argument without guessing, on every call)."""
+    lib = libcuda()
+    pair = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    triple = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+    return DriverCalls(
+        pair(("cuEventRecord", lib)),
+        triple(("cuEventRecordWithFlags", lib)),
+        triple(("cuStreamWaitEvent", lib)),
+        pair(("cuGraphLaunch", lib)),
+    )
+
+
+def driver_check(name: str, result: int) -> None:
+    if result != 0:
+        raise TransportError(f"{name} failed (CUresult {result})", result=result)
