@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvray.bench.workload import deepseek_request
-from kvray.layout import BlockOrder, KVLayout, align_up, ceil_div
-from kvray.plan import Int64Array, OffsetCache, plan_transfer
+from kvray.layout import BlockOrder, Int64Array, KVLayout, align_up, ceil_div
+from kvray.plan import OffsetCache, plan_transfer
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 
