@@ -32,7 +32,7 @@ Int64Array = npt.NDArray[np.int64]
 @runtime_checkable
 class Datagram(Protocol):
     """A `then` the C pool's thread can send itself, without Python, once the last byte is
-    copied (`kvray.completion.DatagramNotice`): the socket, the inbox path and the message;
+    copied (`kvray.notice.local.DatagramNotice`): the socket, the inbox path and the message;
     `sent` records whether it went."""
 
     sent: bool
