@@ -109,7 +109,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: Requests one decode agent may expect at once (the slots of its claim board).
     max_expected_requests: int = 4096
     #: Take notices from writers on other nodes over an authenticated TCP connection
-    #: (`kvray.completion_tcp`); off, they come through a Ray call on the engine's actor each.
+    #: (`kvray.notice.tcp`); off, they come through a Ray call on the engine's actor each.
     notice_tcp: bool = True
     #: Address a decode engine listens on for those notices: an IP address of this node;
     #: empty picks the node's address as Ray knows it (no listener outside Ray).

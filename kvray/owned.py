@@ -1,16 +1,20 @@
 """What kvray owns in the shared-memory folder (`Settings.shm_dir`): the files that hold shared
 backings (`kvray.memory`) and the private folders that hold completion inboxes and claim boards
-(`kvray.completion`, `kvray.claims`). Each is named `kvray-<pid>-<random>`, created here, locked
-by its creator for as long as it exists, and removed here: by its owner (`remove_owned`, or at
-exit), or by anyone once its owner is gone (`remove_stale_shm_files`). A peer's published path
-is trusted only if it names one of these (`is_owned_name`), and a file only for what its owner
-sealed it to hold (`seal_owned_file`, `read_seal`).
+(`kvray.notice.local`, `kvray.notice.claims`). Each is named `kvray-<pid>-<random>`, created
+here, locked by its creator for as long as it exists, and removed here: by its owner
+(`remove_owned`, or at exit), or by anyone once its owner is gone (`remove_stale_shm_files`).
+
+A path a peer publishes is only a claim: `open_peer` is the one place that decides whether it
+names one of these entries (of this user, never through a symbolic link), and a file is trusted
+only for what its owner sealed it to hold (`seal_owned_file`, `read_seal`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
+import errno
 import fcntl
 import os
 import re
@@ -20,7 +24,7 @@ import stat
 import struct
 import threading
 
-from kvray.errors import RegionError
+from kvray.errors import MetadataError, RegionError, TransportError
 
 SHM_PREFIX = "kvray-"
 #: Names kvray gives its shared-memory files and completion-inbox folders: prefix, creator's
@@ -30,8 +34,109 @@ _OWNED_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}[0-9]+-[0-9a-z_]+", re.ASCII)
 
 def is_owned_name(name: str) -> bool:
     """Whether `name` is one kvray gives the files and folders it creates in the shared-memory
-    folder: a peer's published path is refused unless it names one (see the shm transport)."""
+    folder: a peer's published path is refused unless it names one (`open_peer`)."""
     return _OWNED_NAME.fullmatch(name) is not None
+
+
+#: A completion inbox's name inside its engine's private folder.
+INBOX_NAME = "inbox.sock"
+#: A claim board's name inside its engine's private folder.
+BOARD_NAME = "claims"
+
+
+class PeerPath(enum.Enum):
+    """What a path a peer publishes may name, each where kvray puts it in `shm_dir`."""
+
+    #: A shared backing: `<shm_dir>/kvray-<pid>-<random>`, a regular file, opened to write.
+    SHARED_FILE = "shared-memory file"
+    #: A completion inbox: `<shm_dir>/<kvray folder>/inbox.sock`, a socket.
+    INBOX = "completion inbox"
+    #: A claim board: `<shm_dir>/<kvray folder>/claims`, a regular file, opened to read.
+    CLAIM_BOARD = "claim board"
+
+
+# O_NONBLOCK everywhere: opening a FIFO planted under a kvray name must not wait for a writer.
+_PEER_FLAGS = {
+    PeerPath.SHARED_FILE: os.O_RDWR | os.O_NONBLOCK,
+    PeerPath.CLAIM_BOARD: os.O_RDONLY | os.O_NONBLOCK,
+    # A socket cannot be opened to read or write; a path descriptor is enough to check it.
+    PeerPath.INBOX: os.O_PATH,
+}
+_PEER_NAMES = {PeerPath.INBOX: INBOX_NAME, PeerPath.CLAIM_BOARD: BOARD_NAME}
+
+
+def open_peer(path: str, kind: PeerPath, shm_dir: str, *, named_by: str = "a peer", **facts: object) -> int:
+    """A descriptor (close-on-exec; the caller closes it) of the `kind` entry a peer published
+    at `path`, after the one check every such path gets: it lies where kvray puts a `kind` in
+    `shm_dir`, under a name kvray gives, no part of it is a symbolic link, and it is a `kind`
+    of this user (a private folder of this user, for an entry inside one). `MetadataError` if
+    not (kvray did not make it), `TransportError` if it is gone or cannot be opened.
+    `named_by` says who published it (`engine 'd' region 0`), `facts` go with the error."""
+    folder = os.path.normpath(shm_dir)
+    what = f"{named_by} names {path!r}"
+    facts = {"path": path, **facts}
+    name = _PEER_NAMES.get(kind)
+    # The entry kvray made directly in the folder: the file itself, or the private folder holding it.
+    entry = path if name is None else os.path.dirname(path)
+    owned = os.path.basename(entry)
+    placed = is_owned_name(owned) and path == os.path.join(folder, owned, *([name] if name else []))
+    if not placed:
+        raise MetadataError(
+            f"{what}, which is not a kvray {kind.value} in {folder} (KVRAY_SHM_DIR); kvray uses only "
+            f"the {kind.value}s it creates, and both engines need the same shm_dir",
+            **facts,
+        )
+    folder_fd = -1
+    fd = -1
+    try:
+        if name is not None:
+            folder_fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            folder_status = os.fstat(folder_fd)
+            if folder_status.st_uid != os.geteuid() or folder_status.st_mode & 0o077:
+                raise MetadataError(
+                    f"{what}, in a folder that is not private to this user; kvray uses only the "
+                    f"{kind.value}s it creates",
+                    **facts,
+                )
+        flags = _PEER_FLAGS[kind] | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags) if name is None else os.open(name, flags, dir_fd=folder_fd)
+        status = os.fstat(fd)
+    except FileNotFoundError as error:
+        _close(fd)
+        gone = f"the {kind.value} {path} is gone: its engine closed or died (or runs on another node)"
+        raise TransportError(gone, **facts) from error
+    except OSError as error:
+        _close(fd)
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise MetadataError(
+                f"{what}, a symbolic link; kvray uses only the {kind.value}s it creates", **facts
+            ) from None
+        raise TransportError(
+            f"cannot open the {kind.value} {path}: {error}; both engines must be on one node and "
+            "run as one user",
+            **facts,
+        ) from error
+    except BaseException:
+        _close(fd)
+        raise
+    finally:
+        _close(folder_fd)
+    wanted = stat.S_ISSOCK if kind is PeerPath.INBOX else stat.S_ISREG
+    if not wanted(status.st_mode) or status.st_uid != os.geteuid():
+        os.close(fd)
+        shape = "socket" if kind is PeerPath.INBOX else "regular file"
+        raise MetadataError(
+            f"{what}, which is not a {shape} of this user (a symbolic link, or someone else's); "
+            f"kvray uses only the {kind.value}s it creates",
+            **facts,
+        )
+    return fd
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 # # Each file or folder kvray makes in the shared-memory folder is locked (flock, exclusive) by

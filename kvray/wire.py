@@ -210,7 +210,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     It says where (the engine incarnation and the request's blocks there) and carries a random
     `token` the engine checks on every write and notice for the request, so only the holder of
     the reservation can complete it. `slot` names the request's entry in the engine's claim
-    board (`kvray.claims`), through which a writer on the same node proves, while it writes,
+    board (`kvray.notice.claims`), through which a writer on the same node proves, while it writes,
     that the engine still expects the request. It stays inside the cluster: a token is a
     capability, never part of what an engine publishes.
     """
@@ -243,9 +243,9 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     nbytes: int
     #: True when this is the last part of the request (layer-wise pushes send several).
     final: bool = True
-    #: RDMA WRITE WITH IMMEDIATE requests the writer issued for the request (`verbs`): the
-    #: decode side completes it only once that many immediates have arrived.
-    immediates: ByteCount = 0
+    #: Proofs of arrival the writer's transport gives the decode side for the request's writes
+    #: (`Transport.arrival_proofs`): it completes the request only once that many have come.
+    arrival_proofs: ByteCount = 0
 
 
 class TransferFailed(TransferNotice, frozen=True, kw_only=True, tag="failed"):

@@ -3,7 +3,6 @@
 directory   registration with the coordinator, peers and their cache
 transports  the transports an agent writes and receives through, and the choice per peer
 push        plan, write, notify: whole requests and layer-wise
-messages    claims and notices from a writer to a decode engine
 receive     expected requests, incoming writes and notices, `wait_for_kv`, release
 kvagent     `KVAgent`, the facade over them
 """

@@ -1,6 +1,6 @@
 """The agent: one engine's kvray side (steps three to seven of the data flow), a facade over the
 modules named for each step: `directory` (registration, peers), `transports` (which one writes
-where), `push` (plan, write, notify), `messages` (claims and notices to a decode engine),
+where), `push` (plan, write, notify), `kvray.notice` (claims and notices to a decode engine),
 `receive` (expected requests, incoming writes and notices, `wait_for_kv`). Peers reach it
 through a host (`kvray.host`)."""
 
@@ -16,21 +16,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory, directory_service
-from kvray.agent.engine import Blocks, Engine, node_address, node_id
-from kvray.agent.messages import Messenger
+from kvray.agent.engine import Blocks, Engine, node_id
 from kvray.agent.push import Pusher, PushResult
 from kvray.agent.receive import Completion, Receiving
 from kvray.agent.transports import TransportSet
-from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
-from kvray.claims import ClaimBoard
-from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
-from kvray.completion import CompletionInbox
-from kvray.completion_tcp import NoticeListener
 from kvray.config import Settings
 from kvray.errors import MetadataError, NotExpectedError, PlanError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics, MetricsSink
+from kvray.notice import NoticeSet
+from kvray.notice.base import NoticeChannel
 from kvray.plan import OffsetCache
 from kvray.transport import Peer, Transport
 from kvray.wire import EngineInfo, Reservation, Role, TransportKind
@@ -58,7 +54,9 @@ class KVAgent:
     `DirectoryService`; by default the named one is found or created when Ray is up
     (`use_coordinator=False`: none; wire peers with `add_peer`). `transports`: transports to
     use instead of the registry's of the same kind, and before them (e.g.
-    `kvray.transport.loopback.LoopbackTransport`); the agent closes them when it closes.
+    `kvray.transport.loopback.LoopbackTransport`); `notices`: notice channels to try before
+    the registry's (e.g. `kvray.notice.loopback.LoopbackChannel`); the agent closes both when
+    it closes.
     `offset_cache` may be shared between agents of one process; `metrics_sink` receives the
     agent's metrics (Ray's metrics API when Ray is up).
     """
@@ -77,6 +75,7 @@ class KVAgent:
         offset_cache: OffsetCache | None = None,
         metrics_sink: MetricsSink | None = None,
         transports: Sequence[Transport] = (),
+        notices: Sequence[NoticeChannel] = (),
     ) -> None:
         if (layout is None) == (backing is None):
             raise PlanError("give a KVAgent either a layout (kvray allocates) or a backing, not both")
@@ -96,11 +95,14 @@ class KVAgent:
         self._use_coordinator = use_coordinator
         self._cache = offset_cache if offset_cache is not None else OffsetCache()
         self._transports = TransportSet(settings, backing.kind, transports)
-        self._messenger = Messenger(engine_id, self._engine.node_id, settings, self._engine.stats)
+        self._notices = NoticeSet(settings, self._engine.stats, notices)
+        self._notices.node_id = self._engine.node_id
         service = directory_service(coordinator) if coordinator is not None else None
         self._directory = Directory(engine_id, settings, service, self._engine.stats, self._forget)
-        self._pusher = Pusher(self._engine, self._directory, self._messenger, self._transports, self._cache)
-        self._receiving = Receiving(self._engine, self._directory, self._transports, self._cache)
+        self._pusher = Pusher(self._engine, self._directory, self._notices, self._transports, self._cache)
+        self._receiving = Receiving(
+            self._engine, self._directory, self._transports, self._notices, self._cache
+        )
 
     # ---- what it is -------------------------------------------------------------------
 
@@ -136,7 +138,7 @@ class KVAgent:
     def node_id(self, value: str) -> None:
         """Where the engine says it runs (set before `start`; tests place engines on nodes)."""
         self._engine.node_id = value
-        self._messenger.node_id = value
+        self._notices.node_id = value
 
     @property
     def stats(self) -> Counter[str]:
@@ -190,13 +192,7 @@ class KVAgent:
         endpoints = dict(endpoints or {})
         receiving = self._receiving
         if decode:
-            receiving.inbox = CompletionInbox(engine.settings.shm_dir, receiving.receive)
-            endpoints[COMPLETION_ENDPOINT] = receiving.inbox.path
-            receiving.board = ClaimBoard(receiving.inbox.folder, engine.settings.max_expected_requests)
-            endpoints[CLAIMS_ENDPOINT] = receiving.board.path
-            receiving.listener = await self._listen_for_notices()
-            if receiving.listener is not None:
-                endpoints.update(receiving.listener.endpoints())
+            endpoints.update(await receiving.start())
         info = engine.backing.engine_info(
             engine.engine_id, engine.incarnation, engine.role, engine.node_id, regions, endpoints
         )
@@ -215,25 +211,6 @@ class KVAgent:
         await self._directory.register(engine.published)
         return engine.published
 
-    async def _listen_for_notices(self) -> NoticeListener | None:
-        """The listener for notices from writers on other nodes (`kvray.completion_tcp`), on
-        `notice_host` or Ray's address of this node; None when off or outside Ray."""
-        engine = self._engine
-        settings = engine.settings
-        if not settings.notice_tcp:
-            return None
-        host = settings.notice_host or node_address()
-        if not host:
-            return None
-        return await NoticeListener.open(
-            host,
-            settings.notice_port,
-            self._receiving.receive,
-            handshake_s=settings.notify_timeout_s,
-            stats=engine.stats,
-            ports=settings.notice_ports,
-        )
-
     async def close(self) -> None:
         """Deregister, fail whatever still waits, release transports and memory."""
         engine = self._engine
@@ -245,7 +222,7 @@ class KVAgent:
         await self._directory.deregister()
         self._receiving.close()
         await self._transports.close()
-        self._messenger.close()
+        self._notices.close()
         engine.backing.close()
 
     async def wait_closed(self) -> None:
@@ -270,7 +247,7 @@ class KVAgent:
 
     def _forget(self, engine_id: str) -> None:
         self._cache.forget(engine_id)
-        self._messenger.forget(engine_id)
+        self._notices.forget(engine_id)
         self._transports.forget(engine_id)
 
     def choose_transport(self, peer: Peer) -> TransportKind:

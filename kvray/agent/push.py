@@ -24,9 +24,7 @@ import numpy.typing as npt
 
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
-from kvray.agent.messages import Messenger
 from kvray.agent.transports import TransportSet
-from kvray.completion_tcp import Verdict, refusal
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -39,6 +37,8 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.metrics import NO_TRANSPORT, Outcome, PushCall
+from kvray.notice import NoticeSet
+from kvray.notice.base import Receipt
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind
@@ -72,8 +72,8 @@ class _Layerwise:
     nbytes: int = 0
     ops: int = 0
     unmerged_ops: int = 0
-    #: Layers written over `verbs`, each ending in one WRITE WITH IMMEDIATE.
-    immediates: int = 0
+    #: Proofs of arrival the layers' writes give the decode side (`Transport.arrival_proofs`).
+    arrival_proofs: int = 0
     layers: set[str] = field(default_factory=set)
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
@@ -111,13 +111,13 @@ class Pusher:
         self,
         engine: Engine,
         directory: Directory,
-        messenger: Messenger,
+        notices: NoticeSet,
         transports: TransportSet,
         cache: OffsetCache,
     ) -> None:
         self.engine = engine
         self.directory = directory
-        self.messenger = messenger
+        self.notices = notices
         self.transports = transports
         self.cache = cache
         self._slots = asyncio.Semaphore(engine.settings.max_concurrent_transfers)
@@ -145,17 +145,15 @@ class Pusher:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
-            notice = self._done(
-                reservation, transfer_id, plan.nbytes, int(transport.kind is TransportKind.VERBS)
-            )
+            notice = self._done(reservation, transfer_id, plan.nbytes, transport.arrival_proofs)
             try:
-                async with self.messenger.claim(self.engine.info, peer, reservation, transport.kind):
-                    early = self.messenger.early_notice(peer, notice)
+                async with self._claim(peer, reservation, transport):
+                    early = self.notices.early(peer, notice)
                     await self._write(reservation, peer, transport, plan, then=early)
                     if early is None or not early.sent:
-                        await self.messenger.send(peer, notice)
+                        await self.notices.send(peer, notice)
             finally:
-                self.messenger.end_claim(reservation)
+                self.notices.claims.end(reservation)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             self.engine.stats["pushes_ok"] += 1
             return PushResult(
@@ -212,14 +210,14 @@ class Pusher:
             state.writing += 1
             state.idle.clear()
             try:
-                async with self.messenger.claim(self.engine.info, peer, reservation, transport.kind):
+                async with self._claim(peer, reservation, transport):
                     await self._write(reservation, peer, transport, plan)
             finally:
                 state.writing -= 1
                 if state.writing == 0:
                     state.idle.set()
             state.layers.add(layer)
-            state.immediates += int(transport.kind is TransportKind.VERBS)
+            state.arrival_proofs += transport.arrival_proofs
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
             state.unmerged_ops += plan.unmerged_count
@@ -251,14 +249,15 @@ class Pusher:
         started = time.perf_counter()
         peer = self._current_peer(state, timeout)
         if peer is not None:
-            notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
-            if self.messenger.notify_now(peer, reservation, notice):
-                self.messenger.end_claim(reservation)
-                self._record_finish(state, Outcome.OK)
-                return self._finished(state, started)
-            sent = self.messenger.notify_far_now(peer, notice)
-            if sent is not None:
-                await self._verdict(state, peer, sent)
+            notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
+            receipt = self.notices.send_now(peer, reservation, notice)
+            if receipt is not None:
+                if receipt.done() and receipt.exception() is None:
+                    # Taken already (an inbox needs no answer): nothing left to wait for.
+                    self.notices.claims.end(reservation)
+                    self._record_finish(state, Outcome.OK)
+                else:
+                    await self._receipt(state, peer, receipt)
                 return self._finished(state, started)
         async with self._transfer(reservation, timeout, call=PushCall.FINISH) as attempt:
             attempt.transfer_id = state.transfer_id
@@ -277,13 +276,13 @@ class Pusher:
                     stale_incarnation=reservation.incarnation,
                 )
             attempt.peer = peer
-            notice = self._done(reservation, state.transfer_id, state.nbytes, state.immediates)
+            notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
-                async with self.messenger.claim(self.engine.info, peer, reservation):
-                    await self.messenger.send(peer, notice)
+                async with self._claim(peer, reservation):
+                    await self.notices.send(peer, notice)
             finally:
-                self.messenger.end_claim(reservation)
+                self.notices.claims.end(reservation)
             return self._finished(state, started)
 
     def _current_peer(self, state: _Layerwise, timeout: float | None) -> Peer | None:
@@ -313,11 +312,11 @@ class Pusher:
             time.perf_counter() - state.started,
         )
 
-    async def _verdict(self, state: _Layerwise, peer: Peer, sent: asyncio.Future[Verdict]) -> None:
-        """Wait (`notify_timeout_s`) for the verdict on `finish`'s notice sent over a notice
-        listener: a refusal raises as the engine's own error, a verdict that does not come as a
-        transport error or timeout; either way the engine is told the push failed (a failure
-        notice after a completion it took is dropped there), as the usual path does."""
+    async def _receipt(self, state: _Layerwise, peer: Peer, receipt: Receipt) -> None:
+        """Wait (`notify_timeout_s`) for the receipt of `finish`'s notice sent at once: a refusal
+        raises as the engine's own error, a receipt that does not come as a transport error or
+        timeout; either way the engine is told the push failed (a failure notice after a
+        completion it took is dropped there), as the usual path does."""
         engine = self.engine
         reservation = state.reservation
         engine_id = reservation.engine_id
@@ -326,7 +325,7 @@ class Pusher:
         try:
             try:
                 async with asyncio.timeout(timeout_s):
-                    verdict = await sent
+                    await receipt
             except TimeoutError as error:
                 outcome = Outcome.TIMED_OUT
                 raise TransferTimeoutError(
@@ -336,13 +335,6 @@ class Pusher:
                     engine_id=engine_id,
                     timeout_s=timeout_s,
                 ) from error
-            except TransportError as error:
-                raise TransportError(
-                    f"could not notify engine {engine_id!r}: {error}", engine_id=engine_id
-                ) from error
-            refused = refusal(verdict, engine_id, reservation.request_id)
-            if refused is not None:
-                raise refused
             outcome = Outcome.OK
         except KvrayError as error:
             engine.stats["pushes_failed"] += 1
@@ -353,7 +345,7 @@ class Pusher:
             self._tell_failed(peer, state, "the push was cancelled")
             raise
         finally:
-            self.messenger.end_claim(reservation)
+            self.notices.claims.end(reservation)
             self._record_finish(state, outcome)
 
     def _tell_failed(self, peer: Peer, state: _Layerwise, reason: str) -> None:
@@ -387,13 +379,13 @@ class Pusher:
         if state is None:
             return
         await state.idle.wait()
-        self.messenger.end_claim(state.reservation)
+        self.notices.claims.end(state.reservation)
 
     async def abort(self, reservation: Reservation, reason: str) -> None:
         request_id = reservation.request_id
         state = self._layerwise.pop(request_id, None)
         self._failed_layerwise.pop(request_id, None)
-        self.messenger.end_claim(reservation)
+        self.notices.claims.end(reservation)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.engine.settings.notify_timeout_s):
                 peer = await self.directory.peer(reservation.engine_id, wait_s=0.0)
@@ -405,8 +397,15 @@ class Pusher:
 
     # ---- one transfer -----------------------------------------------------------------
 
-    def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, immediates: int) -> TransferDone:
-        return TransferDone(**self._header(reservation, transfer_id), nbytes=nbytes, immediates=immediates)
+    def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, proofs: int) -> TransferDone:
+        return TransferDone(**self._header(reservation, transfer_id), nbytes=nbytes, arrival_proofs=proofs)
+
+    def _claim(
+        self, peer: Peer, reservation: Reservation, transport: Transport | None = None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The claim a write (with its `transport`) or a notice holds on the request."""
+        remote = transport is not None and transport.claims_across_nodes
+        return self.notices.claims.hold(self.engine.info, peer, reservation, remote=remote)
 
     def _header(self, reservation: Reservation, transfer_id: str) -> dict[str, Any]:
         """The fields every notice about a transfer into `reservation` carries
@@ -450,7 +449,7 @@ class Pusher:
             async with asyncio.timeout(self.engine.settings.notify_timeout_s):
                 if state is not None:
                     await state.idle.wait()
-            await self.messenger.send(
+            await self.notices.send(
                 peer, TransferFailed(**self._header(reservation, transfer_id), reason=reason)
             )
             self.engine.stats["failure_notices_sent"] += 1
@@ -581,8 +580,9 @@ class Pusher:
                 engine_id=remote_engine,
             )
         attempt.peer = peer
-        # A notice listener on another node is connected to while the bytes move.
-        self.messenger.connect_ahead(peer)
+        # What the notice needs (a connection to a listener on another node) opens while the
+        # bytes move.
+        self.notices.prepare(peer)
         plan = plan_transfer(self.engine.info, peer.info, local_blocks, remote_ids, layers, self.cache)
         # The request id and token travel with the write: a receiver that checks writes itself
         # (`Receiver.admit`) takes them only for requests it still expects, from the holder of

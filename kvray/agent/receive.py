@@ -3,7 +3,7 @@ notices it takes for them, and `wait_for_kv`.
 
 A request is expected from `expect` (its blocks are reserved; the writer gets a `Reservation`
 with a secret token) until `release`, which returns only once no write of it can land any more:
-a same-node writer's claim (`kvray.claims`) has ended, a claiming writer on another node has
+a same-node writer's claim (`kvray.notice.claims`) has ended, a claiming writer on another node has
 sent its notice or left, and no write delivered as a message is still being scattered. Writes
 and notices for a request the engine does not expect under that token are refused, counted and
 dropped. A writer still holding a request past `transfer_timeout_s` leaves it quarantined: its
@@ -24,11 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory
-from kvray.agent.engine import Blocks, Engine
+from kvray.agent.engine import Blocks, Engine, node_address
 from kvray.agent.transports import TransportSet
-from kvray.claims import ClaimBoard
-from kvray.completion import CompletionInbox
-from kvray.completion_tcp import NoticeListener
 from kvray.errors import (
     AgentNotRunningError,
     KvrayError,
@@ -44,6 +41,9 @@ from kvray.errors import (
 from kvray.layout import Int64Array
 from kvray.memory import Backing
 from kvray.metrics import DropReason, Outcome
+from kvray.notice import NoticeSet
+from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
+from kvray.notice.claims import ClaimBoard
 from kvray.plan import OffsetCache, block_ids, check_ops_within, request_spans
 from kvray.transport.base import OpsCheck
 from kvray.wire import (
@@ -78,22 +78,31 @@ class _Expectation:
     blocks: npt.NDArray[np.int64]
     #: (region, start, end) byte spans of the request's blocks, built at its first checked write.
     spans: tuple[Int64Array, Int64Array, Int64Array] | None = None
-    #: A writer on another node that claimed the request (`verbs`), and an event set once its
-    #: notice (done or failed) has arrived: until then its one-sided writes may still land.
+    #: A writer on another node that claimed the request (`Transport.claims_across_nodes`), and
+    #: an event set once its notice (done or failed) has arrived: until then its one-sided
+    #: writes may still land.
     writer: tuple[str, int] | None = None
     writer_done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Receiving:
     """A decode engine's expected requests, and the writes and notices it takes for them. It
-    is the `Receiver` its transports hand incoming writes to."""
+    is the `Receiver` its transports hand incoming writes to, and the `NoticeReceiver` its
+    notice channels hand notices to; it builds its claim board and starts its channels'
+    receiving ends itself (`start`)."""
 
     def __init__(
-        self, engine: Engine, directory: Directory, transports: TransportSet, cache: OffsetCache
+        self,
+        engine: Engine,
+        directory: Directory,
+        transports: TransportSet,
+        notices: NoticeSet,
+        cache: OffsetCache,
     ) -> None:
         self.engine = engine
         self.directory = directory
         self.transports = transports
+        self.notices = notices
         self.cache = cache
         self._pending: dict[str, _Expectation] = {}
         #: Requests being released (their writers may still send their notice).
@@ -104,10 +113,31 @@ class Receiving:
         #: Writes being applied by this engine itself, per request (a failed wait outlasts them).
         self._writing: Counter[str] = Counter()
         self._writes_done = asyncio.Condition()
-        self.inbox: CompletionInbox | None = None
-        #: Where writers on other nodes send their notices (None: through Ray calls only).
-        self.listener: NoticeListener | None = None
+        #: Where same-node writers claim the requests they write (once started).
         self.board: ClaimBoard | None = None
+
+    async def start(self) -> dict[str, str]:
+        """Start taking writers' claims and notices (a decode engine, once, at its start): the
+        endpoints the engine publishes for them."""
+        settings = self.engine.settings
+        endpoints = await self.notices.listen(self)
+        self.board = ClaimBoard(settings.shm_dir, settings.max_expected_requests)
+        endpoints[CLAIMS_ENDPOINT] = self.board.path
+        return endpoints
+
+    # ---- the NoticeReceiver protocol ----------------------------------------------------
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine.engine_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.engine.incarnation
+
+    @property
+    def node_address(self) -> str | None:
+        return node_address()
 
     # ---- the Receiver protocol ----------------------------------------------------------
 
@@ -345,7 +375,8 @@ class Receiving:
                 future.cancel()
 
     def close(self) -> None:
-        """Fail every wait (the agent closed) and release the inbox and claim board."""
+        """Fail every wait (the agent closed) and release the claim board (the agent closes the
+        notice channels, which its pushes share)."""
         for request_id, expectation in list(self._pending.items()):
             if not expectation.future.done():
                 expectation.future.set_exception(
@@ -361,17 +392,15 @@ class Receiving:
         self._pending.clear()
         if self.board is not None:
             self.board.dispose()
-        if self.inbox is not None:
-            self.inbox.close()
-        if self.listener is not None:
-            self.listener.close()
+            self.board = None
 
     # ---- what writers send ------------------------------------------------------------
 
     def claim(self, message_bytes: bytes) -> None:
         """A writer on another node claims a request before its first one-sided write of it
-        (`verbs`): refused unless the request is expected under the claim's token; the request's
-        blocks are then kept (see `release`) until the writer's notice arrives."""
+        (`Transport.claims_across_nodes`): refused unless the request is expected under the
+        claim's token; the request's blocks are then kept (see `release`) until the writer's
+        notice arrives."""
         try:
             claim = decode_write_claim(message_bytes)
         except WireDecodeError:
@@ -456,10 +485,10 @@ class Receiving:
                 )
             )
             future.exception()  # retrieved here; wait_for_kv re-raises it
-        elif message.immediates:
-            # The writer's transport gives the decode side its own proof of arrival (RDMA
-            # immediates), which the notice can overtake: complete once that has come too
-            # (wait_for_kv's deadline bounds the wait).
+        elif message.arrival_proofs:
+            # The writer's transport gives the decode side its own proofs of arrival, which the
+            # notice can overtake: complete once they have come too (wait_for_kv's deadline
+            # bounds the wait).
             engine.spawn(self._complete_after_arrival(message, expectation))
         else:
             self._complete(message, future)
@@ -478,10 +507,11 @@ class Receiving:
     async def _complete_after_arrival(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future
         try:
-            if self.engine.published is None or self.engine.published.verbs is None:
+            if not any(transport.arrival_proofs for transport in self.transports.receiving):
                 raise MetadataError(
-                    f"engine {message.src_engine!r} wrote {message.request_id!r} over RDMA, but "
-                    f"engine {self.engine.engine_id!r} has no RDMA port",
+                    f"engine {message.src_engine!r} names {message.arrival_proofs} proofs of arrival "
+                    f"for {message.request_id!r}, but engine {self.engine.engine_id!r} takes writes "
+                    "through no transport that gives them",
                     request_id=message.request_id,
                     engine_id=self.engine.engine_id,
                 )

@@ -8,8 +8,9 @@ A transport is small, and each half is a handful of methods:
     receiver  a decode engine's side: `publish` adds what writers need to reach it (an RDMA
               port) to the info it publishes; `expect` and `release` bracket one request;
               `deliver` takes a write that arrives as a message (`ray`), `accept` a writer's
-              connection request (`verbs`); `complete` returns once the transport's own proof
-              that a notice's writes have landed has come (`verbs` immediates). The defaults
+              connection request (`verbs`); `complete` returns once the transport's own proofs
+              that a notice's writes have landed have come (`arrival_proofs` per write, counted
+              in the notice: `verbs` immediates). The defaults
               do nothing: a transport whose writes land with no help from the receiver
               (`shm`, `cuda_ipc`) leaves them alone.
 
@@ -17,7 +18,8 @@ Everything a writer needs to reach a peer arrives in a `Peer` (its published `En
 under Ray, the actor hosting its agent); everything a receiving transport needs from the
 engine it serves comes through the `Receiver` protocol, which the agent implements. The
 capability flags on each class (`reach`, `source_kinds`, `destination_kinds`, `registers`,
-`accepts`) are what `kvray.transport.choose_transport` reads.
+`accepts`) are what `kvray.transport.choose_transport` reads; `arrival_proofs` and
+`claims_across_nodes` are what the agent's push and receive read.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ class Transport(abc.ABC):
     #: Backings whose regions this transport describes at registration (an engine publishes its
     #: regions through exactly one transport).
     registers: ClassVar[frozenset[MemoryKind]] = frozenset()
+    #: Proofs of arrival the receiver gets from this transport for each write, which a
+    #: completion notice can overtake: the notice counts them, and the receiver completes the
+    #: request only once they have all come (`complete`).
+    arrival_proofs: ClassVar[int] = 0
+    #: The receiver does not see this transport's writes land (one-sided, across nodes): a writer
+    #: on another node claims each request from the receiver before its first byte, so the
+    #: receiver keeps the request's blocks until the writer's notice.
+    claims_across_nodes: ClassVar[bool] = False
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

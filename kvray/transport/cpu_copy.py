@@ -32,7 +32,7 @@ except ImportError:  # built by `pip install`; a source checkout without a build
 @runtime_checkable
 class Datagram(Protocol):
     """A `then` the C pool's thread can send itself, without Python, once the last byte is
-    copied (`kvray.completion.DatagramNotice`): the socket, the inbox path and the message;
+    copied (`kvray.notice.local.DatagramNotice`): the socket, the inbox path and the message;
     `sent` records whether it went."""
 
     sent: bool

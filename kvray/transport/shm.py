@@ -23,10 +23,8 @@ mappings kept are bounded in bytes (`max_mapped_bytes`) as well as in peers.
 from __future__ import annotations
 
 import asyncio
-import errno
 import mmap
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
-from kvray.owned import is_owned_name, read_seal, seal_owned_file
+from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.transport.cpu_copy import scatter_copy_async
@@ -261,35 +259,16 @@ class ShmTransport(Transport):
                 f"file, not a multiple of {mmap.ALLOCATIONGRANULARITY}",
                 engine_id=info.engine_id,
             )
-        self._check_peer_path(info.engine_id, index, path)
-        try:
-            # O_NOFOLLOW: a symbolic link planted under a kvray name must not redirect the write.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as error:
-            if error.errno == errno.ELOOP:
-                raise MetadataError(
-                    f"engine {info.engine_id!r} region {index} names {path}, a symbolic link; "
-                    "kvray writes only into the shared-memory files it creates",
-                    engine_id=info.engine_id,
-                    region=index,
-                    path=path,
-                ) from None
-            raise TransportError(
-                f"cannot open engine {info.engine_id!r}'s shared memory {path}: {error}; the shm "
-                "transport needs both engines on one node (use transport='ray' across nodes)",
-                engine_id=info.engine_id,
-                path=path,
-            ) from error
+        fd = open_peer(
+            path,
+            PeerPath.SHARED_FILE,
+            self.settings.shm_dir,
+            named_by=f"engine {info.engine_id!r} region {index}",
+            engine_id=info.engine_id,
+            region=index,
+        )
         try:
             status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode) or status.st_uid != os.geteuid():
-                raise MetadataError(
-                    f"engine {info.engine_id!r} region {index} names {path}, which is not a regular "
-                    "file of this user; kvray writes only into the shared-memory files it creates",
-                    engine_id=info.engine_id,
-                    region=index,
-                    path=path,
-                )
             data_end = self._check_seal(info, index, path, fd, status.st_size)
             file_end = region.handle_offset + region.length
             if file_end > data_end:
@@ -345,20 +324,6 @@ class ShmTransport(Transport):
             region=index,
             path=path,
         )
-
-    def _check_peer_path(self, engine_id: str, index: int, path: str) -> None:
-        """Refuse a path that is not a kvray-made file directly in the configured `shm_dir`."""
-        folder = os.path.normpath(self.settings.shm_dir)
-        name = os.path.basename(path)
-        if os.path.join(folder, name) != path or not is_owned_name(name):
-            raise MetadataError(
-                f"engine {engine_id!r} region {index} names {path!r}, which is not a kvray "
-                f"shared-memory file in {folder} (KVRAY_SHM_DIR); kvray writes only into the files "
-                "it creates, and both engines need the same shm_dir",
-                engine_id=engine_id,
-                region=index,
-                path=path,
-            )
 
     def _forget_departed(self, keep: str) -> None:
         """Unmap every peer but `keep` one of whose files is gone (it closed, or a restart on this

@@ -26,9 +26,6 @@ from agent_pair import agent_pair
 from process_probes import until
 
 from kvray.agent import KVAgent
-from kvray.claims import ClaimBoard, ClaimClient
-from kvray.completion import ENDPOINT as COMPLETION_ENDPOINT
-from kvray.completion import CompletionOutbox
 from kvray.config import Settings
 from kvray.errors import (
     BoundsError,
@@ -40,6 +37,9 @@ from kvray.errors import (
 )
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel
+from kvray.notice.claims import ClaimBoard, ClaimClient
+from kvray.notice.local import ENDPOINT as COMPLETION_ENDPOINT
+from kvray.notice.local import CompletionOutbox
 from kvray.wire import Role, TransferDone, WriteOps, encode
 from kvray.workers import DecodeWorker, PrefillWorker
 
@@ -114,7 +114,7 @@ async def test_release_waits_for_a_writer_holding_the_claim(pair: tuple[KVAgent,
     write that starts after the release is refused."""
     _, decode = pair
     reservation = decode.expect("r", [3])
-    writer = ClaimClient(decode.info.endpoints["claim_board"], "c-d")
+    writer = ClaimClient(decode.info.endpoints["claim_board"], "c-d", decode.settings.shm_dir)
     held = writer.hold("r", reservation.slot, reservation.token, timeout=1.0)
     await held.__aenter__()
     releasing = asyncio.ensure_future(decode.release("r"))
@@ -122,7 +122,7 @@ async def test_release_waits_for_a_writer_holding_the_claim(pair: tuple[KVAgent,
     assert not releasing.done(), "release returned while a writer still held the request"
     # While the engine waits, no other write of the request starts: not one joining the held
     # claim in this process, not one through another file description.
-    other = ClaimClient(decode.info.endpoints["claim_board"], "c-d")
+    other = ClaimClient(decode.info.endpoints["claim_board"], "c-d", decode.settings.shm_dir)
     for client in (writer, other):
         with pytest.raises(NotExpectedError):
             async with client.hold("r", reservation.slot, reservation.token, timeout=1.0):

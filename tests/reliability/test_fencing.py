@@ -16,11 +16,11 @@ import pytest
 import ray
 from process_probes import pid_gone, wait_until
 
-from kvray.completion import ENDPOINT
 from kvray.config import Settings
 from kvray.coordinator import get_or_create_coordinator
 from kvray.errors import StaleIncarnationError, UnknownEngineError, WriteFailedError
 from kvray.layout import llama_gqa
+from kvray.notice.local import ENDPOINT
 from kvray.wire import TransferDone, decode_engine_info, encode
 from kvray.workers import DecodeActor, PrefillActor
 

@@ -21,19 +21,19 @@ import ray
 from process_probes import pid_gone, wait_until
 
 from kvray.agent import KVAgent
-from kvray.completion import ENDPOINT
-from kvray.completion_tcp import (
-    ADDRESS_ENDPOINT,
-    KEY_ENDPOINT,
-    NoticeChannel,
-    Verdict,
-    parse_address,
-    parse_key,
-)
 from kvray.config import Settings
 from kvray.coordinator import Coordinator, get_or_create_coordinator
 from kvray.errors import MetadataError, WireDecodeError
 from kvray.layout import BlockOrder, mixed
+from kvray.notice.local import ENDPOINT
+from kvray.notice.tcp import (
+    ADDRESS_ENDPOINT,
+    KEY_ENDPOINT,
+    NoticeConnection,
+    Verdict,
+    parse_address,
+    parse_key,
+)
 from kvray.owned import SHM_PREFIX
 from kvray.wire import (
     EngineInfo,
@@ -234,7 +234,9 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
         refused += 1
         # The notice listener, from a writer holding the engine's key: refused as malformed too.
         host, port = parse_address(agent.info.endpoints[ADDRESS_ENDPOINT])
-        channel = await NoticeChannel.open(host, port, parse_key(agent.info.endpoints[KEY_ENDPOINT]), "priv")
+        channel = await NoticeConnection.open(
+            host, port, parse_key(agent.info.endpoints[KEY_ENDPOINT]), "priv"
+        )
         assert await channel.send(payload) is Verdict.MALFORMED
         channel.close()
         assert agent.stats["messages_malformed"] == 3, dict(agent.stats)

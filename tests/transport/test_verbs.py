@@ -52,7 +52,7 @@ def done(plan: Any, immediates: int) -> TransferDone:
         dst_engine=plan.dst_engine,
         dst_incarnation=plan.dst_incarnation,
         nbytes=plan.nbytes,
-        immediates=immediates,
+        arrival_proofs=immediates,
     )
 
 

@@ -139,7 +139,7 @@ def _done(prefill: KVAgent, reservation: Reservation, immediates: int) -> bytes:
             dst_engine=reservation.engine_id,
             dst_incarnation=reservation.incarnation,
             nbytes=1,
-            immediates=immediates,
+            arrival_proofs=immediates,
             token=reservation.token,
         )
     )

@@ -1,5 +1,5 @@
 """kvray's own imports follow the data flow (layout -> backing -> region -> coordinator -> plan ->
-transport -> completion -> agent -> workers / serve / demo) and have no cycle: read from the
+transport -> notice (completion) -> agent -> workers / serve / demo) and have no cycle: read from the
 source with `ast`, so a new import against the flow fails here before it is reviewed."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.coordinator",),
     ("kvray.plan",),
     ("kvray.transport",),
-    ("kvray.completion", "kvray.completion_tcp", "kvray.claims"),
+    # completion: notice channels and claims
+    ("kvray.notice",),
     ("kvray.agent",),
     # how peers reach an agent: the table of peer calls and the hosts made from it
     ("kvray.host",),

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from kvray.agent import KVAgent, PushResult
-from kvray.completion import CompletionInbox, CompletionOutbox
 from kvray.config import Settings
 from kvray.errors import (
     BackpressureError,
@@ -38,6 +37,7 @@ from kvray.errors import (
 )
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.memory import TORCH_DTYPES, Backing, create_shm_buffer
+from kvray.notice.local import CompletionInbox, CompletionOutbox
 from kvray.owned import remove_owned
 from kvray.wire import (
     EngineInfo,

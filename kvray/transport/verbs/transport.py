@@ -56,6 +56,9 @@ class VerbsTransport(Transport):
     destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
     # An engine's regions are described by the transport of its memory; verbs publishes a port.
     registers: ClassVar[frozenset[MemoryKind]] = frozenset()
+    # Each write ends in one WRITE WITH IMMEDIATE, which the decode side counts (`complete`).
+    arrival_proofs = 1
+    claims_across_nodes = True
 
     def __init__(self, settings: Settings, *, api: VerbsApi | None = None) -> None:
         super().__init__(settings)
@@ -240,14 +243,14 @@ class VerbsTransport(Transport):
 
     async def complete(self, receiver: Receiver, notice: TransferDone) -> None:
         """Return once as many immediates of the notice's request have come from its writer
-        incarnation as the notice names (at once if it names none)."""
-        if not notice.immediates:
+        incarnation as the notice names proofs of arrival (at once if it names none)."""
+        if not notice.arrival_proofs:
             return
         await self._inbound.arrivals(
             _engine(receiver),
             notice.request_id,
             (notice.src_engine, notice.src_incarnation),
-            notice.immediates,
+            notice.arrival_proofs,
         )
 
     async def accept(self, receiver: Receiver, request: bytes) -> bytes:

@@ -18,10 +18,10 @@ import pytest_asyncio
 from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
-from kvray.completion import CompletionOutbox, DatagramNotice
 from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.notice.local import CompletionInbox, CompletionOutbox, DatagramNotice, LocalChannel
 from kvray.transport import cpu_copy
 
 # 16 KiB blocks: a 512-block request is 8 MiB, above the size that is copied by pool threads.
@@ -30,6 +30,12 @@ LAYOUT = KVLayout(
     num_blocks=1024,
 )
 BLOCK = LAYOUT.layer("kv").geometry.block_nbytes
+
+
+def _inbox(agent: KVAgent) -> CompletionInbox | None:
+    """The decode agent's own inbox (its local notice channel's receiving end)."""
+    local = next(channel for channel in agent._notices.channels if isinstance(channel, LocalChannel))
+    return local.inbox
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -86,7 +92,7 @@ async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
 
     monkeypatch.setattr(CompletionOutbox, "try_send", spying_try_send)
     monkeypatch.setattr(CompletionOutbox, "send", spying_send)
-    inbox = decode._receiving.inbox
+    inbox = _inbox(decode)
     assert inbox is not None
     handle = inbox._handler
 
@@ -140,7 +146,7 @@ async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KV
     prefill, decode = agents
     local, remote = request(512, seed=3)
     reservation = decode.expect("orphan", remote)
-    inbox = decode._receiving.inbox
+    inbox = _inbox(decode)
     assert inbox is not None
     # Only the inbox goes: the claim board next to it stays, so the write itself is allowed.
     inbox._socket.close()

@@ -1,5 +1,5 @@
-"""Completion across nodes: a writer on another node sends its notices to the decode engine over
-one authenticated TCP connection, instead of a Ray actor call per notice.
+"""`tcp` notice channel (completion across nodes): a writer on another node sends its notices to
+the decode engine over one authenticated TCP connection, instead of a Ray actor call per notice.
 
 The decode agent listens on its node's address and publishes `host:port` and a fresh 32-byte
 key (one per incarnation) in its `EngineInfo.endpoints`. Those reach the cluster's members
@@ -35,20 +35,20 @@ import ipaddress
 import secrets
 import socket
 import struct
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from typing import cast
 
+from kvray.config import Settings
 from kvray.errors import (
-    KvrayError,
     MetadataError,
-    NotExpectedError,
-    StaleIncarnationError,
     TransportError,
     TransportUnavailableError,
 )
 from kvray.metrics import DropReason
-from kvray.wire import MAX_NOTICE_BYTES
+from kvray.notice.base import NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
+from kvray.transport.base import Peer, PeerCache
+from kvray.wire import MAX_NOTICE_BYTES, Notice
 
 #: Keys of the listener's address and key in `EngineInfo.endpoints`.
 ADDRESS_ENDPOINT = "completion_tcp"
@@ -101,9 +101,7 @@ _VERDICT_OF: dict[DropReason | None, Verdict] = {
     DropReason.UNKNOWN: Verdict.UNKNOWN,
     DropReason.FORGED: Verdict.FORGED,
 }
-
-#: Takes one notice's bytes; returns None if the engine took it, else why it dropped it.
-NoticeHandler = Callable[[bytes], DropReason | None]
+_REASON_OF = {verdict: reason for reason, verdict in _VERDICT_OF.items()}
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -388,7 +386,7 @@ class _ListenerConnection(asyncio.Protocol):
 # ---- the writer's end -------------------------------------------------------------------
 
 
-class NoticeChannel:
+class NoticeConnection:
     """A writer's authenticated connection to one decode engine's listener; notices go out in
     order, and each `send` returns that engine's verdict."""
 
@@ -397,7 +395,7 @@ class NoticeChannel:
         self.engine_id = engine_id
 
     @classmethod
-    async def open(cls, host: str, port: int, key: bytes, engine_id: str) -> NoticeChannel:
+    async def open(cls, host: str, port: int, key: bytes, engine_id: str) -> NoticeConnection:
         """Connect and prove the key both ways (the caller bounds the wait); `TransportError` if
         the listener cannot be reached or does not prove it holds `key`."""
         loop = asyncio.get_running_loop()
@@ -539,34 +537,202 @@ class _WriterConnection(asyncio.Protocol):
             self.ready.exception()
 
 
-def refusal(verdict: Verdict, engine_id: str, request_id: str) -> KvrayError | None:
-    """The error a refused notice stands for (None for a taken one), as the engine's own
-    `notify` would have raised it through a Ray call."""
-    if verdict is Verdict.TAKEN:
-        return None
-    if verdict is Verdict.STALE:
-        return StaleIncarnationError(
-            f"engine {engine_id!r} refused the notice for request {request_id!r}: it names another "
-            "engine or an old incarnation",
-            engine_id=engine_id,
-            request_id=request_id,
+# ---- the channel ------------------------------------------------------------------------
+
+#: The share of `notify_timeout_s` a writer spends reaching a peer's notice listener before the
+#: notice goes the next way (the peer's actor).
+CONNECT_SHARE = 0.25
+#: Seconds a writer leaves a notice listener alone after failing to reach it.
+UNREACHABLE_S = 30.0
+
+
+class TcpChannel(NoticeChannel):
+    """Notices to decode engines that publish a notice listener, over one connection per
+    engine incarnation (at most `max_cached_peers`, least recently used closed first); this
+    engine's own listener, on `notice_host` or the node's address (off with `notice_tcp`)."""
+
+    kind = NoticeKind.TCP
+
+    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
+        super().__init__(settings, stats)
+        #: Connections to listeners, each an opening task until it is up.
+        self._connections: PeerCache[None, asyncio.Task[NoticeConnection]] = PeerCache(
+            settings.max_cached_peers, _close_opening
         )
-    if verdict is Verdict.FORGED:
-        return NotExpectedError(
-            f"engine {engine_id!r} refused the notice for request {request_id!r}: it did not carry "
-            "its reservation's token",
-            engine_id=engine_id,
-            request_id=request_id,
+        #: Listeners a connection failed to recently, and until when they are left alone.
+        self._unreachable: PeerCache[None, float] = PeerCache(settings.max_cached_peers)
+        #: This decode engine's listener, once it listens.
+        self.listener: NoticeListener | None = None
+
+    def _target(self, peer: Peer) -> tuple[str, str] | None:
+        """(address, key) of the peer's listener, if it publishes one and this writer may use it."""
+        if not self.settings.notice_tcp:
+            return None
+        address = peer.info.endpoints.get(ADDRESS_ENDPOINT)
+        key = peer.info.endpoints.get(KEY_ENDPOINT)
+        return (address, key) if address and key else None
+
+    def _left_alone(self, peer: Peer) -> bool:
+        until = self._unreachable.get(peer.info.engine_id, peer.info.incarnation, None)
+        return until is not None and until > time.monotonic()
+
+    def reaches(self, peer: Peer) -> bool:
+        return self._target(peer) is not None and not self._left_alone(peer)
+
+    def prepare(self, peer: Peer) -> None:
+        target = self._target(peer)
+        info = peer.info
+        if target is None or self._left_alone(peer):
+            return
+        if self._connections.get(info.engine_id, info.incarnation, None) is None:
+            opening = self._opening(peer, *target)
+            if opening is not None:
+                # Its failure is counted when a notice first needs it (`_connection`).
+                opening.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+        info = peer.info
+        target = self._target(peer)
+        if target is None or self._left_alone(peer):
+            return False
+        connection = await self._connection(peer, *target)
+        if connection is None:
+            return False
+        try:
+            verdict = await connection.send(message)
+        except TransportError as error:
+            self._connections.pop(info.engine_id, info.incarnation, None)
+            raise TransportError(
+                f"could not notify engine {info.engine_id!r}: {error}", engine_id=info.engine_id
+            ) from error
+        self.stats["notices_sent_tcp"] += 1
+        refused = refusal(_REASON_OF[verdict], info.engine_id, notice.request_id)
+        if refused is not None:
+            raise refused
+        return True
+
+    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+        """Over the connection this writer keeps open to the peer's listener; None where there
+        is none open yet (`send` opens one)."""
+        info = peer.info
+        if self._target(peer) is None:
+            return None
+        opening = self._connections.get(info.engine_id, info.incarnation, None)
+        if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:
+            return None
+        try:
+            verdict = opening.result().send_now(message)
+        except TransportError:
+            return None
+        self.stats["notices_sent_tcp"] += 1
+        self.stats["notices_sent_tcp_at_once"] += 1
+        return _receipt(verdict, info.engine_id, notice.request_id)
+
+    async def _connection(self, peer: Peer, address: str, listener_key: str) -> NoticeConnection | None:
+        """The open connection to a listener, opened now if needed (None if it cannot be)."""
+        info = peer.info
+        opening = self._connections.get(info.engine_id, info.incarnation, None)
+        # A connection that was lost (or an opening given up) is opened again; one that failed
+        # to open is reported below.
+        if opening is not None and opening.done() and (opening.cancelled() or _lost(opening)):
+            self._connections.pop(info.engine_id, info.incarnation, None)
+            opening = None
+        if opening is None:
+            opening = self._opening(peer, address, listener_key)
+            if opening is None:
+                return None
+        try:
+            return await asyncio.shield(opening)
+        except (TransportError, TimeoutError):
+            self.stats["notice_listeners_unreachable"] += 1
+            self._connections.pop(info.engine_id, info.incarnation, None)
+            self._unreachable.put(info.engine_id, info.incarnation, None, time.monotonic() + UNREACHABLE_S)
+            return None
+
+    def _opening(self, peer: Peer, address: str, listener_key: str) -> asyncio.Task[NoticeConnection] | None:
+        """Start opening a connection to a listener (None, marked unusable, if what the peer
+        published is not an address and a key)."""
+        info = peer.info
+        try:
+            host, port = parse_address(address)
+            secret = parse_key(listener_key)
+        except MetadataError:
+            self.stats["notice_listeners_malformed"] += 1
+            self._unreachable.put(info.engine_id, info.incarnation, None, float("inf"))
+            return None
+        opening = asyncio.ensure_future(self._open(host, port, secret, info.engine_id))
+        self._connections.put(info.engine_id, info.incarnation, None, opening)
+        return opening
+
+    async def _open(self, host: str, port: int, secret: bytes, engine_id: str) -> NoticeConnection:
+        async with asyncio.timeout(self.settings.notify_timeout_s * CONNECT_SHARE):
+            connection = await NoticeConnection.open(host, port, secret, engine_id)
+        self.stats["notice_channels_opened"] += 1
+        return connection
+
+    def forget(self, engine_id: str) -> None:
+        self._connections.forget(engine_id)
+        self._unreachable.forget(engine_id)
+
+    async def listen(self, receiver: NoticeReceiver) -> None:
+        settings = self.settings
+        host = settings.notice_host or receiver.node_address
+        if not settings.notice_tcp or not host:
+            return
+        self.listener = await NoticeListener.open(
+            host,
+            settings.notice_port,
+            receiver.receive,
+            handshake_s=settings.notify_timeout_s,
+            stats=self.stats,
+            ports=settings.notice_ports,
         )
-    if verdict is Verdict.UNKNOWN:
-        return NotExpectedError(
-            f"engine {engine_id!r} does not expect request {request_id!r} (never reserved, or its "
-            "wait has ended)",
-            engine_id=engine_id,
-            request_id=request_id,
-        )
-    return TransportError(
-        f"engine {engine_id!r} could not decode the notice for request {request_id!r}",
-        engine_id=engine_id,
-        request_id=request_id,
-    )
+
+    def publish(self) -> dict[str, str]:
+        return {} if self.listener is None else self.listener.endpoints()
+
+    def close(self) -> None:
+        self._connections.clear()
+        self._unreachable.clear()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+def _close_opening(opening: asyncio.Task[NoticeConnection]) -> None:
+    if not opening.done():
+        opening.cancel()
+    elif not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def _lost(opening: asyncio.Task[NoticeConnection]) -> bool:
+    """An opened connection that has closed since (the task is done and not cancelled)."""
+    return opening.exception() is None and opening.result().closed
+
+
+def _receipt(verdict: asyncio.Future[Verdict], engine_id: str, request_id: str) -> Receipt:
+    """The receipt of a notice sent at once: resolves with the engine's verdict, failing with
+    its refusal (or the connection's failure) as `send` raises them."""
+    receipt: Receipt = asyncio.get_running_loop().create_future()
+
+    def answered(done: asyncio.Future[Verdict]) -> None:
+        if receipt.done():
+            return
+        if done.cancelled():
+            receipt.cancel()
+            return
+        error = done.exception()
+        if error is not None:
+            receipt.set_exception(
+                TransportError(f"could not notify engine {engine_id!r}: {error}", engine_id=engine_id)
+            )
+            return
+        refused = refusal(_REASON_OF[done.result()], engine_id, request_id)
+        if refused is None:
+            receipt.set_result(None)
+        else:
+            receipt.set_exception(refused)
+
+    verdict.add_done_callback(answered)
+    return receipt

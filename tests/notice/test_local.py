@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from event_loops import loop_params, run_on
 
-from kvray.completion import INBOX_NAME, CompletionInbox, CompletionOutbox, DatagramNotice
 from kvray.errors import MetadataError, TransportError
+from kvray.notice.local import CompletionInbox, CompletionOutbox, DatagramNotice
+from kvray.owned import INBOX_NAME
 
 
 @pytest.mark.parametrize("new_loop", loop_params())

@@ -20,11 +20,11 @@ import pytest_asyncio
 from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
-from kvray.claims import ENDPOINT as CLAIMS_ENDPOINT
-from kvray.claims import SLOT_NBYTES, ClaimClient
 from kvray.config import Settings
 from kvray.errors import NotExpectedError, RequestCancelledError, TransferTimeoutError
 from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
+from kvray.notice.claims import SLOT_NBYTES, ClaimClient
 
 LAYOUT = KVLayout(
     layers=tuple(
@@ -93,7 +93,7 @@ async def test_a_finish_is_refused_while_its_request_is_released(pair: tuple[KVA
     reservation = decode.expect("r", [1])
     for layer in LAYOUT.layer_names:
         await prefill.push_layer(reservation, layer, [2], timeout=5)
-    holder = ClaimClient(decode.info.endpoints[CLAIMS_ENDPOINT], "f-d")
+    holder = ClaimClient(decode.info.endpoints[CLAIMS_ENDPOINT], "f-d", decode.settings.shm_dir)
     held = holder.hold("r", reservation.slot, reservation.token, timeout=1.0)
     await held.__aenter__()
     try:
@@ -122,7 +122,7 @@ async def test_a_slot_reads_open_only_under_its_token_until_release(pair: tuple[
     board = decode.info.endpoints[CLAIMS_ENDPOINT]
     slots = os.stat(board).st_size // SLOT_NBYTES
     reservation = decode.expect("r", [1])
-    client = ClaimClient(board, "f-d")
+    client = ClaimClient(board, "f-d", decode.settings.shm_dir)
     try:
         assert client.is_open(reservation.slot, reservation.token)
         assert not client.is_open(reservation.slot, reservation.token ^ 1)

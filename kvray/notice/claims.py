@@ -1,21 +1,24 @@
-"""Claims: a writer on the decode engine's node proves, for as long as it writes, that the
-engine still expects the request (between the plan and the completion of the data flow).
+"""Claims (between the plan and the completion of the data flow): a writer proves, for as long as
+it writes, that the decode engine still expects the request, so the engine keeps its blocks.
 
-A decode engine keeps a small file of slots next to its completion inbox, one slot per
-expected request: the request's token and whether it is open. A writer holds a shared lock on
-the request's slot (an open-file-description lock, which the kernel drops when the writer's
-process dies) from its check of the slot until its last byte and its completion notice are
-out; a notice sent on its own (a layer-wise push's finish) may just read that the slot is
-open, as it writes nothing into the blocks. The engine takes the slot's lock exclusively to
-close it, so closing waits for every write that had started, and a write that starts later
-finds the slot closed and writes nothing. A request's blocks go back to the engine's pool only
-once its slot is closed.
+On the engine's node (`ClaimBoard`, `ClaimClient`): a decode engine keeps a small file of slots
+in a private folder of its own in the shared-memory folder, one slot per expected request: the
+request's token and whether it is open. A writer holds a shared lock on the request's slot (an
+open-file-description lock, which the kernel drops when the writer's process dies) from its
+check of the slot until its last byte and its completion notice are out; a notice sent on its
+own (a layer-wise push's finish) may just read that the slot is open, as it writes nothing into
+the blocks. The engine takes the slot's lock exclusively to close it, so closing waits for every
+write that had started, and a write that starts later finds the slot closed and writes nothing.
+A request's blocks go back to the engine's pool only once its slot is closed.
 
 Slot `i` is bytes [16 i, 16 i + 16) of the file: the token (uint64), then its state (uint64:
 1 open, 2 closing, 0 closed). Only the engine writes them: the token and the open and closed
 states while it holds the slot's lock exclusively; "closing" before it waits for that lock, so
 a write that would start (or join one of its own process) while the engine waits is refused
 instead of keeping the slot open.
+
+Across nodes (`Claims`, over a transport whose writes the engine does not see land, `verbs`): the
+writer asks the engine's actor once per request to keep the blocks until its notice comes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import errno
 import fcntl
 import mmap
 import os
-import stat
 import struct
 import time
 from collections import deque
@@ -34,12 +36,15 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from kvray.config import Settings
 from kvray.errors import BackpressureError, NotExpectedError, TransportError
+from kvray.notice.actor import call_host
+from kvray.owned import BOARD_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
+from kvray.transport.base import Peer, PeerCache
+from kvray.wire import EngineInfo, Reservation, WriteClaim, encode
 
 #: Key of the claim board's path in `EngineInfo.endpoints`.
 ENDPOINT = "claim_board"
-#: The board's file name, inside the engine's private inbox folder (`kvray.completion`).
-BOARD_NAME = "claims"
 SLOT_NBYTES = 16
 #: The most slots a board may have (a writer maps the whole board).
 MAX_SLOTS = 1 << 20
@@ -70,16 +75,23 @@ class ClaimBoard:
     """The decode engine's side: opens a slot per expected request and closes it once no
     writer holds it. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, folder: str, slots: int) -> None:
-        self.path = os.path.join(folder, BOARD_NAME)
+    def __init__(self, shm_dir: str, slots: int) -> None:
+        # Locked for the board's life, so a sweep by another process never removes it.
+        self.folder = create_owned_folder(shm_dir)
+        self.path = os.path.join(self.folder, BOARD_NAME)
         self.slots = slots
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, 0o600)
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+        except BaseException:
+            remove_owned(self.folder)
+            raise
         try:
             os.ftruncate(self._fd, slots * SLOT_NBYTES)
             self._mm = mmap.mmap(self._fd, slots * SLOT_NBYTES, mmap.MAP_SHARED)
         except BaseException:
             os.close(self._fd)
+            remove_owned(self.folder)
             raise
         self._table = np.frombuffer(self._mm, dtype=np.uint64).reshape(slots, 2)
         self._free: deque[int] = deque(range(slots))
@@ -135,8 +147,7 @@ class ClaimBoard:
         with contextlib.suppress(BufferError):
             self._mm.close()
         os.close(self._fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        remove_owned(self.folder)
 
 
 class ClaimClient:
@@ -145,27 +156,14 @@ class ClaimClient:
     Claims of one slot by several writes of this process at once (a request's layers pushed
     concurrently) share one lock, taken by the first and dropped by the last."""
 
-    def __init__(self, path: str, engine_id: str) -> None:
+    def __init__(self, path: str, engine_id: str, shm_dir: str) -> None:
         self.engine_id = engine_id
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as error:
-            raise TransportError(
-                f"cannot open engine {engine_id!r}'s claim board {path}: {error}; a same-node writer "
-                "needs it (is the engine on this node, and running as this user?)",
-                engine_id=engine_id,
-                path=path,
-            ) from error
+        fd = open_peer(
+            path, PeerPath.CLAIM_BOARD, shm_dir, named_by=f"engine {engine_id!r}", engine_id=engine_id
+        )
         try:
             status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode) or status.st_uid != os.geteuid():
-                raise TransportError(
-                    f"engine {engine_id!r}'s claim board {path} is not a regular file of this user; "
-                    "refusing to use it",
-                    engine_id=engine_id,
-                    path=path,
-                )
             slots, rest = divmod(status.st_size, SLOT_NBYTES)
             if rest or not 0 < slots <= MAX_SLOTS:
                 raise TransportError(
@@ -261,3 +259,82 @@ class ClaimClient:
                 self._mm.close()
             os.close(self._fd)
             self._fd = -1
+
+
+class Claims:
+    """One writer engine's claims on the decode engines it writes into: their boards on this
+    node (at most `max_cached_peers` open), and the requests engines on other nodes hold for it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        #: The node this agent runs on (its notice set keeps it current).
+        self.node_id = ""
+        self._boards: PeerCache[None, ClaimClient] = PeerCache(settings.max_cached_peers, ClaimClient.close)
+        #: Requests (id, token) an engine on another node holds for this writer.
+        self._remote: set[tuple[str, int]] = set()
+
+    def _board_path(self, peer: Peer) -> str | None:
+        path = peer.info.endpoints.get(ENDPOINT)
+        return path if path and peer.info.node_id == self.node_id else None
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self, writer: EngineInfo, peer: Peer, reservation: Reservation, *, remote: bool = False
+    ) -> AsyncIterator[None]:
+        """Make sure the decode engine still expects the request, and keeps its blocks, while
+        the body writes and notifies; a request it no longer expects is refused before a byte
+        moves. On its node: hold the request's slot in its claim board. Elsewhere, with
+        `remote` (a transport whose writes the engine does not see land): ask it once per
+        request to keep the blocks until this writer's notice. Other transports' receivers
+        check each write themselves (`Receiver.admit`)."""
+        path = self._board_path(peer)
+        if path is None:
+            if remote:
+                await self._claim_remote(writer, peer, reservation)
+            yield
+            return
+        info = peer.info
+        board = self._boards.get(info.engine_id, info.incarnation, None)
+        if board is None:
+            board = ClaimClient(path, info.engine_id, self.settings.shm_dir)
+            self._boards.put(info.engine_id, info.incarnation, None, board)
+        async with board.hold(
+            reservation.request_id, reservation.slot, reservation.token, self.settings.notify_timeout_s
+        ):
+            yield
+
+    def open_now(self, peer: Peer, reservation: Reservation) -> bool:
+        """Whether a notice about `reservation` may go out at once, without taking the claim:
+        on the engine's node, its slot is open under the reservation's token in a board this
+        writer has opened already (read without its lock: a notice writes no byte into the
+        request's blocks); elsewhere the engine checks the notice's token itself."""
+        if self._board_path(peer) is None:
+            return True
+        board = self._boards.get(peer.info.engine_id, peer.info.incarnation, None)
+        return board is not None and board.is_open(reservation.slot, reservation.token)
+
+    def end(self, reservation: Reservation) -> None:
+        """The request's writes and notice are over: a later push of it claims again."""
+        self._remote.discard((reservation.request_id, reservation.token))
+
+    async def _claim_remote(self, writer: EngineInfo, peer: Peer, reservation: Reservation) -> None:
+        key = (reservation.request_id, reservation.token)
+        if key in self._remote:
+            return
+        claim = WriteClaim(
+            request_id=reservation.request_id,
+            token=reservation.token,
+            src_engine=writer.engine_id,
+            src_incarnation=writer.incarnation,
+            dst_engine=reservation.engine_id,
+            dst_incarnation=reservation.incarnation,
+        )
+        what = f"the claim of {reservation.request_id!r}"
+        await call_host(peer, what, "kvray_claim", encode(claim), self.settings.notify_timeout_s)
+        self._remote.add(key)
+
+    def forget(self, engine_id: str) -> None:
+        self._boards.forget(engine_id)
+
+    def close(self) -> None:
+        self._boards.clear()

@@ -1,6 +1,6 @@
 """Two agents on two "nodes" of this process: the writer moves a request with the `ray` transport
 (through an in-process stand-in for the decode engine's actor) and sends its completion over the
-decode engine's notice listener (`kvray.completion_tcp`), not through the actor. A listener the
+decode engine's notice listener (`kvray.notice.tcp`), not through the actor. A listener the
 writer cannot reach or that cannot prove the published key leaves the notice to the actor; a
 refusal comes back as the same kvray error a Ray call would raise."""
 
@@ -18,10 +18,10 @@ import torch
 from test_contract import ready_layout
 
 from kvray.agent import KVAgent
-from kvray.completion_tcp import ADDRESS_ENDPOINT, KEY_ENDPOINT, KEY_NBYTES
 from kvray.config import Settings
 from kvray.errors import NotExpectedError
 from kvray.layout import BlockOrder
+from kvray.notice.tcp import ADDRESS_ENDPOINT, KEY_ENDPOINT, KEY_NBYTES
 from kvray.wire import EngineInfo, Role, TransportKind
 
 

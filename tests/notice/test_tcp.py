@@ -1,4 +1,4 @@
-"""The notice listener a decode engine opens for writers on other nodes (`kvray.completion_tcp`):
+"""The notice listener a decode engine opens for writers on other nodes (`kvray.notice.tcp`):
 nothing a connection sends reaches the engine before it proves the engine's key; a forged,
 replayed, reordered or oversized notice closes the connection unread; a listener that cannot
 prove the key gets no notice; each notice is answered with the engine's verdict. What a
@@ -17,8 +17,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 from event_loops import loop_params, run_on
 
-from kvray import completion_tcp
-from kvray.completion_tcp import (
+from kvray.errors import MetadataError, TransportError, TransportUnavailableError
+from kvray.metrics import DropReason
+from kvray.notice import tcp as completion_tcp
+from kvray.notice.tcp import (
     HANDSHAKE_S,
     KEY_NBYTES,
     MAC_NBYTES,
@@ -26,7 +28,7 @@ from kvray.completion_tcp import (
     MAX_NOTICE_NBYTES,
     MAX_UNPROVEN,
     NONCE_NBYTES,
-    NoticeChannel,
+    NoticeConnection,
     NoticeListener,
     Verdict,
     _mac,
@@ -36,8 +38,6 @@ from kvray.completion_tcp import (
     parse_address,
     parse_key,
 )
-from kvray.errors import MetadataError, TransportError, TransportUnavailableError
-from kvray.metrics import DropReason
 
 FRAME = struct.Struct(">I16s")
 VERDICT = struct.Struct(">QB16s")
@@ -113,7 +113,7 @@ def frame(session: bytes, sequence: int, body: bytes) -> bytes:
 async def notices_arrive_whole_in_order_with_the_engines_verdicts(
     listener: NoticeListener, engine: Engine
 ) -> None:
-    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    channel = await NoticeConnection.open(*host_port(listener), listener.key, "d")
     bodies = [os.urandom(n) for n in (1, 100, 5000, MAX_NOTICE_NBYTES)]
     verdicts = [await channel.send(body) for body in bodies]
     assert engine.notices == bodies
@@ -140,7 +140,7 @@ async def a_writer_without_the_key_is_closed_before_a_notice_is_read(
 ) -> None:
     with pytest.raises(TransportError):
         async with asyncio.timeout(2):
-            await NoticeChannel.open(*host_port(listener), os.urandom(KEY_NBYTES), "d")
+            await NoticeConnection.open(*host_port(listener), os.urandom(KEY_NBYTES), "d")
     # The same with a raw writer that sends a notice right behind its wrong proof.
     reader, writer = await asyncio.open_connection(*host_port(listener))
     greeting = await reader.readexactly(len(MAGIC) + NONCE_NBYTES)
@@ -210,7 +210,7 @@ async def idle_connections_do_not_keep_a_writer_out(listener: NoticeListener, en
     # Every unproven place is taken, and the idle connections have seconds left to prove the
     # key: a writer still gets in now, and its notice through.
     async with asyncio.timeout(1):
-        channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+        channel = await NoticeConnection.open(*host_port(listener), listener.key, "d")
         assert await channel.send(b"done") is Verdict.TAKEN
     assert engine.notices == [b"done"]
     # It took the place of the oldest idle connection; the others keep theirs.
@@ -253,7 +253,7 @@ async def a_writer_that_does_not_read_its_verdicts_stalls_only_itself(
     assert taken < notices // 2
     assert engine.stats["notice_connections_stalled"] >= 1
     # Other writers are served meanwhile.
-    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    channel = await NoticeConnection.open(*host_port(listener), listener.key, "d")
     assert await channel.send(b"other") is Verdict.TAKEN
     channel.close()
     # Once the writer reads its verdicts, the rest of its notices are read and answered.
@@ -295,7 +295,7 @@ async def a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
     port = server.sockets[0].getsockname()[1]
     with pytest.raises(TransportError, match="did not prove"):
         async with asyncio.timeout(2):
-            await NoticeChannel.open("127.0.0.1", port, key, "d")
+            await NoticeConnection.open("127.0.0.1", port, key, "d")
     assert received == []
     server.close()
 
@@ -303,7 +303,7 @@ async def a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
 async def a_verdict_that_does_not_verify_fails_the_send() -> None:
     server, key, received = await impostor(handle_verdict=True)
     port = server.sockets[0].getsockname()[1]
-    channel = await NoticeChannel.open("127.0.0.1", port, key, "d")
+    channel = await NoticeConnection.open("127.0.0.1", port, key, "d")
     with pytest.raises(TransportError, match="out of protocol"):
         async with asyncio.timeout(2):
             await channel.send(b"done")
@@ -316,7 +316,7 @@ async def a_verdict_that_does_not_verify_fails_the_send() -> None:
 async def a_lost_connection_fails_the_notices_waiting_for_their_verdict(
     listener: NoticeListener, engine: Engine
 ) -> None:
-    channel = await NoticeChannel.open(*host_port(listener), listener.key, "d")
+    channel = await NoticeConnection.open(*host_port(listener), listener.key, "d")
     listener.close()
     with pytest.raises(TransportError):
         async with asyncio.timeout(2):

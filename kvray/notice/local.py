@@ -1,14 +1,11 @@
-"""Completion (last step of the data flow): telling a decode engine on the same node that its
-KV has landed, in tens of microseconds instead of a Ray call's milliseconds.
+"""`local` notice channel (completion, same node): a decode engine on this node is told its KV
+has landed in tens of microseconds instead of a Ray call's milliseconds.
 
 The decode agent binds a Unix datagram socket inside a private folder (mode 0700, so only
 this user can send to it) next to its shared-memory files and publishes the path in its
-`EngineInfo.endpoints`. A writer on the same node sends the msgspec-encoded `TransferDone` there
-after its last byte is written; anywhere else it goes through the peer's Ray actor instead.
-
-The path a peer publishes is only a claim: the outbox sends only to `<shm_dir>/<a kvray-made
-folder>/inbox.sock`, where neither the folder nor the socket is a symbolic link and both belong
-to this user.
+`EngineInfo.endpoints`. A writer on the same node sends the msgspec-encoded notice there (from
+its copy thread where the transport allows, `DatagramNotice`); the inbox path is only a claim,
+checked once per path by `kvray.owned.open_peer`.
 """
 
 from __future__ import annotations
@@ -17,18 +14,19 @@ import asyncio
 import contextlib
 import os
 import socket
-import stat
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+from kvray.config import Settings
 from kvray.errors import MetadataError, TransportError
-from kvray.owned import create_owned_folder, is_owned_name, remove_owned
+from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt
+from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
+from kvray.transport.base import Peer
 from kvray.transport.cpu_copy import resolve_once
+from kvray.wire import Notice
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"
-#: The inbox socket's name inside its engine's private folder.
-INBOX_NAME = "inbox.sock"
 _MAX_MESSAGE = 64 * 1024
 #: Inbox paths an outbox remembers as checked (a few per peer engine on the node).
 _MAX_CHECKED_PATHS = 1024
@@ -94,37 +92,7 @@ class CompletionOutbox:
         only this user could swap what is inside it afterwards."""
         if path in self._checked:
             return
-        folder, name = os.path.split(path)
-        folder_name = os.path.basename(folder)
-        if (
-            name != INBOX_NAME
-            or not is_owned_name(folder_name)
-            or os.path.join(self._shm_dir, folder_name, INBOX_NAME) != path
-        ):
-            raise MetadataError(
-                f"the completion inbox {path!r} is not a kvray inbox in {self._shm_dir} "
-                "(KVRAY_SHM_DIR); kvray sends notices only to the inboxes it creates",
-                path=path,
-            )
-        try:
-            folder_status = os.lstat(folder)
-            socket_status = os.lstat(path)
-        except FileNotFoundError as error:
-            raise TransportError(
-                f"the completion inbox {path} is gone: the decode engine closed or died", path=path
-            ) from error
-        uid = os.geteuid()
-        if not (
-            stat.S_ISDIR(folder_status.st_mode)
-            and folder_status.st_uid == uid
-            and stat.S_ISSOCK(socket_status.st_mode)
-            and socket_status.st_uid == uid
-        ):
-            raise MetadataError(
-                f"the completion inbox {path!r} is not a socket in a folder of this user (a "
-                "symbolic link, or someone else's); kvray sends notices only to the inboxes it creates",
-                path=path,
-            )
+        os.close(open_peer(path, PeerPath.INBOX, self._shm_dir))
         if len(self._checked) >= _MAX_CHECKED_PATHS:
             self._checked.clear()
         self._checked.add(path)
@@ -277,3 +245,73 @@ class DatagramNotice:
     def datagram(self) -> tuple[int, bytes, bytes]:
         """(socket, peer path, message) for a sender outside Python."""
         return self._outbox.fileno(), os.fsencode(self.path), self.message
+
+
+def taken() -> Receipt:
+    """The receipt of a notice that needs no answer: already resolved."""
+    receipt: Receipt = asyncio.get_running_loop().create_future()
+    receipt.set_result(None)
+    return receipt
+
+
+class LocalChannel(NoticeChannel):
+    """Notices to decode engines on this node, into their inboxes; this engine's own inbox."""
+
+    kind = NoticeKind.LOCAL
+
+    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
+        super().__init__(settings, stats)
+        self._outbox: CompletionOutbox | None = None
+        #: This decode engine's inbox, once it listens.
+        self.inbox: CompletionInbox | None = None
+
+    def outbox(self) -> CompletionOutbox:
+        if self._outbox is None:
+            self._outbox = CompletionOutbox(self.settings.shm_dir)
+        return self._outbox
+
+    def inbox_of(self, peer: Peer) -> str | None:
+        """The peer's inbox, when it is on this node."""
+        inbox = peer.info.endpoints.get(ENDPOINT)
+        return inbox if inbox and peer.info.node_id == self.node_id else None
+
+    def reaches(self, peer: Peer) -> bool:
+        return self.inbox_of(peer) is not None
+
+    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+        inbox = self.inbox_of(peer)
+        if inbox is None:
+            return False
+        try:
+            await self.outbox().send(inbox, message)
+        except TransportError as error:
+            raise TransportError(
+                f"could not notify engine {peer.info.engine_id!r}: {error}",
+                engine_id=peer.info.engine_id,
+                path=inbox,
+            ) from error
+        return True
+
+    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+        inbox = self.inbox_of(peer)
+        if inbox is None or not self.outbox().send_now(inbox, message):
+            return None
+        return taken()
+
+    def early(self, peer: Peer, message: bytes) -> DatagramNotice | None:
+        inbox = self.inbox_of(peer)
+        return None if inbox is None else DatagramNotice(self.outbox(), inbox, message)
+
+    async def listen(self, receiver: NoticeReceiver) -> None:
+        self.inbox = CompletionInbox(self.settings.shm_dir, receiver.receive)
+
+    def publish(self) -> dict[str, str]:
+        return {} if self.inbox is None else {ENDPOINT: self.inbox.path}
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None

@@ -1,0 +1,176 @@
+"""Notice channel interface (seventh step of the data flow, completion): how a writer's notice
+that a request's bytes are there, or will not come, reaches the decode engine.
+
+A channel has two ends, each a handful of verbs:
+
+    writer    `reaches` says whether the channel can carry a notice to a peer from here;
+              `send` delivers one (returning once the engine took it, or raising its
+              refusal), `send_now` without awaiting where nothing on the way would wait;
+              `prepare` starts what a coming notice will need (a connection); `early` hands a
+              transport a notice it may send from its copy thread; `forget` drops what was
+              kept for a peer; `close` releases everything.
+    receiver  a decode engine's: `listen` starts taking notices, each handed to the engine
+              (the `NoticeReceiver` protocol, which the agent implements); `publish` gives
+              the endpoints writers need to reach it (they go into its
+              `EngineInfo.endpoints`); `close` stops.
+
+Everything a writer needs to reach a peer arrives in a `Peer`; a path a peer publishes is only a
+claim, checked by `kvray.owned.open_peer` before anything is sent there. The agent's
+`kvray.notice.NoticeSet` holds one channel of each kind and sends each notice through the first
+that reaches its peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from collections import Counter
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+from kvray.config import Settings
+from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
+from kvray.metrics import DropReason
+from kvray.transport.base import Peer
+from kvray.wire import Notice
+
+#: Takes one notice's bytes on the engine's event loop; returns None if the engine took it,
+#: else why it dropped it.
+NoticeHandler = Callable[[bytes], DropReason | None]
+
+#: What `send_now` hands back for a notice it sent: resolves once the engine took it (already
+#: resolved where the channel needs no answer), or fails with its refusal as `send` raises it.
+Receipt = asyncio.Future[None]
+
+
+class NoticeKind(enum.Enum):
+    """The channels kvray ships, in the order an agent tries them."""
+
+    #: Same node: a datagram into the engine's inbox in the shared-memory folder.
+    LOCAL = "local"
+    #: Other nodes: an authenticated TCP connection to the engine's notice listener.
+    TCP = "tcp"
+    #: Anywhere Ray runs: a call on the actor hosting the engine's agent.
+    ACTOR = "actor"
+    #: Engines of one process (tests, embedding).
+    LOOPBACK = "loopback"
+
+
+class NoticeReceiver(Protocol):
+    """The decode engine a channel's receiver end serves (the agent's receiving side)."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+    @property
+    def node_address(self) -> str | None:
+        """This node's address as its peers know it (None outside a cluster)."""
+        ...
+
+    def receive(self, message: bytes, /) -> DropReason | None:
+        """One notice's bytes, on the engine's event loop: None if the engine took it, else
+        why it dropped it (counted there)."""
+        ...
+
+
+class ThreadNotice(Protocol):
+    """A notice a transport may send from whichever thread writes a transfer's last byte
+    (`Transport.write_then`): callable from any thread, quick, never raising; `sent` says
+    whether it went (if not, the writer sends it the usual way)."""
+
+    sent: bool
+
+    def __call__(self) -> None: ...
+
+
+def refusal(reason: DropReason | None, engine_id: str, request_id: str) -> KvrayError | None:
+    """The error a notice the engine dropped for `reason` stands for (None for a taken one), as
+    the engine's own `notify` would have raised it through a Ray call."""
+    if reason is None:
+        return None
+    if reason is DropReason.STALE:
+        return StaleIncarnationError(
+            f"engine {engine_id!r} refused the notice for request {request_id!r}: it names another "
+            "engine or an old incarnation",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    if reason is DropReason.FORGED:
+        return NotExpectedError(
+            f"engine {engine_id!r} refused the notice for request {request_id!r}: it did not carry "
+            "its reservation's token",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    if reason is DropReason.UNKNOWN:
+        return NotExpectedError(
+            f"engine {engine_id!r} does not expect request {request_id!r} (never reserved, or its "
+            "wait has ended)",
+            engine_id=engine_id,
+            request_id=request_id,
+        )
+    return TransportError(
+        f"engine {engine_id!r} could not decode the notice for request {request_id!r}",
+        engine_id=engine_id,
+        request_id=request_id,
+    )
+
+
+class NoticeChannel(abc.ABC):
+    """Carries notices from writers to decode engines (writer end), and takes them in for a
+    decode engine (receiver end). One per agent and kind; `stats` counts what it did."""
+
+    kind: ClassVar[NoticeKind]
+
+    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
+        self.settings = settings
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        #: The node this agent runs on (the set keeps it current).
+        self.node_id = ""
+
+    # ---- writer end -------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def reaches(self, peer: Peer) -> bool:
+        """Whether this channel can carry a notice to `peer` from here, now."""
+
+    @abc.abstractmethod
+    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+        """Deliver `message` (`notice`, encoded): True once the engine took it (a refusal raises
+        as the kvray error the engine's own `notify` would raise); False, having sent nothing,
+        if it cannot go this way after all (the next channel that reaches the peer takes it).
+        The caller bounds the wait."""
+
+    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+        """`send` from the event loop's thread without awaiting: the notice is out when this
+        returns, with its receipt; None, having sent nothing, where the channel would have to
+        wait (then `send` follows)."""
+        return None
+
+    def prepare(self, peer: Peer) -> None:  # noqa: B027 - optional hook
+        """Start what a notice to `peer` will need (e.g. a connection), awaiting nothing."""
+
+    def early(self, peer: Peer, message: bytes) -> ThreadNotice | None:
+        """A notice a transport may send from its copy thread the moment the last byte lands;
+        None where this channel has none."""
+        return None
+
+    def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop what is kept for a peer (it restarted, left or failed)."""
+
+    # ---- receiver end (a decode engine's) ---------------------------------------------
+
+    async def listen(self, receiver: NoticeReceiver) -> None:  # noqa: B027 - optional hook
+        """Start taking notices for the engine `receiver` serves (once, at its start), handing
+        each to its `receive`."""
+
+    def publish(self) -> dict[str, str]:
+        """The endpoints writers need to reach this engine through the channel."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release both ends."""
