@@ -7,6 +7,7 @@ messages    claims and notices from a writer to a decode engine
 receive     expected requests, incoming writes and notices, `wait_for_kv`, release
 host        `AgentHost`: the Ray actor entry points peers and the coordinator call
 kvagent     `KVAgent`, the facade over them
+handoff     P/D hand-offs: a decode engine asks a prefill engine to push (any engine integration)
 """
 
 from kvray.agent.directory import DirectoryService, RemoteDirectory

@@ -18,12 +18,13 @@ decode-to-prefill half of kvray's push; the KV and the completion notice are the
              finishes. `drop` and `release`: the request will have no KV, or its decode leg
              failed.
 
-A hand-off id whose request is gone (pushed, dropped, released, withdrawn) is spent for a lease:
-push requests and holds under it are refused at once, so a second request under one id never
-replaces the first. Messages go through `PushRequestMail`, the one seam between the hand-off and
-how its messages travel. An engine integration hands over its scheduler's decisions (the specs
-below), calls `expire` now and then, hears back through `HandoffReports`, and may install a
-`HandoffObserver` (`kvray.bench.handoff_log`). Everything here runs on the agent's event loop.
+A hand-off id whose request is gone (pushed, dropped, released, withdrawn, or its lease ended)
+is spent for a lease: push requests and holds under it are refused at once, so a second request
+under one id never replaces the first. Messages go through `PushRequestMail`, the one seam
+between the hand-off and how its messages travel. An engine integration hands over its
+scheduler's decisions (the specs below), calls `expire` now and then, hears back through
+`HandoffReports`, and may install a `HandoffObserver` (`kvray.bench.handoff_log`). Everything
+here runs on the agent's event loop.
 """
 
 from __future__ import annotations
@@ -392,6 +393,7 @@ class Handoff:
         for key, held in list(self._held.items()):
             if not held.pushing and held.lease_ends <= now:
                 del self._held[key]
+                self._spend(key)
                 self._reports.sent(held.spec.request_id)
                 log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
         for key, until in list(self._spent.items()):
