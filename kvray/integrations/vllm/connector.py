@@ -18,9 +18,6 @@ compare them, and each side's time: `kvray.bench.handoff_log`), `digest_every` (
 request in this many) and `seed_bug` (plan with offsets cached by geometry alone: the bug
 kvray exists to stop, injected from `kvray.faults`).
 
-The protocol between the engines is `kvray.agent.handoff` (engine-independent); this module
-and `worker` are vLLM's side of it.
-
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
 kv_transfer_params are client input: kvray reads only tickets it signed (`tickets`).
 
@@ -40,14 +37,17 @@ kv_transfer_params are client input: kvray reads only tickets it signed (`ticket
     proxy -> P    only if D refused the request: the ticket back with kvray_release; P frees
                   the held blocks at once
 
+The workers' lines are `kvray.agent.handoff.Handoff` (the same for any engine integration);
+`worker` hands it each step's decisions and reports its outcomes to vLLM.
+
 Decode first (Ray Serve LLM's orchestrator): the orchestrator mints the id and signs a `load`
 ticket for D and a `hold` ticket for P; D asks while P computes, and P pushes each layer as its
 forward saves it. A layer-wise request vLLM preempts stops its layer copies before its blocks
 are reused (`handle_preemptions`) and is pushed whole once it runs again.
 
 A prefill engine frees a held request's blocks once it has pushed them, or when no decode
-engine asked within `lease_s`. A second request under a hand-off id already held, pushed or
-dropped is not held (its blocks go back at once). On one node the `shm` transport writes
+engine asked within `lease_s`. A second request under a hand-off id already held, pushed,
+dropped or expired is not held (its blocks go back at once). On one node the `shm` transport writes
 straight into the decode engine's KV cache (kvray places it in a shared-memory file) and push
 requests and notices go through Unix datagram sockets; across nodes both engines join Ray
 (`ray_address`), the KV goes by the `ray` transport and the messages through each engine's
