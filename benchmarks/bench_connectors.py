@@ -23,7 +23,7 @@ request throughput (requests over the row's wall time) and whether every answer'
 equal the single engine's (a mismatch or an error marks the row FAILED).
 
 KV transfer time, the same for every connector: each engine runs the connector through
-`kvray.integrations.vllm.handoff_timing` (a subclass that only records wall-clock times,
+`kvray.bench.handoff_timing` (a subclass that only records wall-clock times,
 `time.time_ns`, one clock for every process of this machine). From the moment the prefill
 engine's forward pass that computed the request's last prompt token has ended (its KV is
 complete in the prefill engine's cache) to the moment the decode engine's worker reports the
@@ -62,7 +62,7 @@ import httpx
 import ray
 from ray import serve
 
-from kvray.integrations.vllm import handoff_timing
+from kvray.bench import handoff_timing
 from kvray.integrations.vllm.model import smollm2
 from kvray.integrations.vllm.prompts import load_prompts
 from kvray.integrations.vllm.serve_llm import register, wait_until_serving

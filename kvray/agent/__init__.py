@@ -5,6 +5,7 @@ transports  the transports an agent writes and receives through, and the choice 
 push        plan, write, notify: whole requests and layer-wise
 receive     expected requests, incoming writes and notices, `wait_for_kv`, release
 kvagent     `KVAgent`, the facade over them
+handoff     P/D hand-offs: a decode engine asks a prefill engine to push (any engine integration)
 """
 
 from kvray.agent.directory import DirectoryService, RemoteDirectory

@@ -15,8 +15,10 @@ import pytest
 import ray
 import torch
 
+from kvray.agent.handoff import PUSH_ENDPOINT, LoadSpec, SendSpec
+from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
-from kvray.integrations.vllm.worker import PUSH_ENDPOINT, ConnectorWorker, LoadSpec, SendSpec
+from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.wire import Role
 
 pytestmark = pytest.mark.cluster
@@ -61,7 +63,8 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
     settings = Settings(shm_dir=str(tmp_path), transfer_timeout_s=30.0)
     address = ray.get_runtime_context().gcs_address
     log = tmp_path / "digests.jsonl"
-    prefill = ConnectorWorker("vllm-p", Role.DECODE, settings, 30.0, ray_address=address, digest_log=str(log))
+    prefill = ConnectorWorker("vllm-p", Role.DECODE, settings, 30.0, ray_address=address)
+    prefill.observer = DigestLog(str(log))
     decode = ConnectorWorker("vllm-d", Role.DECODE, settings, 30.0, ray_address=address)
     source, destination = separate_caches(None), separate_caches(CANARY)
     try:

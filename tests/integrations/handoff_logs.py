@@ -1,5 +1,5 @@
 """Reading the vLLM connector's digest logs (`digest_log`: one JSON line per hand-off event on
-one engine) in the vLLM tests."""
+one engine, written by `kvray.bench.handoff_log.DigestLog`) in the vLLM tests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kvray.agent.handoff import HandoffEvent
 
 
 def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
@@ -41,7 +43,8 @@ def asked(log: Path, timeout_s: float = 60.0) -> Callable[[list[str]], None]:
 
     def wait(handoffs: list[str]) -> None:
         deadline = time.monotonic() + timeout_s
-        while not set(handoffs) <= {r["request"] for r in records(log) if r["side"] == "asked"}:
+        asked = HandoffEvent.ASKED.value
+        while not set(handoffs) <= {r["request"] for r in records(log) if r["side"] == asked}:
             assert time.monotonic() < deadline, "the decode engine did not ask for every hand-off"
             time.sleep(0.05)
 

@@ -1,4 +1,4 @@
-"""The connector benchmark's timing wrapper (`kvray.integrations.vllm.handoff_timing`) without
+"""The connector benchmark's timing wrapper (`kvray.bench.handoff_timing`) without
 vLLM: a stand-in connector under the mixin, the records both engines write, and their join by
 prompt into per-request transfer times."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvray.integrations.vllm import handoff_timing
-from kvray.integrations.vllm.handoff_timing import HandoffTiming, handoff_times, prompt_digest, read_records
+from kvray.bench import handoff_timing
+from kvray.bench.handoff_timing import HandoffTiming, handoff_times, prompt_digest, read_records
 
 
 class StandInConnector:

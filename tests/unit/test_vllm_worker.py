@@ -14,17 +14,10 @@ import msgspec
 import pytest
 import torch
 
+from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import BackpressureError, ConfigError, RegionError, TransferTimeoutError, WireDecodeError
-from kvray.integrations.vllm.worker import (
-    PUSH_ENDPOINT,
-    ConnectorWorker,
-    LayerwiseSpec,
-    LoadSpec,
-    SendSpec,
-    layout_of,
-    settings_from,
-)
+from kvray.integrations.vllm.worker import ConnectorWorker, layout_of, settings_from
 from kvray.memory import Backing, MemoryKind
 from kvray.owned import is_owned_name
 from kvray.wire import (
@@ -439,7 +432,7 @@ def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_p
     try:
         decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
         deadline = time.monotonic() + 10
-        while not prefill._early and time.monotonic() < deadline:  # the ask is parked
+        while not prefill.handoff.parked() and time.monotonic() < deadline:  # the ask is parked
             time.sleep(0.01)
         prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0, 1))})
         prefill.save_layer(layers[0])
@@ -485,14 +478,14 @@ def test_a_cancelled_load_withdraws_its_ask_so_a_later_hold_is_freed_at_once(tmp
     try:
         decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
         deadline = time.monotonic() + 10
-        while not prefill._early and time.monotonic() < deadline:  # the ask is parked
+        while not prefill.handoff.parked() and time.monotonic() < deadline:  # the ask is parked
             time.sleep(0.01)
         decode.begin({}, {}, cancelled={"d-1"})
         assert reported_within(decode, "d-1", 5.0) == (set(), set())
         deadline = time.monotonic() + 10
-        while prefill._early and time.monotonic() < deadline:  # the withdrawal takes the ask back
+        while prefill.handoff.parked() and time.monotonic() < deadline:  # the withdrawal takes the ask back
             time.sleep(0.01)
-        assert not prefill._early
+        assert not prefill.handoff.parked()
         prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
         sent_within(prefill, "r-1", 5.0)
     finally:

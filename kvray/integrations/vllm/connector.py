@@ -10,12 +10,13 @@ hand-off key: `KVRAY_HANDOFF_KEY` in the environment (64 hex digits), or `handof
 connector does not start. `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g.
 `transfer_timeout_s`, or `transport`: auto, shm or ray, the transport this engine's pushes
 take), plus `handoff_key`, `lease_s` (how long a prefill engine holds a finished request's
-blocks for a decode engine), `digest_log` (a file to append per-layer digests of the KV each
-side sent and received, to compare them, and each side's time), `digest_every` (hash one
+blocks for a decode engine), `ray_address` (a Ray cluster's GCS address: the worker joins it
+and registers with kvray's coordinator, so engines on other nodes reach it) and `node_id` (the
+Ray node the engine runs on, when its launcher knows it). For measurements and demonstrations:
+`digest_log` (a file to append per-layer digests of the KV each side sent and received, to
+compare them, and each side's time: `kvray.bench.handoff_log`), `digest_every` (hash one
 request in this many) and `seed_bug` (plan with offsets cached by geometry alone: the bug
-kvray exists to stop, for demonstrations), `ray_address` (a Ray cluster's GCS address: the
-worker joins it and registers with kvray's coordinator, so engines on other nodes reach it)
-and `node_id` (the Ray node the engine runs on, when its launcher knows it).
+kvray exists to stop, injected from `kvray.faults`).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
 kv_transfer_params are client input: kvray reads only tickets it signed (`tickets`).
@@ -36,14 +37,17 @@ kv_transfer_params are client input: kvray reads only tickets it signed (`ticket
     proxy -> P    only if D refused the request: the ticket back with kvray_release; P frees
                   the held blocks at once
 
+The workers' lines are `kvray.agent.handoff.Handoff` (the same for any engine integration);
+`worker` hands it each step's decisions and reports its outcomes to vLLM.
+
 Decode first (Ray Serve LLM's orchestrator): the orchestrator mints the id and signs a `load`
 ticket for D and a `hold` ticket for P; D asks while P computes, and P pushes each layer as its
 forward saves it. A layer-wise request vLLM preempts stops its layer copies before its blocks
 are reused (`handle_preemptions`) and is pushed whole once it runs again.
 
 A prefill engine frees a held request's blocks once it has pushed them, or when no decode
-engine asked within `lease_s`. A second request under a hand-off id already held, pushed or
-dropped is not held (its blocks go back at once). On one node the `shm` transport writes
+engine asked within `lease_s`. A second request under a hand-off id already held, pushed,
+dropped or expired is not held (its blocks go back at once). On one node the `shm` transport writes
 straight into the decode engine's KV cache (kvray places it in a shared-memory file) and push
 requests and notices go through Unix datagram sockets; across nodes both engines join Ray
 (`ray_address`), the KV goes by the `ray` transport and the messages through each engine's
@@ -65,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import handoff_key_from_env
 from kvray.errors import ConfigError, TicketError
 from kvray.integrations.vllm.tickets import (
@@ -82,15 +87,7 @@ from kvray.integrations.vllm.tickets import (
     read_hold,
     read_load,
 )
-from kvray.integrations.vllm.worker import (
-    CONNECTOR_KEYS,
-    PUSH_ENDPOINT,
-    ConnectorWorker,
-    LayerwiseSpec,
-    LoadSpec,
-    SendSpec,
-    settings_from,
-)
+from kvray.integrations.vllm.worker import CONNECTOR_KEYS, ConnectorWorker, settings_from
 from kvray.layout import ceil_div
 from kvray.wire import Role
 
@@ -181,12 +178,10 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 worker_role,
                 settings,
                 lease_s,
-                digest_log=extra.get("digest_log"),
-                digest_every=int(extra.get("digest_every", 1)),
-                seed_bug=bool(extra.get("seed_bug", False)),
                 ray_address=extra.get("ray_address"),
                 node_id=extra.get("node_id"),
             )
+            _instrument(self._worker, extra)
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
 
     # ---- worker side ------------------------------------------------------------------
@@ -560,6 +555,19 @@ def _load_spec(request_id: str, ticket: Load, block_ids: tuple[int, ...], first_
         block_ids=block_ids,
         first_block=first_block,
     )
+
+
+def _instrument(worker: ConnectorWorker, extra: Mapping[str, Any]) -> None:
+    """Install what `kv_connector_extra_config` asks for beyond the hand-off itself: a digest
+    log (`kvray.bench.handoff_log`) and the seed bug (`kvray.faults`)."""
+    if extra.get("digest_log"):
+        from kvray.bench.handoff_log import DigestLog
+
+        worker.observer = DigestLog(str(extra["digest_log"]), int(extra.get("digest_every", 1)))
+    if extra.get("seed_bug"):
+        from kvray.faults import inject_seed_bug
+
+        inject_seed_bug(worker)
 
 
 def _params(request: Any) -> Mapping[str, Any] | None:

@@ -1,0 +1,810 @@
+"""The P/D hand-off between two engines' agents, the same for every engine integration: a decode
+engine asks a prefill engine to push a request the prefill engine holds (push requests are the
+decode-to-prefill half of kvray's push; the KV and the completion notice are the other).
+
+    decode   `load`: reserve the blocks the engine allocated (`KVAgent.expect`), send the
+             prefill engine a `PushRequest` (fenced by both incarnations, carrying the
+             reservation's token), wait for the KV, release, report (`HandoffReports.loaded`).
+             `cancel`: the engine ended the request meanwhile: the wait ends, the prefill engine
+             is told (`PushWithdrawn`). `withdraw`: a load that never began, told the same way.
+    prefill  `hold`: a finished request's blocks, under its hand-off id, until a push request
+             takes them (one push, then `HandoffReports.sent`: the blocks may go) or `lease_s`
+             passes. `take`: a push request or a withdrawal. A push request that comes before
+             its request is held is parked for a lease (at most `max_expected_requests` of
+             them); one that cannot be answered is refused at once (the decode side's wait
+             fails). `layerwise` and `save_layer`: a request whose forward runs while its decode
+             engine waits has each layer pushed as the forward saves it, once asked; `preempt`:
+             its layer copies end and the ask is parked again, to push the request whole when it
+             finishes. `drop` and `release`: the request will have no KV, or its decode leg
+             failed.
+
+A hand-off id whose request is gone (pushed, dropped, released, withdrawn, or its lease ended)
+is spent for a lease: push requests and holds under it are refused at once, so a second request
+under one id never replaces the first. Messages go through `PushRequestMail`, the one seam
+between the hand-off and how its messages travel. An engine integration hands over its
+scheduler's decisions (the specs below), calls `expire` now and then, hears back through
+`HandoffReports`, and may install a `HandoffObserver` (`kvray.bench.handoff_log`). Everything
+here runs on the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import time
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvray.agent.kvagent import KVAgent
+from kvray.agent.push import PushResult
+from kvray.errors import BackpressureError, KvrayError, NotExpectedError, StaleIncarnationError
+from kvray.memory import Backing
+from kvray.notice.local import CompletionInbox, CompletionOutbox
+from kvray.wire import (
+    PushRequest,
+    PushWithdrawn,
+    Reservation,
+    TransportKind,
+    decode_engine_info,
+    decode_push_message,
+    encode,
+)
+
+log = logging.getLogger("kvray.handoff")
+
+#: Key of a prefill engine's push-request inbox in its `EngineInfo.endpoints`.
+PUSH_ENDPOINT = "push_requests"
+
+#: How long a push waits before asking again while the agent's transfer queue is full.
+BACKPRESSURE_RETRY_S = 0.01
+
+
+# ---- what an engine's scheduler decides ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the decode side needs to receive one request."""
+
+    request_id: str
+    prefill_engine: str
+    #: None: the orchestrator gave this engine the request first, naming the prefill engine
+    #: alone; its current incarnation, node and inbox come from the coordinator.
+    prefill_incarnation: int | None
+    #: The hand-off's id at the prefill engine (minted by kvray, signed).
+    prefill_request_id: str
+    #: The prefill engine's Ray node and push-request inbox, as its ticket names them.
+    prefill_node: str
+    prefill_inbox: str
+    #: The blocks the engine allocated here for the request's pushed tokens, in order.
+    block_ids: tuple[int, ...]
+    #: Which of the prefill engine's blocks of the request the first of them takes.
+    first_block: int
+    #: Why the request's ticket was refused ("": it was not): its load fails at once.
+    refusal: str = ""
+
+    @classmethod
+    def refused(cls, request_id: str, block_ids: tuple[int, ...], why: str) -> LoadSpec:
+        return cls(request_id, "", None, "", "", "", block_ids, 0, refusal=why)
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """A finished request the prefill side holds for a decode engine."""
+
+    #: The engine's id of the request (reported back when its blocks may go).
+    request_id: str
+    block_ids: tuple[int, ...]
+    #: The id decode engines ask for (the client's hand-off id); "" means `request_id`.
+    key: str = ""
+    #: The request did not finish well: end (abort) any push of it, send nothing.
+    failed: bool = False
+
+    @property
+    def handoff(self) -> str:
+        return self.key or self.request_id
+
+
+@dataclass(frozen=True)
+class LayerwiseSpec:
+    """A request whose whole prompt this step computes, for a decode engine: each layer is
+    pushed as the forward saves it, if the decode engine has asked by then."""
+
+    request_id: str
+    key: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    """Where a decode engine sends a push request: the prefill engine's id and incarnation,
+    its Ray node and its push-request inbox on that node ("" if it has none)."""
+
+    engine_id: str
+    incarnation: int
+    node_id: str
+    inbox: str
+
+
+# ---- what the engine hears, and what an observer sees --------------------------------------
+
+
+class HandoffReports(Protocol):
+    """How the hand-off tells its engine that blocks may go back to it."""
+
+    def sent(self, request_id: str) -> None:
+        """A held request's blocks are no longer read (pushed, freed, or never held)."""
+
+    def loaded(self, spec: LoadSpec, *, failed: bool) -> None:
+        """No write of a load can land any more; `failed`: its blocks hold no KV to use."""
+
+
+class HandoffEvent(enum.Enum):
+    ASKED = "asked"  # a push request parked, waiting for its request
+    WITHDRAWN = "withdrawn"
+    PREEMPTED = "preempted"
+    SENT = "sent"
+    RECEIVED = "received"
+    PUSH_FAILED = "push failed"
+    RECEIVE_FAILED = "receive failed"
+    RECEIVE_CANCELLED = "receive cancelled"
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One side of a hand-off whose KV moved (`SENT` or `RECEIVED`)."""
+
+    event: HandoffEvent
+    #: The decode engine's id of the request (as its reservation names it).
+    request_id: str
+    #: The hand-off's id at the prefill engine.
+    handoff: str
+    #: The request's blocks on this side: held until the observer returns.
+    blocks: tuple[int, ...]
+    seconds: float
+    transport: TransportKind | None = None
+    layerwise: bool | None = None
+    #: Layer-wise: from the forward saving the last layer to the decode side told.
+    tail_s: float | None = None
+
+
+class HandoffObserver(Protocol):
+    """Watches hand-offs (benchmarks, digest logs); installed by whoever measures."""
+
+    def event(self, event: HandoffEvent, request_id: str, handoff: str, error: str = "") -> None: ...
+
+    async def moved(self, moved: Moved, backing: Backing) -> None:
+        """Called with the blocks still held: the observer may read them."""
+
+
+# ---- the seam: how push requests travel ----------------------------------------------------
+
+
+class PushRequestMail:
+    """Push requests and withdrawals from decode engines to a prefill engine: a datagram
+    inbox for engines on this node, else the prefill engine's host actor (engines that joined
+    Ray). `take` is what a host actor hands its push requests to."""
+
+    def __init__(self, shm_dir: str) -> None:
+        self._handler: Callable[[bytes], None] | None = None
+        self._inbox = CompletionInbox(shm_dir, self.take)
+        self._outbox = CompletionOutbox(shm_dir)
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """What the engine publishes (`KVAgent.start`) so that decode engines find the inbox."""
+        return {PUSH_ENDPOINT: self._inbox.path}
+
+    def listen(self, handler: Callable[[bytes], None]) -> None:
+        self._handler = handler
+
+    def take(self, message: bytes) -> None:
+        if self._handler is not None:
+            self._handler(message)
+
+    async def send(self, agent: KVAgent, prefill: PrefillAddress, message: bytes, *, joined: bool) -> None:
+        """Send through the prefill engine's inbox on this node, else through its host actor
+        (found by the coordinator, which must know this incarnation)."""
+        if prefill.inbox and prefill.node_id == agent.node_id:
+            await self._outbox.send(prefill.inbox, message)
+            return
+        if not joined:
+            raise NotExpectedError(
+                f"prefill engine {prefill.engine_id!r} runs on node {prefill.node_id!r} and this decode "
+                f"engine on {agent.node_id!r}: engines on different nodes must both join Ray "
+                "(kv_connector_extra_config ray_address)",
+                engine_id=prefill.engine_id,
+            )
+        peer = await agent.peer(prefill.engine_id, wait_s=agent.settings.notify_timeout_s)
+        if peer.info.incarnation != prefill.incarnation:
+            raise StaleIncarnationError(
+                f"prefill engine {prefill.engine_id!r} restarted (incarnation {peer.info.incarnation}, "
+                f"the request names {prefill.incarnation}): its KV of the request is gone",
+                engine_id=prefill.engine_id,
+            )
+        if peer.host is None:
+            raise NotExpectedError(
+                f"prefill engine {prefill.engine_id!r} has no host actor to take push requests",
+                engine_id=prefill.engine_id,
+            )
+        await peer.host.kvray_request_push.remote(message)
+
+    def close(self) -> None:
+        self._handler = None
+        self._inbox.close()
+        self._outbox.close()
+
+
+# ---- one engine's hand-offs ----------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    """A finished request held for a decode engine, until pushed or its lease ends."""
+
+    spec: SendSpec
+    lease_ends: float
+    pushing: bool = False
+
+
+@dataclass
+class _Layered:
+    """A request pushed layer by layer during its forward."""
+
+    spec: LayerwiseSpec
+    #: Layers the forward has saved so far, in order.
+    saved: list[str] = field(default_factory=list)
+    #: The decode engine's push request, once it has come, and the blocks it takes.
+    request: PushRequest | None = None
+    blocks: tuple[int, ...] = ()
+    pushes: list[asyncio.Task[int]] = field(default_factory=list)
+    #: When the forward saved the last layer (`time.perf_counter`).
+    last_saved: float = 0.0
+
+
+class Handoff:
+    """Both halves of one engine's hand-offs over its agent (see the module docstring).
+    `joined`: the engine joined Ray, so the coordinator knows its peers and their host actors."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        mail: PushRequestMail,
+        reports: HandoffReports,
+        *,
+        lease_s: float,
+        joined: bool = False,
+        observer: HandoffObserver | None = None,
+    ) -> None:
+        self.agent = agent
+        self.settings = agent.settings
+        self.lease_s = lease_s
+        self.joined = joined
+        self.observer = observer
+        self._mail = mail
+        self._reports = reports
+        #: Prefill: requests held for a decode engine, and push requests that came before
+        #: their request (with when they came).
+        self._held: dict[str, _Held] = {}
+        self._parked: dict[str, tuple[PushRequest, float]] = {}
+        #: Prefill: requests pushed layer by layer (by hand-off id), and those whose forward
+        #: runs in this step.
+        self._layered: dict[str, _Layered] = {}
+        self._this_step: list[_Layered] = []
+        #: Prefill: hand-off ids that will never have KV here, until when a push request for
+        #: one is refused at once.
+        self._spent: dict[str, float] = {}
+        #: Decode: loads still waiting, and those whose task has taken its first step.
+        self._receiving: dict[str, asyncio.Task[None]] = {}
+        self._loads_begun: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        mail.listen(self.take)
+
+    def parked(self) -> int:
+        """How many push requests wait for their request here."""
+        return len(self._parked)
+
+    def close(self) -> None:
+        """Cancel what is under way (before the agent closes, which ends every wait)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ---- the scheduler's decisions --------------------------------------------------------
+
+    def step(
+        self,
+        loads: Mapping[str, LoadSpec],
+        sends: Mapping[str, SendSpec],
+        *,
+        dropped: Collection[str] = (),
+        cancelled: Collection[str] = (),
+        released: Collection[str] = (),
+        withdrawn: Collection[LoadSpec] = (),
+    ) -> None:
+        """One step's hand-offs: sends to hold, hand-offs that will never have KV (`dropped`,
+        by id), held requests whose decode leg failed (`released`, by id), loads to start,
+        loads no longer wanted (`cancelled`, by request id) and loads that ended before they
+        began (`withdrawn`)."""
+        for spec in sends.values():
+            self.hold(spec)
+        for key in dropped:
+            self.drop(key)
+        for key in released:
+            self.release(key)
+        for load in loads.values():
+            self.load(load)
+        for request_id in cancelled:
+            self.cancel(request_id)
+        for load in withdrawn:
+            self._spawn(self.withdraw(load))
+
+    def hold(self, spec: SendSpec) -> None:
+        """Hold a finished request for its decode engine, unless its hand-off id is taken:
+        a second request under one id ends at once and never replaces the first."""
+        key = spec.handoff
+        layered = self._layered.get(key)
+        if layered is not None and layered.spec.request_id == spec.request_id:
+            del self._layered[key]
+            if layered.request is not None:
+                self._spawn(self._finish_layered(layered, spec))
+                return
+            if key in self._spent:  # the decode engine withdrew while the forward ran
+                self._reports.sent(spec.request_id)
+                return
+        elif layered is not None or key in self._held or key in self._spent:
+            log.warning("kvray: hand-off %s is taken; request %s is not held", key, spec.request_id)
+            self._reports.sent(spec.request_id)
+            return
+        if spec.failed:
+            self._reports.sent(spec.request_id)
+            self.drop(key)
+            return
+        self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            self._spawn(self._push(parked[0]))
+
+    def drop(self, key: str) -> None:
+        """Hand-off `key` will never have KV here: its parked ask is refused now, later ones
+        as they come."""
+        self._spend(key)
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            self._spawn(self._refuse(parked[0], _ENDED_WITHOUT_KV))
+
+    def release(self, key: str) -> None:
+        """The decode leg of held hand-off `key` failed: free its blocks now."""
+        held = self._held.get(key)
+        if held is not None and not held.pushing:
+            del self._held[key]
+            self._spend(key)
+            self._reports.sent(held.spec.request_id)
+
+    def expire(self) -> None:
+        """Free held requests no decode engine asked for within their lease, refuse push
+        requests parked as long, and forget spent ids a lease old."""
+        now = time.monotonic()
+        for key, held in list(self._held.items()):
+            if not held.pushing and held.lease_ends <= now:
+                del self._held[key]
+                self._spend(key)
+                self._reports.sent(held.spec.request_id)
+                log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
+        for key, until in list(self._spent.items()):
+            if until <= now:
+                del self._spent[key]
+        # A decode engine may ask before the prefill engine has even seen the request.
+        for key, (request, arrived) in list(self._parked.items()):
+            if arrived + self.lease_s <= now:
+                del self._parked[key]
+                self._spawn(self._refuse(request, "the prefill engine holds no such finished request"))
+
+    def _spend(self, key: str) -> None:
+        """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
+        self._spent[key] = time.monotonic() + self.lease_s
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _note(self, event: HandoffEvent, request_id: str, handoff: str, error: str = "") -> None:
+        if self.observer is not None:
+            self.observer.event(event, request_id, handoff, error)
+
+    async def _moved(self, moved: Moved) -> None:
+        if self.observer is not None:
+            await self.observer.moved(moved, self.agent.backing)
+
+    # ---- prefill side: push requests ------------------------------------------------------
+
+    def take(self, message: bytes) -> None:
+        """A decode engine's push request or withdrawal."""
+        try:
+            request = decode_push_message(message)
+        except KvrayError as error:
+            log.warning("kvray: dropped a malformed push request: %s", error)
+            return
+        if (request.src_engine, request.src_incarnation) != (self.agent.engine_id, self.agent.incarnation):
+            if isinstance(request, PushRequest):
+                self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
+            return
+        if isinstance(request, PushWithdrawn):
+            self._withdrawn(request.request_id)
+            return
+        key = request.request_id
+        layered = self._layered.get(key)
+        if layered is not None and layered.request is None:
+            self._start_layered(layered, request)
+        elif key in self._held:
+            self._spawn(self._push(request))
+        elif key in self._spent:
+            self._spawn(self._refuse(request, _ENDED_WITHOUT_KV))
+        elif key in self._parked or len(self._parked) >= self.settings.max_expected_requests:
+            self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
+        else:  # the request may not have reached this engine yet, or its hand-over is a step behind
+            self._parked[key] = (request, time.monotonic())
+            self._note(HandoffEvent.ASKED, key, key)
+
+    def _withdrawn(self, key: str) -> None:
+        """The decode engine will not take hand-off `key`: free it if held and not being pushed,
+        and refuse to hold it (or push it) later."""
+        self._parked.pop(key, None)
+        held = self._held.get(key)
+        if held is not None:
+            if held.pushing:
+                return  # the push ends it either way
+            del self._held[key]
+            self._reports.sent(held.spec.request_id)
+        layered = self._layered.get(key)
+        if layered is not None and layered.request is not None:
+            return  # its layers are being pushed: the decode side refuses them, and it ends
+        self._spend(key)
+        self._note(HandoffEvent.WITHDRAWN, key, key)
+
+    async def _push(self, request: PushRequest) -> None:
+        key = request.request_id
+        held = self._held.get(key)
+        if held is None or held.pushing:
+            await self._refuse(request, "the request is not held here, or is already being pushed")
+            return
+        held.pushing = True
+        reservation = request.reservation
+        try:
+            blocks = _taken_blocks(request, held.spec.block_ids)
+            self._learn_peer(request)
+            result = await self._push_when_room(reservation, blocks, held.lease_ends)
+            await self._moved(_sent(result, key, blocks, layerwise=False))
+        except Exception as error:  # the push told the decode side, or this does
+            log.warning("kvray: push of %s failed: %s", key, error)
+            self._note(HandoffEvent.PUSH_FAILED, key, key, _why(error))
+            if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
+                await self.agent.abort(reservation, _why(error))
+        finally:
+            if self._held.get(key) is held:
+                del self._held[key]
+                self._spend(key)
+            self._reports.sent(held.spec.request_id)
+
+    async def _push_when_room(
+        self, reservation: Reservation, blocks: Sequence[int], until: float
+    ) -> PushResult:
+        """Push, waiting while the agent's queue of transfers is full (a batch of decode
+        requests asks for many at once), up to the request's lease."""
+        while True:
+            try:
+                return await self.agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+            except BackpressureError:
+                if time.monotonic() >= until:
+                    raise
+                await asyncio.sleep(BACKPRESSURE_RETRY_S)
+
+    async def _refuse(self, request: PushRequest, why: str) -> None:
+        """Tell the decode side at once that its request's KV will not come."""
+        with contextlib.suppress(Exception):
+            with contextlib.suppress(KvrayError):  # a mismatched info: tell the reservation's engine
+                self._learn_peer(request)
+            await self.agent.abort(request.reservation, f"push of {request.request_id!r} refused: {why}")
+
+    def _learn_peer(self, request: PushRequest) -> None:
+        """Check the decode engine's info a push request carries against its reservation, and
+        take it, unless this engine has joined Ray: then the coordinator is the one to ask (it
+        knows the engine's host actor, which the `ray` transport and notices from another node
+        need)."""
+        if not request.decode_info:
+            return
+        decode = decode_engine_info(request.decode_info)
+        reservation = request.reservation
+        if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
+            raise NotExpectedError(
+                "a push request's decode info does not match its reservation", request_id=request.request_id
+            )
+        if not self.joined:
+            self.agent.add_peer(decode)
+
+    # ---- prefill side, layer by layer -----------------------------------------------------
+
+    def layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
+        """This step's forward computes these requests' whole prompts (before the first layer
+        is saved)."""
+        self._this_step = []
+        for spec in specs.values():
+            if spec.key in self._layered or spec.key in self._held or spec.key in self._spent:
+                log.warning(
+                    "kvray: hand-off %s is taken; request %s is not pushed", spec.key, spec.request_id
+                )
+                continue
+            layered = self._layered[spec.key] = _Layered(spec)
+            self._this_step.append(layered)
+            parked = self._parked.pop(spec.key, None)
+            if parked is not None:
+                self._start_layered(layered, parked[0])
+
+    def save_layer(self, layer_name: str) -> None:
+        """The forward has written `layer_name`'s KV of this step's layer-wise requests."""
+        now = time.perf_counter()
+        for layered in self._this_step:
+            layered.saved.append(layer_name)
+            layered.last_saved = now
+            if layered.request is not None:
+                self._push_layer(layered, layer_name)
+
+    async def preempt(self, keys: Collection[str]) -> None:
+        """The engine preempted these layer-wise requests: return once no layer copy reads
+        their blocks. The decode engine's ask is parked again; the request is pushed whole
+        once it runs again and finishes."""
+        for key in keys:
+            layered = self._layered.pop(key, None)
+            if layered is None:
+                continue
+            self._note(HandoffEvent.PREEMPTED, layered.spec.request_id, key)
+            if layered in self._this_step:
+                self._this_step.remove(layered)
+            await asyncio.gather(*layered.pushes, return_exceptions=True)
+            if layered.request is None:
+                continue
+            await self.agent.forget_layers(layered.request.reservation.request_id)
+            self._parked[key] = (layered.request, time.monotonic())
+
+    def _start_layered(self, layered: _Layered, request: PushRequest) -> None:
+        """The decode engine asked while the forward runs: push the layers saved so far now,
+        the others as they are saved, and finish when the finished request is handed over."""
+        try:
+            layered.blocks = _taken_blocks(request, layered.spec.block_ids)
+            self._learn_peer(request)
+        except Exception as error:
+            self._spawn(self._refuse(request, _why(error)))
+            return
+        layered.request = request
+        for layer_name in layered.saved:
+            self._push_layer(layered, layer_name)
+
+    def _push_layer(self, layered: _Layered, layer_name: str) -> None:
+        assert layered.request is not None
+        push = self._layer_when_room(layered.request.reservation, layer_name, layered.blocks)
+        layered.pushes.append(asyncio.get_running_loop().create_task(push))
+
+    async def _layer_when_room(self, reservation: Reservation, layer_name: str, blocks: Sequence[int]) -> int:
+        """Push one layer, waiting while the agent's queue of transfers is full (a decode engine
+        that asks once many forwards have saved every layer queues each of their layers at
+        once), up to a lease from now."""
+        until = time.monotonic() + self.lease_s
+        while True:
+            try:
+                return await self.agent.push_layer(reservation, layer_name, np.asarray(blocks))
+            except BackpressureError:
+                if time.monotonic() >= until:
+                    raise
+                await asyncio.sleep(BACKPRESSURE_RETRY_S)
+
+    async def _finish_layered(self, layered: _Layered, spec: SendSpec) -> None:
+        """Wait for the request's layer pushes, push any layer the forward did not save, and
+        finish (or abort, if anything failed or the request did not finish well); then the
+        request's blocks may go."""
+        agent = self.agent
+        request = layered.request
+        assert request is not None
+        reservation = request.reservation
+        try:
+            outcomes = await asyncio.gather(*layered.pushes, return_exceptions=True)
+            failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if spec.failed:
+                raise NotExpectedError(
+                    f"prefill request {spec.request_id!r} did not finish", request_id=spec.request_id
+                )
+            if failures:
+                raise failures[0]
+            pushed = set(layered.saved)
+            for layer_name in agent.layout.layer_names:
+                if layer_name not in pushed:
+                    await agent.push_layer(reservation, layer_name, np.asarray(layered.blocks))
+            result = await agent.finish(reservation.request_id)
+            # From the last layer's KV in the prefill's cache to the decode side told it may
+            # decode: what the layer-wise push leaves after the forward.
+            tail = time.perf_counter() - layered.last_saved
+            await self._moved(_sent(result, request.request_id, layered.blocks, layerwise=True, tail_s=tail))
+        except Exception as error:
+            log.warning("kvray: layer-wise push of %s failed: %s", request.request_id, error)
+            self._note(HandoffEvent.PUSH_FAILED, request.request_id, request.request_id, _why(error))
+            with contextlib.suppress(Exception):
+                await agent.abort(reservation, _why(error))
+        finally:
+            self._spend(layered.spec.key)
+            self._reports.sent(spec.request_id)
+
+    # ---- decode side ----------------------------------------------------------------------
+
+    def load(self, spec: LoadSpec) -> None:
+        """Start receiving a request (reported through `HandoffReports.loaded`)."""
+        task = self._receiving[spec.request_id] = self._spawn(self._receive(spec))
+        task.add_done_callback(functools.partial(self._load_ended, spec))
+
+    def cancel(self, request_id: str) -> None:
+        """The engine ended the request while its KV loads: stop waiting (its blocks are
+        reported once no write of it can land)."""
+        receiving = self._receiving.pop(request_id, None)
+        if receiving is not None:
+            receiving.cancel()
+
+    def _load_ended(self, spec: LoadSpec, task: asyncio.Task[None]) -> None:
+        """A load cancelled before its first step never ran its own reporting: report it here
+        (it reserved nothing, so its blocks are simply free)."""
+        if task.cancelled() and spec.request_id not in self._loads_begun:
+            self._receiving.pop(spec.request_id, None)
+            self._reports.loaded(spec, failed=False)
+            if not spec.refusal:
+                self._spawn(self.withdraw(spec))
+        self._loads_begun.discard(spec.request_id)
+
+    async def _receive(self, spec: LoadSpec) -> None:
+        """Reserve the blocks, ask the prefill engine to push, wait, and report; the blocks are
+        the engine's again only once no write of the request can land."""
+        agent = self.agent
+        self._loads_begun.add(spec.request_id)
+        ok = False
+        reserved = False
+        cancelled = False
+        try:
+            if spec.refusal:
+                raise NotExpectedError(
+                    f"request {spec.request_id!r} was refused: {spec.refusal}", request_id=spec.request_id
+                )
+            prefill = await self._prefill_engine(spec)
+            if prefill.engine_id != spec.prefill_engine or spec.prefill_incarnation not in (
+                None,
+                prefill.incarnation,
+            ):
+                raise StaleIncarnationError(
+                    f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} "
+                    f"incarnation {spec.prefill_incarnation}, but the coordinator knows "
+                    f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
+                    engine_id=spec.prefill_engine,
+                )
+            reservation = agent.expect(spec.request_id, list(spec.block_ids))
+            reserved = True
+            request = PushRequest(
+                request_id=spec.prefill_request_id,
+                src_engine=prefill.engine_id,
+                src_incarnation=prefill.incarnation,
+                reservation=reservation,
+                first_block=spec.first_block,
+                decode_info=encode(agent.info),
+            )
+            asked = time.perf_counter()
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                await self._mail.send(agent, prefill, encode(request), joined=self.joined)
+            await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
+            ok = True
+            waited = time.perf_counter() - asked
+            await self._moved(
+                Moved(
+                    HandoffEvent.RECEIVED,
+                    spec.prefill_request_id,
+                    spec.prefill_request_id,
+                    spec.block_ids,
+                    waited,
+                )
+            )
+        except asyncio.CancelledError:
+            # The engine ended the request while its KV loaded: release as below, report no
+            # errors, and tell the prefill engine not to keep the request for a push no one takes.
+            cancelled = True
+            self._spawn(self.withdraw(spec))
+            self._note(HandoffEvent.RECEIVE_CANCELLED, spec.request_id, spec.prefill_request_id)
+        except Exception as error:
+            log.warning("kvray: KV of %s did not arrive: %s", spec.request_id, error)
+            self._note(HandoffEvent.RECEIVE_FAILED, spec.request_id, spec.prefill_request_id, _why(error))
+        finally:
+            # From here on the load is not cancelled: a release must run to its end.
+            self._receiving.pop(spec.request_id, None)
+            if reserved:
+                try:
+                    await agent.release(spec.request_id)
+                except KvrayError as error:
+                    ok = False
+                    log.error("kvray: %s could not be released: %s", spec.request_id, error)
+                    # A writer may still write into the blocks: the engine keeps them (the
+                    # request is not reported) until the agent's quarantine of it ends.
+                    quarantined = agent.quarantined.get(spec.request_id)
+                    if quarantined is not None:
+                        await quarantined.wait()
+            # A cancelled request is gone: its blocks are free, not blocks to recompute.
+            self._reports.loaded(spec, failed=not ok and not cancelled)
+
+    async def _prefill_engine(self, spec: LoadSpec) -> PrefillAddress:
+        """Where the prefill engine takes push requests: as its own ticket names it, else (the
+        request came here first) from the coordinator."""
+        if spec.prefill_incarnation is not None:
+            return PrefillAddress(
+                spec.prefill_engine, spec.prefill_incarnation, spec.prefill_node, spec.prefill_inbox
+            )
+        if not self.joined:
+            raise NotExpectedError(
+                f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} alone: only "
+                "an engine that joined Ray (ray_address) can look it up; give this engine the "
+                "prefill engine's kv_transfer_params instead",
+                engine_id=spec.prefill_engine,
+            )
+        peer = await self.agent.peer(spec.prefill_engine, wait_s=self.settings.lookup_timeout_s)
+        info = peer.info
+        return PrefillAddress(
+            info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
+        )
+
+    async def withdraw(self, spec: LoadSpec) -> None:
+        """Tell the prefill engine this engine will not take the request (best effort, bounded:
+        otherwise its lease frees it)."""
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
+                prefill = await self._prefill_engine(spec)
+                withdrawn = PushWithdrawn(
+                    request_id=spec.prefill_request_id,
+                    src_engine=prefill.engine_id,
+                    src_incarnation=prefill.incarnation,
+                )
+                await self._mail.send(self.agent, prefill, encode(withdrawn), joined=self.joined)
+        except Exception as error:
+            log.info("kvray: could not withdraw %s from its prefill engine: %s", spec.request_id, _why(error))
+
+
+def _taken_blocks(request: PushRequest, held: Sequence[int]) -> tuple[int, ...]:
+    """The blocks of a held request that a push request's reservation takes."""
+    count = len(request.reservation.blocks)
+    blocks = tuple(held[request.first_block : request.first_block + count])
+    if len(blocks) != count:
+        raise NotExpectedError(
+            f"request {request.request_id!r} holds {len(held)} blocks here; the decode engine "
+            f"reserved {count} from block {request.first_block}",
+            request_id=request.request_id,
+        )
+    return blocks
+
+
+def _sent(
+    result: PushResult, handoff: str, blocks: Sequence[int], *, layerwise: bool, tail_s: float | None = None
+) -> Moved:
+    return Moved(
+        HandoffEvent.SENT,
+        result.request_id,
+        handoff,
+        tuple(blocks),
+        result.seconds,
+        transport=result.transport,
+        layerwise=layerwise,
+        tail_s=tail_s,
+    )
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+#: Why a push request for a dropped hand-off is refused.
+_ENDED_WITHOUT_KV = "the prefill request ended without its KV"

@@ -1,0 +1,67 @@
+"""A digest log of hand-offs: a `HandoffObserver` (`kvray.agent.handoff`) that appends one JSON
+line per event on one engine, with per-layer digests of the KV each side sent and received, to
+compare both sides, and each side's time (the vLLM connector's `digest_log`).
+
+    {"side": "sent", "request": id, "prefill_request": hand-off id, "seconds": s,
+     "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: sha256}}
+    {"side": "asked" | "withdrawn" | "preempted" | "receive cancelled", "request": ..., ...}
+    {"side": "push failed" | "receive failed", ..., "error": why}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvray.agent.handoff import HandoffEvent, Moved
+from kvray.memory import Backing
+
+
+class DigestLog:
+    """Appends to `path`; hashes one request in `every` (chosen by the hand-off id, so both
+    sides hash the same ones), and logs every request's times."""
+
+    def __init__(self, path: str, every: int = 1) -> None:
+        self.path = path
+        self.every = max(1, every)
+
+    def event(self, event: HandoffEvent, request_id: str, handoff: str, error: str = "") -> None:
+        self._append(event, request_id, handoff, **({"error": error} if error else {}))
+
+    async def moved(self, moved: Moved, backing: Backing) -> None:
+        # On a thread: the agent's loop keeps moving other requests' KV meanwhile.
+        digests = await asyncio.to_thread(self.digests, backing, moved.handoff, moved.blocks)
+        self._append(
+            moved.event,
+            moved.request_id,
+            moved.handoff,
+            seconds=moved.seconds,
+            transport=moved.transport.value if moved.transport is not None else None,
+            layerwise=moved.layerwise,
+            tail_seconds=moved.tail_s,
+            layers=digests,
+        )
+
+    def digests(self, backing: Backing, handoff: str, blocks: Sequence[int]) -> dict[str, str]:
+        """Per-layer SHA-256 of a request's blocks, for one request in `every`."""
+        if zlib.crc32(handoff.encode()) % self.every != 0:
+            return {}
+        index = torch.as_tensor(list(blocks), dtype=torch.long)
+        digests = {}
+        for name, view in backing.views.items():
+            block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
+            picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
+            digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
+        return digests
+
+    def _append(self, event: HandoffEvent, request_id: str, handoff: str, **fields: Any) -> None:
+        record = {"side": event.value, "request": request_id, "prefill_request": handoff, **fields}
+        with contextlib.suppress(OSError), open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")

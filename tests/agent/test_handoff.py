@@ -1,0 +1,295 @@
+"""The hand-off protocol (`kvray.agent.handoff`) between two agents in this process, without any
+engine: a decode side that loads and a prefill side that holds, each a `Handoff` over a real
+agent, their push requests over the real datagram inboxes, the KV over `shm`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvray.agent.handoff import (
+    PUSH_ENDPOINT,
+    Handoff,
+    HandoffEvent,
+    LayerwiseSpec,
+    LoadSpec,
+    PushRequestMail,
+    SendSpec,
+)
+from kvray.agent.kvagent import KVAgent
+from kvray.bench.handoff_log import DigestLog
+from kvray.config import Settings
+from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.wire import PushRequest, Role, encode
+
+GEOMETRY = Geometry(block_size=4, entry_shape=(8,), dtype="float32")
+LAYOUT = KVLayout(
+    layers=tuple(LayerSpec(name=f"layer{i}", geometry=GEOMETRY) for i in range(3)), num_blocks=8
+)
+KEY = "0" * 31 + "1"
+
+
+class Recorder:
+    """`HandoffReports`, recorded: held requests whose blocks may go, in order, and each load's
+    outcome (whether it failed)."""
+
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+        self.loads: dict[str, bool] = {}
+
+    def sent(self, request_id: str) -> None:
+        self.freed.append(request_id)
+
+    def loaded(self, spec: LoadSpec, *, failed: bool) -> None:
+        assert spec.request_id not in self.loads, f"{spec.request_id} reported twice"
+        self.loads[spec.request_id] = failed
+
+
+class Engine:
+    """One side: an agent, its mail, its hand-off and what it reported."""
+
+    def __init__(self, agent: KVAgent, handoff: Handoff, mail: PushRequestMail, reports: Recorder) -> None:
+        self.agent, self.handoff, self.mail, self.reports = agent, handoff, mail, reports
+
+    def fill(self, values: dict[int, float]) -> None:
+        """Every layer's block `b` filled with `values[b]` plus the layer's index."""
+        for index, view in enumerate(self.agent.backing.views.values()):
+            for block, value in values.items():
+                view[block].fill_(value + 16 * index)
+
+    def block(self, block: int) -> list[set[float]]:
+        return [set(view[block].float().unique().tolist()) for view in self.agent.backing.views.values()]
+
+
+@contextlib.asynccontextmanager
+async def engines(
+    tmp_path: Path, *, lease_s: float = 30.0, max_parked: int = 4096, observe: bool = False
+) -> AsyncIterator[tuple[Engine, Engine]]:
+    """A prefill and a decode side; `max_parked` bounds the prefill side's parked asks (its
+    `max_expected_requests`; the decode side keeps the default)."""
+    settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0, transfer_timeout_s=30.0)
+    built: list[Engine] = []
+    try:
+        for name, role in (("hand-p", Role.PREFILL), ("hand-d", Role.DECODE)):
+            bounded = (
+                msgspec.structs.replace(settings, max_expected_requests=max_parked)
+                if role is Role.PREFILL
+                else settings
+            )
+            agent = KVAgent(name, role, LAYOUT, settings=bounded, use_coordinator=False)
+            mail = PushRequestMail(settings.shm_dir)
+            recorder = Recorder()
+            observer = DigestLog(str(tmp_path / f"{name}.jsonl")) if observe else None
+            handoff = Handoff(agent, mail, recorder, lease_s=lease_s, observer=observer)
+            built.append(Engine(agent, handoff, mail, recorder))
+            await agent.start(endpoints=mail.endpoints)
+        yield built[0], built[1]
+    finally:
+        for engine in built:
+            engine.handoff.close()
+            engine.mail.close()
+            await engine.agent.close()
+
+
+def load_from(
+    prefill: Engine, request_id: str, key: str, blocks: tuple[int, ...], first: int = 0
+) -> LoadSpec:
+    """A load of what `prefill` holds (or will hold) under `key`, as its ticket names it."""
+    info = prefill.agent.info
+    return LoadSpec(
+        request_id,
+        info.engine_id,
+        info.incarnation,
+        key,
+        info.node_id,
+        info.endpoints[PUSH_ENDPOINT],
+        blocks,
+        first,
+    )
+
+
+async def until(
+    condition: Callable[[], bool], timeout_s: float = 10.0, tick: Callable[[], None] | None = None
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        if tick is not None:
+            tick()
+        await asyncio.sleep(0.01)
+
+
+async def test_an_ask_before_the_hold_is_parked_then_pushed_into_exactly_its_blocks(tmp_path: Path) -> None:
+    async with engines(tmp_path, observe=True) as (prefill, decode):
+        prefill.fill({1: 1.0, 2: 2.0, 5: 9.0})
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (6, 3), first=1))
+        await until(lambda: prefill.handoff.parked() == 1)
+        assert decode.reports.loads == {}
+        prefill.handoff.hold(SendSpec("r-1", (5, 1, 2), key=KEY))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False}
+        assert decode.block(6) == prefill.block(1) and decode.block(3) == prefill.block(2)
+        for canary in (0, 1, 2, 4, 5, 7):
+            assert decode.block(canary) == [{0.0}] * 3
+        await until(lambda: prefill.reports.freed == ["r-1"])
+        assert prefill.handoff.parked() == 0
+    # Both sides' digest logs name the same bytes (the observer saw the blocks before they went).
+    sides = {}
+    for name, side in (("hand-p", "sent"), ("hand-d", "received")):
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        (moved,) = [record for record in records if record["side"] == side]
+        sides[side] = moved["layers"]
+    assert sides["sent"] == sides["received"] and len(sides["sent"]) == 3
+    asked = [json.loads(line) for line in (tmp_path / "hand-p.jsonl").read_text().splitlines()]
+    assert asked[0]["side"] == HandoffEvent.ASKED.value
+
+
+async def test_a_hold_nobody_asks_for_is_freed_when_its_lease_ends_and_its_id_stays_spent(
+    tmp_path: Path,
+) -> None:
+    async with engines(tmp_path, lease_s=0.3) as (prefill, decode):
+        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.expire()
+        assert prefill.reports.freed == []  # not before the lease ends
+        await until(lambda: prefill.reports.freed == ["r-1"], tick=prefill.handoff.expire)
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2,)))
+        await until(lambda: "d-1" in decode.reports.loads, timeout_s=0.25)  # refused within the lease
+        assert decode.reports.loads == {"d-1": True}
+
+
+async def test_an_ask_nobody_holds_for_is_refused_when_its_lease_ends(tmp_path: Path) -> None:
+    async with engines(tmp_path, lease_s=0.5) as (prefill, decode):
+        started = time.monotonic()
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: "d-1" in decode.reports.loads, tick=prefill.handoff.expire)
+        assert time.monotonic() - started >= 0.5
+        assert decode.reports.loads == {"d-1": True} and prefill.handoff.parked() == 0
+
+
+async def test_a_second_hold_under_a_held_id_ends_at_once_and_a_second_ask_is_refused(tmp_path: Path) -> None:
+    async with engines(tmp_path) as (prefill, decode):
+        prefill.fill({1: 1.0, 4: 4.0})
+        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-2", (4,), key=KEY))
+        assert prefill.reports.freed == ["r-2"]  # the newcomer's blocks go back at once
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2,)))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False} and decode.block(2) == prefill.block(1)
+        await until(lambda: prefill.reports.freed == ["r-2", "r-1"])
+        decode.handoff.load(load_from(prefill, "d-2", KEY, (3,)))
+        await until(lambda: "d-2" in decode.reports.loads)
+        assert decode.reports.loads["d-2"] is True and decode.block(3) == [{0.0}] * 3
+        prefill.handoff.hold(SendSpec("r-3", (5,), key=KEY))  # spent: not held either
+        assert prefill.reports.freed == ["r-2", "r-1", "r-3"]
+
+
+async def test_a_withdrawal_frees_the_hold_and_refuses_a_later_one(tmp_path: Path) -> None:
+    other = "0" * 31 + "2"
+    async with engines(tmp_path, lease_s=60.0) as (prefill, decode):
+        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        await decode.handoff.withdraw(load_from(prefill, "d-1", KEY, ()))
+        await until(lambda: prefill.reports.freed == ["r-1"])
+        await decode.handoff.withdraw(load_from(prefill, "d-2", other, ()))
+        await asyncio.sleep(0.2)
+        prefill.handoff.hold(SendSpec("r-2", (2,), key=other))  # finished after its withdrawal
+        assert prefill.reports.freed == ["r-1", "r-2"]
+
+
+async def test_a_cancelled_load_reports_no_failure_and_withdraws_its_parked_ask(tmp_path: Path) -> None:
+    async with engines(tmp_path, lease_s=60.0) as (prefill, decode):
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        decode.handoff.cancel("d-1")
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False}
+        await until(lambda: prefill.handoff.parked() == 0)
+        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        assert prefill.reports.freed == ["r-1"]
+        decode.agent.expect("d-1", [2, 3])  # released: reserved again
+
+
+async def test_a_release_frees_the_hold_at_once_and_a_drop_refuses_the_parked_ask(tmp_path: Path) -> None:
+    other = "0" * 31 + "2"
+    async with engines(tmp_path, lease_s=60.0) as (prefill, decode):
+        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.release(KEY)
+        assert prefill.reports.freed == ["r-1"]
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2,)))
+        decode.handoff.load(load_from(prefill, "d-2", other, (3,)))
+        await until(lambda: "d-1" in decode.reports.loads and prefill.handoff.parked() == 1)
+        assert decode.reports.loads == {"d-1": True}
+        prefill.handoff.drop(other)
+        await until(lambda: "d-2" in decode.reports.loads, timeout_s=5.0)
+        assert decode.reports.loads["d-2"] is True
+
+
+async def test_parked_asks_are_bounded_and_a_duplicate_is_refused(tmp_path: Path) -> None:
+    keys = [f"{index:032x}" for index in range(1, 4)]
+    async with engines(tmp_path, max_parked=2) as (prefill, decode):
+        for index, key in enumerate(keys[:2]):
+            decode.handoff.load(load_from(prefill, f"d-{index}", key, (index,)))
+        await until(lambda: prefill.handoff.parked() == 2)
+        decode.handoff.load(load_from(prefill, "d-2", keys[2], (2,)))
+        decode.handoff.load(load_from(prefill, "d-dup", keys[0], (3,)))
+        await until(lambda: {"d-2", "d-dup"} <= decode.reports.loads.keys())
+        assert decode.reports.loads == {"d-2": True, "d-dup": True} and prefill.handoff.parked() == 2
+
+
+async def test_an_ask_naming_another_incarnation_is_refused(tmp_path: Path) -> None:
+    async with engines(tmp_path) as (prefill, decode):
+        reservation = decode.agent.expect("d-1", [2])
+        info = prefill.agent.info
+        stale = PushRequest(
+            request_id=KEY,
+            src_engine=info.engine_id,
+            src_incarnation=info.incarnation + 1,
+            reservation=reservation,
+            decode_info=encode(decode.agent.info),
+        )
+        prefill.handoff.take(encode(stale))
+        with pytest.raises(Exception, match="another incarnation"):
+            await decode.agent.wait_for_kv("d-1", timeout=5.0)
+        assert prefill.handoff.parked() == 0
+        await decode.agent.release("d-1")
+
+
+async def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_path: Path) -> None:
+    async with engines(tmp_path) as (prefill, decode):
+        prefill.fill({0: 1.0, 1: 2.0})
+        layers = prefill.agent.layout.layer_names
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0, 1))})
+        assert prefill.handoff.parked() == 0  # the ask is taken by the forward
+        prefill.handoff.save_layer(layers[0])
+        await prefill.handoff.preempt({KEY})
+        assert prefill.handoff.parked() == 1  # parked again, for the request's next run
+        prefill.fill({0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
+        assert decode.reports.loads == {}
+        prefill.handoff.hold(SendSpec("r-1", (4, 5), key=KEY))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False}
+        assert decode.block(2) == prefill.block(4) and decode.block(3) == prefill.block(5)
+        for canary in (0, 1, 4, 5):
+            assert decode.block(canary) == [{0.0}] * 3
+        await until(lambda: prefill.reports.freed == ["r-1"])
+
+
+async def test_layers_saved_before_the_ask_are_pushed_when_it_comes(tmp_path: Path) -> None:
+    async with engines(tmp_path) as (prefill, decode):
+        prefill.fill({0: 1.0})
+        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0,))})
+        for layer in prefill.agent.layout.layer_names[:2]:
+            prefill.handoff.save_layer(layer)
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (6,)))
+        await until(lambda: len(prefill.agent.layerwise_requests) == 1)
+        prefill.handoff.hold(SendSpec("r-1", (0,), key=KEY))  # the last layer was never saved
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False} and decode.block(6) == prefill.block(0)
