@@ -6,11 +6,18 @@ the prefill's forward had not started. Completions (plain, streamed, 8 clients a
 chat completions equal a single engine's greedy answers, and the KV of sampled requests has
 equal per-layer digests as sent and as received.
 
+Then the serving boundary, tried as a careless or hostile client would: one `request_id` from
+several clients, decode legs the decode engine refuses, clients that hang up at any moment, and
+a decode engine so small that long generations preempt each other. Every answer is exact or a
+clean 4xx/5xx, and afterwards no KV cache block is held on any replica. One app serves every
+test of the module (starting one takes minutes here).
+
 Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
 
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +26,7 @@ from typing import Any
 
 import pytest
 from handoff_logs import by_request, failures
-from serve_llm_clients import MODEL_ID, hang_up, kv_cache_usage, serving, wait_until_nothing_held
+from serve_llm_clients import MODEL_ID, exported, hang_up, kv_cache_usage, serving, wait_until_nothing_held
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -33,6 +40,10 @@ from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after t
 pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
+LONG_TOKENS = 160
+#: The decode engine's KV cache: 24 blocks of 128 tokens, so that a few long generations at once
+#: run out of blocks and vLLM preempts some of them.
+DECODE_BLOCKS = 24
 
 
 def free_port() -> int:
@@ -43,8 +54,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    extra = {"transfer_timeout_s": 60.0, "digest_every": 1}  # every request's digests: ids are random
-    yield from serving(tmp_path_factory.mktemp("serve-llm"), extra)
+    # Every request's digests: ids are random.
+    extra = {"transfer_timeout_s": 60.0, "lease_s": 60.0, "digest_every": 1}
+    yield from serving(
+        tmp_path_factory.mktemp("serve-llm"),
+        extra,
+        decode_options={"num_gpu_blocks_override": DECODE_BLOCKS},
+    )
 
 
 def complete(url: str, prompt: str) -> str:
@@ -132,4 +148,93 @@ def test_clients_that_hang_up_leave_no_block_held_on_either_side(app: dict[str, 
     prompt = prompts[44]
     alone = ray.get(app["reference"].generate.remote([prompt], NEW_TOKENS))[0].text
     assert complete(app["url"], prompt) == alone
+    wait_until_nothing_held()
+
+
+def post(url: str, prompt: str, max_tokens: int, **extra: Any) -> tuple[int, str]:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300.0)
+    if reply.status_code == 200:
+        return 200, str(reply.json()["choices"][0]["text"])
+    assert "error" in reply.text.lower(), reply.text  # a clean error: a JSON error body
+    return reply.status_code, reply.text
+
+
+def test_one_request_id_from_several_clients_never_mixes_their_kv(app: dict[str, Any]) -> None:
+    url, reference = app["url"], app["reference"]
+    # Refused decode legs first (more new tokens than the context): before this was fixed their
+    # prefill legs ran and held the prompt's KV under a key derived from the request id, and a
+    # later request with that id was answered from it.
+    for _ in range(2):
+        status, text = post(url, "The capital of France is", 100000, request_id="dup-big")
+        assert status == 400, text
+    colors = "Write a list of three primary colors:"
+    expected = ray.get(reference.generate.remote([colors], 16))[0].text
+    assert post(url, colors, 16, request_id="dup-big") == (200, expected)
+    # Several clients, one request id, at once and back to back.
+    prompts = load_prompts()[:6]
+    alone = [g.text for g in ray.get(reference.generate.remote(prompts, NEW_TOKENS))]
+    with ThreadPoolExecutor(max_workers=6) as clients:
+        served = list(clients.map(lambda p: post(url, p, NEW_TOKENS, request_id="dup-2"), prompts))
+    assert served == [(200, text) for text in alone], failures(
+        app["logs"] / "p.jsonl", app["logs"] / "d.jsonl"
+    )
+    assert [post(url, p, NEW_TOKENS, request_id="dup-3") for p in prompts[:3]] == [
+        (200, t) for t in alone[:3]
+    ]
+    wait_until_nothing_held()
+
+
+def test_eight_clients_mixing_duplicate_ids_refusals_hang_ups_and_preemption(app: dict[str, Any]) -> None:
+    url, reference = app["url"], app["reference"]
+    prompts = load_prompts()
+    short = prompts[10:18]
+    # About 700 tokens each: three at once with their generations need more than the decode
+    # engine's 24 blocks.
+    long = [" ".join(prompts[20 + 3 * i : 32 + 3 * i]) for i in range(4)]
+    alone_short = [g.text for g in ray.get(reference.generate.remote(short, NEW_TOKENS))]
+    alone_long = [g.text for g in ray.get(reference.generate.remote(long, LONG_TOKENS, ignore_eos=True))]
+    before = sum(exported("ray_vllm_num_preemptions_total").values())
+    chance = random.Random(28)
+    plans = []
+    for client in range(8):
+        kinds = ["long", "dup", "refused", "hang"]
+        chance.shuffle(kinds)
+        plans.append([(kind, client, chance.uniform(0.05, 2.0), chance.randint(1, 8)) for kind in kinds])
+
+    def act(kind: str, client: int, seconds: float, chunks: int) -> tuple[str, int, int, str]:
+        if kind == "long":
+            index = client % len(long)
+            status, text = post(url, long[index], LONG_TOKENS, ignore_eos=True, request_id="shared")
+            return kind, index, status, text
+        if kind == "dup":
+            status, text = post(url, short[client], NEW_TOKENS, request_id="shared")
+            return kind, client, status, text
+        if kind == "refused":
+            status, text = post(url, short[client], 100000, request_id="shared")
+            return kind, client, status, text
+        if client % 2:
+            hang_up(url, long[client % len(long)], after_s=seconds)
+        else:
+            hang_up(url, short[client], after_chunks=chunks)
+        return kind, client, 0, ""
+
+    def run(plan: list[tuple[str, int, float, int]]) -> list[tuple[str, int, int, str]]:
+        return [act(*step) for step in plan]
+
+    with ThreadPoolExecutor(max_workers=8) as clients:
+        outcomes = [outcome for done in clients.map(run, plans) for outcome in done]
+    why = failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
+    for kind, index, status, text in outcomes:
+        if kind == "refused":
+            assert status == 400, text
+        elif kind == "long":
+            assert (status, text) == (200, alone_long[index]), (index, status, text[:200], why)
+        elif kind == "dup":
+            assert (status, text) == (200, alone_short[index]), (index, status, text[:200], why)
+    preempted = sum(exported("ray_vllm_num_preemptions_total").values()) - before
+    assert preempted > 0, "the decode engine never preempted a request: the test did not test it"
+    # The next request is exact, and every replica's engine then holds no block.
+    status, text = post(url, short[0], NEW_TOKENS)
+    assert (status, text) == (200, alone_short[0])
     wait_until_nothing_held()
