@@ -39,8 +39,9 @@ from typing import Any
 
 import ray
 
-from kvray.agent import AgentHost, KVAgent
+from kvray.agent import KVAgent
 from kvray.config import Settings
+from kvray.host import AgentHost
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.memory import MemoryKind
 from kvray.wire import EngineInfo, Reservation, Role

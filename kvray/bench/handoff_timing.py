@@ -1,5 +1,5 @@
 """vLLM KV connectors wrapped to record when each request's KV hand-off starts and ends, the same
-way for every connector, so that connectors can be compared (`examples/bench_connectors.py`).
+way for every connector, so that connectors can be compared (`benchmarks/bench_connectors.py`).
 
 Name this module as `kv_connector_module_path` and keep the connector's own name in
 `kv_connector` (`KvrayConnector`, `NixlConnector`, `MooncakeConnector`): vLLM takes the class of
