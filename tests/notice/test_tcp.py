@@ -271,20 +271,24 @@ async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[by
     key, received = os.urandom(KEY_NBYTES), []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonce = os.urandom(NONCE_NBYTES)
-        writer.write(MAGIC + nonce)
-        hello = await reader.readexactly(len(MAGIC) + NONCE_NBYTES + MAC_NBYTES)
-        writer_nonce = hello[len(MAGIC) : len(MAGIC) + NONCE_NBYTES]
-        if not handle_verdict:
-            writer.write(os.urandom(MAC_NBYTES))
+        try:
+            nonce = os.urandom(NONCE_NBYTES)
+            writer.write(MAGIC + nonce)
+            hello = await reader.readexactly(len(MAGIC) + NONCE_NBYTES + MAC_NBYTES)
+            writer_nonce = hello[len(MAGIC) : len(MAGIC) + NONCE_NBYTES]
+            if not handle_verdict:
+                writer.write(os.urandom(MAC_NBYTES))
+                await reader.read()
+                return
+            writer.write(_mac(key, b"listener", nonce, writer_nonce))
+            length, _ = FRAME.unpack(await reader.readexactly(FRAME.size))
+            received.append(await reader.readexactly(length))
+            session = _session_key(key, nonce, writer_nonce)
+            writer.write(struct.pack(">QB16s", 0, Verdict.TAKEN, _verdict_tag(session, 0, Verdict.FORGED)))
             await reader.read()
-            return
-        writer.write(_mac(key, b"listener", nonce, writer_nonce))
-        length, _ = FRAME.unpack(await reader.readexactly(FRAME.size))
-        received.append(await reader.readexactly(length))
-        session = _session_key(key, nonce, writer_nonce)
-        writer.write(struct.pack(">QB16s", 0, Verdict.TAKEN, _verdict_tag(session, 0, Verdict.FORGED)))
-        await reader.read()
+        finally:
+            # The writer's end of the stream stays open after the peer's EOF until closed here.
+            writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     return server, key, received

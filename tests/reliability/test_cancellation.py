@@ -186,6 +186,7 @@ def _lock_holder(path: str, slot: int) -> subprocess.Popen[bytes]:
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
     assert process.stdout is not None
     assert process.stdout.readline().strip() == b"held"
+    process.stdout.close()  # it says nothing more
     return process
 
 

@@ -109,6 +109,9 @@ def kv_cache_owner(folder: str, helper: str) -> Iterator[tuple[subprocess.Popen[
     finally:
         owner.kill()
         owner.wait(timeout=60)
+        for pipe in (owner.stdin, owner.stdout):
+            if pipe is not None:
+                pipe.close()
         if child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)

@@ -107,6 +107,10 @@ class AgentLoop:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            # Releases the loop's selector and self-pipe; a loop whose thread did not stop in
+            # time is left to that daemon thread.
+            self.loop.close()
 
 
 @dataclass
