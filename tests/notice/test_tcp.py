@@ -265,12 +265,35 @@ async def a_writer_that_does_not_read_its_verdicts_stalls_only_itself(
     writer.close()
 
 
-async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[bytes]]:
+class Impostor:
     """A listener that knows its own key: it proves it (if `handle_verdict`, then answers the
     first notice with a verdict tag that does not verify), or, without it, a wrong proof."""
-    key, received = os.urandom(KEY_NBYTES), []
+
+    def __init__(
+        self, server: asyncio.Server, key: bytes, received: list[bytes], served: set[asyncio.Task[None]]
+    ) -> None:
+        self.server, self.key, self.received, self._served = server, key, received, served
+
+    @property
+    def port(self) -> int:
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening and end every connection's handler, so none outlives the test's loop
+        (a handler left pending holds its socket until the loop is collected)."""
+        self.server.close()
+        for task in self._served:
+            task.cancel()
+        await asyncio.gather(*self._served, return_exceptions=True)
+
+
+async def impostor(handle_verdict: bool) -> Impostor:
+    key, received, served = os.urandom(KEY_NBYTES), [], set()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        served.add(task)
         try:
             nonce = os.urandom(NONCE_NBYTES)
             writer.write(MAGIC + nonce)
@@ -291,30 +314,28 @@ async def impostor(handle_verdict: bool) -> tuple[asyncio.Server, bytes, list[by
             writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return server, key, received
+    return Impostor(server, key, received, served)
 
 
 async def a_listener_that_cannot_prove_the_key_gets_no_notice() -> None:
-    server, key, received = await impostor(handle_verdict=False)
-    port = server.sockets[0].getsockname()[1]
+    fake = await impostor(handle_verdict=False)
     with pytest.raises(TransportError, match="did not prove"):
         async with asyncio.timeout(2):
-            await NoticeConnection.open("127.0.0.1", port, key, "d")
-    assert received == []
-    server.close()
+            await NoticeConnection.open("127.0.0.1", fake.port, fake.key, "d")
+    assert fake.received == []
+    await fake.close()
 
 
 async def a_verdict_that_does_not_verify_fails_the_send() -> None:
-    server, key, received = await impostor(handle_verdict=True)
-    port = server.sockets[0].getsockname()[1]
-    channel = await NoticeConnection.open("127.0.0.1", port, key, "d")
+    fake = await impostor(handle_verdict=True)
+    channel = await NoticeConnection.open("127.0.0.1", fake.port, fake.key, "d")
     with pytest.raises(TransportError, match="out of protocol"):
         async with asyncio.timeout(2):
             await channel.send(b"done")
-    assert channel.closed and received == [b"done"]
+    assert channel.closed and fake.received == [b"done"]
     with pytest.raises(TransportError, match="closed"):
         await channel.send(b"again")
-    server.close()
+    await fake.close()
 
 
 async def a_lost_connection_fails_the_notices_waiting_for_their_verdict(
