@@ -18,9 +18,10 @@ def kvray_imports(path: Path) -> list[tuple[str, str]]:
     """(module, name) for each `from kvray... import name` anywhere in a script."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] == "kvray":
-                found += [(node.module, alias.name) for alias in node.names]
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+            continue
+        if node.module.split(".")[0] == "kvray":
+            found += [(node.module, alias.name) for alias in node.names]
     return found
 
 
