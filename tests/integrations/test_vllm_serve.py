@@ -52,7 +52,9 @@ def serve(model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
         "--max-model-len", "2048", "--enforce-eager", "--kv-transfer-config", config,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    # The server writes its own copy of the log's descriptor; this process's is closed at once.
+    with log.open("wb") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
