@@ -1,18 +1,29 @@
-"""Metrics: what an agent and its block pool record about transfers, as Prometheus metrics.
+"""Metrics: every count and measure an agent keeps about its transfers, in one system.
 
-Every metric kvray exports is defined here (`METRICS`, names prefixed `kvray_`). Agents record
-through an `EngineMetrics` bound to their engine; the sink behind it writes to Ray's metrics API
-(`ray.util.metrics`, exported by each node's metrics agent with a `ray_` prefix) when Ray is
-initialised in this process, and does nothing otherwise (kvray without Ray, a GPU machine
-without Ray). `MemorySink` keeps records in memory, for tests and for code that scrapes nothing.
+Every metric kvray records is defined here (`METRICS`, names prefixed `kvray_`), and every
+event is recorded once, through the `EngineMetrics` of the engine it happened to. That one
+record feeds both views:
+- `EngineMetrics.counts` (what `KVAgent.stats` returns): each counter's running total in this
+  process, under the metric's name without `kvray_` and with its kind tags' values appended
+  (`kvray_transfers{push="whole", outcome="ok"}` is `transfers_whole_ok`); the engine, peer,
+  transport and role tags are summed over;
+- the sink: Ray's metrics API (`ray.util.metrics`, exported by each node's metrics agent with a
+  `ray_` prefix) while Ray is initialised in this process, nothing otherwise; `MemorySink`
+  keeps every record in memory, for tests and for code that scrapes nothing.
+
+The Ray sink batches: records made on an event loop reach Ray within `FLUSH_S` (one call per
+metric and tag set, however many events), so a transfer's hot path pays a dictionary update,
+not a call into Ray's API per event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import sys
-from collections import defaultdict
+import threading
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -61,11 +72,83 @@ class DropReason(enum.Enum):
     FORGED = "forged"
 
 
+class FailureNotice(enum.Enum):
+    """What became of a `TransferFailed` a prefill engine owed a decode engine."""
+
+    SENT = "sent"
+    #: Not delivered (the peer did not answer in time, or is gone).
+    LOST = "lost"
+    #: Not sent: the decode engine restarted, nobody waits for it any more.
+    STALE = "stale"
+
+
+class NoticeSend(enum.Enum):
+    """How a writer's notice left: after its write (`send`), or sent with it at once (`send_now`)."""
+
+    AFTER_WRITE = "after_write"
+    AT_ONCE = "at_once"
+
+
+class ConnectionEvent(enum.Enum):
+    """What happened to a notice connection (a writer's, or one a decode engine's listener took)."""
+
+    #: A writer opened a connection to a listener.
+    OPENED = "opened"
+    #: The listener had as many proven connections as it keeps and refused one more.
+    REFUSED = "refused"
+    #: A writer did not read its verdicts; the listener stopped reading it.
+    STALLED = "stalled"
+    #: Closed by the listener: a newcomer took the place of this oldest unproven connection...
+    CLOSED_EVICTED = "closed_evicted"
+    #: ...it did not prove the key within the handshake's bound...
+    CLOSED_SLOW = "closed_slow"
+    #: ...its proof of the key was wrong...
+    CLOSED_UNPROVEN = "closed_unproven"
+    #: ...it sent a frame over the size limit...
+    CLOSED_OVERSIZED = "closed_oversized"
+    #: ...or a notice whose tag the session key does not match.
+    CLOSED_FORGED = "closed_forged"
+
+
+class ListenerRefusal(enum.Enum):
+    """Why a writer gave up on a peer's notice listener (and notifies it another way)."""
+
+    UNREACHABLE = "unreachable"
+    #: What the peer published is not an address and a key.
+    MALFORMED = "malformed"
+
+
+class DirectoryEvent(enum.Enum):
+    """What an engine's directory saw of the coordinator and its peers."""
+
+    #: The coordinator no longer knew this engine (it restarted): registered again.
+    REREGISTERED = "reregistered"
+    HEARTBEAT_FAILED = "heartbeat_failed"
+    #: The coordinator actor died: its successor was found or created by name.
+    COORDINATOR_REPLACED = "coordinator_replaced"
+    #: A cached peer closed, died or restarted: forgotten with its mappings and connections.
+    PEER_DEPARTED = "peer_departed"
+
+
+class RdmaReceive(enum.Enum):
+    """What a decode engine's RDMA completion poller made of one receive completion."""
+
+    #: A WRITE WITH IMMEDIATE that proves a transfer's bytes arrived.
+    MATCHED = "matched"
+    #: An immediate naming no transfer this engine expects.
+    UNKNOWN = "unknown"
+    #: An immediate on a connection this engine no longer holds.
+    UNKNOWN_CONNECTION = "unknown_connection"
+    UNEXPECTED_OPCODE = "unexpected_opcode"
+    #: A receive flushed by an error or a closing queue pair.
+    FLUSHED = "flushed"
+
+
 #: Tag value of a transport not chosen yet (the push failed before planning).
 NO_TRANSPORT = "none"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per metric: hashed by identity, cheaply
 class MetricSpec:
     name: str
     kind: MetricKind
@@ -141,6 +224,98 @@ BLOCKS_TOTAL = MetricSpec(
     ("engine", "role"),
 )
 
+COMPLETIONS = MetricSpec(
+    "kvray_completions",
+    MetricKind.COUNTER,
+    "Transfers a decode engine took as done (ok) or as failed by their writer (failed)",
+    ("engine", "outcome"),
+)
+LAYERWISE_PARTIAL = MetricSpec(
+    "kvray_layerwise_partial",
+    MetricKind.COUNTER,
+    "Layer-wise pushes a prefill engine finished without pushing every layer",
+    ("engine",),
+)
+FAILURE_NOTICES = MetricSpec(
+    "kvray_failure_notices",
+    MetricKind.COUNTER,
+    "Failure notices a prefill engine owed decode engines, by what became of them (sent, lost, stale)",
+    ("engine", "outcome"),
+)
+CLAIMS_REFUSED = MetricSpec(
+    "kvray_claims_refused",
+    MetricKind.COUNTER,
+    "Write claims a decode engine refused (the request was not expected, or released)",
+    ("engine",),
+)
+RELEASES_QUARANTINED = MetricSpec(
+    "kvray_releases_quarantined",
+    MetricKind.COUNTER,
+    "Released requests whose blocks a decode engine kept back because a claimed write may still land",
+    ("engine",),
+)
+NOTICES_SENT = MetricSpec(
+    "kvray_notices_sent",
+    MetricKind.COUNTER,
+    "Completion notices a writer sent, by channel and how (after_write, at_once)",
+    ("engine", "channel", "mode"),
+)
+NOTICES_RECEIVED = MetricSpec(
+    "kvray_notices_received",
+    MetricKind.COUNTER,
+    "Completion notices a decode engine's listener read, by channel",
+    ("engine", "channel"),
+)
+NOTICE_CONNECTIONS = MetricSpec(
+    "kvray_notice_connections",
+    MetricKind.COUNTER,
+    "Notice connections opened, refused, stalled and closed (evicted, unproven, oversized, forged)",
+    ("engine", "event"),
+)
+NOTICE_LISTENERS_REFUSED = MetricSpec(
+    "kvray_notice_listeners_refused",
+    MetricKind.COUNTER,
+    "Peers' notice listeners a writer gave up on (unreachable, malformed)",
+    ("engine", "reason"),
+)
+DIRECTORY_EVENTS = MetricSpec(
+    "kvray_directory_events",
+    MetricKind.COUNTER,
+    "Re-registrations, failed heartbeats, replaced coordinators and departed peers",
+    ("engine", "event"),
+)
+RDMA_WRITES = MetricSpec(
+    "kvray_rdma_writes",
+    MetricKind.COUNTER,
+    "RDMA writes a prefill engine posted (one per transfer or layer)",
+    ("engine",),
+)
+RDMA_WORK_REQUESTS = MetricSpec(
+    "kvray_rdma_work_requests",
+    MetricKind.COUNTER,
+    "RDMA work requests a prefill engine posted",
+    ("engine",),
+)
+RDMA_SEND_ERRORS = MetricSpec(
+    "kvray_rdma_send_errors",
+    MetricKind.COUNTER,
+    "RDMA send completions that reported an error",
+    ("engine",),
+)
+RDMA_CONNECTIONS_ACCEPTED = MetricSpec(
+    "kvray_rdma_connections_accepted",
+    MetricKind.COUNTER,
+    "RDMA queue pairs a decode engine accepted from writers",
+    ("engine",),
+)
+RDMA_RECEIVES = MetricSpec(
+    "kvray_rdma_receives",
+    MetricKind.COUNTER,
+    "Receive completions a decode engine polled, by what they were (matched, unknown, "
+    "unknown_connection, unexpected_opcode, flushed)",
+    ("engine", "outcome"),
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     BYTES_PUSHED,
     TRANSFERS,
@@ -151,7 +326,32 @@ METRICS: tuple[MetricSpec, ...] = (
     MESSAGES_DROPPED,
     BLOCKS_IN_USE,
     BLOCKS_TOTAL,
+    COMPLETIONS,
+    LAYERWISE_PARTIAL,
+    FAILURE_NOTICES,
+    CLAIMS_REFUSED,
+    RELEASES_QUARANTINED,
+    NOTICES_SENT,
+    NOTICES_RECEIVED,
+    NOTICE_CONNECTIONS,
+    NOTICE_LISTENERS_REFUSED,
+    DIRECTORY_EVENTS,
+    RDMA_WRITES,
+    RDMA_WORK_REQUESTS,
+    RDMA_SEND_ERRORS,
+    RDMA_CONNECTIONS_ACCEPTED,
+    RDMA_RECEIVES,
 )
+
+#: Tags that say whose a record is, not what kind: `counts` sums over them.
+IDENTITY_TAGS = frozenset({"engine", "role", "peer", "transport"})
+
+
+def count_key(spec: MetricSpec, tags: Mapping[str, str]) -> str:
+    """A counter record's name in `EngineMetrics.counts`: the metric without `kvray_`, then the
+    value of each kind tag in order (`kvray_transfers{push=whole,outcome=ok}`: `transfers_whole_ok`)."""
+    kinds = [tags[key] for key in spec.tag_keys if key not in IDENTITY_TAGS]
+    return "_".join([spec.name.removeprefix("kvray_"), *kinds])
 
 
 class MetricsSink(Protocol):
@@ -159,10 +359,22 @@ class MetricsSink(Protocol):
 
     def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None: ...
 
+    def flush(self) -> None:
+        """Hand on whatever the sink holds back (nothing, for a sink that holds nothing)."""
+
+
+#: Seconds records made on an event loop may wait before the Ray sink hands them to Ray.
+FLUSH_S = 1.0
+
+_TagItems = tuple[tuple[str, str], ...]
+
 
 class RaySink:
     """`ray.util.metrics`, while Ray is initialised in this process; a no-op otherwise.
 
+    Records are batched: counters summed and gauges kept last per (metric, tags), histogram
+    observations listed, until a flush hands them to Ray. A record made on an event loop
+    schedules one on that loop `FLUSH_S` later; one made outside any loop flushes at once.
     Ray's metric objects are made on first use (importing Ray is not this module's to do). A
     failure inside Ray's API disables the sink with one warning: metrics never fail a transfer.
     """
@@ -170,6 +382,10 @@ class RaySink:
     def __init__(self) -> None:
         self._metrics: dict[str, Any] = {}
         self._broken = False
+        self._lock = threading.Lock()
+        self._sums: dict[tuple[MetricSpec, _TagItems], float] = defaultdict(float)
+        self._observed: dict[tuple[MetricSpec, _TagItems], list[float]] = defaultdict(list)
+        self._scheduled = False
 
     @property
     def active(self) -> bool:
@@ -177,17 +393,43 @@ class RaySink:
         return not self._broken and ray is not None and bool(ray.is_initialized())
 
     def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        if self._broken:
+            return
+        key = (spec, tuple(tags.items()))
+        with self._lock:
+            if spec.kind is MetricKind.COUNTER:
+                self._sums[key] += value
+            elif spec.kind is MetricKind.GAUGE:
+                self._sums[key] = value
+            else:
+                self._observed[key].append(value)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+        except RuntimeError:  # no loop in this thread: nothing would flush later
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            sums, self._sums = self._sums, defaultdict(float)
+            observed, self._observed = self._observed, defaultdict(list)
+            self._scheduled = False
         if not self.active:
             return
         try:
-            metric = self._metrics.get(spec.name) or self._create(spec)
-            if spec.kind is MetricKind.COUNTER:
-                if value > 0:  # Ray's counters refuse zero increments
-                    metric.inc(value, dict(tags))
-            elif spec.kind is MetricKind.GAUGE:
-                metric.set(value, dict(tags))
-            else:
-                metric.observe(value, dict(tags))
+            for (spec, tag_items), value in sums.items():
+                metric = self._metrics.get(spec.name) or self._create(spec)
+                if spec.kind is MetricKind.COUNTER:
+                    if value > 0:  # Ray's counters refuse zero increments
+                        metric.inc(value, dict(tag_items))
+                else:
+                    metric.set(value, dict(tag_items))
+            for (spec, tag_items), values in observed.items():
+                metric = self._metrics.get(spec.name) or self._create(spec)
+                for value in values:
+                    metric.observe(value, dict(tag_items))
         except Exception as error:
             self._broken = True
             logger.warning("kvray metrics are off in this process: Ray's metrics API failed: %r", error)
@@ -228,6 +470,9 @@ class MemorySink:
         else:
             self._observed[key].append(value)
 
+    def flush(self) -> None:
+        """Nothing is held back: every record is kept as it is made."""
+
     def value(self, name: str, **tags: str) -> float:
         """Counters: the sum over every tag set matching `tags`; gauges: the same over last values."""
         return sum(value for key, value in self._values.items() if _matches(key, name, tags))
@@ -249,38 +494,133 @@ def _matches(key: tuple[str, tuple[tuple[str, str], ...]], name: str, tags: Mapp
 RAY_SINK = RaySink()
 
 
+#: Tag sets an `EngineMetrics` keeps made; past this (peers come and go) it starts again.
+_MAX_KNOWN_TAG_SETS = 4096
+
+
+class NullSink:
+    """Drops every record (parts used on their own, outside any agent, e.g. in tests)."""
+
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 class EngineMetrics:
-    """The records one engine makes, with its engine id and role filled in."""
+    """The records one engine makes, with its engine id and role filled in: each event once,
+    into `counts` and the sink (see the module docstring)."""
 
     def __init__(self, engine_id: str, role: str, sink: MetricsSink | None = None) -> None:
         self.engine_id = engine_id
         self.role = role
         self.sink: MetricsSink = sink if sink is not None else RAY_SINK
+        self._counts: Counter[str] = Counter()
+        #: (metric, tag values) -> its count key and tags, made once per tag set.
+        self._known: dict[tuple[MetricSpec, tuple[str, ...]], tuple[str, dict[str, str]]] = {}
+
+    @classmethod
+    def detached(cls) -> EngineMetrics:
+        """Metrics for a part used outside an agent: counted here, recorded nowhere."""
+        return cls("", "", NullSink())
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Every counter's total so far, by `count_key` (a copy: absent keys read 0)."""
+        return self._counts.copy()
+
+    def flush(self) -> None:
+        """Hand the sink's held-back records on now (an agent does as it closes)."""
+        self.sink.flush()
+
+    def _count(self, spec: MetricSpec, values: tuple[str, ...], value: int = 1) -> None:
+        """Add `value` to the counter `spec` under its tag `values` (in `spec.tag_keys` order)."""
+        known = self._known.get((spec, values))
+        if known is None:
+            if len(self._known) >= _MAX_KNOWN_TAG_SETS:  # peers come and go: forget old ones
+                self._known.clear()
+            tags = dict(zip(spec.tag_keys, values, strict=True))
+            known = self._known[(spec, values)] = (count_key(spec, tags), tags)
+        key, tags = known
+        self._counts[key] += value
+        self.sink.record(spec, value, tags)
+
+    # ---- a prefill engine's pushes ----
 
     def bytes_pushed(self, transport: str, peer: str, nbytes: int) -> None:
-        tags = {"engine": self.engine_id, "transport": transport, "peer": peer}
-        self.sink.record(BYTES_PUSHED, nbytes, tags)
+        self._count(BYTES_PUSHED, (self.engine_id, transport, peer), nbytes)
 
     def transfer(
         self, push: PushCall, outcome: Outcome, transport: str, peer: str, seconds: float | None = None
     ) -> None:
         """One push call ended; `seconds` is observed for successful calls."""
-        tags = {"engine": self.engine_id, "transport": transport, "peer": peer, "push": push.value}
-        self.sink.record(TRANSFERS, 1, {**tags, "outcome": outcome.value})
+        self._count(TRANSFERS, (self.engine_id, transport, peer, push.value, outcome.value))
         if outcome is Outcome.OK and seconds is not None:
+            tags = {"engine": self.engine_id, "transport": transport, "peer": peer, "push": push.value}
             self.sink.record(TRANSFER_SECONDS, seconds, tags)
 
+    def layerwise_partial(self) -> None:
+        self._count(LAYERWISE_PARTIAL, (self.engine_id,))
+
+    def failure_notice(self, outcome: FailureNotice) -> None:
+        self._count(FAILURE_NOTICES, (self.engine_id, outcome.value))
+
+    # ---- a decode engine's receiving ----
+
     def bytes_received(self, peer: str, nbytes: int) -> None:
-        self.sink.record(BYTES_RECEIVED, nbytes, {"engine": self.engine_id, "peer": peer})
+        self._count(BYTES_RECEIVED, (self.engine_id, peer), nbytes)
+
+    def completion(self, ok: bool) -> None:
+        """A transfer taken as done (`ok`) or as failed by its writer."""
+        self._count(COMPLETIONS, (self.engine_id, (Outcome.OK if ok else Outcome.FAILED).value))
 
     def wait(self, outcome: Outcome, seconds: float) -> None:
         """One `wait_for_kv` ended; its wait is observed when the KV arrived."""
-        self.sink.record(WAITS, 1, {"engine": self.engine_id, "outcome": outcome.value})
+        self._count(WAITS, (self.engine_id, outcome.value))
         if outcome is Outcome.OK:
             self.sink.record(WAIT_SECONDS, seconds, {"engine": self.engine_id})
 
     def dropped(self, reason: DropReason) -> None:
-        self.sink.record(MESSAGES_DROPPED, 1, {"engine": self.engine_id, "reason": reason.value})
+        self._count(MESSAGES_DROPPED, (self.engine_id, reason.value))
+
+    def claim_refused(self) -> None:
+        self._count(CLAIMS_REFUSED, (self.engine_id,))
+
+    def release_quarantined(self) -> None:
+        self._count(RELEASES_QUARANTINED, (self.engine_id,))
+
+    # ---- notices, the directory, RDMA ----
+
+    def notice_sent(self, channel: str, mode: NoticeSend) -> None:
+        self._count(NOTICES_SENT, (self.engine_id, channel, mode.value))
+
+    def notice_received(self, channel: str) -> None:
+        self._count(NOTICES_RECEIVED, (self.engine_id, channel))
+
+    def notice_connection(self, event: ConnectionEvent) -> None:
+        self._count(NOTICE_CONNECTIONS, (self.engine_id, event.value))
+
+    def listener_refused(self, reason: ListenerRefusal) -> None:
+        self._count(NOTICE_LISTENERS_REFUSED, (self.engine_id, reason.value))
+
+    def directory(self, event: DirectoryEvent) -> None:
+        self._count(DIRECTORY_EVENTS, (self.engine_id, event.value))
+
+    def rdma_write(self, work_requests: int) -> None:
+        self._count(RDMA_WRITES, (self.engine_id,))
+        self._count(RDMA_WORK_REQUESTS, (self.engine_id,), work_requests)
+
+    def rdma_send_error(self) -> None:
+        self._count(RDMA_SEND_ERRORS, (self.engine_id,))
+
+    def rdma_connection_accepted(self) -> None:
+        self._count(RDMA_CONNECTIONS_ACCEPTED, (self.engine_id,))
+
+    def rdma_receive(self, outcome: RdmaReceive) -> None:
+        self._count(RDMA_RECEIVES, (self.engine_id, outcome.value))
+
+    # ---- a worker's block pool ----
 
     def blocks(self, in_use: int, total: int) -> None:
         tags = {"engine": self.engine_id, "role": self.role}

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvray.config import Settings
 from kvray.errors import KvrayError, MetadataError, UnknownEngineError
+from kvray.metrics import DirectoryEvent, EngineMetrics
 from kvray.transport import Peer
 from kvray.wire import EngineInfo, decode_engine_info, encode
 
@@ -110,7 +111,7 @@ class Directory:
         engine_id: str,
         settings: Settings,
         service: DirectoryService | None,
-        stats: Counter[str],
+        metrics: EngineMetrics,
         on_forget: Callable[[str], None],
         *,
         by_name: bool = False,
@@ -118,7 +119,7 @@ class Directory:
         self.engine_id = engine_id
         self.settings = settings
         self.service = service
-        self.stats = stats
+        self.metrics = metrics
         self._on_forget = on_forget
         #: True when `service` was found by its Ray name: a dead one is replaced the same way.
         self._by_name = by_name
@@ -184,7 +185,7 @@ class Directory:
                     epoch = await self.service.heartbeat(self.engine_id, self._info.incarnation, self.secret)
                     if epoch is None:
                         await self._register()
-                        self.stats["reregistered"] += 1
+                        self.metrics.directory(DirectoryEvent.REREGISTERED)
                         for engine_id in list(self._peers):
                             self.forget(engine_id)
                     elif self._peers:
@@ -192,7 +193,7 @@ class Directory:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # coordinator restarting: try again next beat
-                self.stats["heartbeat_failed"] += 1
+                self.metrics.directory(DirectoryEvent.HEARTBEAT_FAILED)
                 if self._by_name and _actor_died(error):
                     # Gone for good (killed, or it died with its owner): find or create its
                     # successor by name; the next beat registers this engine there.
@@ -200,7 +201,7 @@ class Directory:
                         from kvray.coordinator import get_or_create_coordinator
 
                         self.service = RemoteDirectory(get_or_create_coordinator(self.settings))
-                        self.stats["coordinator_replaced"] += 1
+                        self.metrics.directory(DirectoryEvent.COORDINATOR_REPLACED)
 
     async def _forget_departed(self) -> None:
         """Forget the cached peers whose incarnation the coordinator no longer lists (they closed,
@@ -211,7 +212,7 @@ class Directory:
             peer = self._peers.get(engine_id)
             if peer is not None and peer.info.incarnation == incarnation:  # not looked up anew since
                 self.forget(engine_id)
-                self.stats["peers_departed"] += 1
+                self.metrics.directory(DirectoryEvent.PEER_DEPARTED)
 
     # ---- peers ------------------------------------------------------------------------
 

@@ -1,11 +1,10 @@
-"""What every step of an agent shares: the engine's identity, memory and settings, its counters,
+"""What every step of an agent shares: the engine's identity, memory and settings, its metrics,
 and the background tasks it must cancel when it closes."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections import Counter
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +57,6 @@ class Engine:
     backing: Backing
     node_id: str
     metrics: EngineMetrics
-    stats: Counter[str] = field(default_factory=Counter)
     incarnation: int = 0
     #: What the engine published, once it has started.
     published: EngineInfo | None = None

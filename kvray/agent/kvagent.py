@@ -94,11 +94,11 @@ class KVAgent:
         )
         self._use_coordinator = use_coordinator
         self._cache = offset_cache if offset_cache is not None else OffsetCache()
-        self._transports = TransportSet(settings, backing.kind, transports)
-        self._notices = NoticeSet(settings, self._engine.stats, notices)
+        self._transports = TransportSet(settings, backing.kind, transports, self._engine.metrics)
+        self._notices = NoticeSet(settings, self._engine.metrics, notices)
         self._notices.node_id = self._engine.node_id
         service = directory_service(coordinator) if coordinator is not None else None
-        self._directory = Directory(engine_id, settings, service, self._engine.stats, self._forget)
+        self._directory = Directory(engine_id, settings, service, self._engine.metrics, self._forget)
         self._pusher = Pusher(self._engine, self._directory, self._notices, self._transports, self._cache)
         self._receiving = Receiving(
             self._engine, self._directory, self._transports, self._notices, self._cache
@@ -142,8 +142,9 @@ class KVAgent:
 
     @property
     def stats(self) -> Counter[str]:
-        """Counters of what the agent did and refused."""
-        return self._engine.stats
+        """What the agent did and refused so far: every counter of its metrics, by
+        `kvray.metrics.count_key` (`transfers_whole_ok`, `messages_dropped_stale`, ...; a copy)."""
+        return self._engine.metrics.counts
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -224,6 +225,7 @@ class KVAgent:
         await self._transports.close()
         self._notices.close()
         engine.backing.close()
+        engine.metrics.flush()
 
     async def wait_closed(self) -> None:
         """Return once the agent has closed."""
@@ -331,9 +333,7 @@ class KVAgent:
         if self.role is not Role.DECODE:
             raise MetadataError(f"engine {self.engine_id!r} is not a decode engine and takes no writes")
         ray_transport = self._transports.get(TransportKind.RAY, to_write=False)
-        written = await ray_transport.deliver(self._receiving, header, payload)
-        self.stats["bytes_received"] += written
-        return written
+        return await ray_transport.deliver(self._receiving, header, payload)
 
     async def notify(self, message: bytes) -> None:
         """A completion or failure notice arriving through Ray: one this engine does not take

@@ -36,7 +36,7 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.metrics import NO_TRANSPORT, Outcome, PushCall
+from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
@@ -155,7 +155,6 @@ class Pusher:
             finally:
                 self.notices.claims.end(reservation)
             self._count_bytes(transport.kind, peer, plan.nbytes)
-            self.engine.stats["pushes_ok"] += 1
             return PushResult(
                 request_id,
                 transfer_id,
@@ -337,7 +336,6 @@ class Pusher:
                 ) from error
             outcome = Outcome.OK
         except KvrayError as error:
-            engine.stats["pushes_failed"] += 1
             self._tell_failed(peer, state, f"{type(error).__name__}: {error}")
             raise
         except asyncio.CancelledError:
@@ -355,9 +353,8 @@ class Pusher:
     def _finished(self, state: _Layerwise, started: float) -> PushResult:
         """A layer-wise push whose notice is out (`started`: when its `finish` began)."""
         reservation = state.reservation
-        if set(self.engine.backing.layout.layer_names) - state.layers:
-            self.engine.stats["layerwise_partial"] += 1
-        self.engine.stats["pushes_ok"] += 1
+        if len(state.layers) < len(self.engine.backing.layout.layers):  # each a layer of the layout
+            self.engine.metrics.layerwise_partial()
         return PushResult(
             reservation.request_id,
             state.transfer_id,
@@ -390,7 +387,7 @@ class Pusher:
             async with asyncio.timeout(self.engine.settings.notify_timeout_s):
                 peer = await self.directory.peer(reservation.engine_id, wait_s=0.0)
             if peer.info.incarnation != reservation.incarnation:
-                self.engine.stats["failure_notices_stale"] += 1
+                self.engine.metrics.failure_notice(FailureNotice.STALE)
                 return
             transfer_id = state.transfer_id if state else self._next_transfer_id(request_id)
             await self._notify_failure(peer, reservation, transfer_id, reason, state)
@@ -422,7 +419,6 @@ class Pusher:
         }
 
     def _count_bytes(self, kind: TransportKind, peer: Peer, nbytes: int) -> None:
-        self.engine.stats["bytes_pushed"] += nbytes
         self.engine.metrics.bytes_pushed(kind.value, peer.info.engine_id, nbytes)
 
     def _abort_soon(self, attempt: _Attempt, reason: str) -> None:
@@ -452,9 +448,9 @@ class Pusher:
             await self.notices.send(
                 peer, TransferFailed(**self._header(reservation, transfer_id), reason=reason)
             )
-            self.engine.stats["failure_notices_sent"] += 1
+            self.engine.metrics.failure_notice(FailureNotice.SENT)
         except Exception:  # best effort: a peer that is gone has nobody waiting
-            self.engine.stats["failure_notices_lost"] += 1
+            self.engine.metrics.failure_notice(FailureNotice.LOST)
 
     @contextlib.asynccontextmanager
     async def _transfer(
@@ -474,7 +470,6 @@ class Pusher:
         remote_engine = reservation.engine_id
         settings = engine.settings
         if self._waiting >= settings.max_queued_transfers:
-            engine.stats["rejected_backpressure"] += 1
             engine.metrics.transfer(call, Outcome.REJECTED, NO_TRANSPORT, remote_engine)
             raise BackpressureError(
                 f"agent {engine.engine_id!r} already has {self._waiting} transfers waiting "
@@ -502,14 +497,12 @@ class Pusher:
         except KvrayError as error:
             if isinstance(error, TransferTimeoutError):
                 outcome = Outcome.TIMED_OUT
-            engine.stats["pushes_failed"] += 1
             if isinstance(error, TransportError | MetadataError) and not isinstance(error, NotExpectedError):
                 self.directory.forget(remote_engine)
             self._abort_soon(attempt, f"{type(error).__name__}: {error}")
             raise
         except TimeoutError as error:
             outcome = Outcome.TIMED_OUT
-            engine.stats["pushes_timed_out"] += 1
             self._abort_soon(attempt, f"transfer passed its {deadline} s deadline")
             raise TransferTimeoutError(
                 f"transfer of {request_id!r} to {remote_engine!r} passed its {deadline} s deadline",
@@ -522,7 +515,6 @@ class Pusher:
             self._abort_soon(attempt, "the push was cancelled")
             raise
         except Exception as error:
-            engine.stats["pushes_failed"] += 1
             self.directory.forget(remote_engine)
             self._abort_soon(attempt, f"{type(error).__name__}: {error}")
             raise WriteFailedError(

@@ -157,7 +157,6 @@ class Receiving:
             # belong to another request by now.
             raise self._counted(
                 DropReason.UNEXPECTED_WRITE,
-                "writes_refused_unexpected",
                 NotExpectedError(
                     f"engine {self.engine.engine_id!r} does not expect KV for request {request_id!r} "
                     "(never reserved, or its wait has ended); nothing was written",
@@ -168,7 +167,6 @@ class Receiving:
         if token != expectation.token:
             raise self._counted(
                 DropReason.FORGED,
-                "writes_refused_forged",
                 NotExpectedError(
                     f"a write for request {request_id!r} did not carry its reservation's token; "
                     "nothing was written",
@@ -259,7 +257,7 @@ class Receiving:
         if await self._writes_ended(request_id, expectation):
             return
         self.quarantined[request_id] = asyncio.Event()
-        self.engine.stats["releases_quarantined"] += 1
+        self.engine.metrics.release_quarantined()
         self.engine.spawn(self._release_later(request_id, expectation))
         raise TransferTimeoutError(
             f"a writer still holds request {request_id!r} at {self.engine.engine_id!r} after "
@@ -351,7 +349,6 @@ class Receiving:
                 raise  # the caller was cancelled (or its own timeout passed)
             if expired:
                 outcome = Outcome.TIMED_OUT
-                engine.stats["waits_timed_out"] += 1
                 raise TransferTimeoutError(
                     f"KV for request {request_id!r} did not arrive at {engine.engine_id!r} "
                     f"within {deadline} s",
@@ -368,9 +365,7 @@ class Receiving:
             ) from None
         finally:
             timer.cancel()
-            # Recorded after the caller resumes: the metric is off the path from the completion
-            # to the decode side's next step.
-            loop.call_soon(engine.metrics.wait, outcome, time.perf_counter() - started)
+            engine.metrics.wait(outcome, time.perf_counter() - started)
             if not future.done():
                 future.cancel()
 
@@ -404,14 +399,13 @@ class Receiving:
         try:
             claim = decode_write_claim(message_bytes)
         except WireDecodeError:
-            self.engine.stats["messages_malformed"] += 1
             self.engine.metrics.dropped(DropReason.MALFORMED)
             raise
         if claim.dst_engine != self.engine.engine_id or claim.dst_incarnation != self.engine.incarnation:
             raise self._misaddressed("claim", claim.dst_engine, claim.dst_incarnation)
         expectation = self._pending.get(claim.request_id)
         if expectation is None or expectation.future.done() or expectation.token != claim.token:
-            self.engine.stats["claims_refused"] += 1
+            self.engine.metrics.claim_refused()
             raise NotExpectedError(
                 f"engine {self.engine.engine_id!r} does not expect request {claim.request_id!r} under "
                 "this reservation; nothing may be written",
@@ -435,11 +429,10 @@ class Receiving:
         try:
             message = decode_notice(message_bytes)
         except WireDecodeError as error:
-            return self._drop(DropReason.MALFORMED, "messages_malformed", strict, error)
+            return self._drop(DropReason.MALFORMED, strict, error)
         if message.dst_engine != engine.engine_id or message.dst_incarnation != engine.incarnation:
             return self._drop(
                 DropReason.STALE,
-                "completions_dropped_stale",
                 strict,
                 self._misaddressed("notice", message.dst_engine, message.dst_incarnation),
             )
@@ -451,7 +444,6 @@ class Receiving:
                 ending.writer_done.set()
             return self._drop(
                 DropReason.UNKNOWN,
-                "completions_dropped_unknown",
                 strict,
                 NotExpectedError(
                     f"engine {engine.engine_id!r} does not expect request {message.request_id!r} "
@@ -463,7 +455,6 @@ class Receiving:
         if message.token != expectation.token:
             return self._drop(
                 DropReason.FORGED,
-                "completions_dropped_forged",
                 strict,
                 NotExpectedError(
                     f"a notice for request {message.request_id!r} did not carry its reservation's token",
@@ -475,7 +466,7 @@ class Receiving:
         if isinstance(message, TransferFailed):
             if expectation.writer is not None:
                 expectation.writer_done.set()  # sent once its last write had stopped moving
-            engine.stats["completions_failed"] += 1
+            engine.metrics.completion(ok=False)
             future.set_exception(
                 WriteFailedError(
                     f"engine {message.src_engine!r} could not deliver {message.request_id!r}: "
@@ -495,14 +486,11 @@ class Receiving:
         return None
 
     def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
-        self.engine.stats["completions_ok"] += 1
+        self.engine.metrics.completion(ok=True)
         future.set_result(
             Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
         )
-        # After the waiter's wake-up in the loop's queue (see `wait_for_kv`).
-        asyncio.get_running_loop().call_soon(
-            self.engine.metrics.bytes_received, message.src_engine, message.nbytes
-        )
+        self.engine.metrics.bytes_received(message.src_engine, message.nbytes)
 
     async def _complete_after_arrival(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future
@@ -538,14 +526,13 @@ class Receiving:
             stale_incarnation=incarnation,
         )
 
-    def _counted(self, reason: DropReason, stat: str, error: KvrayError) -> KvrayError:
-        """`error`, after counting what it refuses (in `stats` and the drop metric)."""
-        self.engine.stats[stat] += 1
+    def _counted(self, reason: DropReason, error: KvrayError) -> KvrayError:
+        """`error`, after counting what it refuses."""
         self.engine.metrics.dropped(reason)
         return error
 
-    def _drop(self, reason: DropReason, stat: str, strict: bool, error: KvrayError) -> DropReason:
-        self._counted(reason, stat, error)
+    def _drop(self, reason: DropReason, strict: bool, error: KvrayError) -> DropReason:
+        self._counted(reason, error)
         if strict:
             raise error
         return reason

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
 from kvray.memory import MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.transport import (
     Transport,
     choose_transport,
@@ -26,9 +27,17 @@ _AUTO = (TransportKind.CUDA_IPC, TransportKind.SHM, TransportKind.VERBS, Transpo
 class TransportSet:
     """An agent's transports, by kind; the agent closes them (injected ones too) when it closes."""
 
-    def __init__(self, settings: Settings, memory: MemoryKind, injected: Sequence[Transport] = ()) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        memory: MemoryKind,
+        injected: Sequence[Transport] = (),
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.memory = memory
+        #: What the transports it opens count into (injected ones keep their own).
+        self.metrics = metrics
         self._injected = tuple(injected)
         self._open: dict[TransportKind, Transport] = {}
         for transport in self._injected:
@@ -49,7 +58,11 @@ class TransportSet:
         (e.g. a `ray`-transport write handed over by a host that is not a Ray actor)."""
         transport = self._open.get(kind)
         if transport is None:
-            opened = open_transport(kind, self.settings) if to_write else transport_class(kind)(self.settings)
+            opened = (
+                open_transport(kind, self.settings, self.metrics)
+                if to_write
+                else transport_class(kind)(self.settings, self.metrics)
+            )
             transport = self._open[kind] = opened
         return transport
 

@@ -5,11 +5,11 @@ the first of an agent's channels that reaches the peer, and holds the agent's cl
 from __future__ import annotations
 
 import importlib
-from collections import Counter
 from collections.abc import Sequence
 
 from kvray.config import Settings
 from kvray.errors import TransportError, TransportUnavailableError
+from kvray.metrics import EngineMetrics
 from kvray.notice.actor import deadline
 from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt, ThreadNotice
 from kvray.notice.claims import Claims
@@ -44,17 +44,22 @@ class NoticeSet:
     (injected ones too) when it closes."""
 
     def __init__(
-        self, settings: Settings, stats: Counter[str] | None = None, injected: Sequence[NoticeChannel] = ()
+        self,
+        settings: Settings,
+        metrics: EngineMetrics | None = None,
+        injected: Sequence[NoticeChannel] = (),
     ) -> None:
         self.settings = settings
-        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.metrics = metrics if metrics is not None else EngineMetrics.detached()
         kinds = [channel.kind for channel in injected]
         if len(set(kinds)) != len(kinds):
             raise TransportUnavailableError(
                 "two notice channels of one kind were given; give one of each kind",
                 channels=[kind.value for kind in kinds],
             )
-        registry = [channel_class(kind)(settings, self.stats) for kind in DEFAULT_KINDS if kind not in kinds]
+        registry = [
+            channel_class(kind)(settings, self.metrics) for kind in DEFAULT_KINDS if kind not in kinds
+        ]
         self.channels: tuple[NoticeChannel, ...] = (*injected, *registry)
         self.claims = Claims(settings)
         self._node_id = ""

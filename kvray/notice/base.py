@@ -25,13 +25,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections import Counter
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 from kvray.config import Settings
 from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
-from kvray.metrics import DropReason
+from kvray.metrics import DropReason, EngineMetrics
 from kvray.transport.base import Peer
 from kvray.wire import Notice
 
@@ -122,13 +121,13 @@ def refusal(reason: DropReason | None, engine_id: str, request_id: str) -> Kvray
 
 class NoticeChannel(abc.ABC):
     """Carries notices from writers to decode engines (writer end), and takes them in for a
-    decode engine (receiver end). One per agent and kind; `stats` counts what it did."""
+    decode engine (receiver end). One per agent and kind; it counts what it did in `metrics`."""
 
     kind: ClassVar[NoticeKind]
 
-    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
         self.settings = settings
-        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.metrics = metrics if metrics is not None else EngineMetrics.detached()
         #: The node this agent runs on (the set keeps it current).
         self.node_id = ""
 

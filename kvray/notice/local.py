@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvray.config import Settings
 from kvray.errors import MetadataError, TransportError
+from kvray.metrics import EngineMetrics
 from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt
 from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.transport.base import Peer
@@ -259,8 +260,8 @@ class LocalChannel(NoticeChannel):
 
     kind = NoticeKind.LOCAL
 
-    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
-        super().__init__(settings, stats)
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
+        super().__init__(settings, metrics)
         self._outbox: CompletionOutbox | None = None
         #: This decode engine's inbox, once it listens.
         self.inbox: CompletionInbox | None = None

@@ -16,9 +16,9 @@ other, and a notice to any other engine goes the next way (its inbox, listener o
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 from kvray.config import Settings
+from kvray.metrics import EngineMetrics
 from kvray.notice.base import NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
 from kvray.transport.base import Peer
 from kvray.wire import Notice
@@ -55,9 +55,9 @@ class LoopbackChannel(NoticeChannel):
         self,
         network: NoticeNetwork | None = None,
         settings: Settings | None = None,
-        stats: Counter[str] | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
-        super().__init__(settings or Settings(), stats)
+        super().__init__(settings or Settings(), metrics)
         self.network = network if network is not None else NoticeNetwork()
         self._joined: tuple[str, int] | None = None
 

@@ -36,7 +36,7 @@ import secrets
 import socket
 import struct
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import cast
 
 from kvray.config import Settings
@@ -45,7 +45,7 @@ from kvray.errors import (
     TransportError,
     TransportUnavailableError,
 )
-from kvray.metrics import DropReason
+from kvray.metrics import ConnectionEvent, DropReason, EngineMetrics, ListenerRefusal, NoticeSend
 from kvray.notice.base import NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
 from kvray.transport.base import Peer, PeerCache
 from kvray.wire import MAX_NOTICE_BYTES, Notice
@@ -163,15 +163,17 @@ class NoticeListener:
     """A decode engine's TCP listener for notices from writers on other nodes.
 
     `handler` takes each authenticated notice on the event loop; `handshake_s` bounds how long
-    a connection may take to prove the key (never more than `HANDSHAKE_S`); `stats` counts
+    a connection may take to prove the key (never more than `HANDSHAKE_S`); `metrics` counts
     connections refused and notices read.
     """
 
-    def __init__(self, key: bytes, handler: NoticeHandler, handshake_s: float, stats: Counter[str]) -> None:
+    def __init__(
+        self, key: bytes, handler: NoticeHandler, handshake_s: float, metrics: EngineMetrics
+    ) -> None:
         self.key = key
         self.handler = handler
         self.handshake_s = min(handshake_s, HANDSHAKE_S)
-        self.stats = stats
+        self.metrics = metrics
         self.address = ""
         self._server: asyncio.AbstractServer | None = None
         # Oldest first: a newcomer past MAX_UNPROVEN takes the first one's place.
@@ -186,12 +188,12 @@ class NoticeListener:
         handler: NoticeHandler,
         *,
         handshake_s: float = HANDSHAKE_S,
-        stats: Counter[str],
+        metrics: EngineMetrics,
         ports: int = 1,
     ) -> NoticeListener:
         """Listen on `host` at the first free port of `port` .. `port + ports - 1` (port 0: any
         free port), with a fresh key."""
-        listener = cls(secrets.token_bytes(KEY_NBYTES), handler, handshake_s, stats)
+        listener = cls(secrets.token_bytes(KEY_NBYTES), handler, handshake_s, metrics)
         loop = asyncio.get_running_loop()
         candidates = [0] if port == 0 else list(range(port, port + ports))
         for candidate in candidates:
@@ -229,13 +231,13 @@ class NoticeListener:
         if len(self._unproven) >= MAX_UNPROVEN:
             oldest = next(iter(self._unproven))
             del self._unproven[oldest]
-            oldest._refuse("evicted")
+            oldest._refuse(ConnectionEvent.CLOSED_EVICTED)
         self._unproven[connection] = None
 
     def _proved(self, connection: _ListenerConnection) -> bool:
         self._unproven.pop(connection, None)
         if len(self._proven) >= MAX_PROVEN:
-            self.stats["notice_connections_refused"] += 1
+            self.metrics.notice_connection(ConnectionEvent.REFUSED)
             return False
         self._proven.add(connection)
         return True
@@ -277,7 +279,9 @@ class _ListenerConnection(asyncio.Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         stream.set_write_buffer_limits(high=MAX_QUEUED_VERDICTS * _VERDICT.size)
         stream.write(MAGIC + self._nonce)
-        self._timer = asyncio.get_running_loop().call_later(self._listener.handshake_s, self._refuse, "slow")
+        self._timer = asyncio.get_running_loop().call_later(
+            self._listener.handshake_s, self._refuse, ConnectionEvent.CLOSED_SLOW
+        )
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -295,7 +299,7 @@ class _ListenerConnection(asyncio.Protocol):
         writer_nonce = hello[len(MAGIC) : _GREETING_NBYTES]
         proof = _mac(listener.key, b"writer", self._nonce, writer_nonce)
         if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(hello[_GREETING_NBYTES:], proof):
-            self._refuse("unproven")
+            self._refuse(ConnectionEvent.CLOSED_UNPROVEN)
             return False
         if self._timer is not None:
             self._timer.cancel()
@@ -313,7 +317,7 @@ class _ListenerConnection(asyncio.Protocol):
         while self._reading and len(buffer) >= _FRAME.size:
             length, tag = _FRAME.unpack_from(buffer)
             if length > MAX_NOTICE_NBYTES:
-                self._refuse("oversized")
+                self._refuse(ConnectionEvent.CLOSED_OVERSIZED)
                 return
             end = _FRAME.size + length
             if len(buffer) < end:
@@ -322,10 +326,10 @@ class _ListenerConnection(asyncio.Protocol):
             del buffer[:end]
             sequence = self._received
             if not hmac.compare_digest(tag, _notice_tag(session, sequence, body)):
-                self._refuse("forged")
+                self._refuse(ConnectionEvent.CLOSED_FORGED)
                 return
             self._received += 1
-            self._listener.stats["notices_by_tcp"] += 1
+            self._listener.metrics.notice_received(NoticeKind.TCP.value)
             verdict = _VERDICT_OF.get(self._listener.handler(body), Verdict.MALFORMED)
             # After the waiter the notice woke, which is already in the loop's queue.
             asyncio.get_running_loop().call_soon(self._answer, sequence, verdict)
@@ -342,7 +346,7 @@ class _ListenerConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # The writer does not take its verdicts as fast as its notices come.
-        self._listener.stats["notice_connections_stalled"] += 1
+        self._listener.metrics.notice_connection(ConnectionEvent.STALLED)
         self._backlogged = True
         self._throttle()
 
@@ -368,8 +372,8 @@ class _ListenerConnection(asyncio.Protocol):
             # Notices that arrived with the last ones read are still in the buffer.
             self._read_notices()
 
-    def _refuse(self, why: str) -> None:
-        self._listener.stats[f"notice_connections_closed_{why}"] += 1
+    def _refuse(self, why: ConnectionEvent) -> None:
+        self._listener.metrics.notice_connection(why)
         self.abort()
 
     def abort(self) -> None:
@@ -553,8 +557,8 @@ class TcpChannel(NoticeChannel):
 
     kind = NoticeKind.TCP
 
-    def __init__(self, settings: Settings, stats: Counter[str] | None = None) -> None:
-        super().__init__(settings, stats)
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
+        super().__init__(settings, metrics)
         #: Connections to listeners, each an opening task until it is up.
         self._connections: PeerCache[None, asyncio.Task[NoticeConnection]] = PeerCache(
             settings.max_cached_peers, _close_opening
@@ -605,7 +609,7 @@ class TcpChannel(NoticeChannel):
             raise TransportError(
                 f"could not notify engine {info.engine_id!r}: {error}", engine_id=info.engine_id
             ) from error
-        self.stats["notices_sent_tcp"] += 1
+        self.metrics.notice_sent(self.kind.value, NoticeSend.AFTER_WRITE)
         refused = refusal(_REASON_OF[verdict], info.engine_id, notice.request_id)
         if refused is not None:
             raise refused
@@ -624,8 +628,7 @@ class TcpChannel(NoticeChannel):
             verdict = opening.result().send_now(message)
         except TransportError:
             return None
-        self.stats["notices_sent_tcp"] += 1
-        self.stats["notices_sent_tcp_at_once"] += 1
+        self.metrics.notice_sent(self.kind.value, NoticeSend.AT_ONCE)
         return _receipt(verdict, info.engine_id, notice.request_id)
 
     async def _connection(self, peer: Peer, address: str, listener_key: str) -> NoticeConnection | None:
@@ -644,7 +647,7 @@ class TcpChannel(NoticeChannel):
         try:
             return await asyncio.shield(opening)
         except (TransportError, TimeoutError):
-            self.stats["notice_listeners_unreachable"] += 1
+            self.metrics.listener_refused(ListenerRefusal.UNREACHABLE)
             self._connections.pop(info.engine_id, info.incarnation, None)
             self._unreachable.put(info.engine_id, info.incarnation, None, time.monotonic() + UNREACHABLE_S)
             return None
@@ -657,7 +660,7 @@ class TcpChannel(NoticeChannel):
             host, port = parse_address(address)
             secret = parse_key(listener_key)
         except MetadataError:
-            self.stats["notice_listeners_malformed"] += 1
+            self.metrics.listener_refused(ListenerRefusal.MALFORMED)
             self._unreachable.put(info.engine_id, info.incarnation, None, float("inf"))
             return None
         opening = asyncio.ensure_future(self._open(host, port, secret, info.engine_id))
@@ -667,7 +670,7 @@ class TcpChannel(NoticeChannel):
     async def _open(self, host: str, port: int, secret: bytes, engine_id: str) -> NoticeConnection:
         async with asyncio.timeout(self.settings.notify_timeout_s * CONNECT_SHARE):
             connection = await NoticeConnection.open(host, port, secret, engine_id)
-        self.stats["notice_channels_opened"] += 1
+        self.metrics.notice_connection(ConnectionEvent.OPENED)
         return connection
 
     def forget(self, engine_id: str) -> None:
@@ -684,7 +687,7 @@ class TcpChannel(NoticeChannel):
             settings.notice_port,
             receiver.receive,
             handshake_s=settings.notify_timeout_s,
-            stats=self.stats,
+            metrics=self.metrics,
             ports=settings.notice_ports,
         )
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
 from kvray.memory import MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.transport.base import Peer, PeerCache, Reach, Receiver, Transport
 from kvray.wire import EngineInfo, TransportKind
 
@@ -54,13 +55,15 @@ def availability(settings: Settings) -> dict[TransportKind, str | None]:
     return {kind: unavailable_reason(kind, settings) for kind in TransportKind}
 
 
-def open_transport(kind: TransportKind, settings: Settings) -> Transport:
+def open_transport(
+    kind: TransportKind, settings: Settings, metrics: EngineMetrics | None = None
+) -> Transport:
     reason = unavailable_reason(kind, settings)
     if reason is not None:
         raise TransportUnavailableError(
             f"transport {kind.value!r} is unavailable: {reason}", transport=kind.value
         )
-    return transport_class(kind)(settings)
+    return transport_class(kind)(settings, metrics)
 
 
 #: The registry's transport that describes each kind of backing.

@@ -39,6 +39,7 @@ from kvray.config import Settings
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.plan import TransferPlan, check_op_table, check_rows
 from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
@@ -109,8 +110,10 @@ class Transport(abc.ABC):
     #: receiver keeps the request's blocks until the writer's notice.
     claims_across_nodes: ClassVar[bool] = False
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
         self.settings = settings
+        #: Where the transport counts what it did (its agent's metrics).
+        self.metrics = metrics if metrics is not None else EngineMetrics.detached()
 
     @classmethod
     @abc.abstractmethod

@@ -19,6 +19,7 @@ from kvray.config import Settings
 from kvray.errors import StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, Reach, Receiver, Transport, check_write, region_pairs
 from kvray.transport.cpu_copy import scatter_copy_async
@@ -75,8 +76,13 @@ class LoopbackTransport(Transport):
     destination_kinds = _EVERY_KIND
     registers = _EVERY_KIND
 
-    def __init__(self, network: LoopbackNetwork | None = None, settings: Settings | None = None) -> None:
-        super().__init__(settings or Settings())
+    def __init__(
+        self,
+        network: LoopbackNetwork | None = None,
+        settings: Settings | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        super().__init__(settings or Settings(), metrics)
         self.network = network if network is not None else LoopbackNetwork()
         self._joined: list[tuple[str, int]] = []
 

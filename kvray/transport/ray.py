@@ -15,6 +15,7 @@ import numpy.typing as npt
 from kvray.config import Settings
 from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.plan import TransferPlan, check_ops
 from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
 from kvray.transport.cpu_copy import StagingBuffers, scatter_copy_async
@@ -33,8 +34,8 @@ class RayTransport(Transport):
     destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
     registers = frozenset({MemoryKind.CPU})
 
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
+        super().__init__(settings, metrics)
         self._transfers = 0
         self._staging = StagingBuffers()
         # Deliveries given up on that may still be parked at their peer, and the task that keeps

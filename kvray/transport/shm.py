@@ -42,6 +42,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
@@ -126,8 +127,8 @@ class ShmTransport(Transport):
     destination_kinds = frozenset({MemoryKind.SHM})
     registers = frozenset({MemoryKind.SHM})
 
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
+        super().__init__(settings, metrics)
         #: The peers' regions mapped here, by region index.
         self._mappings: PeerCache[int, _Mapping] = PeerCache(
             settings.max_cached_peers,

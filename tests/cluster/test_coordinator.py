@@ -90,7 +90,7 @@ def test_an_agent_in_a_plain_actor_stays_listed_until_its_actor_dies(local_ray: 
     time.sleep(SETTINGS.heartbeat_s * 6)
     assert decode_engine_info(ray.get(coordinator.lookup.remote("plain-p0", 0.5))[0]).engine_id == "plain-p0"
     assert ray.get(coordinator.stats.remote())["dropped_dead"] == dead_before
-    assert ray.get(actor.stats.remote()).get("reregistered", 0) == 0
+    assert ray.get(actor.stats.remote()).get("directory_events_reregistered", 0) == 0
 
     kill_and_see_dropped(coordinator, actor, "plain-p0")
 
@@ -106,7 +106,7 @@ def test_agents_register_again_after_a_coordinator_restart(local_ray: None) -> N
     ray.kill(coordinator, no_restart=False)  # Ray restarts it (max_restarts=-1), empty
     wait_until(lambda: ray.get(coordinator.stats.remote())["epoch"] != epoch, "a restarted coordinator")
     wait_until(lambda: ray.get(coordinator.stats.remote())["engines"] >= 2, "both engines registered again")
-    assert ray.get(decode.stats.remote())["reregistered"] >= 1
+    assert ray.get(decode.stats.remote())["directory_events_reregistered"] >= 1
 
     # And transfers work again, through the new directory.
     blocks = ray.get(prefill.allocate.remote("after-restart", 2))
@@ -199,7 +199,7 @@ def test_only_the_registrant_or_its_successor_after_death_replaces_an_actors_ent
     with pytest.raises(RegistrationRefusedError):
         ray.get(coordinator.deregister.remote("own-d0", info.incarnation, intruder))
     assert ray.get(coordinator.lookup.remote("own-d0", 5.0))[0] == info_bytes
-    assert ray.get(decode.stats.remote()).get("reregistered", 0) == 0
+    assert ray.get(decode.stats.remote()).get("directory_events_reregistered", 0) == 0
 
     # Killed, its successor (a new actor, a new agent and secret) registers under the engine id,
     # right away: the registration waits for the coordinator to notice the death.

@@ -51,7 +51,7 @@ async def test_departed_decode_engines_are_unmapped_at_the_next_heartbeat(local_
             lambda: all(mappings_of(path) == 0 for path in paths),
             "the prefill still maps departed decode engines' shared memory",
         )
-        assert prefill.stats["peers_departed"] == 3
+        assert prefill.stats["directory_events_peer_departed"] == 3
     finally:
         await prefill.close()
         for decode in decodes:

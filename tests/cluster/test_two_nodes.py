@@ -48,8 +48,9 @@ def test_auto_picks_ray_across_nodes(two_node_cluster: Any, canary_mask: Any, or
     ray.get(waits)
     assert {r.transport for r in results} == {TransportKind.RAY}
     decode_stats, prefill_stats = ray.get([decode.stats.remote(), prefill.stats.remote()])
-    assert decode_stats["notices_by_tcp"] == len(requests), decode_stats
-    assert prefill_stats["notices_sent_tcp"] == len(requests), prefill_stats
+    assert decode_stats["notices_received_tcp"] == len(requests), decode_stats
+    sent = prefill_stats["notices_sent_tcp_after_write"] + prefill_stats["notices_sent_tcp_at_once"]
+    assert sent == len(requests), prefill_stats
     for request_id, dst, _, expected in requests:
         landed = ray.get(decode.read_blocks.remote(dst))
         for layer in expected:

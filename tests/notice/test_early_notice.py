@@ -114,7 +114,7 @@ async def test_the_notice_leaves_from_a_copy_thread_after_the_last_byte(
     else:  # equal shares on Python threads: no thread knows it wrote the last byte
         assert len(python_sends) == 1
     assert decode.stats["completions_ok"] == 1
-    assert decode.stats["completions_dropped_unknown"] == 0
+    assert decode.stats["messages_dropped_unknown"] == 0
 
 
 async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
@@ -139,7 +139,7 @@ async def test_a_notice_that_cannot_be_queued_at_once_goes_the_usual_way(
             blocks(target, remote), blocks(prefill.backing.regions[0].tensor.numpy(), local)
         )
     assert decode.stats["completions_ok"] == 2
-    assert decode.stats["completions_dropped_unknown"] == 0
+    assert decode.stats["messages_dropped_unknown"] == 0
 
 
 async def test_a_gone_inbox_is_still_a_transport_error(agents: tuple[KVAgent, KVAgent]) -> None:

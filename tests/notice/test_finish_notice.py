@@ -81,7 +81,7 @@ async def test_finish_does_not_queue_behind_a_stalled_transfer(pair: tuple[KVAge
         assert not pushing.done(), "finish waited for the stalled push"
     assert (completion.transfer_id, completion.nbytes) == (result.transfer_id, result.nbytes)
     await asyncio.wait_for(pushing, 5.0)
-    assert prefill.stats["pushes_ok"] == 1
+    assert prefill.stats["transfers_finish_ok"] == 1
     await decode.release("done")
     await decode.release("stalled")
 
@@ -114,7 +114,7 @@ async def test_a_finish_is_refused_while_its_request_is_released(pair: tuple[KVA
     with pytest.raises(NotExpectedError):
         await prefill.finish("later", timeout=5)
     assert decode.stats["completions_ok"] == 0
-    assert prefill.stats["pushes_ok"] == 0
+    assert prefill.stats["transfers_finish_ok"] == 0
 
 
 async def test_a_slot_reads_open_only_under_its_token_until_release(pair: tuple[KVAgent, KVAgent]) -> None:
@@ -149,7 +149,7 @@ async def test_a_wait_ends_in_exactly_one_way(pair: tuple[KVAgent, KVAgent]) -> 
     await prefill.push_layer(reservation, "layer0", [2], timeout=5)  # its slot is open until release
     await prefill.finish("late", timeout=5)
     await asyncio.sleep(0.05)
-    assert decode.stats["completions_dropped_unknown"] == 1
+    assert decode.stats["messages_dropped_unknown"] == 1
     await decode.release("late")
 
     # The request cancelled by the engine.

@@ -217,12 +217,12 @@ async def test_a_deeply_nested_notice_is_counted_as_malformed(tmp_path: Path) ->
         nested = bytes([valid[0] + 1]) + valid[1:] + b"\xa7unknown" + b"\x91" * 20_000 + b"\x01"
         with pytest.raises(WireDecodeError, match="nested too deep"):
             await decode.notify(nested)  # through Ray: the sender is told
-        assert decode.stats["messages_malformed"] == 1
+        assert decode.stats["messages_dropped_malformed"] == 1
         outbox = CompletionOutbox(str(tmp_path))
         try:
             await outbox.send(decode.info.endpoints["completion_socket"], nested)  # through the inbox
             async with asyncio.timeout(10):
-                while decode.stats["messages_malformed"] < 2:
+                while decode.stats["messages_dropped_malformed"] < 2:
                     await asyncio.sleep(0.01)
         finally:
             outbox.close()

@@ -79,5 +79,5 @@ async def test_a_refused_notice_raises_at_the_writer(pair: tuple[KVAgent, KVAgen
         await prefill.finish("r", timeout=5.0)
     # The finish's notice, then perhaps already the failure notice that follows a refusal.
     assert notices.notices >= 1
-    assert decode.stats["completions_dropped_unknown"] >= 1
+    assert decode.stats["messages_dropped_unknown"] >= 1
     assert decode.stats["completions_ok"] == 0

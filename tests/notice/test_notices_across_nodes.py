@@ -123,7 +123,7 @@ async def test_a_request_completes_over_the_listener_not_the_actor(nodes: TwoNod
     await decode.wait_for_kv("layered", timeout=10)
     await decode.release("layered")
 
-    assert decode.stats["notices_by_tcp"] == 2 and prefill.stats["notices_sent_tcp"] == 2
+    assert decode.stats["notices_received_tcp"] == 2 and sent_by_tcp(prefill) == 2
     assert actor.notices == 0
 
 
@@ -136,7 +136,7 @@ async def test_the_first_request_finds_the_listener_connected(nodes: TwoNodes) -
         await prefill.push_layer(reservation, layer, [3, 4], timeout=10)
     # Layers moved in this process take less time than the handshake; on a GPU or across
     # nodes they take longer. No notice has been sent: only connecting ahead opens it.
-    await until(lambda: prefill.stats["notice_channels_opened"] == 1)
+    await until(lambda: prefill.stats["notice_connections_opened"] == 1)
     await prefill.finish("first", timeout=10)
     await decode.wait_for_kv("first", timeout=10)
     assert prefill.stats["notices_sent_tcp_at_once"] == 1 and actor.notices == 0, dict(prefill.stats)
@@ -150,13 +150,17 @@ async def test_a_refused_notice_raises_at_the_writer(nodes: TwoNodes) -> None:
     decode.cancel("gone")
     with pytest.raises(NotExpectedError, match="does not expect request 'gone'"):
         await prefill.finish("gone", timeout=10)
-    assert decode.stats["completions_dropped_unknown"] == 1 and actor.notices == 0
+    assert decode.stats["messages_dropped_unknown"] == 1 and actor.notices == 0
 
 
 async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.002)
+
+
+def sent_by_tcp(agent: KVAgent) -> int:
+    return agent.stats["notices_sent_tcp_after_write"] + agent.stats["notices_sent_tcp_at_once"]
 
 
 def published(info: EngineInfo, **endpoints: str) -> EngineInfo:
@@ -166,10 +170,10 @@ def published(info: EngineInfo, **endpoints: str) -> EngineInfo:
 @pytest.mark.parametrize(
     ("endpoints", "stat"),
     [
-        ({ADDRESS_ENDPOINT: "127.0.0.1:1"}, "notice_listeners_unreachable"),  # nothing listens
-        ({KEY_ENDPOINT: "00" * KEY_NBYTES}, "notice_listeners_unreachable"),  # not the engine's key
-        ({ADDRESS_ENDPOINT: "decode-host:80"}, "notice_listeners_malformed"),
-        ({KEY_ENDPOINT: "not hex"}, "notice_listeners_malformed"),
+        ({ADDRESS_ENDPOINT: "127.0.0.1:1"}, "notice_listeners_refused_unreachable"),  # nothing listens
+        ({KEY_ENDPOINT: "00" * KEY_NBYTES}, "notice_listeners_refused_unreachable"),  # not the engine's key
+        ({ADDRESS_ENDPOINT: "decode-host:80"}, "notice_listeners_refused_malformed"),
+        ({KEY_ENDPOINT: "not hex"}, "notice_listeners_refused_malformed"),
     ],
 )
 async def test_a_listener_the_writer_cannot_use_leaves_the_notice_to_the_actor(
@@ -184,8 +188,8 @@ async def test_a_listener_the_writer_cannot_use_leaves_the_notice_to_the_actor(
         await decode.wait_for_kv(f"r{n}", timeout=10)
         await decode.release(f"r{n}")
     assert actor.notices == 2
-    assert prefill.stats[stat] == 1 and prefill.stats["notices_sent_tcp"] == 0
-    assert decode.stats["notices_by_tcp"] == 0
+    assert prefill.stats[stat] == 1 and sent_by_tcp(prefill) == 0
+    assert decode.stats["notices_received_tcp"] == 0
 
 
 async def test_without_tcp_notices_the_actor_takes_them(nodes: TwoNodes) -> None:
@@ -199,7 +203,7 @@ async def test_without_tcp_notices_the_actor_takes_them(nodes: TwoNodes) -> None
         reservation = decode.expect("r", [1, 2])
         await writer.push(reservation, [3, 4], timeout=10)
         await decode.wait_for_kv("r", timeout=10)
-        assert actor.notices == 1 and decode.stats["notices_by_tcp"] == 0
+        assert actor.notices == 1 and decode.stats["notices_received_tcp"] == 0
     finally:
         await writer.close()
     # A decode engine told not to listen publishes no listener.

@@ -18,7 +18,7 @@ import pytest
 from event_loops import loop_params, run_on
 
 from kvray.errors import MetadataError, TransportError, TransportUnavailableError
-from kvray.metrics import DropReason
+from kvray.metrics import DropReason, EngineMetrics
 from kvray.notice import tcp as completion_tcp
 from kvray.notice.tcp import (
     HANDSHAKE_S,
@@ -49,7 +49,11 @@ class Engine:
     def __init__(self) -> None:
         self.notices: list[bytes] = []
         self.answer: DropReason | None = None
-        self.stats: Counter[str] = Counter()
+        self.metrics = EngineMetrics.detached()
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self.metrics.counts
 
     def take(self, body: bytes) -> DropReason | None:
         self.notices.append(body)
@@ -61,7 +65,7 @@ async def with_listener(
 ) -> None:
     engine = Engine()
     listener = await NoticeListener.open(
-        "127.0.0.1", 0, engine.take, handshake_s=handshake_s, stats=engine.stats
+        "127.0.0.1", 0, engine.take, handshake_s=handshake_s, metrics=engine.metrics
     )
     try:
         await check(listener, engine)
@@ -131,7 +135,7 @@ async def notices_arrive_whole_in_order_with_the_engines_verdicts(
     many = await asyncio.gather(*(channel.send(str(n).encode()) for n in range(200)))
     assert many == [Verdict.TAKEN] * 200
     assert engine.notices[-200:] == [str(n).encode() for n in range(200)]
-    assert engine.stats["notices_by_tcp"] == len(engine.notices)
+    assert engine.stats["notices_received_tcp"] == len(engine.notices)
     channel.close()
 
 
@@ -352,11 +356,11 @@ async def a_lost_connection_fails_the_notices_waiting_for_their_verdict(
 async def a_busy_port_is_a_clear_error(listener: NoticeListener, engine: Engine) -> None:
     host, port = host_port(listener)
     with pytest.raises(TransportUnavailableError, match="KVRAY_NOTICE_PORT"):
-        await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats)
+        await NoticeListener.open(host, port, engine.take, handshake_s=1, metrics=engine.metrics)
     # A range: the next engine takes the next free port of it.
     if port + 8 > 65535:
         return
-    other = await NoticeListener.open(host, port, engine.take, handshake_s=1, stats=engine.stats, ports=8)
+    other = await NoticeListener.open(host, port, engine.take, handshake_s=1, metrics=engine.metrics, ports=8)
     try:
         assert port < host_port(other)[1] < port + 8
     finally:

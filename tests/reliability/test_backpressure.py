@@ -97,7 +97,7 @@ def test_flood_into_a_stalled_decode_is_bounded(
     expected_rejections = FLOOD - RUNNING - QUEUED
     wait_until(
         lambda: (
-            ray.get(prefill.stats.remote()).get("rejected_backpressure", 0) == expected_rejections
+            ray.get(prefill.stats.remote()).get("transfers_whole_rejected", 0) == expected_rejections
             and ray.get(decode.deliveries.remote())["arrived"] == RUNNING
         ),
         what="the flood admitted, queued and refused",
@@ -169,7 +169,7 @@ def test_flood_into_a_stalled_decode_is_bounded(
     reused = ray.get(decode.reserve.remote("reuses-freed-blocks", BLOCKS_PER_REQUEST))
     ray.get(decode.open_gate.remote())
     wait_until(
-        lambda: ray.get(decode.stats.remote()).get("writes_refused_unexpected", 0) == 1,
+        lambda: ray.get(decode.stats.remote()).get("messages_dropped_unexpected_write", 0) == 1,
         what="the late write refused",
     )
     assert np.array_equal(before_late, ray.get(decode.snapshot.remote())[0][1]), (

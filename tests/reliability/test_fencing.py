@@ -132,9 +132,9 @@ def test_restarted_decode_refuses_its_old_life(
     def counted() -> bool:
         stats = ray.get(new.stats.remote())
         return bool(
-            stats["completions_dropped_stale"] == 2
-            and stats["completions_dropped_unknown"] == 2
-            and stats["completions_dropped_forged"] == 2
+            stats["messages_dropped_stale"] == 2
+            and stats["messages_dropped_unknown"] == 2
+            and stats["messages_dropped_forged"] == 2
         )
 
     wait_until(counted, what="six forged completions dropped and counted")
@@ -147,7 +147,7 @@ def test_restarted_decode_refuses_its_old_life(
     assert completion.transfer_id == pushed.transfer_id
     with pytest.raises(WriteFailedError):  # a replay, token and all
         ray.get(new.kvray_notify.remote(_done("d", decode_id, new_incarnation, pushed.transfer_id, token)))
-    assert ray.get(new.stats.remote())["completions_dropped_unknown"] == 3
+    assert ray.get(new.stats.remote())["messages_dropped_unknown"] == 3
     (offset, before), (_, after) = canaries[0], ray.get(new.snapshot.remote())[0]
     mask = canary_mask(info, offset, before.size, [(list(reservation.blocks), None)])
     assert np.array_equal(before[~mask], after[~mask])
@@ -156,8 +156,8 @@ def test_restarted_decode_refuses_its_old_life(
         f"[kvray fencing] {transport}: decode restarted under the same id; {len(refused)} pushes aimed "
         f"at the old incarnation refused with StaleIncarnationError (cached descriptors, reserved "
         f"incarnation only, layer-wise), 0 bytes written into the new backing; forged completions "
-        f"dropped and counted: stale={stats['completions_dropped_stale']} "
-        f"unknown={stats['completions_dropped_unknown']} forged={stats['completions_dropped_forged']}"
+        f"dropped and counted: stale={stats['messages_dropped_stale']} "
+        f"unknown={stats['messages_dropped_unknown']} forged={stats['messages_dropped_forged']}"
     )
     ray.get(new.release.remote("d"))
     for actor in (holder, fresh, new):

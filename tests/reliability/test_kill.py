@@ -279,7 +279,8 @@ def test_coordinator_killed_mid_workload(
 
     wait_until(back, what="a new coordinator with all four engines")
     replaced = sum(
-        ray.get(actor.stats.remote()).get("coordinator_replaced", 0) for actor in prefills + decodes
+        ray.get(actor.stats.remote()).get("directory_events_coordinator_replaced", 0)
+        for actor in prefills + decodes
     )
     assert replaced >= 1
     for d, decode in enumerate(decodes):

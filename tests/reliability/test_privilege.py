@@ -227,10 +227,10 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
             sender.sendto(payload, agent.info.endpoints[ENDPOINT])
         for _ in range(200):
-            if agent.stats["messages_malformed"] == 2:
+            if agent.stats["messages_dropped_malformed"] == 2:
                 break
             await asyncio.sleep(0.01)
-        assert agent.stats["messages_malformed"] == 2, dict(agent.stats)  # notify, socket
+        assert agent.stats["messages_dropped_malformed"] == 2, dict(agent.stats)  # notify, socket
         refused += 1
         # The notice listener, from a writer holding the engine's key: refused as malformed too.
         host, port = parse_address(agent.info.endpoints[ADDRESS_ENDPOINT])
@@ -239,7 +239,7 @@ async def test_no_control_plane_path_unpickles_peer_bytes(
         )
         assert await channel.send(payload) is Verdict.MALFORMED
         channel.close()
-        assert agent.stats["messages_malformed"] == 3, dict(agent.stats)
+        assert agent.stats["messages_dropped_malformed"] == 3, dict(agent.stats)
         refused += 1
     finally:
         await agent.close()

@@ -90,7 +90,7 @@ async def test_the_next_heartbeat_forgets_decode_engines_that_left(
             lambda: all(mappings_of(path) <= own[path] for path in paths),
             "the prefill still maps departed decode engines' memory",
         )
-        assert prefill.stats["peers_departed"] == 3
+        assert prefill.stats["directory_events_peer_departed"] == 3
         for decode in decodes:
             with pytest.raises(UnknownEngineError):
                 await prefill.peer(decode.engine_id, wait_s=0.0)

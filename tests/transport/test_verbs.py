@@ -123,8 +123,8 @@ async def test_unknown_and_stale_immediates_are_dropped(fake: TransportUnderTest
     await fake.write(plan(new, "req-a"), source, new)
     await asyncio.wait_for(transport.complete(fake.receiver(new), done(plan(new, "req-a"), 1)), 10)
 
-    assert transport.stats["immediates_dropped_unknown"] == 2
-    assert transport.stats["immediates_matched"] == 1
+    assert transport.metrics.counts["rdma_receives_unknown"] == 2
+    assert transport.metrics.counts["rdma_receives_matched"] == 1
 
 
 def writer(engine: Engine) -> tuple[str, int]:
@@ -318,7 +318,7 @@ async def test_handshake_bytes_are_msgspec_only_and_malformed_ones_are_refused(
     for garbage in (b"", b"\x93\x01\x02", pickle.dumps({"qp_num": 1}), encode(accept)):
         with pytest.raises(WireDecodeError):
             await transport.accept(fake.receiver(destination), garbage)
-    assert transport.stats["connections_accepted"] == 0
+    assert transport.metrics.counts["rdma_connections_accepted"] == 0
     fake.assert_unchanged(destination, before)
 
 
@@ -367,7 +367,7 @@ async def test_accept_refuses_writers_that_are_not_registered_prefill_engines(
     with pytest.raises(error):
         await transport.accept(fake.receiver(destination), request)
 
-    assert transport.stats["connections_accepted"] == 0
+    assert transport.metrics.counts["rdma_connections_accepted"] == 0
     assert len(fake.fabric.qps) == queue_pairs
     # The registered writer still connects and writes.
     local, remote = fake.scattered(layout.num_blocks, 3)
@@ -375,7 +375,7 @@ async def test_accept_refuses_writers_that_are_not_registered_prefill_engines(
     plan = fake.plan(source, destination, local, remote)
     await fake.write(plan, source, destination)
     fake.assert_landed(plan, source, destination, before, local, remote)
-    assert transport.stats["connections_accepted"] == 1
+    assert transport.metrics.counts["rdma_connections_accepted"] == 1
 
 
 async def test_accept_holds_at_most_max_cached_peers_writers(fake: TransportUnderTest) -> None:
@@ -388,7 +388,7 @@ async def test_accept_holds_at_most_max_cached_peers_writers(fake: TransportUnde
     destination = fake.destination(layout)
     local, remote = fake.scattered(layout.num_blocks, 3)
     await fake.write(fake.plan(first, destination, local, remote), first, destination)
-    assert transport.stats["connections_accepted"] == 1
+    assert transport.metrics.counts["rdma_connections_accepted"] == 1
 
     request = _connect_request(transport, destination, second.engine_id, second.incarnation)
     with pytest.raises(BackpressureError, match="max_cached_peers"):
@@ -396,4 +396,4 @@ async def test_accept_holds_at_most_max_cached_peers_writers(fake: TransportUnde
     # The writer that holds the one slot may connect again: it replaces its own queue pair.
     again = _connect_request(transport, destination, first.engine_id, first.incarnation)
     await transport.accept(fake.receiver(destination), again)
-    assert transport.stats["connections_accepted"] == 2
+    assert transport.metrics.counts["rdma_connections_accepted"] == 2

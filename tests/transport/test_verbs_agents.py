@@ -196,7 +196,7 @@ async def test_a_layerwise_rdma_push_completes_after_one_immediate_per_layer() -
         result = await prefill.finish("req-layers")
         completion = await decode.wait_for_kv("req-layers", timeout=10)
         assert result.transport is TransportKind.VERBS and completion.nbytes == result.nbytes
-        assert rdma.stats["immediates_matched"] == len(prefill.layout.layer_names)
+        assert rdma.metrics.counts["rdma_receives_matched"] == len(prefill.layout.layer_names)
         for layer in prefill.layout.layer_names:
             sent, landed = prefill.backing.view(layer), decode.backing.view(layer)
             parts = prefill.layout.layer(layer).geometry.parts

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import types
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,14 +27,19 @@ from kvray.metrics import (
     BYTES_PUSHED,
     METRICS,
     TRANSFER_SECONDS,
+    TRANSFERS,
     WAITS,
     EngineMetrics,
     MemorySink,
     MetricKind,
+    Outcome,
+    PushCall,
     RaySink,
+    count_key,
 )
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
+SPECS = {spec.name: spec for spec in METRICS}
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -97,6 +103,30 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
     assert sink.value(WAITS.name, engine="m-d", outcome="timed_out") == 1
     assert len(sink.observations("kvray_wait_seconds", engine="m-d")) == 2
     assert sink.value("kvray_messages_dropped", engine="m-d", reason="malformed") == 1
+
+    # One system: each agent's stats are exactly its counter records, by count_key.
+    for agent in (prefill, decode):
+        totals: Counter[str] = Counter()
+        for name, value, tags in sink.records:
+            spec = SPECS[name]
+            if spec.kind is MetricKind.COUNTER and tags["engine"] == agent.engine_id:
+                totals[count_key(spec, tags)] += int(value)
+        assert +agent.stats == +totals
+    assert prefill.stats["transfers_whole_ok"] == 1 and prefill.stats["transfers_layer_ok"] == 2
+    assert decode.stats["completions_ok"] == 2 and decode.stats["messages_dropped_malformed"] == 1
+
+
+def test_count_keys_name_the_metric_and_its_kind_tags() -> None:
+    tags = {"engine": "e", "transport": "shm", "peer": "d", "push": "whole", "outcome": "ok"}
+    assert count_key(TRANSFERS, tags) == "transfers_whole_ok"
+    assert count_key(BYTES_PUSHED, {"engine": "e", "transport": "shm", "peer": "d"}) == "bytes_pushed"
+    # Two records of different kinds never share a key.
+    keys = {
+        count_key(spec, {key: f"{spec.name}-{key}" for key in spec.tag_keys})
+        for spec in METRICS
+        if spec.kind is MetricKind.COUNTER
+    }
+    assert len(keys) == sum(spec.kind is MetricKind.COUNTER for spec in METRICS)
 
 
 def test_block_pool_records_usage() -> None:
@@ -167,8 +197,6 @@ def test_ray_sink_maps_records_onto_rays_api(monkeypatch: pytest.MonkeyPatch) ->
     metrics.bytes_pushed("ray", "d", 0)  # Ray's counters refuse zero increments: skipped
     metrics.blocks(3, 8)
     metrics.blocks(1, 8)
-    from kvray.metrics import Outcome, PushCall
-
     metrics.transfer(PushCall.WHOLE, Outcome.OK, "ray", "d", 0.002)
     made = {metric.name: metric for metric in _FakeMetric.made}
     assert set(made) == {
@@ -188,14 +216,35 @@ def test_ray_sink_maps_records_onto_rays_api(monkeypatch: pytest.MonkeyPatch) ->
     assert made["kvray_transfers"].calls[0][2]["outcome"] == "ok"
 
 
+async def test_ray_sink_hands_records_made_on_a_loop_to_ray_in_one_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_ray(monkeypatch, initialized=True)
+    monkeypatch.setattr("kvray.metrics.FLUSH_S", 0.05)
+    metrics = EngineMetrics("p", "prefill", RaySink())
+    for _ in range(100):
+        metrics.bytes_pushed("shm", "d", 10)
+        metrics.transfer(PushCall.WHOLE, Outcome.OK, "shm", "d", 0.001)
+    assert _FakeMetric.made == [], "nothing reaches Ray's API on the hot path"
+    await asyncio.sleep(0.2)
+    made = {metric.name: metric for metric in _FakeMetric.made}
+    assert made["kvray_bytes_pushed"].calls == [
+        ("inc", 1000, {"engine": "p", "transport": "shm", "peer": "d"})
+    ]
+    assert [call[:2] for call in made["kvray_transfers"].calls] == [("inc", 100)]
+    assert len(made["kvray_transfer_seconds"].calls) == 100
+    assert metrics.counts["bytes_pushed"] == 1000 and metrics.counts["transfers_whole_ok"] == 100
+    metrics.bytes_pushed("shm", "d", 5)
+    metrics.flush()  # what an agent does as it closes: nothing is left behind
+    assert made["kvray_bytes_pushed"].calls[-1][:2] == ("inc", 5)
+
+
 def test_ray_sink_turns_off_when_rays_api_fails(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _fake_ray(monkeypatch, initialized=True)
     sink = RaySink()
     metrics = EngineMetrics("d", "decode", sink)
-    from kvray.metrics import Outcome
-
     with caplog.at_level(logging.WARNING, logger="kvray.metrics"):
         metrics.wait(Outcome.OK, -1.0)  # the fake histogram raises, as Ray's does on bad input
     assert not sink.active

@@ -21,6 +21,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.plan import PartRows, RequestRows, TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_allocation_range
@@ -56,11 +57,12 @@ class CudaIpcTransport(Transport):
         allocation_range: Callable[[int], tuple[int, int]] = cuda_allocation_range,
         *,
         replay_graphs: bool = True,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         """`allocation_range`: (start, nbytes) of the CUDA allocation holding a device address.
         `replay_graphs`: write a plan's rows by replaying captured row copies (`copy_rows`);
         False launches the kernel through Triton for every request."""
-        super().__init__(settings)
+        super().__init__(settings, metrics)
         self._allocation_range = allocation_range
         self._replay = replay_graphs
         #: The peers' regions opened here, by region index.

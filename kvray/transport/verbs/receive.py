@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvray.errors import BackpressureError, PlanError
+from kvray.metrics import EngineMetrics, RdmaReceive
 from kvray.transport.verbs.connections import Accepted, Writer
 from kvray.transport.verbs.device import Device
 from kvray.transport.verbs.requests import transfer_tag
@@ -43,8 +44,8 @@ class Inbound:
     """What the decode engines served by one transport receive: the connections they accepted
     (by queue pair number) and, per engine incarnation, the transfers they expect (by tag)."""
 
-    def __init__(self, stats: Counter[str]) -> None:
-        self._stats = stats
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
         self.accepted: dict[int, Accepted] = {}
         self._expected: dict[Engine, dict[int, _Expected]] = {}
 
@@ -74,7 +75,7 @@ class Inbound:
                 self.accepted.pop(qp_num)
                 device.close_qp(held.qp)
         self.accepted[int(accepted.qp.qp_num)] = accepted
-        self._stats["connections_accepted"] += 1
+        self._metrics.rdma_connection_accepted()
 
     # ---- expected transfers ----
 
@@ -132,22 +133,22 @@ class Inbound:
         enums = device.api.enums
         accepted = self.accepted.get(wc.qp_num)
         if wc.status != enums.IBV_WC_SUCCESS:
-            self._stats["receives_flushed"] += 1
+            self._metrics.rdma_receive(RdmaReceive.FLUSHED)
             return
         if accepted is None or accepted.retired:
-            self._stats["immediates_dropped_unknown_connection"] += 1
+            self._metrics.rdma_receive(RdmaReceive.UNKNOWN_CONNECTION)
             return
         with contextlib.suppress(*device.api.errors):
             device.post_recv(accepted.qp)
         if wc.opcode != enums.IBV_WC_RECV_RDMA_WITH_IMM:
-            self._stats["receives_unexpected_opcode"] += 1
+            self._metrics.rdma_receive(RdmaReceive.UNEXPECTED_OPCODE)
             return
         expected = self._expected.get((accepted.dst_engine, accepted.dst_incarnation))
         held = expected.get(wc.imm_data) if expected is not None else None
         if held is None:
-            self._stats["immediates_dropped_unknown"] += 1
+            self._metrics.rdma_receive(RdmaReceive.UNKNOWN)
             return
-        self._stats["immediates_matched"] += 1
+        self._metrics.rdma_receive(RdmaReceive.MATCHED)
         writer = (accepted.src_engine, accepted.src_incarnation)
         held.counts[writer] += 1
         waiting = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
 from typing import Any, ClassVar
 
 import msgspec
@@ -13,6 +12,7 @@ import msgspec
 from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.memory import Backing, MemoryKind
+from kvray.metrics import EngineMetrics
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Receiver, Transport, check_write
 from kvray.transport.verbs.connections import (
@@ -60,16 +60,17 @@ class VerbsTransport(Transport):
     arrival_proofs = 1
     claims_across_nodes = True
 
-    def __init__(self, settings: Settings, *, api: VerbsApi | None = None) -> None:
-        super().__init__(settings)
+    def __init__(
+        self, settings: Settings, metrics: EngineMetrics | None = None, *, api: VerbsApi | None = None
+    ) -> None:
+        super().__init__(settings, metrics)
         self._api = api
         self._device: Device | None = None
         self._registrations: Registrations | None = None
         #: Writer ends, one per (decode engine, incarnation, writer).
         self._connections: PeerCache[Writer, Connection] = PeerCache(settings.max_cached_peers, self._retire)
         self._connecting: dict[tuple[str, int, Writer], asyncio.Future[Connection]] = {}
-        self.stats: Counter[str] = Counter()
-        self._inbound = Inbound(self.stats)
+        self._inbound = Inbound(self.metrics)
         self._in_flight: InFlight | None = None
         self._poller: CompletionPoller | None = None
         self._failed: str | None = None
@@ -123,7 +124,7 @@ class VerbsTransport(Transport):
         device = self.device
         in_flight = InFlight(
             device,
-            self.stats,
+            self.metrics,
             wake=self._wake,
             broken=self._drop_broken,
             drain_timeout_s=self.settings.notify_timeout_s,
@@ -187,8 +188,7 @@ class VerbsTransport(Transport):
             remote_engine=peer.info.engine_id,
         )
         await in_flight.post(connection, requests)
-        self.stats["writes"] += 1
-        self.stats["work_requests"] += len(requests)
+        self.metrics.rdma_write(len(requests))
 
     async def _connect(self, peer: Peer, writer: Writer) -> Connection:
         """The connection from `writer` to the peer's incarnation, made now unless one is open.

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvray.errors import TransportError, WriteFailedError
+from kvray.metrics import EngineMetrics
 from kvray.transport.verbs.connections import Connection
 from kvray.transport.verbs.device import Device
 from kvray.transport.verbs.requests import WriteRequest
@@ -44,14 +44,14 @@ class InFlight:
     def __init__(
         self,
         device: Device,
-        stats: Counter[str],
+        metrics: EngineMetrics,
         *,
         wake: Callable[[], None],
         broken: Callable[[Connection], None],
         drain_timeout_s: float,
     ) -> None:
         self._device = device
-        self._stats = stats
+        self._metrics = metrics
         self._wake = wake
         self._broken = broken
         self._drain_timeout_s = drain_timeout_s
@@ -134,7 +134,7 @@ class InFlight:
         """A work completion from the send queue."""
         entry = self._chunks.get(wc.wr_id)
         if wc.status != self._device.api.enums.IBV_WC_SUCCESS:
-            self._stats["send_errors"] += 1
+            self._metrics.rdma_send_error()
             connection, chunk = self._chunk_of(wc.wr_id)
             if connection is None or chunk is None:
                 return
