@@ -42,9 +42,12 @@ def check_alignment(value: object, name: str = "alignment") -> int:
 def _finite_seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
     """`value` as seconds if it is a real number, finite and positive (or zero when
     `allow_zero`), else `ConfigError` naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is float or type(value) is int:  # the usual case, without the ABC check below
+        seconds = float(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}", setting=name, value=value)
-    seconds = float(value)
+    else:
+        seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         wanted = "zero or more" if allow_zero else "more than zero"
         raise ConfigError(

@@ -11,9 +11,9 @@ record feeds both views:
   `ray_` prefix) while Ray is initialised in this process, nothing otherwise; `MemorySink`
   keeps every record in memory, for tests and for code that scrapes nothing.
 
-The Ray sink batches: records made on an event loop reach Ray within `FLUSH_S` (one call per
-metric and tag set, however many events), so a transfer's hot path pays a dictionary update,
-not a call into Ray's API per event.
+Records for Ray's sink are batched: made on an event loop, they reach Ray within `FLUSH_S`
+(one call per counter and tag set, however many events), so a transfer's hot path pays a
+dictionary update and a list append, not a call into Ray's API per event.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import asyncio
 import enum
 import logging
 import sys
-import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -355,37 +354,35 @@ def count_key(spec: MetricSpec, tags: Mapping[str, str]) -> str:
 
 
 class MetricsSink(Protocol):
-    """Where records go: counters add `value`, gauges set it, histograms observe it."""
+    """Where records go: counters add `value`, gauges set it, histograms observe it.
+
+    `batched`: the sink would rather have records in batches (`EngineMetrics` then sums a
+    counter's records per tag set and hands them on within `FLUSH_S`); otherwise each record
+    reaches it as it is made."""
+
+    batched: bool
 
     def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None: ...
 
-    def flush(self) -> None:
-        """Hand on whatever the sink holds back (nothing, for a sink that holds nothing)."""
 
-
-#: Seconds records made on an event loop may wait before the Ray sink hands them to Ray.
+#: Seconds a record may wait before `EngineMetrics` hands it to a batched sink.
 FLUSH_S = 1.0
-
-_TagItems = tuple[tuple[str, str], ...]
 
 
 class RaySink:
     """`ray.util.metrics`, while Ray is initialised in this process; a no-op otherwise.
 
-    Records are batched: counters summed and gauges kept last per (metric, tags), histogram
-    observations listed, until a flush hands them to Ray. A record made on an event loop
-    schedules one on that loop `FLUSH_S` later; one made outside any loop flushes at once.
-    Ray's metric objects are made on first use (importing Ray is not this module's to do). A
-    failure inside Ray's API disables the sink with one warning: metrics never fail a transfer.
+    Batched: each call into Ray's API costs more than a transfer's other bookkeeping, so
+    records reach it summed, within a second. Ray's metric objects are made on first use
+    (importing Ray is not this module's to do). A failure inside Ray's API disables the sink
+    with one warning: metrics never fail a transfer.
     """
+
+    batched = True
 
     def __init__(self) -> None:
         self._metrics: dict[str, Any] = {}
         self._broken = False
-        self._lock = threading.Lock()
-        self._sums: dict[tuple[MetricSpec, _TagItems], float] = defaultdict(float)
-        self._observed: dict[tuple[MetricSpec, _TagItems], list[float]] = defaultdict(list)
-        self._scheduled = False
 
     @property
     def active(self) -> bool:
@@ -393,43 +390,17 @@ class RaySink:
         return not self._broken and ray is not None and bool(ray.is_initialized())
 
     def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
-        if self._broken:
-            return
-        key = (spec, tuple(tags.items()))
-        with self._lock:
-            if spec.kind is MetricKind.COUNTER:
-                self._sums[key] += value
-            elif spec.kind is MetricKind.GAUGE:
-                self._sums[key] = value
-            else:
-                self._observed[key].append(value)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
-        except RuntimeError:  # no loop in this thread: nothing would flush later
-            self.flush()
-
-    def flush(self) -> None:
-        with self._lock:
-            sums, self._sums = self._sums, defaultdict(float)
-            observed, self._observed = self._observed, defaultdict(list)
-            self._scheduled = False
         if not self.active:
             return
         try:
-            for (spec, tag_items), value in sums.items():
-                metric = self._metrics.get(spec.name) or self._create(spec)
-                if spec.kind is MetricKind.COUNTER:
-                    if value > 0:  # Ray's counters refuse zero increments
-                        metric.inc(value, dict(tag_items))
-                else:
-                    metric.set(value, dict(tag_items))
-            for (spec, tag_items), values in observed.items():
-                metric = self._metrics.get(spec.name) or self._create(spec)
-                for value in values:
-                    metric.observe(value, dict(tag_items))
+            metric = self._metrics.get(spec.name) or self._create(spec)
+            if spec.kind is MetricKind.COUNTER:
+                if value > 0:  # Ray's counters refuse zero increments
+                    metric.inc(value, dict(tags))
+            elif spec.kind is MetricKind.GAUGE:
+                metric.set(value, dict(tags))
+            else:
+                metric.observe(value, dict(tags))
         except Exception as error:
             self._broken = True
             logger.warning("kvray metrics are off in this process: Ray's metrics API failed: %r", error)
@@ -451,6 +422,8 @@ class RaySink:
 class MemorySink:
     """Keeps every record in memory: counter totals, last gauge values, histogram observations."""
 
+    batched = False
+
     def __init__(self) -> None:
         self.records: list[tuple[str, float, dict[str, str]]] = []
         self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
@@ -469,9 +442,6 @@ class MemorySink:
             self._values[key] = value
         else:
             self._observed[key].append(value)
-
-    def flush(self) -> None:
-        """Nothing is held back: every record is kept as it is made."""
 
     def value(self, name: str, **tags: str) -> float:
         """Counters: the sum over every tag set matching `tags`; gauges: the same over last values."""
@@ -498,13 +468,16 @@ RAY_SINK = RaySink()
 _MAX_KNOWN_TAG_SETS = 4096
 
 
+#: Tag sets an `EngineMetrics` keeps made; past this (peers come and go) it starts again.
+_MAX_KNOWN_TAG_SETS = 4096
+
+
 class NullSink:
     """Drops every record (parts used on their own, outside any agent, e.g. in tests)."""
 
-    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
-        pass
+    batched = True  # nothing reaches it on the hot path; a flush drops the batch
 
-    def flush(self) -> None:
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
         pass
 
 
@@ -516,6 +489,10 @@ class EngineMetrics:
         self.engine_id = engine_id
         self.role = role
         self.sink: MetricsSink = sink if sink is not None else RAY_SINK
+        self._batched = bool(getattr(self.sink, "batched", False))
+        #: Records for a batched sink, not handed on yet (a list: appending needs no lock).
+        self._pending: list[tuple[MetricSpec, float, Mapping[str, str]]] = []
+        self._scheduled = False
         self._counts: Counter[str] = Counter()
         #: (metric, tag values) -> its count key and tags, made once per tag set.
         self._known: dict[tuple[MetricSpec, tuple[str, ...]], tuple[str, dict[str, str]]] = {}
@@ -531,20 +508,53 @@ class EngineMetrics:
         return self._counts.copy()
 
     def flush(self) -> None:
-        """Hand the sink's held-back records on now (an agent does as it closes)."""
-        self.sink.flush()
+        """Hand the records held back for a batched sink on now (an agent does as it closes):
+        one record per counter and tag set (their sum), per gauge and tag set (the last), and
+        every histogram observation."""
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        # Keyed by the tags' identity: one dict per tag set (`_known_tags`), held by `pending`.
+        sums: dict[tuple[MetricSpec, int], tuple[Mapping[str, str], float]] = {}
+        for spec, value, tags in pending:
+            if spec.kind is MetricKind.HISTOGRAM:
+                self.sink.record(spec, value, tags)
+                continue
+            key = (spec, id(tags))
+            if spec.kind is MetricKind.COUNTER and key in sums:
+                value += sums[key][1]
+            sums[key] = (tags, value)
+        for (spec, _), (tags, value) in sums.items():
+            self.sink.record(spec, value, tags)
 
-    def _count(self, spec: MetricSpec, values: tuple[str, ...], value: int = 1) -> None:
-        """Add `value` to the counter `spec` under its tag `values` (in `spec.tag_keys` order)."""
+    def _emit(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        if not self._batched:
+            self.sink.record(spec, value, tags)
+            return
+        self._pending.append((spec, value, tags))
+        if self._scheduled:
+            return
+        self._scheduled = True
+        try:
+            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+        except RuntimeError:  # no loop in this thread: nothing would flush later
+            self.flush()
+
+    def _known_tags(self, spec: MetricSpec, values: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+        """The count key and the tags dict of `spec` under its tag `values` (in `spec.tag_keys`
+        order), made once: sinks may key their batches by the dict's identity."""
         known = self._known.get((spec, values))
         if known is None:
             if len(self._known) >= _MAX_KNOWN_TAG_SETS:  # peers come and go: forget old ones
                 self._known.clear()
             tags = dict(zip(spec.tag_keys, values, strict=True))
             known = self._known[(spec, values)] = (count_key(spec, tags), tags)
-        key, tags = known
+        return known
+
+    def _count(self, spec: MetricSpec, values: tuple[str, ...], value: int = 1) -> None:
+        """Add `value` to the counter `spec` under its tag `values`."""
+        key, tags = self._known_tags(spec, values)
         self._counts[key] += value
-        self.sink.record(spec, value, tags)
+        self._emit(spec, value, tags)
 
     # ---- a prefill engine's pushes ----
 
@@ -557,8 +567,8 @@ class EngineMetrics:
         """One push call ended; `seconds` is observed for successful calls."""
         self._count(TRANSFERS, (self.engine_id, transport, peer, push.value, outcome.value))
         if outcome is Outcome.OK and seconds is not None:
-            tags = {"engine": self.engine_id, "transport": transport, "peer": peer, "push": push.value}
-            self.sink.record(TRANSFER_SECONDS, seconds, tags)
+            _, tags = self._known_tags(TRANSFER_SECONDS, (self.engine_id, transport, peer, push.value))
+            self._emit(TRANSFER_SECONDS, seconds, tags)
 
     def layerwise_partial(self) -> None:
         self._count(LAYERWISE_PARTIAL, (self.engine_id,))
@@ -573,13 +583,13 @@ class EngineMetrics:
 
     def completion(self, ok: bool) -> None:
         """A transfer taken as done (`ok`) or as failed by its writer."""
-        self._count(COMPLETIONS, (self.engine_id, (Outcome.OK if ok else Outcome.FAILED).value))
+        self._count(COMPLETIONS, (self.engine_id, "ok" if ok else "failed"))
 
     def wait(self, outcome: Outcome, seconds: float) -> None:
         """One `wait_for_kv` ended; its wait is observed when the KV arrived."""
         self._count(WAITS, (self.engine_id, outcome.value))
         if outcome is Outcome.OK:
-            self.sink.record(WAIT_SECONDS, seconds, {"engine": self.engine_id})
+            self._emit(WAIT_SECONDS, seconds, self._known_tags(WAIT_SECONDS, (self.engine_id,))[1])
 
     def dropped(self, reason: DropReason) -> None:
         self._count(MESSAGES_DROPPED, (self.engine_id, reason.value))
@@ -623,6 +633,6 @@ class EngineMetrics:
     # ---- a worker's block pool ----
 
     def blocks(self, in_use: int, total: int) -> None:
-        tags = {"engine": self.engine_id, "role": self.role}
-        self.sink.record(BLOCKS_IN_USE, in_use, tags)
-        self.sink.record(BLOCKS_TOTAL, total, tags)
+        _, tags = self._known_tags(BLOCKS_IN_USE, (self.engine_id, self.role))
+        self._emit(BLOCKS_IN_USE, in_use, tags)
+        self._emit(BLOCKS_TOTAL, total, tags)

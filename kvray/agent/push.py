@@ -395,7 +395,19 @@ class Pusher:
     # ---- one transfer -----------------------------------------------------------------
 
     def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, proofs: int) -> TransferDone:
-        return TransferDone(**self._header(reservation, transfer_id), nbytes=nbytes, arrival_proofs=proofs)
+        info = self.engine.info
+        # `_header`'s fields, spelled out: this is on the path of every completion.
+        return TransferDone(
+            transfer_id=transfer_id,
+            request_id=reservation.request_id,
+            src_engine=info.engine_id,
+            src_incarnation=info.incarnation,
+            dst_engine=reservation.engine_id,
+            dst_incarnation=reservation.incarnation,
+            token=reservation.token,
+            nbytes=nbytes,
+            arrival_proofs=proofs,
+        )
 
     def _claim(
         self, peer: Peer, reservation: Reservation, transport: Transport | None = None
