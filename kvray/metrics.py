@@ -581,6 +581,11 @@ class EngineMetrics:
     def bytes_received(self, peer: str, nbytes: int) -> None:
         self._count(BYTES_RECEIVED, (self.engine_id, peer), nbytes)
 
+    def received(self, peer: str, nbytes: int) -> None:
+        """A transfer taken as done: a completion and its bytes."""
+        self._count(COMPLETIONS, (self.engine_id, "ok"))
+        self._count(BYTES_RECEIVED, (self.engine_id, peer), nbytes)
+
     def completion(self, ok: bool) -> None:
         """A transfer taken as done (`ok`) or as failed by its writer."""
         self._count(COMPLETIONS, (self.engine_id, "ok" if ok else "failed"))

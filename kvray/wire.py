@@ -405,6 +405,17 @@ def decode_notice(data: bytes) -> Notice:
     return _decode(_notice_decoder, data, "notice", MAX_NOTICE_BYTES)
 
 
+def decode_notice_or_none(data: bytes) -> Notice | None:
+    """`decode_notice` for the usual case, in fewer steps: None where `decode_notice` would
+    raise (it then says why)."""
+    if type(data) is not bytes or len(data) > MAX_NOTICE_BYTES:
+        return None
+    try:
+        return _notice_decoder.decode(data)
+    except Exception:  # refused below, by decode_notice, with the reason
+        return None
+
+
 def decode_write_ops(data: bytes) -> WriteOps:
     return _decode_tagged(WriteOps, data, "write_ops header", MAX_WRITE_OPS_BYTES)
 

@@ -144,6 +144,7 @@ class KVAgent:
     def stats(self) -> Counter[str]:
         """What the agent did and refused so far: every counter of its metrics, by
         `kvray.metrics.count_key` (`transfers_whole_ok`, `messages_dropped_stale`, ...; a copy)."""
+        self._receiving.record_completions()
         return self._engine.metrics.counts
 
     @property
@@ -225,6 +226,7 @@ class KVAgent:
         await self._transports.close()
         self._notices.close()
         engine.backing.close()
+        self._receiving.record_completions()
         engine.metrics.flush()
 
     async def wait_closed(self) -> None:

@@ -41,7 +41,7 @@ from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer, Transport
-from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind
+from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,10 @@ class _Layerwise:
     #: Layer writes in progress, and an event set whenever there are none.
     writing: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The notice `finish` sends for the layers pushed so far, and its bytes: made as each
+    #: layer's push ends, so that `finish` only sends.
+    notice: TransferDone | None = None
+    message: bytes = b""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -221,6 +225,8 @@ class Pusher:
             state.ops += len(plan.ops)
             state.unmerged_ops += plan.unmerged_count
             state.busy_s += time.perf_counter() - started
+            state.notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
+            state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
 
@@ -248,8 +254,11 @@ class Pusher:
         started = time.perf_counter()
         peer = self._current_peer(state, timeout)
         if peer is not None:
-            notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
-            receipt = self.notices.send_now(peer, reservation, notice)
+            notice, message = state.notice, state.message
+            if notice is None:  # no layer pushed
+                notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
+                message = encode(notice)
+            receipt = self.notices.send_now(peer, reservation, notice, message)
             if receipt is not None:
                 if receipt.done() and receipt.exception() is None:
                     # Taken already (an inbox needs no answer): nothing left to wait for.
@@ -293,8 +302,8 @@ class Pusher:
         the bookkeeping follows the notice, off the decode side's path."""
         engine = self.engine
         reservation = state.reservation
-        # A bad timeout is refused the same way on every path.
-        engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
+        if timeout is not None:  # a bad timeout is refused the same way on every path
+            engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
         if not engine.running:
             return None
         peer = self.directory.cached(reservation.engine_id)

@@ -102,16 +102,20 @@ class NoticeSet:
             engine_id=peer.info.engine_id,
         )
 
-    def send_now(self, peer: Peer, reservation: Reservation, notice: Notice) -> Receipt | None:
-        """Send a notice about `reservation` at once, awaiting nothing: its receipt, or None,
-        having sent nothing, wherever the usual path (`claims.hold`, then `send`) would have to
-        wait: a board this writer has not opened yet or a slot no longer open under the
-        reservation's token (`Claims.open_now`), a channel that would wait (a full inbox, a
-        connection not open yet, an actor call)."""
+    def send_now(
+        self, peer: Peer, reservation: Reservation, notice: Notice, message: bytes | None = None
+    ) -> Receipt | None:
+        """Send a notice about `reservation` (`message`: its bytes, if the caller has them) at
+        once, awaiting nothing: its receipt, or None, having sent nothing, wherever the usual
+        path (`claims.hold`, then `send`) would have to wait: a board this writer has not opened
+        yet or a slot no longer open under the reservation's token (`Claims.open_now`), a
+        channel that would wait (a full inbox, a connection not open yet, an actor call)."""
         if not self.claims.open_now(peer, reservation):
             return None
         channel = self.reaching(peer)
-        return None if channel is None else channel.send_now(peer, notice, encode(notice))
+        if channel is None:
+            return None
+        return channel.send_now(peer, notice, encode(notice) if message is None else message)
 
     def early(self, peer: Peer, notice: Notice) -> ThreadNotice | None:
         """A notice the transport may send from its copy thread the moment the last byte lands

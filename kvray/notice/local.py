@@ -45,6 +45,8 @@ class CompletionInbox:
         #: The private folder (mode 0700) the inbox lives in; the engine's claim board sits there too.
         self.folder = self._folder
         self._handler = handler
+        self._buffer = bytearray(_MAX_MESSAGE)
+        self._view = memoryview(self._buffer)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
         self._socket.bind(self.path)
@@ -60,10 +62,12 @@ class CompletionInbox:
         One message per call: the reader is level-triggered, so the loop calls again while more
         are queued, and the handler's waiter is not held up by a read that finds nothing."""
         try:
-            message = self._socket.recv(_MAX_MESSAGE)
+            nbytes = self._socket.recv_into(self._buffer)
         except OSError:  # nothing queued after all (BlockingIOError, InterruptedError), or closed
             return
-        self._handler(message)
+        # Into a buffer kept for the inbox's life: `recv` would allocate (and fault in) 64 KiB
+        # for every message, most of its cost.
+        self._handler(bytes(self._view[:nbytes]))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
