@@ -55,7 +55,11 @@ MAX_WRITE_OPS = 1 << 22
 MAX_NOTICE_BYTES = 64 * 1024
 #: Largest encoded push request: its reservation's block ids (5 bytes each at most: msgpack
 #: writes a number below 2**32 in 5), the decode engine's `EngineInfo`, and ids and counters.
-MAX_PUSH_REQUEST_BYTES = MAX_REQUEST_BLOCKS * 5 + MAX_ENGINE_INFO_BYTES + MAX_NOTICE_BYTES
+#: KV cache groups a push request's block table may name (an engine's groups share their blocks'
+#: memory; each group has its own block ids, see `PushRequest.groups`).
+MAX_BLOCK_GROUPS = 8
+#: Its reservation's blocks, and as many again in its block table (5 bytes each at most).
+MAX_PUSH_REQUEST_BYTES = MAX_REQUEST_BLOCKS * 10 + MAX_ENGINE_INFO_BYTES + MAX_NOTICE_BYTES
 #: Largest encoded `WriteOps` header: 16 bytes an op (a region index, an offset past 4 GiB in
 #: 9 bytes, a size in 5) leaves room for the rest.
 MAX_WRITE_OPS_BYTES = MAX_WRITE_OPS * 16
@@ -64,6 +68,8 @@ MAX_HANDSHAKE_BYTES = 1024 * 1024
 
 #: A block's index in its engine's pool, as it travels on the wire.
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
+#: A position of a block table (`PushRequest.groups`): a block id, or -1 for no block.
+GroupBlockId = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_BLOCKS)]
 #: One column of a `WriteOps` header.
 OpColumn = Annotated[list[ByteCount], msgspec.Meta(max_length=MAX_WRITE_OPS)]
 
@@ -306,6 +312,14 @@ class PushRequest(msgspec.Struct, frozen=True, kw_only=True, tag="push_request")
     first_block: ByteCount = 0
     #: The decode engine's encoded `EngineInfo`, where no coordinator is shared.
     decode_info: bytes = b""
+    #: Engines whose KV cache has several groups (e.g. sliding-window and full-attention
+    #: layers): the decode engine's block ids per group, position by position from
+    #: `first_block`, -1 where it keeps no block (outside a sliding window). Its non-negative
+    #: entries, in order, are the reservation's blocks. Empty: one group, the reservation's.
+    groups: Annotated[
+        tuple[Annotated[tuple[GroupBlockId, ...], msgspec.Meta(max_length=MAX_REQUEST_BLOCKS)], ...],
+        msgspec.Meta(max_length=MAX_BLOCK_GROUPS),
+    ] = ()
 
 
 class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdrawn"):

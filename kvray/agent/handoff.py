@@ -67,6 +67,25 @@ BACKPRESSURE_RETRY_S = 0.01
 
 # ---- what an engine's scheduler decides ----------------------------------------------------
 
+#: A request's blocks on one side: one tuple of block ids per KV cache group of the engine (one
+#: group for most models; e.g. sliding-window and full-attention layers make two), position by
+#: position, `NO_BLOCK` where the engine keeps none (a sliding window's past). The groups share
+#: their memory: a block id names the same bytes of every layer the agent moves, so the KV of
+#: a request is its blocks of every group.
+BlockTable = tuple[tuple[int, ...], ...]
+#: A position of a block table that holds no block here.
+NO_BLOCK = -1
+
+
+def one_group(block_ids: Sequence[int]) -> BlockTable:
+    """The block table of an engine with one KV cache group."""
+    return (tuple(block_ids),)
+
+
+def table_blocks(table: BlockTable) -> tuple[int, ...]:
+    """A block table's blocks, group after group, in position order (`NO_BLOCK` left out)."""
+    return tuple(block for group in table for block in group if block != NO_BLOCK)
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -82,15 +101,15 @@ class LoadSpec:
     #: The prefill engine's Ray node and push-request inbox, as its ticket names them.
     prefill_node: str
     prefill_inbox: str
-    #: The blocks the engine allocated here for the request's pushed tokens, in order.
-    block_ids: tuple[int, ...]
-    #: Which of the prefill engine's blocks of the request the first of them takes.
+    #: The blocks the engine allocated here for the request's pushed tokens, in order, per group.
+    block_ids: BlockTable
+    #: Which of the prefill engine's blocks of the request (in each group) the first of them takes.
     first_block: int
     #: Why the request's ticket was refused ("": it was not): its load fails at once.
     refusal: str = ""
 
     @classmethod
-    def refused(cls, request_id: str, block_ids: tuple[int, ...], why: str) -> LoadSpec:
+    def refused(cls, request_id: str, block_ids: BlockTable, why: str) -> LoadSpec:
         return cls(request_id, "", None, "", "", "", block_ids, 0, refusal=why)
 
 
@@ -100,7 +119,7 @@ class SendSpec:
 
     #: The engine's id of the request (reported back when its blocks may go).
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockTable
     #: The id decode engines ask for (the client's hand-off id); "" means `request_id`.
     key: str = ""
     #: The request did not finish well: end (abort) any push of it, send nothing.
@@ -118,7 +137,7 @@ class LayerwiseSpec:
 
     request_id: str
     key: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockTable
 
 
 @dataclass(frozen=True)
@@ -165,13 +184,19 @@ class Moved:
     request_id: str
     #: The hand-off's id at the prefill engine.
     handoff: str
-    #: The request's blocks on this side: held until the observer returns.
-    blocks: tuple[int, ...]
+    #: The request's blocks on this side, per KV cache group, where both sides have one (so
+    #: the two sides' tables line up): held until the observer returns.
+    groups: BlockTable
     seconds: float
     transport: TransportKind | None = None
     layerwise: bool | None = None
     #: Layer-wise: from the forward saving the last layer to the decode side told.
     tail_s: float | None = None
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The request's blocks on this side, group after group."""
+        return table_blocks(self.groups)
 
 
 class HandoffObserver(Protocol):
@@ -263,6 +288,8 @@ class _Layered:
     #: The decode engine's push request, once it has come, and the blocks it takes.
     request: PushRequest | None = None
     blocks: tuple[int, ...] = ()
+    #: The same blocks per group (`_taken_blocks`).
+    groups: BlockTable = ()
     pushes: list[asyncio.Task[int]] = field(default_factory=list)
     #: When the forward saved the last layer (`time.perf_counter`).
     last_saved: float = 0.0
@@ -478,10 +505,10 @@ class Handoff:
         held.pushing = True
         reservation = request.reservation
         try:
-            blocks = _taken_blocks(request, held.spec.block_ids)
-            self._learn_peer(request)
-            result = await self._push_when_room(reservation, blocks, held.lease_ends)
-            await self._moved(_sent(result, key, blocks, layerwise=False))
+            self._learn_peer(request)  # first: a refusal below is told to the decode engine
+            taken = _taken_blocks(request, held.spec.block_ids)
+            result = await self._push_when_room(reservation, table_blocks(taken), held.lease_ends)
+            await self._moved(_sent(result, key, taken, layerwise=False))
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", key, error)
             self._note(HandoffEvent.PUSH_FAILED, key, key, _why(error))
@@ -577,7 +604,8 @@ class Handoff:
         """The decode engine asked while the forward runs: push the layers saved so far now,
         the others as they are saved, and finish when the finished request is handed over."""
         try:
-            layered.blocks = _taken_blocks(request, layered.spec.block_ids)
+            layered.groups = _taken_blocks(request, layered.spec.block_ids)
+            layered.blocks = table_blocks(layered.groups)
             self._learn_peer(request)
         except Exception as error:
             self._spawn(self._refuse(request, _why(error)))
@@ -629,7 +657,7 @@ class Handoff:
             # From the last layer's KV in the prefill's cache to the decode side told it may
             # decode: what the layer-wise push leaves after the forward.
             tail = time.perf_counter() - layered.last_saved
-            await self._moved(_sent(result, request.request_id, layered.blocks, layerwise=True, tail_s=tail))
+            await self._moved(_sent(result, request.request_id, layered.groups, layerwise=True, tail_s=tail))
         except Exception as error:
             log.warning("kvray: layer-wise push of %s failed: %s", request.request_id, error)
             self._note(HandoffEvent.PUSH_FAILED, request.request_id, request.request_id, _why(error))
@@ -687,7 +715,7 @@ class Handoff:
                     f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
                     engine_id=spec.prefill_engine,
                 )
-            reservation = agent.expect(spec.request_id, list(spec.block_ids))
+            reservation = agent.expect(spec.request_id, list(table_blocks(spec.block_ids)))
             reserved = True
             request = PushRequest(
                 request_id=spec.prefill_request_id,
@@ -696,6 +724,7 @@ class Handoff:
                 reservation=reservation,
                 first_block=spec.first_block,
                 decode_info=encode(agent.info),
+                groups=spec.block_ids if len(spec.block_ids) > 1 else (),
             )
             asked = time.perf_counter()
             async with asyncio.timeout(self.settings.notify_timeout_s):
@@ -708,7 +737,7 @@ class Handoff:
                     HandoffEvent.RECEIVED,
                     spec.prefill_request_id,
                     spec.prefill_request_id,
-                    spec.block_ids,
+                    tuple(tuple(block for block in group if block != NO_BLOCK) for group in spec.block_ids),
                     waited,
                 )
             )
@@ -774,27 +803,58 @@ class Handoff:
             log.info("kvray: could not withdraw %s from its prefill engine: %s", spec.request_id, _why(error))
 
 
-def _taken_blocks(request: PushRequest, held: Sequence[int]) -> tuple[int, ...]:
-    """The blocks of a held request that a push request's reservation takes."""
-    count = len(request.reservation.blocks)
-    blocks = tuple(held[request.first_block : request.first_block + count])
-    if len(blocks) != count:
+def _taken_blocks(request: PushRequest, held: BlockTable) -> BlockTable:
+    """The blocks of a held request that a push request's reservation takes, per group, position
+    by position from `first_block` where the decode engine has a block (`table_blocks` of it:
+    in the reservation's order). Refused (`NotExpectedError`) where the two sides' groups differ, the
+    table does not name the reservation's blocks, or the decode engine wants a position this
+    side no longer keeps."""
+    asked = request.groups or one_group(request.reservation.blocks)
+    request_id = request.request_id
+    if len(asked) != len(held):
         raise NotExpectedError(
-            f"request {request.request_id!r} holds {len(held)} blocks here; the decode engine "
-            f"reserved {count} from block {request.first_block}",
-            request_id=request.request_id,
+            f"request {request_id!r}: the decode engine's KV cache has {len(asked)} groups, this "
+            f"engine's {len(held)}; they cannot take each other's KV",
+            request_id=request_id,
         )
-    return blocks
+    if table_blocks(asked) != tuple(request.reservation.blocks):
+        raise NotExpectedError(
+            f"request {request_id!r}: the push request's block table does not name its reservation's blocks",
+            request_id=request_id,
+        )
+    first = request.first_block
+    taken: list[tuple[int, ...]] = []
+    for group, (wanted, kept) in enumerate(zip(asked, held, strict=True)):
+        have = kept[first : first + len(wanted)]
+        if len(have) != len(wanted):
+            raise NotExpectedError(
+                f"request {request_id!r} holds {len(kept)} blocks here in group {group}; the "
+                f"decode engine reserved {len(wanted)} positions from block {first}",
+                request_id=request_id,
+            )
+        ours_taken: list[int] = []
+        for position, (theirs, ours) in enumerate(zip(wanted, have, strict=True)):
+            if theirs == NO_BLOCK:
+                continue  # the decode engine keeps nothing there
+            if ours == NO_BLOCK:
+                raise NotExpectedError(
+                    f"request {request_id!r}: the decode engine wants block {first + position} of "
+                    f"group {group}, which this engine no longer keeps (outside its window)",
+                    request_id=request_id,
+                )
+            ours_taken.append(ours)
+        taken.append(tuple(ours_taken))
+    return tuple(taken)
 
 
 def _sent(
-    result: PushResult, handoff: str, blocks: Sequence[int], *, layerwise: bool, tail_s: float | None = None
+    result: PushResult, handoff: str, groups: BlockTable, *, layerwise: bool, tail_s: float | None = None
 ) -> Moved:
     return Moved(
         HandoffEvent.SENT,
         result.request_id,
         handoff,
-        tuple(blocks),
+        groups,
         result.seconds,
         transport=result.transport,
         layerwise=layerwise,

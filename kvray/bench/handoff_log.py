@@ -15,12 +15,11 @@ import contextlib
 import hashlib
 import json
 import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from kvray.agent.handoff import HandoffEvent, Moved
+from kvray.agent.handoff import BlockTable, HandoffEvent, Moved
 from kvray.memory import Backing
 
 
@@ -37,7 +36,7 @@ class DigestLog:
 
     async def moved(self, moved: Moved, backing: Backing) -> None:
         # On a thread: the agent's loop keeps moving other requests' KV meanwhile.
-        digests = await asyncio.to_thread(self.digests, backing, moved.handoff, moved.blocks)
+        digests = await asyncio.to_thread(self.digests, backing, moved.handoff, moved.groups)
         self._append(
             moved.event,
             moved.request_id,
@@ -49,16 +48,20 @@ class DigestLog:
             layers=digests,
         )
 
-    def digests(self, backing: Backing, handoff: str, blocks: Sequence[int]) -> dict[str, str]:
-        """Per-layer SHA-256 of a request's blocks, for one request in `every`."""
+    def digests(self, backing: Backing, handoff: str, groups: BlockTable) -> dict[str, str]:
+        """Per-layer SHA-256 of a request's blocks, for one request in `every`: by layer for an
+        engine of one KV cache group, by `layer@group` for each group of several (a group's
+        blocks in a layer's cache are that group's KV of it)."""
         if zlib.crc32(handoff.encode()) % self.every != 0:
             return {}
-        index = torch.as_tensor(list(blocks), dtype=torch.long)
         digests = {}
-        for name, view in backing.views.items():
-            block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
-            picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
-            digests[name] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
+        for group, blocks in enumerate(groups):
+            index = torch.as_tensor(list(blocks), dtype=torch.long)
+            for name, view in backing.views.items():
+                block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
+                picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
+                key = name if len(groups) == 1 else f"{name}@group{group}"
+                digests[key] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
         return digests
 
     def _append(self, event: HandoffEvent, request_id: str, handoff: str, **fields: Any) -> None:

@@ -15,7 +15,9 @@ import msgspec
 import pytest
 
 from kvray.agent.handoff import (
+    NO_BLOCK,
     PUSH_ENDPOINT,
+    BlockTable,
     Handoff,
     HandoffEvent,
     LayerwiseSpec,
@@ -99,9 +101,16 @@ async def engines(
 
 
 def load_from(
-    prefill: Engine, request_id: str, key: str, blocks: tuple[int, ...], first: int = 0
+    prefill: Engine,
+    request_id: str,
+    key: str,
+    blocks: tuple[int, ...],
+    first: int = 0,
+    *,
+    table: BlockTable | None = None,
 ) -> LoadSpec:
-    """A load of what `prefill` holds (or will hold) under `key`, as its ticket names it."""
+    """A load of what `prefill` holds (or will hold) under `key`, as its ticket names it, into
+    `blocks` (one KV cache group) or `table` (several)."""
     info = prefill.agent.info
     return LoadSpec(
         request_id,
@@ -110,7 +119,7 @@ def load_from(
         key,
         info.node_id,
         info.endpoints[PUSH_ENDPOINT],
-        blocks,
+        table if table is not None else (blocks,),
         first,
     )
 
@@ -132,7 +141,7 @@ async def test_an_ask_before_the_hold_is_parked_then_pushed_into_exactly_its_blo
         decode.handoff.load(load_from(prefill, "d-1", KEY, (6, 3), first=1))
         await until(lambda: prefill.handoff.parked() == 1)
         assert decode.reports.loads == {}
-        prefill.handoff.hold(SendSpec("r-1", (5, 1, 2), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((5, 1, 2),), key=KEY))
         await until(lambda: "d-1" in decode.reports.loads)
         assert decode.reports.loads == {"d-1": False}
         assert decode.block(6) == prefill.block(1) and decode.block(3) == prefill.block(2)
@@ -151,11 +160,66 @@ async def test_an_ask_before_the_hold_is_parked_then_pushed_into_exactly_its_blo
     assert asked[0]["side"] == HandoffEvent.ASKED.value
 
 
+async def test_each_kv_cache_groups_blocks_move_and_positions_the_decode_side_keeps_none_of_are_skipped(
+    tmp_path: Path,
+) -> None:
+    """Two groups (a sliding window's and full attention's): every group's blocks of the request
+    move, position by position, in every layer; a position the decode engine keeps no block
+    for (outside its window) moves nothing, though the prefill engine still holds it."""
+    async with engines(tmp_path, observe=True) as (prefill, decode):
+        prefill.fill({1: 1.0, 2: 2.0, 3: 3.0, 5: 5.0, 6: 6.0, 7: 7.0})
+        held = ((7, 1, 2), (3, 5, 6))
+        prefill.handoff.hold(SendSpec("r-1", held, key=KEY))
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (), table=((NO_BLOCK, 7, 4), (2, 3, 5))))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False}
+        pairs = {7: 1, 4: 2, 2: 3, 3: 5, 5: 6}
+        for mine, theirs in pairs.items():
+            assert decode.block(mine) == prefill.block(theirs), (mine, theirs)
+        for canary in (0, 1, 6):
+            assert decode.block(canary) == [{0.0}] * 3
+        await until(lambda: prefill.reports.freed == ["r-1"])
+    sides = {}
+    for name, side in (("hand-p", "sent"), ("hand-d", "received")):
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        (moved,) = [record for record in records if record["side"] == side]
+        sides[side] = moved["layers"]
+    assert sides["sent"] == sides["received"]
+    assert sorted(sides["sent"]) == sorted(f"layer{i}@group{g}" for i in range(3) for g in range(2))
+
+
+@pytest.mark.parametrize(
+    ("held", "wanted", "why"),
+    [
+        # The decode engine wants the first position of group 0, which the prefill engine's
+        # window has let go of: nothing it could write there is the request's KV.
+        (((NO_BLOCK, 1), (3, 5)), ((7, 4), (2, 3)), "no longer keeps"),
+        # One engine's cache has two groups, the other's one: not the same model.
+        (((1, 2),), ((7, 4), (2, 3)), "groups"),
+    ],
+)
+async def test_a_block_table_the_prefill_side_cannot_serve_fails_the_load_and_writes_nothing(
+    tmp_path: Path, held: BlockTable, wanted: BlockTable, why: str
+) -> None:
+    async with engines(tmp_path, observe=True) as (prefill, decode):
+        prefill.fill({1: 1.0, 2: 2.0, 3: 3.0, 5: 5.0})
+        prefill.handoff.hold(SendSpec("r-1", held, key=KEY))
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (), table=wanted))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": True}
+        for block in range(LAYOUT.num_blocks):
+            assert decode.block(block) == [{0.0}] * 3
+    records = [json.loads(line) for line in (tmp_path / "hand-p.jsonl").read_text().splitlines()]
+    assert any(
+        record["side"] == HandoffEvent.PUSH_FAILED.value and why in record["error"] for record in records
+    )
+
+
 async def test_a_hold_nobody_asks_for_is_freed_when_its_lease_ends_and_its_id_stays_spent(
     tmp_path: Path,
 ) -> None:
     async with engines(tmp_path, lease_s=0.3) as (prefill, decode):
-        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
         prefill.handoff.expire()
         assert prefill.reports.freed == []  # not before the lease ends
         await until(lambda: prefill.reports.freed == ["r-1"], tick=prefill.handoff.expire)
@@ -176,8 +240,8 @@ async def test_an_ask_nobody_holds_for_is_refused_when_its_lease_ends(tmp_path: 
 async def test_a_second_hold_under_a_held_id_ends_at_once_and_a_second_ask_is_refused(tmp_path: Path) -> None:
     async with engines(tmp_path) as (prefill, decode):
         prefill.fill({1: 1.0, 4: 4.0})
-        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
-        prefill.handoff.hold(SendSpec("r-2", (4,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
+        prefill.handoff.hold(SendSpec("r-2", ((4,),), key=KEY))
         assert prefill.reports.freed == ["r-2"]  # the newcomer's blocks go back at once
         decode.handoff.load(load_from(prefill, "d-1", KEY, (2,)))
         await until(lambda: "d-1" in decode.reports.loads)
@@ -186,19 +250,19 @@ async def test_a_second_hold_under_a_held_id_ends_at_once_and_a_second_ask_is_re
         decode.handoff.load(load_from(prefill, "d-2", KEY, (3,)))
         await until(lambda: "d-2" in decode.reports.loads)
         assert decode.reports.loads["d-2"] is True and decode.block(3) == [{0.0}] * 3
-        prefill.handoff.hold(SendSpec("r-3", (5,), key=KEY))  # spent: not held either
+        prefill.handoff.hold(SendSpec("r-3", ((5,),), key=KEY))  # spent: not held either
         assert prefill.reports.freed == ["r-2", "r-1", "r-3"]
 
 
 async def test_a_withdrawal_frees_the_hold_and_refuses_a_later_one(tmp_path: Path) -> None:
     other = "0" * 31 + "2"
     async with engines(tmp_path, lease_s=60.0) as (prefill, decode):
-        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
         await decode.handoff.withdraw(load_from(prefill, "d-1", KEY, ()))
         await until(lambda: prefill.reports.freed == ["r-1"])
         await decode.handoff.withdraw(load_from(prefill, "d-2", other, ()))
         await asyncio.sleep(0.2)
-        prefill.handoff.hold(SendSpec("r-2", (2,), key=other))  # finished after its withdrawal
+        prefill.handoff.hold(SendSpec("r-2", ((2,),), key=other))  # finished after its withdrawal
         assert prefill.reports.freed == ["r-1", "r-2"]
 
 
@@ -210,7 +274,7 @@ async def test_a_cancelled_load_reports_no_failure_and_withdraws_its_parked_ask(
         await until(lambda: "d-1" in decode.reports.loads)
         assert decode.reports.loads == {"d-1": False}
         await until(lambda: prefill.handoff.parked() == 0)
-        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
         assert prefill.reports.freed == ["r-1"]
         decode.agent.expect("d-1", [2, 3])  # released: reserved again
 
@@ -218,7 +282,7 @@ async def test_a_cancelled_load_reports_no_failure_and_withdraws_its_parked_ask(
 async def test_a_release_frees_the_hold_at_once_and_a_drop_refuses_the_parked_ask(tmp_path: Path) -> None:
     other = "0" * 31 + "2"
     async with engines(tmp_path, lease_s=60.0) as (prefill, decode):
-        prefill.handoff.hold(SendSpec("r-1", (1,), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
         prefill.handoff.release(KEY)
         assert prefill.reports.freed == ["r-1"]
         decode.handoff.load(load_from(prefill, "d-1", KEY, (2,)))
@@ -266,14 +330,14 @@ async def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks
         layers = prefill.agent.layout.layer_names
         decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
         await until(lambda: prefill.handoff.parked() == 1)
-        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0, 1))})
+        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, ((0, 1),))})
         assert prefill.handoff.parked() == 0  # the ask is taken by the forward
         prefill.handoff.save_layer(layers[0])
         await prefill.handoff.preempt({KEY})
         assert prefill.handoff.parked() == 1  # parked again, for the request's next run
         prefill.fill({0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
         assert decode.reports.loads == {}
-        prefill.handoff.hold(SendSpec("r-1", (4, 5), key=KEY))
+        prefill.handoff.hold(SendSpec("r-1", ((4, 5),), key=KEY))
         await until(lambda: "d-1" in decode.reports.loads)
         assert decode.reports.loads == {"d-1": False}
         assert decode.block(2) == prefill.block(4) and decode.block(3) == prefill.block(5)
@@ -285,11 +349,11 @@ async def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks
 async def test_layers_saved_before_the_ask_are_pushed_when_it_comes(tmp_path: Path) -> None:
     async with engines(tmp_path) as (prefill, decode):
         prefill.fill({0: 1.0})
-        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0,))})
+        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, ((0,),))})
         for layer in prefill.agent.layout.layer_names[:2]:
             prefill.handoff.save_layer(layer)
         decode.handoff.load(load_from(prefill, "d-1", KEY, (6,)))
         await until(lambda: len(prefill.agent.layerwise_requests) == 1)
-        prefill.handoff.hold(SendSpec("r-1", (0,), key=KEY))  # the last layer was never saved
+        prefill.handoff.hold(SendSpec("r-1", ((0,),), key=KEY))  # the last layer was never saved
         await until(lambda: "d-1" in decode.reports.loads)
         assert decode.reports.loads == {"d-1": False} and decode.block(6) == prefill.block(0)

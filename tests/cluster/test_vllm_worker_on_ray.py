@@ -72,7 +72,7 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
         decode.register(destination, NUM_BLOCKS, BLOCK_SIZE)
         assert len(decode.info.regions) == LAYERS  # one region per storage
         held, reserved = (1, 2, 3), (6, 0, 4)
-        prefill.begin({}, {"p-request": SendSpec("p-request", held)})
+        prefill.begin({}, {"p-request": SendSpec("p-request", (held,))})
         load = LoadSpec(
             request_id="d-request",
             prefill_engine=prefill.info.engine_id,
@@ -80,7 +80,7 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
             prefill_request_id="p-request",
             prefill_node=prefill.info.node_id,
             prefill_inbox=prefill.info.endpoints[PUSH_ENDPOINT],
-            block_ids=reserved,
+            block_ids=(reserved,),
             first_block=0,
         )
         decode.begin({"d-request": load}, {})

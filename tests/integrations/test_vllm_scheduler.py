@@ -18,8 +18,14 @@ require_vllm()
 
 from vllm.v1.request import RequestStatus  # noqa: E402 - after the check that vLLM is installed
 
+from kvray.agent.handoff import NO_BLOCK  # noqa: E402 - after the check that vLLM is installed
+from kvray.errors import ConfigError  # noqa: E402 - after the check that vLLM is installed
 from kvray.integrations.vllm import tickets  # noqa: E402 - after the check that vLLM is installed
-from kvray.integrations.vllm.connector import KvrayHandshake, _Scheduler  # noqa: E402 - after the check
+from kvray.integrations.vllm.connector import (  # noqa: E402 - after the check
+    KvrayHandshake,
+    _Scheduler,
+    block_size_of,
+)
 
 KEY = tickets.HandoffKey.from_hex(tickets.new_key_hex())
 BLOCK_SIZE = 16
@@ -102,7 +108,7 @@ def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
         5,
         "/dev/shm/kvray-inbox",
     )
-    assert spec.block_ids == (3, 4, 5)
+    assert spec.block_ids == ((3, 4, 5),)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +124,7 @@ def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
 def test_a_forged_or_malformed_load_fails_that_load_and_raises_nothing(params: dict[str, Any]) -> None:
     count, asynchronous, meta = run_decode(scheduler(), request("d-1", params))
     assert (count, asynchronous) == (40, True)
-    assert meta.loads["d-1"].refusal and meta.loads["d-1"].block_ids == (3, 4, 5)
+    assert meta.loads["d-1"].refusal and meta.loads["d-1"].block_ids == ((3, 4, 5),)
 
 
 def test_an_unsigned_hold_is_not_held() -> None:
@@ -181,3 +187,46 @@ def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None
         run_decode(sched, other)
         sched.finished(other, ([3, 4, 5],))
         assert sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).withdrawn == []
+
+
+class GroupBlocks:
+    """What vLLM's hybrid KV cache manager allocates: a list of block ids per KV cache group."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = groups
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.groups
+
+
+def test_several_kv_cache_groups_keep_their_blocks_apart_and_nulls_hold_no_block() -> None:
+    """A sliding-window group and a full-attention group (HMA): each side's block table has a
+    row per group; vLLM's null block 0 (a window's past) is no block; the decode side's rows
+    start at its first block to load (its own prefix cache before it)."""
+    prefill = scheduler()
+    held = request("p-1", {"do_remote_decode": True}, tokens=40)
+    prefill.allocated(held, GroupBlocks([5, 6, 7], [8, 9, 10]), 0)
+    delay, params = prefill.finished(held, ([0, 6, 7], [8, 9, 10]))
+    assert delay and params is not None
+    (send,) = prefill.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends.values()
+    assert send.block_ids == ((NO_BLOCK, 6, 7), (8, 9, 10))
+
+    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    load = request("d-1", dict(params), tokens=40)
+    count, _ = decode.matched(load, BLOCK_SIZE)  # its first block is in its own prefix cache
+    assert count == 40 - BLOCK_SIZE
+    decode.allocated(load, GroupBlocks([0, 3, 4], [1, 2, 11]), count)
+    spec = decode.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).loads["d-1"]
+    assert spec.first_block == 1
+    assert spec.block_ids == ((3, 4), (2, 11))
+
+
+def test_kv_cache_groups_of_different_block_sizes_are_refused_at_start_up() -> None:
+    def config(*sizes: int) -> SimpleNamespace:
+        groups = [SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=size)) for size in sizes]
+        return SimpleNamespace(kv_cache_groups=groups)
+
+    assert block_size_of(config(128, 128), 16) == 128  # the platform's size, not the configured one
+    assert block_size_of(None, 16) == 16
+    with pytest.raises(ConfigError, match="one block size"):
+        block_size_of(config(16, 128), 16)

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
+from kvray.agent.handoff import NO_BLOCK, PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import BackpressureError, ConfigError, RegionError, TransferTimeoutError, WireDecodeError
 from kvray.integrations.vllm.worker import ConnectorWorker, layout_of, settings_from
@@ -48,7 +48,8 @@ def vllm_cpu_caches(buffer: torch.Tensor, layers: int = 3) -> dict[str, torch.Te
 
 def test_the_layout_comes_from_the_real_cache_tensors() -> None:
     caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
-    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    layout, views = cache.layout, cache.views
     assert layout.layer_names == tuple(caches)
     geometry = layout.layer("model.layers.0.self_attn").geometry
     assert (geometry.block_size, geometry.entry_shape, geometry.dtype, geometry.parts) == (
@@ -60,7 +61,7 @@ def test_the_layout_comes_from_the_real_cache_tensors() -> None:
     for name, view in views.items():
         assert view.shape == (NUM_BLOCKS, BLOCK_SIZE, 16) and view.data_ptr() == caches[name].data_ptr()
     split = {"k_and_v": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8, dtype=torch.float16)}
-    layout, _ = layout_of(split, NUM_BLOCKS, BLOCK_SIZE)
+    layout = layout_of(split, NUM_BLOCKS, BLOCK_SIZE).layout
     assert layout.layer("k_and_v").geometry.parts == 2
 
 
@@ -96,7 +97,8 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
         assert unplaced.untyped_storage().data_ptr() != worker._shm_storage
     assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
     caches = vllm_cpu_caches(buffer)
-    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    layout, views = cache.layout, cache.views
     backing = Backing.adopt(layout, views, settings=settings, shm_path=path)
     assert backing.kind is MemoryKind.SHM and len(backing.regions) == 1
     (region,) = backing.region_descriptors("vllm-test", 1, TransportKind.SHM, remote_writable=True)
@@ -108,7 +110,8 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
 
 def test_only_a_kvray_shared_memory_file_is_adopted_as_one(tmp_path: Path) -> None:
     caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
-    layout, views = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+    layout, views = cache.layout, cache.views
     with pytest.raises(RegionError, match="not a kvray shared-memory file"):
         Backing.adopt(layout, views, shm_path=str(tmp_path / "someone-elses-file"))
 
@@ -150,7 +153,7 @@ def load_from(
     info = prefill.info
     inbox = info.endpoints[PUSH_ENDPOINT]
     engine, incarnation = info.engine_id, info.incarnation
-    return LoadSpec(request_id, engine, incarnation, key, info.node_id, inbox, blocks, first_block)
+    return LoadSpec(request_id, engine, incarnation, key, info.node_id, inbox, (blocks,), first_block)
 
 
 def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
@@ -376,8 +379,8 @@ def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_
     prefill, decode = registered_pair(tmp_path)
     fill_blocks(prefill, {1: 1.0, 4: 4.0})
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
-        prefill.begin({}, {"r-2": SendSpec("r-2", (4,), key=KEY)})
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
+        prefill.begin({}, {"r-2": SendSpec("r-2", ((4,),), key=KEY)})
         sent_within(prefill, "r-2", 5.0)  # the newcomer's blocks go back to vLLM at once
         decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2,))}, {})
         assert reported_within(decode, "d-1", 10.0) == (set(), set())
@@ -388,7 +391,7 @@ def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_
         # The id is spent: another ask for it is refused at once, and so is another hold.
         decode.begin({"d-2": load_from(prefill, "d-2", KEY, (3,))}, {})
         assert reported_within(decode, "d-2", 5.0) == ({"d-2"}, {3})
-        prefill.begin({}, {"r-3": SendSpec("r-3", (5,), key=KEY)})
+        prefill.begin({}, {"r-3": SendSpec("r-3", ((5,),), key=KEY)})
         sent_within(prefill, "r-3", 5.0)
     finally:
         prefill.shutdown()
@@ -398,7 +401,7 @@ def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_
 def test_a_released_hold_is_freed_at_once_and_its_ask_refused(tmp_path: Path) -> None:
     prefill, decode = registered_pair(tmp_path, lease_s=60.0)
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
         started = time.monotonic()
         prefill.begin({}, {}, released={KEY})
         sent_within(prefill, "r-1", 5.0)
@@ -413,7 +416,7 @@ def test_a_released_hold_is_freed_at_once_and_its_ask_refused(tmp_path: Path) ->
 def test_a_load_whose_ticket_was_refused_fails_at_once_with_its_blocks_as_load_errors(tmp_path: Path) -> None:
     prefill, decode = registered_pair(tmp_path)
     try:
-        decode.begin({"d-1": LoadSpec.refused("d-1", (2, 3), "not signed")}, {})
+        decode.begin({"d-1": LoadSpec.refused("d-1", ((2, 3),), "not signed")}, {})
         assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2, 3})
         reserve(decode, "d-1", [2, 3])  # nothing was reserved
     finally:
@@ -434,13 +437,13 @@ def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_p
         deadline = time.monotonic() + 10
         while not prefill.handoff.parked() and time.monotonic() < deadline:  # the ask is parked
             time.sleep(0.01)
-        prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", KEY, (0, 1))})
+        prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", KEY, ((0, 1),))})
         prefill.save_layer(layers[0])
         time.sleep(0.2)
         prefill.preempt({KEY})
         fill_blocks(prefill, {0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
         assert decode.finished()[1] == set()
-        prefill.begin({}, {"r-1": SendSpec("r-1", (4, 5), key=KEY)})
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((4, 5),), key=KEY)})
         assert reported_within(decode, "d-1", 10.0) == (set(), set())
         assert block_values(decode, 2) == block_values(prefill, 4)
         assert block_values(decode, 3) == block_values(prefill, 5)
@@ -459,13 +462,13 @@ def test_a_load_withdrawn_before_it_began_frees_the_prefill_engines_hold(tmp_pat
     prefill, decode = registered_pair(tmp_path, lease_s=60.0)
     other = "0" * 31 + "2"
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
         started = time.monotonic()
         decode.begin({}, {}, withdrawn=[load_from(prefill, "d-1", KEY, ())])
         sent_within(prefill, "r-1", 5.0)
         decode.begin({}, {}, withdrawn=[load_from(prefill, "d-2", other, ())])
         time.sleep(0.5)
-        prefill.begin({}, {"r-2": SendSpec("r-2", (2,), key=other)})  # finished after the withdrawal
+        prefill.begin({}, {"r-2": SendSpec("r-2", ((2,),), key=other)})  # finished after the withdrawal
         sent_within(prefill, "r-2", 5.0)
         assert time.monotonic() - started < 10.0
     finally:
@@ -486,7 +489,7 @@ def test_a_cancelled_load_withdraws_its_ask_so_a_later_hold_is_freed_at_once(tmp
         while prefill.handoff.parked() and time.monotonic() < deadline:  # the withdrawal takes the ask back
             time.sleep(0.01)
         assert not prefill.handoff.parked()
-        prefill.begin({}, {"r-1": SendSpec("r-1", (1,), key=KEY)})
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
         sent_within(prefill, "r-1", 5.0)
     finally:
         prefill.shutdown()
@@ -514,14 +517,16 @@ def test_layers_queued_past_the_agents_bound_wait_for_room_instead_of_failing(
     fill_blocks(prefill, {0: 1.0, 1: 2.0, 2: 3.0})
     keys = [f"{index:032x}" for index in range(1, 4)]
     try:
-        prefill.begin_layerwise({f"r-{i}": LayerwiseSpec(f"r-{i}", key, (i,)) for i, key in enumerate(keys)})
+        prefill.begin_layerwise(
+            {f"r-{i}": LayerwiseSpec(f"r-{i}", key, ((i,),)) for i, key in enumerate(keys)}
+        )
         for layer in prefill.agent.layout.layer_names:
             prefill.save_layer(layer)
         decode.begin(
             {f"d-{i}": load_from(prefill, f"d-{i}", key, (i + 3,)) for i, key in enumerate(keys)}, {}
         )
         time.sleep(0.5)  # every ask has come: 9 layers queued at once
-        prefill.begin({}, {f"r-{i}": SendSpec(f"r-{i}", (i,), key=key) for i, key in enumerate(keys)})
+        prefill.begin({}, {f"r-{i}": SendSpec(f"r-{i}", ((i,),), key=key) for i, key in enumerate(keys)})
         received: set[str] = set()
         deadline = time.monotonic() + 15
         while len(received) < 3 and time.monotonic() < deadline:
@@ -532,6 +537,142 @@ def test_layers_queued_past_the_agents_bound_wait_for_room_instead_of_failing(
         assert received == {"d-0", "d-1", "d-2"}
         for index in range(3):
             assert block_values(decode, index + 3) == block_values(prefill, index)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def hybrid_caches(buffer: torch.Tensor | None = None, layers: int = 4) -> dict[str, torch.Tensor]:
+    """vLLM's hybrid KV cache manager on a model of sliding-window (even) and full-attention (odd)
+    layers: two groups of one page size, and layer `2k` and `2k + 1` share one tensor (a block
+    id belongs to one group at a time). Registered in the order vLLM uses: 0, 2, 1, 3. In
+    `buffer` (int8, as vLLM allocates it), or in a fresh one."""
+    per_layer = NUM_BLOCKS * 2 * BLOCK_SIZE * 8
+    nbytes = (layers // 2) * per_layer * 2
+    if buffer is None:  # with room for the page-aligned region around it
+        buffer = torch.zeros(nbytes + 3 * 4096, dtype=torch.int8)
+    skip = -buffer.data_ptr() % 4096
+    typed = buffer[skip : skip + nbytes].view(torch.bfloat16)
+    shared = [
+        typed[i * per_layer : (i + 1) * per_layer].view(NUM_BLOCKS, 2, BLOCK_SIZE, 8)
+        for i in range(layers // 2)
+    ]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    order = [i for i in range(layers) if i % 2 == 0] + [i for i in range(layers) if i % 2 == 1]
+    return {names[i]: shared[i // 2] for i in order}
+
+
+def hybrid_groups(names: list[str]) -> list[list[str]]:
+    return [
+        [n for n in names if int(n.split(".")[2]) % 2 == 0],
+        [n for n in names if int(n.split(".")[2]) % 2],
+    ]
+
+
+def test_groups_that_share_their_layers_memory_are_one_kvray_layer_per_tensor() -> None:
+    caches = hybrid_caches()
+    names = list(caches)
+    groups = [
+        [n for n in names if int(n.split(".")[2]) % 2 == 0],
+        [n for n in names if int(n.split(".")[2]) % 2],
+    ]
+    cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE, groups)
+    # One kvray layer per tensor, named after its first vLLM layer; both groups' layers map onto it.
+    assert cache.layout.layer_names == ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn")
+    assert cache.layer_of["model.layers.1.self_attn.attn"] == "model.layers.0.self_attn.attn"
+    assert cache.users["model.layers.2.self_attn.attn"] == {
+        "model.layers.2.self_attn.attn",
+        "model.layers.3.self_attn.attn",
+    }
+    for name, view in cache.views.items():
+        assert view.data_ptr() == caches[name].data_ptr()
+
+
+def test_an_mla_cache_is_one_part_of_one_latent_per_token() -> None:
+    """DeepSeek's MLA on vLLM's CPU backends: [blocks, 1, tokens, 576] bf16, no K/V split."""
+    storage = torch.zeros(4 * NUM_BLOCKS * BLOCK_SIZE * 576, dtype=torch.bfloat16)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": storage[i * NUM_BLOCKS * BLOCK_SIZE * 576 :][
+            : NUM_BLOCKS * BLOCK_SIZE * 576
+        ].view(NUM_BLOCKS, 1, BLOCK_SIZE, 576)
+        for i in range(4)
+    }
+    cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE, [list(caches)])
+    assert len(cache.layout.layers) == 4
+    for layer in cache.layout.layers:
+        assert (layer.geometry.entry_shape, layer.geometry.parts) == ((576,), 1)
+
+
+def test_caches_that_overlap_without_being_one_tensor_are_refused() -> None:
+    storage = torch.zeros(2 * NUM_BLOCKS * BLOCK_SIZE * 8, dtype=torch.float32)
+    half = NUM_BLOCKS * BLOCK_SIZE * 8
+    caches = {
+        "a": storage[:half].view(NUM_BLOCKS, BLOCK_SIZE, 8),
+        "b": storage[half // 2 : half // 2 + half].view(NUM_BLOCKS, BLOCK_SIZE, 8),
+    }
+    with pytest.raises(ConfigError, match="overlap"):
+        layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
+
+
+def test_groups_that_do_not_share_their_layers_memory_are_refused_at_start_up() -> None:
+    """E.g. an MLA latent group beside an indexer group of another page size: a block id of one
+    group would be moved in the other's caches too."""
+    caches = {f"layer{i}": torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 8) for i in range(3)}
+    with pytest.raises(ConfigError, match="does not share its memory"):
+        layout_of(caches, NUM_BLOCKS, BLOCK_SIZE, [["layer0", "layer1"], ["layer2"]])
+    with pytest.raises(ConfigError, match="no cache for"):
+        layout_of(caches, NUM_BLOCKS, BLOCK_SIZE, [["layer0", "layer1", "layer2", "layer9"]])
+
+
+def test_a_shared_layer_is_pushed_once_every_vllm_layer_on_it_was_saved(tmp_path: Path) -> None:
+    """Layer by layer on a hybrid model: the kvray layer of vLLM layers 0 and 1 goes once both
+    are saved, with the blocks of both groups, into the decode engine's blocks of both groups;
+    a position the decode engine keeps no block for (a window's past) moves nothing."""
+    settings = Settings(shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=30.0)
+    prefill = ConnectorWorker("vllm-hybrid-p", Role.DECODE, settings, lease_s=30.0)
+    decode = ConnectorWorker("vllm-hybrid-d", Role.DECODE, settings, lease_s=30.0)
+    caches = []
+    for worker in (prefill, decode):
+        with worker.allocation_context():
+            buffer = torch.zeros(NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2 * 2 + (1 << 20), dtype=torch.int8)
+        caches.append(hybrid_caches(buffer))
+    source, destination = caches
+    names = list(source)
+    tensors = list({id(t): t for t in source.values()}.values())
+    for index, tensor in enumerate(tensors):
+        for block in range(NUM_BLOCKS):
+            tensor[block].fill_(block + 10 * index + 1)
+    try:
+        prefill.register(source, NUM_BLOCKS, BLOCK_SIZE, hybrid_groups(names))
+        decode.register(destination, NUM_BLOCKS, BLOCK_SIZE, hybrid_groups(names))
+        held = ((NO_BLOCK, 1), (2, 3))
+        prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", KEY, held)})
+        load = LoadSpec(
+            "d-1",
+            prefill.info.engine_id,
+            prefill.info.incarnation,
+            KEY,
+            prefill.info.node_id,
+            prefill.info.endpoints[PUSH_ENDPOINT],
+            ((NO_BLOCK, 4), (5, 1)),
+            0,
+        )
+        decode.begin({"d-1": load}, {})
+        time.sleep(0.3)  # the ask reaches the prefill engine before the forward
+        prefill.save_layer(names[0])  # its tensor is layer 1's too, which is not saved yet
+        time.sleep(0.3)
+        assert not any(bool((t != 0).any()) for t in destination.values())
+        for name in names[1:]:
+            prefill.save_layer(name)
+        prefill.begin({}, {"r-1": SendSpec("r-1", held, key=KEY)})
+        failed, errors = reported_within(decode, "d-1", 10)
+        assert not failed and not errors
+        received = list({id(t): t for t in destination.values()}.values())
+        for index, (mine, theirs) in enumerate(zip(tensors, received, strict=True)):
+            for dst, src in ((4, 1), (5, 2), (1, 3)):
+                assert torch.equal(theirs[dst], mine[src]), (index, dst, src)
+            for canary in (0, 2, 3):
+                assert bool((theirs[canary] == 0).all()), (index, canary)
     finally:
         prefill.shutdown()
         decode.shutdown()

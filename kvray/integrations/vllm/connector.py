@@ -67,9 +67,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
-from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
+from kvray.agent.handoff import (
+    NO_BLOCK,
+    PUSH_ENDPOINT,
+    BlockTable,
+    LayerwiseSpec,
+    LoadSpec,
+    SendSpec,
+    table_blocks,
+)
 from kvray.config import handoff_key_from_env
 from kvray.errors import ConfigError, TicketError
 from kvray.integrations.vllm.tickets import (
@@ -138,18 +147,23 @@ class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
     withdrawn: list[LoadSpec] = field(default_factory=list)
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """A request's block ids of its (only) KV cache group."""
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        if len(block_ids) != 1:
-            raise ConfigError("kvray moves models with one KV cache group (no hybrid attention yet)")
-        return list(block_ids[0])
-    return list(block_ids)
+def _groups(block_ids: Any) -> BlockTable:
+    """A request's block ids as vLLM gives them (one list per KV cache group, or one flat list
+    to a connector of one group) as a block table: vLLM's null block (0, which vLLM never
+    hands to a request: e.g. a sliding window's past) is `NO_BLOCK`."""
+    if not block_ids:
+        return ((),)
+    groups = block_ids if isinstance(block_ids[0], (list, tuple)) else (block_ids,)
+    return tuple(
+        tuple(NO_BLOCK if block == NULL_BLOCK else int(block) for block in group) for group in groups
+    )
 
 
-class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """kvray's vLLM connector: the scheduler side in the engine-core process, the worker side
-    in each worker process (vLLM builds one of each)."""
+    in each worker process (vLLM builds one of each). It supports vLLM's hybrid KV cache
+    manager (`SupportsHMA`): a model with several KV cache groups (sliding-window and full
+    attention layers) keeps them, and a request's blocks move per group."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -158,7 +172,7 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ConfigError("KvrayConnector runs with tensor_parallel_size 1 (one worker per engine)")
         self.engine_id = f"vllm-{transfer.engine_id}"
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_size = block_size_of(kv_cache_config, int(vllm_config.cache_config.block_size))
         lease_s = float(extra.get("lease_s", 60.0))
         self._scheduler: _Scheduler | None = None
         self._worker: ConnectorWorker | None = None
@@ -183,6 +197,10 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             _instrument(self._worker, extra)
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+            #: Each KV cache group's layer names (none known: one group of every layer).
+            self._group_layers: list[list[str]] = [
+                list(group.layer_names) for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+            ]
 
     # ---- worker side ------------------------------------------------------------------
 
@@ -194,7 +212,7 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
-        info = self._worker.register(kv_caches, num_blocks, self.block_size)
+        info = self._worker.register(kv_caches, num_blocks, self.block_size, self._group_layers)
         log.info(
             "kvray: engine %s registered %d layers, %d regions",
             info.engine_id,
@@ -298,6 +316,12 @@ class KvrayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.reported(connector_output)
@@ -392,11 +416,11 @@ class _Scheduler:
             return
         first = local // self.block_size
         count = ceil_div(local + num_external_tokens, self.block_size) - first
-        block_ids = _first_group(blocks.get_block_ids())[first : first + count]
+        table = tuple(group[first : first + count] for group in _groups(blocks.get_block_ids()))
         if isinstance(ticket, str):
-            spec = LoadSpec.refused(request.request_id, tuple(block_ids), ticket)
+            spec = LoadSpec.refused(request.request_id, table, ticket)
         else:
-            spec = _load_spec(request.request_id, ticket, tuple(block_ids), first)
+            spec = _load_spec(request.request_id, ticket, table, first)
         self._loads[request.request_id] = spec
         self._loading.add(request.request_id)
 
@@ -450,7 +474,7 @@ class _Scheduler:
             self._producing.pop(request.request_id, None)
         if key is None:
             return False, None
-        blocks = _first_group(block_ids)
+        blocks = _groups(block_ids)
         succeeded = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         handshake = self.handshake
         if request.request_id in self._layered:
@@ -458,16 +482,16 @@ class _Scheduler:
             # it, if the request did not finish well) before vLLM may free them.
             self._layered.discard(request.request_id)
             self._sends[request.request_id] = SendSpec(
-                request.request_id, tuple(blocks), key=key, failed=not succeeded
+                request.request_id, blocks, key=key, failed=not succeeded
             )
             self._held.add(request.request_id)
             if not succeeded or handshake is None:
                 return True, None
-        elif not succeeded or not blocks or handshake is None:
+        elif not succeeded or not table_blocks(blocks) or handshake is None:
             self._dropped.add(key)
             return False, None
         else:
-            self._sends[request.request_id] = SendSpec(request.request_id, tuple(blocks), key=key)
+            self._sends[request.request_id] = SendSpec(request.request_id, blocks, key=key)
             self._held.add(request.request_id)
         held = Held(
             engine=handshake.engine_id,
@@ -516,7 +540,7 @@ class _Scheduler:
                 continue
             if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(new.prompt_token_ids):
                 continue
-            layerwise[new.req_id] = LayerwiseSpec(new.req_id, key, tuple(_first_group(new.block_ids)))
+            layerwise[new.req_id] = LayerwiseSpec(new.req_id, key, _groups(new.block_ids))
             self._layered.add(new.req_id)
         return layerwise
 
@@ -538,11 +562,34 @@ class _Scheduler:
         )
 
 
+#: vLLM's null block: never a request's, it stands where a group keeps no block.
+NULL_BLOCK = 0
+
+
+def block_size_of(kv_cache_config: Any, configured: int) -> int:
+    """Tokens per block, as the engine's KV cache groups have it (the platform may choose
+    another size than the one configured, e.g. 16 or 128 for MLA on a CPU). kvray pairs the two
+    sides' blocks position by position in every group: groups of different block sizes are
+    refused here, at start-up."""
+    sizes = {
+        int(group.kv_cache_spec.block_size)
+        for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if getattr(getattr(group, "kv_cache_spec", None), "block_size", None)
+    }
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"the model's KV cache groups have blocks of {sorted(sizes)} tokens; kvray moves KV cache "
+            "groups of one block size",
+            block_sizes=sorted(sizes),
+        )
+    return sizes.pop() if sizes else configured
+
+
 #: Any of these in a request's kv_transfer_params makes `do_remote_prefill` a kvray load.
 _KVRAY_LOAD_KEYS = frozenset({PREFILL_ENGINE, PREFILL_REQUEST, HANDOFF})
 
 
-def _load_spec(request_id: str, ticket: Load, block_ids: tuple[int, ...], first_block: int) -> LoadSpec:
+def _load_spec(request_id: str, ticket: Load, block_ids: BlockTable, first_block: int) -> LoadSpec:
     """What the workers need to load a request by `ticket` into `block_ids`."""
     held = ticket.held
     return LoadSpec(

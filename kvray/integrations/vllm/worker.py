@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
-from collections.abc import Collection, Coroutine, Iterator, Mapping
+from collections.abc import Collection, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,6 +28,7 @@ from kvray.agent.handoff import (
     LoadSpec,
     PushRequestMail,
     SendSpec,
+    table_blocks,
 )
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
@@ -46,47 +48,135 @@ T = TypeVar("T")
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """vLLM's KV cache as kvray moves it: one kvray layer per distinct per-layer tensor (vLLM's
+    KV cache groups share memory: with sliding-window and full-attention groups, one tensor
+    is the cache of one layer of each group, and a block id belongs to one group at a time),
+    named after the first vLLM layer that uses it."""
+
+    layout: KVLayout
+    #: The tensors, as the layout's shapes, by kvray layer.
+    views: dict[str, torch.Tensor]
+    #: The kvray layer of each vLLM layer.
+    layer_of: dict[str, str]
+    #: The vLLM layers of each kvray layer: it is pushed once the forward has saved them all.
+    users: dict[str, frozenset[str]]
+
+
 def layout_of(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
-) -> tuple[KVLayout, dict[str, torch.Tensor]]:
-    """A kvray layout read from vLLM's real per-layer cache tensors, and the tensors viewed as
-    that layout's shapes. A block of a layer must be one contiguous run (`[num_blocks, ...]`)
-    or two, K and V (`[2, num_blocks, ...]`); what lies inside a block is vLLM's business,
-    since whole blocks move."""
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    group_layers: Sequence[Sequence[str]] = (),
+) -> CacheLayout:
+    """kvray's layout of vLLM's real per-layer cache tensors (`CacheLayout`). A block of a
+    layer must be one contiguous run (`[num_blocks, ...]`) or two, K and V (`[2, num_blocks,
+    ...]`); what lies inside a block is vLLM's business, since whole blocks move. Tensors that
+    are one another's memory (the same storage, offset, shape, strides and dtype) are one kvray
+    layer; tensors that overlap otherwise are refused. `group_layers`: each KV cache group's
+    layers; every group must cover every kvray layer (its blocks are then moved in all of them),
+    else the model is refused here, at start-up, naming the groups."""
     layers: list[LayerSpec] = []
     views: dict[str, torch.Tensor] = {}
+    layer_of: dict[str, str] = {}
+    users: dict[str, set[str]] = {}
+    by_memory: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for name, tensor in kv_caches.items():
-        if not tensor.is_contiguous():
-            raise ConfigError(
-                f"vLLM's KV cache of layer {name!r} is not contiguous (strides {tensor.stride()}); "
-                "kvray moves whole blocks of a contiguous per-layer cache",
-                layer=name,
-            )
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ConfigError(f"layer {name!r} caches {tensor.dtype}, which kvray does not know", layer=name)
-        shape: tuple[int, ...]
-        if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
-            parts, shape = 1, (num_blocks, block_size)
-        elif tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
-            parts, shape = 2, (2, num_blocks, block_size)
-        else:
-            raise ConfigError(
-                f"vLLM's KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvray needs the "
-                f"block axis ({num_blocks} blocks) first, or second after a K/V axis of 2",
-                layer=name,
-            )
-        per_token = tensor.numel() // (parts * num_blocks * block_size)
-        if per_token * parts * num_blocks * block_size != tensor.numel():
-            raise ConfigError(
-                f"layer {name!r}: {tensor.numel()} elements are not whole tokens of blocks of {block_size}",
-                layer=name,
-            )
-        geometry = Geometry(
-            block_size=block_size, entry_shape=(per_token,), dtype=_DTYPE_NAMES[tensor.dtype], parts=parts
-        )
+        memory = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        shared = by_memory.get(memory)
+        if shared is not None:
+            layer_of[name] = shared
+            users[shared].add(name)
+            continue
+        geometry, shape = _geometry(name, tensor, num_blocks, block_size)
         layers.append(LayerSpec(name=name, geometry=geometry))
-        views[name] = tensor.view(*shape, per_token)
-    return KVLayout(layers=tuple(layers), num_blocks=num_blocks), views
+        views[name] = tensor.view(*shape, geometry.entry_shape[0])
+        by_memory[memory] = layer_of[name] = name
+        users[name] = {name}
+    _check_disjoint(views)
+    _check_groups(group_layers, layer_of, list(views))
+    return CacheLayout(
+        KVLayout(layers=tuple(layers), num_blocks=num_blocks),
+        views,
+        layer_of,
+        {name: frozenset(names) for name, names in users.items()},
+    )
+
+
+def _geometry(
+    name: str, tensor: torch.Tensor, num_blocks: int, block_size: int
+) -> tuple[Geometry, tuple[int, ...]]:
+    """A vLLM layer tensor's kvray geometry, and the shape it is viewed as (before the entry)."""
+    if not tensor.is_contiguous():
+        raise ConfigError(
+            f"vLLM's KV cache of layer {name!r} is not contiguous (strides {tensor.stride()}); "
+            "kvray moves whole blocks of a contiguous per-layer cache",
+            layer=name,
+        )
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"layer {name!r} caches {tensor.dtype}, which kvray does not know", layer=name)
+    shape: tuple[int, ...]
+    if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
+        parts, shape = 1, (num_blocks, block_size)
+    elif tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+        parts, shape = 2, (2, num_blocks, block_size)
+    else:
+        raise ConfigError(
+            f"vLLM's KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvray needs the "
+            f"block axis ({num_blocks} blocks) first, or second after a K/V axis of 2",
+            layer=name,
+        )
+    per_token = tensor.numel() // (parts * num_blocks * block_size)
+    if per_token * parts * num_blocks * block_size != tensor.numel():
+        raise ConfigError(
+            f"layer {name!r}: {tensor.numel()} elements are not whole tokens of blocks of {block_size}",
+            layer=name,
+        )
+    geometry = Geometry(
+        block_size=block_size, entry_shape=(per_token,), dtype=_DTYPE_NAMES[tensor.dtype], parts=parts
+    )
+    return geometry, shape
+
+
+def _check_disjoint(views: Mapping[str, torch.Tensor]) -> None:
+    """Two kvray layers must not share a byte: a write into one would land in the other."""
+    spans = sorted(
+        (view.data_ptr(), view.data_ptr() + view.numel() * view.element_size(), name)
+        for name, view in views.items()
+    )
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ConfigError(
+                f"vLLM's KV caches of layers {name!r} and {other!r} overlap without being the same "
+                "tensor; kvray cannot move them apart",
+                layers=[name, other],
+            )
+
+
+def _check_groups(
+    group_layers: Sequence[Sequence[str]], layer_of: Mapping[str, str], kvray_layers: Sequence[str]
+) -> None:
+    """Every KV cache group must have a layer in every kvray layer: a block id of any group is
+    then moved in every kvray layer, which is that group's KV and no other's."""
+    everything = set(kvray_layers)
+    for index, names in enumerate(group_layers):
+        unknown = sorted(set(names) - set(layer_of))
+        if unknown:
+            raise ConfigError(
+                f"KV cache group {index} names layers vLLM registered no cache for: {unknown[:3]}",
+                group=index,
+            )
+        covered = {layer_of[name] for name in names}
+        if len(group_layers) > 1 and covered != everything:
+            raise ConfigError(
+                f"KV cache group {index} ({len(names)} layers) does not share its memory with the "
+                f"other groups' layers ({len(everything - covered)} of {len(everything)} layer "
+                "caches hold none of its blocks): kvray moves models whose KV cache groups share "
+                "one cache per layer position (vLLM's hybrid KV cache manager with groups of one "
+                "page size), not groups of different shapes",
+                group=index,
+            )
 
 
 class AgentLoop:
@@ -133,7 +223,7 @@ class _Results:
             self.finished_recving.add(spec.request_id)
             if failed:
                 self.failed_recving.add(spec.request_id)
-                self.load_errors.update(spec.block_ids)
+                self.load_errors.update(table_blocks(spec.block_ids))
 
     def take(self) -> tuple[set[str], set[str], set[int], set[str]]:
         with self.lock:
@@ -183,6 +273,10 @@ class ConnectorWorker:
         self._mail: PushRequestMail | None = None
         self._loop: AgentLoop | None = None
         self._results = _Results()
+        #: vLLM's KV cache as kvray moves it, once registered.
+        self.cache: CacheLayout | None = None
+        #: The vLLM layers saved so far in this step's forward, by kvray layer.
+        self._saving: dict[str, set[str]] = {}
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -224,9 +318,17 @@ class ConnectorWorker:
 
     # ---- start and stop ---------------------------------------------------------------
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int) -> EngineInfo:
-        """Describe vLLM's KV cache as one kvray backing and start the agent."""
-        layout, views = layout_of(kv_caches, num_blocks, block_size)
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        group_layers: Sequence[Sequence[str]] = (),
+    ) -> EngineInfo:
+        """Describe vLLM's KV cache as one kvray backing and start the agent (`layout_of`:
+        `group_layers` are the layers of each KV cache group)."""
+        cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers)
+        layout, views = cache.layout, cache.views
         shm_path = self._shm_path
         if shm_path is not None and any(
             view.untyped_storage().data_ptr() != self._shm_storage for view in views.values()
@@ -373,14 +475,24 @@ class ConnectorWorker:
     def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
         """This step's forward computes these requests' whole prompts (before the first layer
         is saved)."""
+        self._saving = {}
         if self._loop is not None and self._handoff is not None:
             self._loop.loop.call_soon_threadsafe(self._handoff.layerwise, dict(specs))
 
     def save_layer(self, layer_name: str) -> None:
-        """The forward has written `layer_name`'s KV of this step; the blocks are held until the
-        push ends, so the copy runs on the agent's loop meanwhile."""
-        if self._loop is not None and self._handoff is not None:
-            self._loop.loop.call_soon_threadsafe(self._handoff.save_layer, layer_name)
+        """The forward has written vLLM layer `layer_name`'s KV of this step; its kvray layer is
+        pushed once every vLLM layer sharing it has been saved too (one, unless the model's KV
+        cache groups share memory). The blocks are held until the push ends, so the copy runs
+        on the agent's loop meanwhile."""
+        if self._loop is None or self._handoff is None or self.cache is None:
+            return
+        layer = self.cache.layer_of.get(layer_name)
+        if layer is None:
+            return  # not a layer whose cache vLLM registered
+        saved = self._saving.setdefault(layer, set())
+        saved.add(layer_name)
+        if saved == self.cache.users[layer]:
+            self._loop.loop.call_soon_threadsafe(self._handoff.save_layer, layer)
 
     def finished(self) -> tuple[set[str], set[str], set[int], set[str]]:
         """(sent, received, blocks that failed to load, requests that failed to load) since the
