@@ -649,6 +649,15 @@ class Handoff:
                 )
             if failures:
                 raise failures[0]
+            freed = set(layered.blocks) - set(table_blocks(spec.block_ids))
+            if freed:
+                # The engine let go of blocks (a window's past) while their layers were being
+                # copied: another request's KV may have been read instead.
+                raise NotExpectedError(
+                    f"prefill request {spec.request_id!r} freed blocks {sorted(freed)[:4]} the decode "
+                    "engine wants while their layers were pushed",
+                    request_id=spec.request_id,
+                )
             pushed = set(layered.saved)
             for layer_name in agent.layout.layer_names:
                 if layer_name not in pushed:
@@ -727,9 +736,13 @@ class Handoff:
                 groups=spec.block_ids if len(spec.block_ids) > 1 else (),
             )
             asked = time.perf_counter()
-            async with asyncio.timeout(self.settings.notify_timeout_s):
+            # One deadline for the ask and the KV: a prefill engine busy enough to let its inbox
+            # fill takes the ask late, not never (a gone one refuses the datagram at once).
+            deadline = self.settings.transfer_timeout_s
+            async with asyncio.timeout(deadline):
                 await self._mail.send(agent, prefill, encode(request), joined=self.joined)
-            await agent.wait_for_kv(spec.request_id, timeout=self.settings.transfer_timeout_s)
+            remaining = max(deadline - (time.perf_counter() - asked), 0.001)
+            await agent.wait_for_kv(spec.request_id, timeout=remaining)
             ok = True
             waited = time.perf_counter() - asked
             await self._moved(

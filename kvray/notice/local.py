@@ -207,22 +207,36 @@ class _Connected:
     def __init__(self, sock: socket.socket) -> None:
         self.socket = sock
         self._writable: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def waiting(self) -> bool:
         return self._writable is not None and not self._writable.done()
 
     def writable(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A future that resolves once the inbox has room; one writer callback per socket."""
+        """A future that resolves once the inbox has room; one writer callback per socket.
+
+        The callback removes itself as it resolves the future: removing it from the future's
+        done-callback instead ran after the senders woke, and so could remove the writer
+        callback of the next future, registered meanwhile by a sender that found the inbox
+        full again, leaving that future (and its senders) unresolved for good."""
         if self._writable is None or self._writable.done():
             writable = self._writable = loop.create_future()
             fileno = self.socket.fileno()
-            loop.add_writer(fileno, resolve_once, writable)
-            writable.add_done_callback(lambda _: loop.remove_writer(fileno))
+            self._loop = loop
+
+            def ready() -> None:
+                loop.remove_writer(fileno)
+                resolve_once(writable)
+
+            loop.add_writer(fileno, ready)
         return self._writable
 
     def close(self) -> None:
         if self._writable is not None and not self._writable.done():
+            if self._loop is not None:
+                with contextlib.suppress(Exception):  # the loop may be closed already
+                    self._loop.remove_writer(self.socket.fileno())
             self._writable.cancel()
         self.socket.close()
 

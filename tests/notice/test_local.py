@@ -228,3 +228,48 @@ async def test_a_deeply_nested_notice_is_counted_as_malformed(tmp_path: Path) ->
             outbox.close()
     finally:
         await decode.close()
+
+
+class RecordingLoop:
+    """The writer-callback half of an event loop, driven by hand: which callback is registered
+    for which descriptor (futures come from the real loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.writers: dict[int, Callable[[], None]] = {}
+
+    def create_future(self) -> asyncio.Future[None]:
+        return self.loop.create_future()
+
+    def add_writer(self, fileno: int, callback: Callable[..., None], *args: Any) -> None:
+        self.writers[fileno] = lambda: callback(*args)
+
+    def remove_writer(self, fileno: int) -> bool:
+        return self.writers.pop(fileno, None) is not None
+
+
+async def test_a_sender_that_finds_the_inbox_full_as_others_wake_is_woken_too(tmp_path: Path) -> None:
+    """The inbox makes room (the writer callback resolves the senders' shared future); before
+    those senders run, another finds the inbox full again and waits on a new future. That
+    future must keep its writer callback: once the old future's senders have run, the socket's
+    next writability still wakes it (a lost wake-up left such senders waiting for good)."""
+    inbox = CompletionInbox(str(tmp_path), lambda message: None)
+    outbox = CompletionOutbox(str(tmp_path))
+    try:
+        connected = outbox._connect(inbox.path)
+        fileno = connected.socket.fileno()
+        loop = RecordingLoop(asyncio.get_running_loop())
+        first = connected.writable(loop)  # type: ignore[arg-type]
+        loop.writers[fileno]()  # the inbox has room
+        assert first.done()
+        second = connected.writable(loop)  # type: ignore[arg-type]  # full again for a newcomer
+        assert second is not first
+        await asyncio.sleep(0)  # the first future's callbacks and senders run
+        await asyncio.sleep(0)
+        assert fileno in loop.writers, "the newcomer's writer callback was removed"
+        loop.writers[fileno]()
+        assert second.done()
+        assert fileno not in loop.writers  # resolved: the callback is gone
+    finally:
+        inbox.close()
+        outbox.close()

