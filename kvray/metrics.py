@@ -468,14 +468,10 @@ RAY_SINK = RaySink()
 _MAX_KNOWN_TAG_SETS = 4096
 
 
-#: Tag sets an `EngineMetrics` keeps made; past this (peers come and go) it starts again.
-_MAX_KNOWN_TAG_SETS = 4096
-
-
 class NullSink:
     """Drops every record (parts used on their own, outside any agent, e.g. in tests)."""
 
-    batched = True  # nothing reaches it on the hot path; a flush drops the batch
+    batched = False  # each record is dropped as it comes: nothing to batch or schedule
 
     def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
         pass
@@ -586,9 +582,9 @@ class EngineMetrics:
         self._count(COMPLETIONS, (self.engine_id, "ok"))
         self._count(BYTES_RECEIVED, (self.engine_id, peer), nbytes)
 
-    def completion(self, ok: bool) -> None:
-        """A transfer taken as done (`ok`) or as failed by its writer."""
-        self._count(COMPLETIONS, (self.engine_id, "ok" if ok else "failed"))
+    def completion_failed(self) -> None:
+        """A transfer its writer reported failed (`received`: one taken as done)."""
+        self._count(COMPLETIONS, (self.engine_id, "failed"))
 
     def wait(self, outcome: Outcome, seconds: float) -> None:
         """One `wait_for_kv` ended; its wait is observed when the KV arrived."""

@@ -287,12 +287,16 @@ class _Layered:
     saved: list[str] = field(default_factory=list)
     #: The decode engine's push request, once it has come, and the blocks it takes.
     request: PushRequest | None = None
-    blocks: tuple[int, ...] = ()
-    #: The same blocks per group (`_taken_blocks`).
+    #: Those blocks per group (`_taken_blocks`).
     groups: BlockTable = ()
     pushes: list[asyncio.Task[int]] = field(default_factory=list)
     #: When the forward saved the last layer (`time.perf_counter`).
     last_saved: float = 0.0
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The blocks the decode engine's push request takes, in its reservation's order."""
+        return table_blocks(self.groups)
 
 
 class Handoff:
@@ -605,7 +609,6 @@ class Handoff:
         the others as they are saved, and finish when the finished request is handed over."""
         try:
             layered.groups = _taken_blocks(request, layered.spec.block_ids)
-            layered.blocks = table_blocks(layered.groups)
             self._learn_peer(request)
         except Exception as error:
             self._spawn(self._refuse(request, _why(error)))

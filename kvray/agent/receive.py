@@ -464,12 +464,7 @@ class Receiving:
                 and expectation.token == message.token
                 and not expectation.future.done()
             ):
-                expectation.future.set_result(
-                    Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
-                )
-                self._unrecorded.append(message)
-                if len(self._unrecorded) > _MAX_UNRECORDED:  # nobody waits: count them now
-                    self.record_completions()
+                self._complete(message, expectation.future)
                 return None
         return self._checked(message_bytes, message, strict)
 
@@ -517,7 +512,7 @@ class Receiving:
         if isinstance(message, TransferFailed):
             if expectation.writer is not None:
                 expectation.writer_done.set()  # sent once its last write had stopped moving
-            engine.metrics.completion(ok=False)
+            engine.metrics.completion_failed()
             future.set_exception(
                 WriteFailedError(
                     f"engine {message.src_engine!r} could not deliver {message.request_id!r}: "
@@ -540,7 +535,9 @@ class Receiving:
         future.set_result(
             Completion(message.request_id, message.transfer_id, message.src_engine, message.nbytes)
         )
-        self.engine.metrics.received(message.src_engine, message.nbytes)
+        self._unrecorded.append(message)
+        if len(self._unrecorded) > _MAX_UNRECORDED:  # nobody waits: count them now
+            self.record_completions()
 
     async def _complete_after_arrival(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future
