@@ -2,7 +2,8 @@
 model tiny-deepseek`: MLA + MoE; SmolLM2 goes through Serve LLM in `test_vllm_serve_llm.py`): a
 single Serve LLM engine, then the Serve LLM P/D app with `KvrayConnector` (and with vLLM's
 `NixlConnector` where NIXL is installed), the same token-id prompts on each. Every P/D answer's
-token ids equal the single engine's, and every request's hand-off was timed on both engines.
+token ids equal the single engine's or part from them at a near tie of the model's (vLLM's MLA
+arithmetic), and every request's hand-off was timed on both engines.
 
 Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` imports) is missing."""
 
@@ -58,15 +59,24 @@ def test_every_contender_ran_and_the_benchmark_passed(report: dict[str, Any]) ->
     assert all(line["status"] == "ok" for line in report["lines"]), report["lines"]
 
 
-def test_every_answer_equals_the_single_engines_tokens(report: dict[str, Any]) -> None:
+def test_every_answer_agrees_with_the_single_engines_tokens(report: dict[str, Any]) -> None:
+    # Equal, or parted first at a near tie of the model's: where the single engine's top two
+    # logprobs were within `near_tie` (vLLM's MLA kernels compute a decode engine's first token
+    # by another path), never where it was sure.
     for line in report["lines"]:
         if line["contender"] != "single":
-            assert line["equal"] == REQUESTS, line
+            assert line["equal"] + line["near_ties"] == REQUESTS, line
     runs = {run["name"]: run for run in report["runs"]}
-    expected = [result["tokens"] for result in runs["single"]["rows"][0]["results"]]
-    assert all(len(tokens) == 8 for tokens in expected)
+    expected = runs["single"]["rows"][0]["results"]
+    assert all(len(result["tokens"]) == len(result["gaps"]) == 8 for result in expected)
     for name in contenders():
-        assert [result["tokens"] for result in runs[name]["rows"][0]["results"]] == expected
+        for mine, theirs in zip(runs[name]["rows"][0]["results"], expected, strict=True):
+            assert len(mine["tokens"]) == 8, (name, mine)
+            parted = [
+                i for i, (a, b) in enumerate(zip(mine["tokens"], theirs["tokens"], strict=True)) if a != b
+            ]
+            if parted:
+                assert theirs["gaps"][parted[0]] <= report["near_tie"], (name, mine, theirs)
 
 
 def test_every_hand_off_was_timed_on_both_engines(report: dict[str, Any]) -> None:

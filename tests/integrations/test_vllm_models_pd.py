@@ -72,21 +72,23 @@ class Shape:
     model: TinyModel
     #: The layer names a digest record has (per group on the hybrid model).
     digest_layers: int
-    #: How far P/D's logprobs may be from a single engine's: on the hybrid model (standard
-    #: attention) they are equal to the bit. On the MLA model vLLM's CPU_MLA computes the last
-    #: prompt token, which a decode engine recomputes over the loaded KV, by another kernel
-    #: path (one query over the latent cache, not the prefill's attention over the prompt):
-    #: ~3e-3 apart at the first token even one request at a time, growing as tokens follow
-    #: (2.7e-2 seen by the tenth), with every byte of the KV equal (the digests). Where the
-    #: tokens part, the single engine's top two must have been this close (a near tie that
-    #: path flips); nothing after is compared.
-    tolerance: float
+
+    @property
+    def tolerance(self) -> float:
+        """How far P/D's logprobs may be from a single engine's, and how close the single
+        engine's top two must have been where the tokens part (nothing after is compared): on
+        the hybrid model (standard attention) they are equal to the bit; on the MLA model vLLM's
+        CPU_MLA computes the last prompt token, which a decode engine recomputes over the
+        loaded KV, by another kernel path (one query over the latent cache, not the prefill's
+        attention over the prompt), so they part by the model's near tie (`ModelRecipe`) with
+        every byte of the KV equal (the digests)."""
+        return max(MODELS[self.model.name].near_tie, LOGPROB_TOLERANCE)
 
 
 SHAPES = [
-    Shape(TINY_DEEPSEEK, digest_layers=4, tolerance=5e-2),
+    Shape(TINY_DEEPSEEK, digest_layers=4),
     # Two kvray layers (one tensor per pair of sliding and full layers), each digested per group.
-    Shape(TINY_HYBRID, digest_layers=4, tolerance=LOGPROB_TOLERANCE),
+    Shape(TINY_HYBRID, digest_layers=4),
 ]
 
 
