@@ -217,7 +217,7 @@ def main() -> None:
         f"sender's clock -> waiting task resumed, between two Ray async actors, microseconds "
         f"({os.cpu_count()} CPUs, {args.runs} runs each, the sender idle {args.idle_ms} ms first)"
     )
-    print(f"  {'channel':<18}{'p10':>8}{'p50':>8}{'p90':>8}{'min':>8}")
+    print(f"  {'channel':<18}{'p10 us':>8}{'p50 us':>8}{'p90 us':>8}{'min us':>8}")
     for channel, values in samples.items():
         ordered = sorted(values)
         p10, p90 = ordered[int(0.1 * (len(ordered) - 1))], ordered[int(0.9 * (len(ordered) - 1))]

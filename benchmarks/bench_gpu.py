@@ -495,13 +495,13 @@ def main() -> int:
     )
     print(
         f"{'setup':<9} {'workload':<24} {'contender':<34} {'MiB':>7} {'ops':>6} {'median ms':>10} "
-        f"{'GB/s':>8} {'min':>8} {'max':>8} {'vs ceiling':>10} ok"
+        f"{'median GB/s':>11} {'min GB/s':>8} {'max GB/s':>8} {'vs ceiling':>10} ok"
     )
     for r in rows:
         low, high = r["bytes"] / r["max_ms"] / 1e6, r["bytes"] / r["min_ms"] / 1e6
         print(
             f"{'same GPU' if r['same_gpu'] else '2 GPUs':<9} {r['workload']:<24} {r['contender']:<34} "
-            f"{r['bytes'] / 2**20:>7.1f} {r['ops']:>6} {r['median_ms']:>10.3f} {r['gb_per_s']:>8.1f} "
+            f"{r['bytes'] / 2**20:>7.1f} {r['ops']:>6} {r['median_ms']:>10.3f} {r['gb_per_s']:>11.1f} "
             f"{low:>8.1f} {high:>8.1f} {r['vs_ceiling']:>9.2f}x {'yes' if r['verified'] else 'NO'}"
         )
     if args.json:

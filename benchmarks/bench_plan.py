@@ -37,7 +37,7 @@ def main() -> None:
         f"scattered blocks, {args.repeat} runs; microseconds"
     )
     print(
-        f"{'order':<12} {'case':<22} {'median':>9} {'min':>9} {'max':>9} {'vs naive':>9} "
+        f"{'order':<12} {'case':<22} {'median us':>9} {'min us':>9} {'max us':>9} {'vs naive':>9} "
         f"{'ops':>6} {'merged':>6} {'contig':>6}"
     )
     for order in BlockOrder:

@@ -20,7 +20,7 @@ import requests
 
 from kvray.memory import Backing, MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel
-from kvray.serve import ServeOptions, build_app
+from kvray.serve import ServeOptions, build_app, wait_for_stop_signal
 from kvray.serve.app import tokenize
 
 PROMPTS = (
@@ -51,7 +51,9 @@ def main() -> int:
     parser.add_argument("--transport", choices=["auto", "shm", "ray"], default="auto")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--replica-cpus", type=float, default=0.5)
-    parser.add_argument("--keep", action="store_true", help="keep serving after the check (Ctrl-C stops)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep serving after the check (Ctrl-C or SIGTERM stops)"
+    )
     parser.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)"
     )
@@ -103,11 +105,7 @@ def main() -> int:
     )
     if args.keep:
         print(f'serving; try: curl -X POST {url} -d \'{{"text": "Hello kvray", "max_tokens": 8}}\'')
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        wait_for_stop_signal()
     serve.shutdown()
     return 0 if matched == len(results) else 1
 

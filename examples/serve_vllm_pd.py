@@ -17,7 +17,6 @@ Needs the vllm extra (see the README's *vLLM* section). Starts a local Ray of it
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 
@@ -27,6 +26,7 @@ from ray import serve
 
 from kvray.integrations.vllm.model import smollm2
 from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving
+from kvray.serve import wait_for_stop_signal
 
 
 def main() -> int:
@@ -37,24 +37,32 @@ def main() -> int:
     model = str(smollm2())
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    started = time.perf_counter()
-    serve.run(build_pd_app(model), blocking=False)
-    url = f"http://127.0.0.1:{args.port}"
-    wait_until_serving(url)
-    print(f"serving {model} as 'smollm2' at {url}/v1 (prefill and decode replicas, KV by kvray), "
-          f"up in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
-    if args.once:
-        body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300.0)
-        print(reply.json()["choices"][0]["text"] if reply.status_code == 200 else reply.text)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        started = time.perf_counter()
+        serve.run(build_pd_app(model), blocking=False)
+        url = f"http://127.0.0.1:{args.port}"
+        wait_until_serving(url)
+        print(f"serving {model} as 'smollm2' at {url}/v1 (prefill and decode replicas, KV by kvray), "
+              f"up in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        if args.once:
+            body = {
+                "model": "smollm2",
+                "prompt": "The capital of France is",
+                "max_tokens": 16,
+                "temperature": 0,
+            }
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300.0)
+            print(reply.json()["choices"][0]["text"] if reply.status_code == 200 else reply.text)
+            return 0 if reply.status_code == 200 else 1
+        print("Ctrl-C or SIGTERM stops it", flush=True)
+        stopped_by = wait_for_stop_signal()
+        print(f"{stopped_by.name}: shutting down", flush=True)
+        return 0
+    finally:
+        # Also after a Ctrl-C during start-up (a KeyboardInterrupt), so no replica outlives it.
         serve.shutdown()
         ray.shutdown()
-        return 0 if reply.status_code == 200 else 1
-    signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    serve.shutdown()
-    ray.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

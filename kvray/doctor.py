@@ -1,6 +1,8 @@
 """`kvray doctor`: what this machine offers kvray, and why a transport cannot run here.
 
-It reports every transport's availability with its reason (`kvray.transport.availability`),
+It reports, for every transport, what it needs and whether this machine can provide it, with
+the reason where not (`kvray.transport.machine_availability`: what the machine offers the
+engines kvray runs on it, not the state of the doctor's own process, which runs no Ray),
 whether pyverbs imports and which RDMA devices it sees (with none, pyverbs' `get_device_list`
 raises rather than returning an empty list), the CUDA devices torch sees, whether kvray's C
 helpers are built (without them CPU copies run on Python threads and planning in numpy, both
@@ -18,7 +20,8 @@ import socket
 from dataclasses import dataclass, field
 
 from kvray.config import Settings
-from kvray.transport import availability
+from kvray.errors import TransportUnavailableError
+from kvray.transport import machine_availability, transport_class
 from kvray.wire import TransportKind
 
 
@@ -35,7 +38,7 @@ class VerbsReport:
 @dataclass(frozen=True)
 class DoctorReport:
     versions: dict[str, str | None]
-    #: Per transport: None when it can run here, else the reason it cannot.
+    #: Per transport: None when this machine can provide it, else the reason it cannot.
     transports: dict[TransportKind, str | None]
     verbs: VerbsReport
     cuda_devices: int
@@ -45,6 +48,8 @@ class DoctorReport:
     native: dict[str, bool] = field(default_factory=dict)
     #: Where a decode engine here takes notices from writers on other nodes, and whether it can.
     notices: str = ""
+    #: Per transport with a back-end in this build: what it needs (`Transport.needs`).
+    needs: dict[TransportKind, str] = field(default_factory=dict)
 
 
 def _version(distribution: str) -> str | None:
@@ -96,6 +101,17 @@ def notices_report(settings: Settings) -> str:
     return f"TCP listener on {host}, {ports}: every port taken (widen KVRAY_NOTICE_PORTS)"
 
 
+def transport_needs() -> dict[TransportKind, str]:
+    """What each transport with a back-end in this build needs."""
+    needs: dict[TransportKind, str] = {}
+    for kind in TransportKind:
+        try:
+            needs[kind] = transport_class(kind).needs
+        except TransportUnavailableError:
+            continue  # its unavailability reason says the back-end is missing
+    return needs
+
+
 def collect(settings: Settings | None = None, *, verbs_api: object | None = None) -> DoctorReport:
     settings = settings or Settings.from_env()
     versions = {
@@ -118,7 +134,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
 
     return DoctorReport(
         versions=versions,
-        transports=availability(settings),
+        transports=machine_availability(settings),
         verbs=verbs_report(verbs_api),
         cuda_devices=cuda_devices,
         cuda_error=cuda_error,
@@ -132,6 +148,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
             "kvray._plan (planner loops)": plan.native(),
         },
         notices=notices_report(settings),
+        needs=transport_needs(),
     )
 
 
@@ -141,9 +158,11 @@ def format_report(report: DoctorReport) -> str:
         "  versions: "
         + ", ".join(f"{name} {value or 'not installed'}" for name, value in report.versions.items())
     )
-    lines.append("  transports:")
+    lines.append("  transports (whether this machine can provide each, and what it needs):")
     for kind, reason in report.transports.items():
-        lines.append(f"    {kind.value:<9} {'available' if reason is None else 'unavailable: ' + reason}")
+        state = "available" if reason is None else "unavailable: " + reason
+        needs = report.needs.get(kind)
+        lines.append(f"    {kind.value:<9} {state}" + (f"; needs {needs}" if needs else ""))
     verbs = report.verbs
     if verbs.import_error is not None:
         lines.append(f"  pyverbs: does not import ({verbs.import_error})")

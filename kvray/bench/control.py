@@ -144,15 +144,15 @@ def plan_figures(tokens: int, repeat: int) -> dict[str, Any]:
 
 
 def format_plan(figures: dict[str, Any]) -> str:
-    lines = [f"\nplan building: {figures['request']}, {figures['repeat']} runs, microseconds"]
-    header = f"  {'order':<12} {'case':<22} {'median':>9} {'min':>9} {'max':>9} {'vs naive':>9}"
+    lines = [f"\nplan building: {figures['request']}, {figures['repeat']} runs"]
+    header = f"  {'order':<12}  {'case':<22}  {'median us':>9}  {'min us':>9}  {'max us':>9}  {'vs naive':>9}"
     lines += [header, "  " + "-" * (len(header) - 2)]
     for row in figures["rows"]:
         if row["case"] == "ops":
             continue
         lines.append(
-            f"  {row['order']:<12} {row['case']:<22} {row['median_us']:>9.0f} {row['min_us']:>9.0f} "
-            f"{row['max_us']:>9.0f} {row['vs_naive']:>8.1f}x"
+            f"  {row['order']:<12}  {row['case']:<22}  {row['median_us']:>9.0f}  {row['min_us']:>9.0f}  "
+            f"{row['max_us']:>9.0f}  {row['vs_naive']:>8.1f}x"
         )
     lines.append("ops per request (one per layer, part and block before merging):")
     for row in figures["rows"]:
@@ -165,16 +165,17 @@ def format_plan(figures: dict[str, Any]) -> str:
 
 
 def format_completion(latency: dict[str, list[float]]) -> str:
-    lines = ["\ncompletion latency: writer's last byte written -> decode's wait_for_kv returns, microseconds"]
-    header = f"  {'path':<58} {'p50':>8} {'p90':>8} {'min':>8} {'max':>8} {'runs':>5}"
+    lines = ["\ncompletion latency: writer's last byte written -> decode's wait_for_kv returns"]
+    header = f"  {'path':<58}  {'p50 us':>8}  {'p90 us':>8}  {'min us':>8}  {'max us':>8}  {'runs':>5}"
     lines += [header, "  " + "-" * (len(header) - 2)]
     for path, samples in latency.items():
         if not samples:
-            lines.append(f"  {path:<58} no sample")
+            lines.append(f"  {path:<58}  no sample")
             continue
-        p50, p90 = np.percentile(np.asarray(samples) * 1e6, [50, 90])
+        microseconds = np.asarray(samples) * 1e6
+        p50, p90 = np.percentile(microseconds, [50, 90])
+        fastest, slowest = microseconds.min(), microseconds.max()
         lines.append(
-            f"  {path:<58} {p50:>8.0f} {p90:>8.0f} {min(samples) * 1e6:>8.0f} {max(samples) * 1e6:>8.0f} "
-            f"{len(samples):>5}"
+            f"  {path:<58}  {p50:>8.0f}  {p90:>8.0f}  {fastest:>8.0f}  {slowest:>8.0f}  {len(samples):>5}"
         )
     return "\n".join(lines)

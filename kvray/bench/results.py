@@ -119,18 +119,21 @@ def format_case(rows: Sequence[dict[str, Any]], workload: Workload, warmup: int,
         f"\n({workload.family}) {workload.title}: {workload.nbytes / 2**20:.1f} MiB, "
         f"{workload.descriptors} block copies, {warmup} warm-up + {repeat} timed runs",
     ]
+    # Each figure's header names its unit: time and throughput sit side by side, and the
+    # throughput's min and max are of GB/s (the fastest run is the max), not of milliseconds.
     header = (
-        f"  {'contender':<46} {'median ms':>9} {'GB/s':>7} {'min':>7} {'max':>7} {'vs memcpy':>9}  verified"
+        f"  {'contender':<46}  {'median ms':>9}  {'median GB/s':>11}  {'min GB/s':>8}  {'max GB/s':>8}  "
+        f"{'vs memcpy':>9}  verified"
     )
     lines += [header, "  " + "-" * (len(header) - 2)]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"  {row['contender']:<46} FAILED: {row['failure']}")
+            lines.append(f"  {row['contender']:<46}  FAILED: {row['failure']}")
             continue
         ratio = f"{row['vs_memcpy']:.2f}x" if row["vs_memcpy"] is not None else "-"
         lines.append(
-            f"  {row['contender']:<46} {row['median_ms']:>9.2f} {row['median_gb_s']:>7.2f} "
-            f"{row['min_gb_s']:>7.2f} {row['max_gb_s']:>7.2f} {ratio:>9}  "
+            f"  {row['contender']:<46}  {row['median_ms']:>9.2f}  {row['median_gb_s']:>11.2f}  "
+            f"{row['min_gb_s']:>8.2f}  {row['max_gb_s']:>8.2f}  {ratio:>9}  "
             f"{row['verified_runs']}/{row['checked_runs']} runs"
         )
     return "\n".join(lines)

@@ -51,8 +51,21 @@ def unavailable_reason(kind: TransportKind, settings: Settings) -> str | None:
 
 
 def availability(settings: Settings) -> dict[TransportKind, str | None]:
-    """Every transport kvray knows, with the reason it cannot run here (None: it can)."""
+    """Every transport kvray knows, with the reason an agent in this process cannot open it
+    now (None: it can)."""
     return {kind: unavailable_reason(kind, settings) for kind in TransportKind}
+
+
+def machine_availability(settings: Settings) -> dict[TransportKind, str | None]:
+    """Every transport kvray knows, with what this machine lacks to provide it to the engines
+    kvray runs here (None: nothing; `Transport.machine_unavailable_reason`)."""
+    report: dict[TransportKind, str | None] = {}
+    for kind in TransportKind:
+        try:
+            report[kind] = transport_class(kind).machine_unavailable_reason(settings)
+        except TransportUnavailableError as error:
+            report[kind] = str(error)
+    return report
 
 
 def open_transport(
@@ -136,6 +149,7 @@ __all__ = [
     "availability",
     "choose_transport",
     "destination_kinds",
+    "machine_availability",
     "open_transport",
     "registering_class",
     "transport_class",

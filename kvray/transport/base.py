@@ -19,7 +19,10 @@ under Ray, the actor hosting its agent); everything a receiving transport needs 
 engine it serves comes through the `Receiver` protocol, which the agent implements. The
 capability flags on each class (`reach`, `source_kinds`, `destination_kinds`, `registers`,
 `accepts`) are what `kvray.transport.choose_transport` reads; `arrival_proofs` and
-`claims_across_nodes` are what the agent's push and receive read.
+`claims_across_nodes` are what the agent's push and receive read. Availability is asked two
+ways: `unavailable_reason`, whether an agent in this process can open the transport now, and
+`machine_unavailable_reason` with `needs`, whether this machine can provide it at all (what
+`kvray doctor` reports).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class Transport(abc.ABC):
     helps a decode engine take them in (receiver half)."""
 
     kind: ClassVar[TransportKind]
+    #: What the transport needs of a machine and its engines, in a few words (`kvray doctor`).
+    needs: ClassVar[str]
     #: Where the two ends may be.
     reach: ClassVar[Reach]
     #: Memory the writer's backing may live in.
@@ -118,7 +123,16 @@ class Transport(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
-        """None when the transport can run here, else one sentence saying why not."""
+        """None when an agent in this process can open the transport now, else one sentence
+        saying why not."""
+
+    @classmethod
+    def machine_unavailable_reason(cls, settings: Settings) -> str | None:
+        """None when this machine can provide the transport to the engines kvray runs on it,
+        else one sentence saying what it lacks. By default `unavailable_reason`, for transports
+        whose needs are the machine's; one whose run-time check is about the process (Ray
+        initialised in it) answers here for the machine."""
+        return cls.unavailable_reason(settings)
 
     @classmethod
     def accepts(cls, peer: EngineInfo) -> bool:

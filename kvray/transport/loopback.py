@@ -71,6 +71,7 @@ class LoopbackTransport(Transport):
     """One agent's end of a `LoopbackNetwork` (a fresh network of its own when none is given)."""
 
     kind = TransportKind.LOOPBACK
+    needs = "both engines in one process, each agent given one"
     reach = Reach.SAME_NODE
     source_kinds = _EVERY_KIND
     destination_kinds = _EVERY_KIND

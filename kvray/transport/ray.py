@@ -27,8 +27,18 @@ if TYPE_CHECKING:
 CANCEL_RETRY_S = 0.5
 
 
+def _ray_missing() -> str | None:
+    """Why Ray does not import here (None: it does)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as error:
+        return f"Ray does not import ({error}); install it: pip install 'ray>=2.60,<3'"
+    return None
+
+
 class RayTransport(Transport):
     kind = TransportKind.RAY
+    needs = "only Ray, which kvray starts or joins"
     reach = Reach.ANYWHERE
     source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
     destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
@@ -45,11 +55,20 @@ class RayTransport(Transport):
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
+        missing = _ray_missing()
+        if missing is not None:
+            return missing
         import ray
 
         if not ray.is_initialized():
             return "Ray is not initialized in this process (call ray.init or run inside a Ray actor)"
         return None
+
+    @classmethod
+    def machine_unavailable_reason(cls, settings: Settings) -> str | None:
+        # Whether Ray runs in the asking process says nothing of the machine: kvray starts a
+        # local Ray or joins a cluster wherever it runs engines, so Ray importing is enough.
+        return _ray_missing()
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         if peer.host is None:

@@ -122,6 +122,7 @@ class _Mapping:
 
 class ShmTransport(Transport):
     kind = TransportKind.SHM
+    needs = "both engines on one node and a writable shared-memory folder (KVRAY_SHM_DIR)"
     reach = Reach.SAME_NODE
     source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
     destination_kinds = frozenset({MemoryKind.SHM})

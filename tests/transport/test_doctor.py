@@ -1,15 +1,18 @@
-"""`kvray doctor`: every transport with its availability, what pyverbs sees (a machine without an
+"""`kvray doctor`: every transport with what it needs and whether this machine can provide it (not
+whether the doctor's own process could open it now), what pyverbs sees (a machine without an
 RDMA device makes pyverbs' get_device_list raise: that reads as "no device"), CUDA, versions."""
 
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 from fake_verbs import FakeFabric
 
 from kvray import cli, doctor
 from kvray.config import Settings
+from kvray.transport import availability, machine_availability, transport_class
 from kvray.wire import TransportKind
 
 
@@ -71,3 +74,33 @@ def test_report_says_where_notices_from_other_nodes_go() -> None:
         doctor.collect(Settings(notice_tcp=False), verbs_api=FakeFabric(devices=()).api())
     )
     assert "notices from other nodes: through Ray calls" in text
+
+
+def test_ray_is_available_where_ray_imports_though_this_process_runs_no_ray() -> None:
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    report = doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api())
+    assert report.transports[TransportKind.RAY] is None
+    line = next(line for line in doctor.format_report(report).splitlines() if line.strip().startswith("ray "))
+    assert "available; needs only Ray, which kvray starts or joins" in line
+    # An agent in this process still cannot open it until Ray runs here.
+    assert "not initialized" in str(availability(Settings())[TransportKind.RAY])
+
+
+def test_ray_is_unavailable_where_ray_does_not_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    reason = machine_availability(Settings())[TransportKind.RAY]
+    assert reason is not None and "Ray does not import" in reason and "pip install" in reason
+    assert availability(Settings())[TransportKind.RAY] == reason, "the run-time check says the same"
+
+
+def test_every_transport_line_says_what_it_needs() -> None:
+    report = doctor.collect(Settings(), verbs_api=FakeFabric(devices=()).api())
+    text = doctor.format_report(report)
+    for kind in TransportKind:
+        needs = transport_class(kind).needs
+        assert needs and report.needs[kind] == needs
+        assert any(
+            line.strip().startswith(kind.value) and f"; needs {needs}" in line for line in text.splitlines()
+        )

@@ -62,9 +62,10 @@ def test_back_end_is_what_its_kind_says(kind: TransportKind) -> None:
     for kinds in (cls.source_kinds, cls.destination_kinds):
         assert kinds and all(isinstance(memory, MemoryKind) for memory in kinds)
     assert all(isinstance(memory, MemoryKind) for memory in cls.registers)
-    reason = cls.unavailable_reason(Settings())
-    if reason is not None:
-        assert_one_sentence(reason)
+    assert isinstance(cls.needs, str) and cls.needs
+    for reason in (cls.unavailable_reason(Settings()), cls.machine_unavailable_reason(Settings())):
+        if reason is not None:
+            assert_one_sentence(reason)
 
 
 def test_shm_without_a_shared_memory_folder_does_not_open() -> None:

@@ -6,12 +6,16 @@ stream) is the client's. Run it with
     python -m kvray.integrations.vllm.proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
 
-A failure of either server is answered as that server's status with its body; the proxy adds
-no state of its own, so several may run side by side. It refuses (400) what the decode server
-would refuse although the one-token prefill leg passes, before the prefill runs, and when the
-decode leg fails anyway (or the client hangs up first) it hands the prefill server its ticket
-back, so the held KV is freed at once rather than at the end of its lease. The two servers
-must be reachable only from the proxy: their kv_transfer_params are kvray's control plane.
+A failure of either server is answered as that server's status with its body. A server that
+cannot be reached or does not answer in time is a 503, one whose answer breaks off or makes no
+sense a 502, each with an OpenAI-style JSON error that names the leg (`prefill` or `decode`) and
+the cause; a stream that breaks off after its first chunk ends with such an error as its last
+event. The proxy adds no state of its own, so several may run side by side. It refuses (400)
+what the decode server would refuse although the one-token prefill leg passes, before the
+prefill runs, and when the decode leg fails anyway (or the client hangs up first) it hands the
+prefill server its ticket back, so the held KV is freed at once rather than at the end of its
+lease. The two servers must be reachable only from the proxy: their kv_transfer_params are
+kvray's control plane.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import enum
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvray.integrations.vllm.tickets import release_params
 
@@ -38,10 +44,59 @@ UPSTREAM_TIMEOUT_S = 600.0
 RELEASE_TIMEOUT_S = 30.0
 
 
+class Leg(enum.StrEnum):
+    """Which of the two servers a request was on its way to."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 def _refused(message: str) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400
     )
+
+
+def _upstream_error(leg: Leg, url: str, cause: httpx.HTTPError | str) -> tuple[int, dict[str, Any]]:
+    """The status and OpenAI-style error body for the `leg` server at `url` failing with `cause`
+    (an httpx error, or what was wrong with its answer): 503 where it could not be reached or
+    did not answer in time, 502 where its answer broke off or made no sense."""
+    if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
+        status, kind = 503, "ServiceUnavailableError"
+        why = f"could not be reached ({type(cause).__name__}: {cause}); check that it runs at that address"
+    elif isinstance(cause, httpx.TimeoutException):
+        status, kind = 503, "ServiceUnavailableError"
+        why = f"did not answer in time ({type(cause).__name__}: {cause}); retry once it is less busy"
+    elif isinstance(cause, httpx.HTTPError):
+        status, kind = 502, "BadGatewayError"
+        why = f"broke off its answer ({type(cause).__name__}: {cause}); check its log"
+    else:
+        status, kind = 502, "BadGatewayError"
+        why = f"{cause}; check its log"
+    message = f"kvray proxy: the {leg} server at {url} {why}"
+    log.warning("%s", message)
+    return status, {"error": {"message": message, "type": kind, "code": status, "leg": str(leg)}}
+
+
+def _upstream_failed(leg: Leg, url: str, cause: httpx.HTTPError | str) -> JSONResponse:
+    status, body = _upstream_error(leg, url, cause)
+    return JSONResponse(body, status_code=status)
+
+
+class _Relay(StreamingResponse):
+    """The decode server's open stream relayed to the client. `settle` runs however the
+    response ends: a client that leaves before the first chunk means the relay's generator
+    never starts, so its own `finally` would never run."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], settle: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._settle = settle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._settle()
 
 
 def check_request(body: object, max_model_len: int | None) -> str | None:
@@ -67,13 +122,13 @@ def build_app(prefill: str, decode: str, client: httpx.AsyncClient | None = None
     reaches them with, e.g. one over `httpx.MockTransport` in tests)."""
     client = client or httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT_S)
     context: dict[str, int] = {}
-    releases: set[asyncio.Task[None]] = set()
+    background: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        if releases:  # tickets on their way back to the prefill server
-            await asyncio.wait(releases, timeout=RELEASE_TIMEOUT_S)
+        if background:  # tickets on their way back to the prefill server, streams closing
+            await asyncio.wait(background, timeout=RELEASE_TIMEOUT_S)
         await client.aclose()
 
     app = FastAPI(title="kvray P/D proxy", lifespan=lifespan)
@@ -100,10 +155,13 @@ def build_app(prefill: str, decode: str, client: httpx.AsyncClient | None = None
         except httpx.HTTPError as error:
             log.warning("kvray proxy: could not release a held request: %s", error)
 
+    def soon(work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        background.add(task)
+        task.add_done_callback(background.discard)
+
     def release_soon(body: dict[str, Any], params: dict[str, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(release(body, params))
-        releases.add(task)
-        task.add_done_callback(releases.discard)
+        soon(release(body, params))
 
     async def handoff(path: str, request: Request) -> Response:
         try:
@@ -124,45 +182,75 @@ def build_app(prefill: str, decode: str, client: httpx.AsyncClient | None = None
         first.pop("stream_options", None)
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
-        prefilled = await client.post(f"{prefill}{path}", json=first)
+        try:
+            prefilled = await client.post(f"{prefill}{path}", json=first)
+        except httpx.HTTPError as error:
+            return _upstream_failed(Leg.PREFILL, prefill, error)
         if prefilled.status_code != 200:
             return Response(prefilled.content, prefilled.status_code, media_type="application/json")
-        params = prefilled.json().get("kv_transfer_params")
+        try:
+            answer = prefilled.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            return _upstream_failed(
+                Leg.PREFILL, prefill, "answered 200 with a body that is not a JSON object"
+            )
+        params = answer.get("kv_transfer_params")
         if not params:
-            return JSONResponse(
-                {"error": "the prefill server returned no kv_transfer_params; is it using KvrayConnector?"},
-                status_code=502,
+            return _upstream_failed(
+                Leg.PREFILL,
+                prefill,
+                "returned no kv_transfer_params: start it with --kv-transfer-config naming KvrayConnector",
             )
         second = {**body, "kv_transfer_params": params}
-        if not body.get("stream"):
+        streamed = bool(body.get("stream"))
+        # Until the decode server answers 200 (and, streamed, sends its first chunk, which it
+        # computes from the pushed KV) it may never ask for the KV: the ticket goes back then.
+        try:
+            decoded = await client.send(
+                client.build_request("POST", f"{decode}{path}", json=second), stream=streamed
+            )
+        except httpx.HTTPError as error:
+            release_soon(body, params)
+            return _upstream_failed(Leg.DECODE, decode, error)
+        except BaseException:
+            release_soon(body, params)
+            raise
+        if decoded.status_code != 200:
+            release_soon(body, params)
             try:
-                decoded = await client.post(f"{decode}{path}", json=second)
-            except BaseException:
-                release_soon(body, params)
-                raise
-            if decoded.status_code != 200:
-                release_soon(body, params)
+                content = await decoded.aread()
+            except httpx.HTTPError as error:
+                return _upstream_failed(Leg.DECODE, decode, error)
+            finally:
+                await decoded.aclose()
+            return Response(content, decoded.status_code, media_type="application/json")
+        if not streamed:
             return Response(decoded.content, decoded.status_code, media_type="application/json")
 
-        async def relay() -> AsyncIterator[bytes]:
-            # Until the first token comes (which the decode engine computes from the pushed KV)
-            # it may never ask for the KV (refused, or the client hung up): release it then.
-            relayed = False
-            try:
-                async with client.stream("POST", f"{decode}{path}", json=second) as upstream:
-                    if upstream.status_code != 200:
-                        error = await upstream.aread()
-                        failure = {"error": error.decode(errors="replace")}
-                        yield b"data: " + json.dumps(failure).encode() + b"\n\n"
-                        return
-                    async for chunk in upstream.aiter_raw():
-                        relayed = True
-                        yield chunk
-            finally:
-                if not relayed:
-                    release_soon(body, params)
+        relayed = False
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        async def relay() -> AsyncIterator[bytes]:
+            nonlocal relayed
+            tail = b"\n\n"
+            try:
+                async for chunk in decoded.aiter_raw():
+                    relayed = True
+                    tail = chunk[-2:] if chunk else tail
+                    yield chunk
+            except httpx.HTTPError as error:
+                _, failure = _upstream_error(Leg.DECODE, decode, error)
+                # The error event must start on a line of its own, after a whole event.
+                separator = b"" if tail == b"\n\n" else b"\n\n"
+                yield separator + b"data: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n"
+
+        def settle() -> None:
+            soon(decoded.aclose())
+            if not relayed:
+                release_soon(body, params)
+
+        return _Relay(relay(), settle)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -174,10 +262,14 @@ def build_app(prefill: str, decode: str, client: httpx.AsyncClient | None = None
 
     @app.get("/health")
     async def health() -> Response:
-        for server in (prefill, decode):
-            answer = await client.get(f"{server}/health")
+        for leg, server in ((Leg.PREFILL, prefill), (Leg.DECODE, decode)):
+            try:
+                answer = await client.get(f"{server}/health")
+            except httpx.HTTPError as error:
+                return _upstream_failed(leg, server, error)
             if answer.status_code != 200:
-                return Response(status_code=503)
+                _, failure = _upstream_error(leg, server, f"answered {answer.status_code} to /health")
+                return JSONResponse(failure, status_code=503)
         return Response(status_code=200)
 
     return app

@@ -46,6 +46,7 @@ class _Opened:
 
 class CudaIpcTransport(Transport):
     kind = TransportKind.CUDA_IPC
+    needs = "both engines on one node, a CUDA device and Triton"
     reach = Reach.SAME_NODE
     source_kinds = frozenset({MemoryKind.CUDA})
     destination_kinds = frozenset({MemoryKind.CUDA})

@@ -51,6 +51,7 @@ class VerbsTransport(Transport):
     accepted, and immediates matched or dropped (by reason)."""
 
     kind = TransportKind.VERBS
+    needs = "pyverbs and an RDMA device on both nodes"
     reach = Reach.OTHER_NODES
     source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
     destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
