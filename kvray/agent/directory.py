@@ -214,6 +214,13 @@ class Directory:
                 self.forget(engine_id)
                 self.metrics.directory(DirectoryEvent.PEER_DEPARTED)
 
+    async def departed(self, peers: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Which of `peers` (engine id, incarnation) the coordinator no longer lists; none
+        without a coordinator."""
+        if self.service is None or not peers:
+            return []
+        return await self.service.departed(peers)
+
     # ---- peers ------------------------------------------------------------------------
 
     def add(self, peer: Peer) -> None:

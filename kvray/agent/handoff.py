@@ -4,7 +4,8 @@ decode-to-prefill half of kvray's push; the KV and the completion notice are the
 
     decode   `load`: reserve the blocks the engine allocated (`KVAgent.expect`), send the
              prefill engine a `PushRequest` (fenced by both incarnations, carrying the
-             reservation's token), wait for the KV, release, report (`HandoffReports.loaded`).
+             reservation's token), wait for the KV (failing early once the prefill engine is
+             seen gone: `PushRequestMail.gone`), release, report (`HandoffReports.loaded`).
              `cancel`: the engine ended the request meanwhile: the wait ends, the prefill engine
              is told (`PushWithdrawn`). `withdraw`: a load that never began, told the same way.
     prefill  `hold`: a finished request's blocks, under its hand-off id, until a push request
@@ -43,7 +44,13 @@ import numpy as np
 
 from kvray.agent.kvagent import KVAgent
 from kvray.agent.push import PushResult
-from kvray.errors import BackpressureError, KvrayError, NotExpectedError, StaleIncarnationError
+from kvray.errors import (
+    BackpressureError,
+    KvrayError,
+    NotExpectedError,
+    StaleIncarnationError,
+    TransportError,
+)
 from kvray.memory import Backing
 from kvray.notice.local import CompletionInbox, CompletionOutbox
 from kvray.wire import (
@@ -259,6 +266,25 @@ class PushRequestMail:
                 engine_id=prefill.engine_id,
             )
         await peer.host.kvray_request_push.remote(message)
+
+    async def gone(self, agent: KVAgent, prefill: PrefillAddress, *, joined: bool) -> str:
+        """Why the prefill engine can no longer push ("" while it may): on this node, its
+        inbox has no reader; elsewhere (engines that joined Ray), the coordinator no longer
+        lists its incarnation. Without an answer in time it may still push."""
+        if prefill.inbox and prefill.node_id == agent.node_id:
+            if self._outbox.listening(prefill.inbox):
+                return ""
+            return f"its push-request inbox {prefill.inbox} has no reader: the engine closed or died"
+        if not joined:
+            return ""
+        try:
+            async with asyncio.timeout(agent.settings.notify_timeout_s):
+                departed = await agent.departed([(prefill.engine_id, prefill.incarnation)])
+        except Exception:  # the coordinator is restarting or slow: no news
+            return ""
+        if departed:
+            return "the coordinator no longer lists its incarnation: the engine closed, died or restarted"
+        return ""
 
     def close(self) -> None:
         self._handler = None
@@ -745,7 +771,7 @@ class Handoff:
             async with asyncio.timeout(deadline):
                 await self._mail.send(agent, prefill, encode(request), joined=self.joined)
             remaining = max(deadline - (time.perf_counter() - asked), 0.001)
-            await agent.wait_for_kv(spec.request_id, timeout=remaining)
+            await self._wait_while_prefill_lives(prefill, spec.request_id, remaining)
             ok = True
             waited = time.perf_counter() - asked
             await self._moved(
@@ -782,6 +808,31 @@ class Handoff:
                         await quarantined.wait()
             # A cancelled request is gone: its blocks are free, not blocks to recompute.
             self._reports.loaded(spec, failed=not ok and not cancelled)
+
+    async def _wait_while_prefill_lives(
+        self, prefill: PrefillAddress, request_id: str, timeout: float
+    ) -> None:
+        """`wait_for_kv`, ended early with `TransportError` once the prefill engine is seen gone
+        (asked every `heartbeat_s`): one that took the push request and then died would
+        otherwise leave the request waiting until its deadline. The request stays reserved
+        either way; the caller releases it."""
+        waiting = asyncio.ensure_future(self.agent.wait_for_kv(request_id, timeout=timeout))
+        try:
+            while not (await asyncio.wait({waiting}, timeout=self.settings.heartbeat_s))[0]:
+                why = await self._mail.gone(self.agent, prefill, joined=self.joined)
+                if why and not waiting.done():
+                    raise TransportError(
+                        f"prefill engine {prefill.engine_id!r} went away while request {request_id!r} "
+                        f"waited for its KV: {why}",
+                        engine_id=prefill.engine_id,
+                        request_id=request_id,
+                    )
+            waiting.result()
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KvrayError):
+                    await waiting
 
     async def _prefill_engine(self, spec: LoadSpec) -> PrefillAddress:
         """Where the prefill engine takes push requests: as its own ticket names it, else (the

@@ -244,6 +244,11 @@ class KVAgent:
         waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
         return await self._directory.peer(engine_id, wait_s=wait_s)
 
+    async def departed(self, peers: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Which of `peers` (engine id, incarnation) the coordinator no longer lists: they
+        closed, died or restarted. None without a coordinator."""
+        return await self._directory.departed(list(peers))
+
     def forget_peer(self, engine_id: str) -> None:
         """Drop everything cached for a peer (its info, offsets, mappings, connections); a
         write still in flight keeps what it uses until it ends."""

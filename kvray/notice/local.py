@@ -126,6 +126,23 @@ class CompletionOutbox:
             except (BlockingIOError, InterruptedError):
                 await asyncio.shield(connected.writable(loop))
 
+    def listening(self, path: str) -> bool:
+        """Whether a process still reads the inbox at `path` (checked as `send` checks it):
+        False once its owner closed it or died. A datagram queued just before that is lost
+        without a word, so a sender waiting on an answer asks this now and then."""
+        try:
+            self.check_inbox(path)
+        except (MetadataError, TransportError):
+            return False
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        finally:
+            probe.close()
+        return True
+
     def send_now(self, path: str, message: bytes) -> bool:
         """`send` without waiting, from the event loop's thread: True if the message is in the
         peer's inbox, False if it could not be queued right now (full, gone, not kvray's) - the

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ from kvray.agent.handoff import (
     HandoffEvent,
     LayerwiseSpec,
     LoadSpec,
+    PrefillAddress,
     PushRequestMail,
     SendSpec,
 )
@@ -72,11 +74,23 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def engines(
-    tmp_path: Path, *, lease_s: float = 30.0, max_parked: int = 4096, observe: bool = False
+    tmp_path: Path,
+    *,
+    lease_s: float = 30.0,
+    max_parked: int = 4096,
+    observe: bool = False,
+    heartbeat_s: float = 2.0,
 ) -> AsyncIterator[tuple[Engine, Engine]]:
     """A prefill and a decode side; `max_parked` bounds the prefill side's parked asks (its
-    `max_expected_requests`; the decode side keeps the default)."""
-    settings = Settings(shm_dir=str(tmp_path), transport="shm", notify_timeout_s=5.0, transfer_timeout_s=30.0)
+    `max_expected_requests`; the decode side keeps the default); every `heartbeat_s` a waiting
+    load asks whether its prefill engine is still there."""
+    settings = Settings(
+        shm_dir=str(tmp_path),
+        transport="shm",
+        notify_timeout_s=5.0,
+        transfer_timeout_s=30.0,
+        heartbeat_s=heartbeat_s,
+    )
     built: list[Engine] = []
     try:
         for name, role in (("hand-p", Role.PREFILL), ("hand-d", Role.DECODE)):
@@ -357,3 +371,67 @@ async def test_layers_saved_before_the_ask_are_pushed_when_it_comes(tmp_path: Pa
         prefill.handoff.hold(SendSpec("r-1", ((0,),), key=KEY))  # the last layer was never saved
         await until(lambda: "d-1" in decode.reports.loads)
         assert decode.reports.loads == {"d-1": False} and decode.block(6) == prefill.block(0)
+
+
+async def test_a_load_fails_soon_after_its_prefill_engine_goes_away(tmp_path: Path) -> None:
+    # The prefill engine took the ask, then died (its inbox has no reader): the load fails
+    # within a few heartbeats, not at its 30 s deadline, and its blocks are free again.
+    async with engines(tmp_path, heartbeat_s=0.1) as (prefill, decode):
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        prefill.mail.close()
+        started = time.monotonic()
+        await until(lambda: "d-1" in decode.reports.loads, timeout_s=5.0)
+        assert time.monotonic() - started < 2.0
+        assert decode.reports.loads == {"d-1": True}
+        decode.agent.expect("d-1", [2, 3])  # released: reserved again
+        assert decode.block(2) == decode.block(3) == [{0.0}] * 3
+
+
+async def test_a_load_waits_for_a_prefill_engine_that_is_slow_but_there(tmp_path: Path) -> None:
+    # Asked every heartbeat, a live prefill engine is never taken for gone: the KV comes late
+    # and lands.
+    async with engines(tmp_path, heartbeat_s=0.05) as (prefill, decode):
+        prefill.fill({1: 1.0, 4: 4.0})
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        await asyncio.sleep(0.5)  # ten heartbeats
+        assert decode.reports.loads == {}
+        prefill.handoff.hold(SendSpec("r-1", ((1, 4),), key=KEY))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False}
+        assert decode.block(2) == prefill.block(1) and decode.block(3) == prefill.block(4)
+
+
+class Directory:
+    """What `PushRequestMail.gone` asks of an agent whose prefill engine is on another node: the
+    coordinator's list of departed engines (here, a set), or no answer at all."""
+
+    def __init__(self, departed: set[tuple[str, int]], *, answers: bool = True) -> None:
+        self.node_id = "node-d"
+        self.settings = Settings(notify_timeout_s=0.2)
+        self._departed, self._answers = departed, answers
+
+    async def departed(self, peers: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        if not self._answers:
+            await asyncio.sleep(3600)
+        return [peer for peer in peers if peer in self._departed]
+
+
+async def test_a_prefill_engine_on_another_node_is_gone_once_the_coordinator_drops_it(tmp_path: Path) -> None:
+    mail = PushRequestMail(str(tmp_path))
+    try:
+        there = PrefillAddress("p", 7, "node-p", "")
+        agent: Any = Directory(set())
+        assert await mail.gone(agent, there, joined=True) == ""
+        agent = Directory({("p", 7)})
+        assert "no longer lists" in await mail.gone(agent, there, joined=True)
+        # A restarted engine (another incarnation) is not the one the request waits on.
+        restarted: Any = Directory({("p", 8)})
+        assert await mail.gone(restarted, there, joined=True) == ""
+        # No coordinator to ask (not joined), or no answer in time: no news, the deadline rules.
+        assert await mail.gone(agent, there, joined=False) == ""
+        silent: Any = Directory({("p", 7)}, answers=False)
+        assert await mail.gone(silent, there, joined=True) == ""
+    finally:
+        mail.close()
