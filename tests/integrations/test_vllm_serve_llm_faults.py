@@ -34,6 +34,8 @@ pytestmark = pytest.mark.cluster
 #: Long enough that every request is still decoding when a replica is killed.
 NEW_TOKENS = 384
 DEADLINE_S = 20.0
+#: How long a burst of requests may take to reach the replicas (each then runs for seconds).
+ARRIVE_S = 60.0
 #: Longest any request may take here, failures included: nothing hangs.
 NEVER_HANG_S = 240.0
 
@@ -85,15 +87,20 @@ def ongoing(replica: str) -> int:
 
 
 def under_load(
-    app: dict[str, Any], prompts: list[str], kill: str
+    app: dict[str, Any], prompts: list[str], kill: str, *, on_replicas: int
 ) -> tuple[str, dict[str, int], list[tuple[int, str, float]]]:
-    """`prompts` sent at once; while they run, the replica of `kill` handling the most of them
-    is killed (Serve may route them all to one replica): (its name, each replica's requests at
+    """`prompts` sent at once; once `on_replicas` of them are on replicas of `kill` (the first
+    requests of an app take a while to get there), the replica handling the most of them is
+    killed (Serve may route them all to one replica): (its name, each replica's requests at
     that moment, the answers)."""
     with ThreadPoolExecutor(max_workers=len(prompts)) as clients:
         answers = [clients.submit(complete, app["url"], prompt) for prompt in prompts]
-        time.sleep(1.5)  # every request is under way (each decodes for several seconds here)
-        load = {replica: ongoing(replica) for replica in replicas(kill)}
+        deadline = time.monotonic() + ARRIVE_S
+        while True:
+            load = {replica: ongoing(replica) for replica in replicas(kill)}
+            if sum(load.values()) >= on_replicas or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         victim = max(load, key=lambda replica: load[replica])
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         return victim, load, [answer.result(timeout=NEVER_HANG_S + 30) for answer in answers]
@@ -118,7 +125,7 @@ def test_a_killed_decode_replica_fails_only_its_requests_and_is_replaced(app: di
     alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
     before = replicas("Decode")
     assert len(before) == 2
-    victim, load, answers = under_load(app, prompts, "Decode")
+    victim, load, answers = under_load(app, prompts, "Decode", on_replicas=len(prompts))
     assert load[victim] > 0, load
     for (status, text, seconds), expected in zip(answers, alone, strict=True):
         assert seconds < NEVER_HANG_S
@@ -147,7 +154,7 @@ def test_a_killed_decode_replica_fails_only_its_requests_and_is_replaced(app: di
 def test_a_killed_prefill_replica_fails_its_requests_within_the_deadline(app: dict[str, Any]) -> None:
     prompts = load_prompts()[12:16]
     alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
-    victim, _, answers = under_load(app, prompts, "Prefill")
+    victim, _, answers = under_load(app, prompts, "Prefill", on_replicas=1)
     for (status, text, seconds), expected in zip(answers, alone, strict=True):
         # Each either has its KV already or fails once its deadline has passed, never later.
         assert seconds < DEADLINE_S + 60, seconds
