@@ -47,6 +47,7 @@ own. Exits 1 when a row FAILED (a contender that could not start does not count)
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import platform
 import re
@@ -289,21 +290,27 @@ def stream(url: str, model_id: str, prompt: list[int], new_tokens: int) -> dict[
     return {"tokens": tokens, "gaps": gaps, "ttft_s": first - started, "e2e_s": time.perf_counter() - started}
 
 
-def agreement(mine: dict[str, Any], reference: dict[str, Any], near_tie: float) -> str | None:
-    """ "equal" if an answer's tokens equal the reference's, "near tie" if they part first where
-    the reference's top two logprobs were at most `near_tie` apart, else None (wrong, or an
-    error on either side)."""
+class Agreement(enum.Enum):
+    """How a P/D answer's tokens compare with the single engine's."""
+
+    EQUAL = "equal"
+    #: They part first where the single engine's top two logprobs were within the model's near tie.
+    NEAR_TIE = "near tie"
+
+
+def agreement(mine: dict[str, Any], reference: dict[str, Any], near_tie: float) -> Agreement | None:
+    """How an answer agrees with the reference's, or None (wrong, or an error on either side)."""
     if "error" in mine or "error" in reference:
         return None
     if mine["tokens"] == reference["tokens"]:
-        return "equal"
+        return Agreement.EQUAL
     if len(mine["tokens"]) != len(reference["tokens"]):
         return None
     parted = next(
         i for i, (a, b) in enumerate(zip(mine["tokens"], reference["tokens"], strict=True)) if a != b
     )
     gaps = reference.get("gaps") or []
-    return "near tie" if parted < len(gaps) and gaps[parted] <= near_tie else None
+    return Agreement.NEAR_TIE if parted < len(gaps) and gaps[parted] <= near_tie else None
 
 
 def run_cell(
@@ -415,7 +422,7 @@ def summarize(
                 agreed = [
                     agreement(mine, theirs, near_tie) for mine, theirs in zip(results, expected, strict=True)
                 ]
-                equal, near_ties = agreed.count("equal"), agreed.count("near tie")
+                equal, near_ties = agreed.count(Agreement.EQUAL), agreed.count(Agreement.NEAR_TIE)
             errors = sorted({r["error"] for r in results if "error" in r})
             transfers = len(row["transfer_s"])
             wanted = CONTENDERS[run["name"]].transport if run["name"] in CONTENDERS else None

@@ -208,7 +208,7 @@ class Directory:
         died or restarted): their mappings, handles and connections hold memory until then."""
         assert self.service is not None
         known = [(engine_id, peer.info.incarnation) for engine_id, peer in self._peers.items()]
-        for engine_id, incarnation in await self.service.departed(known):
+        for engine_id, incarnation in await self.departed(known):
             peer = self._peers.get(engine_id)
             if peer is not None and peer.info.incarnation == incarnation:  # not looked up anew since
                 self.forget(engine_id)

@@ -4,7 +4,7 @@ name, when first used; `choose_transport` is a pure function of the capability f
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
@@ -44,10 +44,7 @@ def transport_class(kind: TransportKind) -> type[Transport]:
 
 def unavailable_reason(kind: TransportKind, settings: Settings) -> str | None:
     """None when `kind` can run here, else the one-sentence reason it cannot."""
-    try:
-        return transport_class(kind).unavailable_reason(settings)
-    except TransportUnavailableError as error:
-        return str(error)
+    return _reason(kind, lambda cls: cls.unavailable_reason(settings))
 
 
 def availability(settings: Settings) -> dict[TransportKind, str | None]:
@@ -59,13 +56,17 @@ def availability(settings: Settings) -> dict[TransportKind, str | None]:
 def machine_availability(settings: Settings) -> dict[TransportKind, str | None]:
     """Every transport kvray knows, with what this machine lacks to provide it to the engines
     kvray runs here (None: nothing; `Transport.machine_unavailable_reason`)."""
-    report: dict[TransportKind, str | None] = {}
-    for kind in TransportKind:
-        try:
-            report[kind] = transport_class(kind).machine_unavailable_reason(settings)
-        except TransportUnavailableError as error:
-            report[kind] = str(error)
-    return report
+    return {
+        kind: _reason(kind, lambda cls: cls.machine_unavailable_reason(settings)) for kind in TransportKind
+    }
+
+
+def _reason(kind: TransportKind, ask: Callable[[type[Transport]], str | None]) -> str | None:
+    """`ask`'s answer for `kind`'s class, or why that class cannot be imported."""
+    try:
+        return ask(transport_class(kind))
+    except TransportUnavailableError as error:
+        return str(error)
 
 
 def open_transport(
