@@ -47,6 +47,9 @@ ByteCount = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BYTES)]
 MAX_BLOCKS = 2**24
 #: Most layers one layout may hold.
 MAX_LAYERS = 1024
+#: Most runs one block of one layer may be stored as (K and V; or one per KV head, where an
+#: engine keeps the heads outside the blocks).
+MAX_PARTS = 256
 
 #: Every layer slab (layer-major) and every layer segment inside a block (block-major) starts
 #: at a multiple of this many bytes, so typed views are aligned for any dtype above.
@@ -81,12 +84,20 @@ class BlockOrder(enum.Enum):
 
 
 class Geometry(msgspec.Struct, frozen=True, kw_only=True):
-    """What one layer caches: `parts` (1 latent, 2 for K and V) × tokens × entry."""
+    """What one layer caches: `parts` × tokens × entry. A block of the layer is `parts` runs
+    of `block_size` entries: 1 for a latent or indexer cache (or K and V within one run), 2 for
+    split K and V, one per KV head where an engine keeps the heads outside the blocks.
+
+    `block_layout` says how the bytes inside a block are ordered (the engine's axes, outer to
+    inner, e.g. "H8 N16 C256"; "" when the engine does not say): kvray moves whole blocks, so
+    two engines only exchange a layer when they order it alike, which this field makes part of
+    the geometry both sides must agree on."""
 
     block_size: int
     entry_shape: tuple[int, ...]
     dtype: str
     parts: int = 1
+    block_layout: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -104,9 +115,10 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
                 f"unknown dtype {self.dtype!r}; kvray knows {sorted(DTYPE_ITEMSIZE)}",
                 dtype=self.dtype,
             )
-        if self.parts not in (1, 2):
+        if not 1 <= self.parts <= MAX_PARTS:
             raise LayoutError(
-                f"parts must be 1 (latent or indexer cache) or 2 (split K/V), got {self.parts}",
+                f"parts must be 1 (latent or indexer cache), 2 (split K/V) or up to {MAX_PARTS} "
+                f"(one run per KV head), got {self.parts}",
                 parts=self.parts,
             )
 
@@ -162,9 +174,9 @@ class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
         out_of_range = {name: value for name, value in fields.items() if not 0 <= value < MAX_BYTES}
         if out_of_range:
             raise LayoutError(f"a layer placement needs values in [0, 2**62): {out_of_range}", **out_of_range)
-        if not 0 < self.part_nbytes < MAX_BYTES or self.parts not in (1, 2):
+        if not 0 < self.part_nbytes < MAX_BYTES or not 1 <= self.parts <= MAX_PARTS:
             raise LayoutError(
-                f"a layer placement needs part_nbytes > 0 and 1 or 2 parts, "
+                f"a layer placement needs part_nbytes > 0 and 1 to {MAX_PARTS} parts, "
                 f"got part_nbytes={self.part_nbytes}, parts={self.parts}",
                 part_nbytes=self.part_nbytes,
                 parts=self.parts,
@@ -231,10 +243,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return dict(_shared_placements(self)[0])
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        """Shape of a layer's view: [num_blocks, block_size, *entry] or [2, num_blocks, ...]."""
+        """Shape of a layer's view: [num_blocks, block_size, *entry], or [parts, num_blocks, ...]
+        for a layer of several parts."""
         geometry = self.layer(name).geometry
         block_shape = (self.num_blocks, geometry.block_size, *geometry.entry_shape)
-        return (2, *block_shape) if geometry.parts == 2 else block_shape
+        return (geometry.parts, *block_shape) if geometry.parts > 1 else block_shape
 
     def layer_nbytes(self, name: str) -> int:
         """Bytes of one layer's own contiguous tensor (the non-shared, per-layer path)."""

@@ -17,12 +17,14 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
 from kvray.config import Settings, check_alignment
-from kvray.errors import LayoutError, RegionError
+from kvray.errors import LayoutError, MetadataError, RegionError
 from kvray.layout import (
     BlockOrder,
     KVLayout,
@@ -32,6 +34,7 @@ from kvray.layout import (
     per_layer_placement,
 )
 from kvray.owned import create_owned_file, is_owned_name, open_owned_file, remove_owned
+from kvray.validation import check_layers_disjoint
 from kvray.wire import EngineInfo, RegionDescriptor, Role, TransportKind
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
@@ -271,6 +274,7 @@ class Backing:
         settings: Settings | None = None,
         alignment: int | None = None,
         shm_path: str | None = None,
+        strides: Mapping[str, BlockStrides] | None = None,
     ) -> Backing:
         """The caller's own per-layer tensors: one region per storage they live in.
 
@@ -285,7 +289,15 @@ class Backing:
         aligned span around all of their bytes (K and V halves alike), which must stay inside
         that storage. Every tensor must have its layer's shape and dtype and be contiguous, and
         no two layers may share a byte.
+
+        `strides`: layers an engine lays out otherwise (its KV heads outside the blocks, or
+        every layer's block side by side): the bytes from one part, and from one block, to the
+        next, counted from the tensor's first element (part 0 of block 0). Such a tensor may
+        have any shape of its layer's dtype; its layer's view is then rebuilt over the same
+        bytes as [parts, num_blocks, block_size, *entry], and no (layer, part, block) segment
+        may share a byte with another (`kvray.validation.check_layers_disjoint`).
         """
+        strides = strides or {}
         if layout.block_order is not BlockOrder.LAYER_MAJOR:
             raise LayoutError("per-layer tensors can only hold a layer-major layout")
         missing = [name for name in layout.layer_names if name not in tensors]
@@ -296,10 +308,19 @@ class Backing:
                 missing=missing,
                 unknown=extra,
             )
+        unknown_strided = sorted(set(strides) - set(layout.layer_names))
+        if unknown_strided:
+            raise LayoutError(f"strides name layers the layout does not have: {unknown_strided[:3]}")
         for name in layout.layer_names:
             tensor = tensors[name]
             expected_shape = layout.tensor_shape(name)
             expected_dtype = TORCH_DTYPES[layout.layer(name).geometry.dtype]
+            if name in strides:
+                if tensor.dtype != expected_dtype:
+                    raise LayoutError(
+                        f"layer {name!r} must be {expected_dtype}, got {tensor.dtype}", layer=name
+                    )
+                continue
             if tuple(tensor.shape) != expected_shape or tensor.dtype != expected_dtype:
                 raise LayoutError(
                     f"layer {name!r} must be {expected_shape} {expected_dtype}, got "
@@ -324,9 +345,22 @@ class Backing:
         if alignment is None:
             alignment = settings.gpu_alignment if kind is MemoryKind.CUDA else settings.alignment
         alignment = check_alignment(alignment)
+        # Where each layer's bytes sit, from its first one (the region is not known yet).
+        own = {name: _strided_placement(layout, name, strides.get(name)) for name in layout.layer_names}
+        extent = {name: own[name].end(layout.num_blocks) for name in layout.layer_names}
+        if strides:
+            at_address = {
+                name: msgspec.structs.replace(own[name], offset=tensors[name].data_ptr())
+                for name in layout.layer_names
+            }
+            try:
+                check_layers_disjoint("this engine", layout, at_address)
+            except MetadataError as error:
+                raise LayoutError(f"adopted layers share memory: {error}") from None
         layer_spans = sorted(
-            (tensors[name].data_ptr(), tensors[name].data_ptr() + layout.layer_nbytes(name), name)
+            (tensors[name].data_ptr(), tensors[name].data_ptr() + extent[name], name)
             for name in layout.layer_names
+            if name not in strides
         )
         for (_, end, first), (start, _, second) in itertools.pairwise(layer_spans):
             if start < end:
@@ -353,7 +387,7 @@ class Backing:
             storage = tensors[names[0]].untyped_storage()
             device = tensors[names[0]].device
             data_start = min(tensors[name].data_ptr() for name in names)
-            data_end = max(tensors[name].data_ptr() + layout.layer_nbytes(name) for name in names)
+            data_end = max(tensors[name].data_ptr() + extent[name] for name in names)
             span = cover_region(
                 storage.data_ptr(), storage.nbytes(), data_start, data_end - data_start, alignment
             )
@@ -372,14 +406,8 @@ class Backing:
                 )
             )
             for name in names:
-                placement = per_layer_placement(layout, name, index)
-                placements[name] = LayerPlacement(
-                    region=index,
-                    offset=tensors[name].data_ptr() - span.start,
-                    part_stride=placement.part_stride,
-                    block_stride=placement.block_stride,
-                    part_nbytes=placement.part_nbytes,
-                    parts=placement.parts,
+                placements[name] = msgspec.structs.replace(
+                    own[name], region=index, offset=tensors[name].data_ptr() - span.start
                 )
         by_address = sorted(regions, key=lambda region: region.address)
         for lower, upper in itertools.pairwise(by_address):
@@ -389,7 +417,12 @@ class Backing:
                     "storages cover the same memory; give kvray views of one storage instead",
                     regions=[lower.index, upper.index],
                 )
-        views = {name: tensors[name] for name in layout.layer_names}
+        views = {
+            name: _layer_view(layout, name, regions[placements[name].region].tensor, placements[name])
+            if name in strides
+            else tensors[name]
+            for name in layout.layer_names
+        }
         return cls(layout, kind, alignment, regions, placements, views)
 
     # ---- description -------------------------------------------------------------------
@@ -472,6 +505,26 @@ class Backing:
         self.close()
 
 
+class BlockStrides(NamedTuple):
+    """How an engine's own tensor lays out a layer's blocks (`Backing.adopt`), in bytes."""
+
+    #: From one part of a block (K to V, or one KV head to the next) to the next.
+    part_stride: int
+    #: From one block to the next.
+    block_stride: int
+
+
+def _strided_placement(layout: KVLayout, name: str, strides: BlockStrides | None) -> LayerPlacement:
+    """A layer's placement from its tensor's first byte: contiguous (`per_layer_placement`), or
+    as `strides` say."""
+    placement = per_layer_placement(layout, name, 0)
+    if strides is None:
+        return placement
+    return msgspec.structs.replace(
+        placement, part_stride=strides.part_stride, block_stride=strides.block_stride
+    )
+
+
 def _layer_view(
     layout: KVLayout, name: str, region_tensor: torch.Tensor, placement: LayerPlacement
 ) -> torch.Tensor:
@@ -486,8 +539,8 @@ def _layer_view(
         stride *= dim
     block_dims = (layout.num_blocks, geometry.block_size, *geometry.entry_shape)
     block_strides = (placement.block_stride // itemsize, token_elems, *entry_strides)
-    if geometry.parts == 2:
-        shape: tuple[int, ...] = (2, *block_dims)
+    if geometry.parts > 1:
+        shape: tuple[int, ...] = (geometry.parts, *block_dims)
         strides: tuple[int, ...] = (placement.part_stride // itemsize, *block_strides)
     else:
         shape, strides = block_dims, block_strides

@@ -8,10 +8,11 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from kvray.errors import BoundsError, MetadataError, WireDecodeError
-from kvray.layout import Geometry, LayerPlacement
+from kvray.layout import Geometry, KVLayout, LayerPlacement
 from kvray.wire import MAX_REGIONS, EngineInfo, writer_target
 
 
@@ -96,16 +97,25 @@ def validate_engine_info(info: EngineInfo) -> None:
             engine_id=engine,
             layers=stray,
         )
-    rows: list[_Row] = []
     for spec in info.layout.layers:
-        placement = info.placement(spec.name)
-        _check_placement(info, spec.name, spec.geometry, placement)
+        _check_placement(info, spec.name, spec.geometry, info.placement(spec.name))
+    placements = {name: info.placement(name) for name in info.layout.layer_names}
+    check_layers_disjoint(engine, info.layout, placements)
+
+
+def check_layers_disjoint(engine: str, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
+    """No two (layer, part, block) segments of `placements` share a byte (`MetadataError`
+    naming the region and offsets otherwise): the seed bug's shape, two layers at one address.
+    Each placement is taken as lying inside its region; `validate_engine_info` checks that."""
+    rows: list[_Row] = []
+    for spec in layout.layers:
+        placement = placements[spec.name]
         for part in range(placement.parts):
             part_start = placement.offset + part * placement.part_stride
             rows.append(
                 _Row(placement.region, part_start, placement.block_stride, placement.part_nbytes, spec.name)
             )
-    _check_segments_disjoint(info, rows)
+    _check_segments_disjoint(engine, layout.num_blocks, rows)
 
 
 def _first_overlap(spans: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...] | None:
@@ -118,17 +128,17 @@ def _first_overlap(spans: list[tuple[int, int, int]]) -> tuple[tuple[int, int, i
     return None
 
 
-def _segment_overlap(info: EngineInfo, region: int, first: int, second: int) -> MetadataError:
+def _segment_overlap(engine: str, region: int, first: int, second: int) -> MetadataError:
     return MetadataError(
-        f"engine {info.engine_id!r} places two KV segments over the same bytes: region "
+        f"engine {engine!r} places two KV segments over the same bytes: region "
         f"{region} offsets {first} and {second}",
-        engine_id=info.engine_id,
+        engine_id=engine,
         region=region,
         offset=second,
     )
 
 
-def _check_segments_disjoint(info: EngineInfo, rows: list[_Row]) -> None:
+def _check_segments_disjoint(engine: str, num_blocks: int, rows: list[_Row]) -> None:
     """No two (layer, part, block) segments share a byte (every row is already inside its region).
 
     Arithmetic on each row's base, stride and extent, never one segment at a time. Rows are
@@ -137,10 +147,9 @@ def _check_segments_disjoint(info: EngineInfo, rows: list[_Row]) -> None:
     block stride (`_check_one_stride` decides those exactly); rows of different strides
     interleaved over the same bytes are refused, since no placement kvray or an engine it
     serves publishes looks like that."""
-    num_blocks = info.layout.num_blocks
     for row in rows:
         if num_blocks > 1 and row.stride < row.nbytes:
-            raise _segment_overlap(info, row.region, row.base, row.base + row.stride)
+            raise _segment_overlap(engine, row.region, row.base, row.base + row.stride)
     extents = sorted(
         (row.region, row.base, row.base + (num_blocks - 1) * row.stride + row.nbytes, number)
         for number, row in enumerate(rows)
@@ -149,31 +158,31 @@ def _check_segments_disjoint(info: EngineInfo, rows: list[_Row]) -> None:
     cluster_region, cluster_end = -1, 0
     for region, start, end, number in extents:
         if region != cluster_region or start >= cluster_end:
-            _check_cluster(info, cluster, num_blocks)
+            _check_cluster(engine, cluster, num_blocks)
             cluster, cluster_region, cluster_end = [], region, end
         cluster.append(rows[number])
         cluster_end = max(cluster_end, end)
-    _check_cluster(info, cluster, num_blocks)
+    _check_cluster(engine, cluster, num_blocks)
 
 
-def _check_cluster(info: EngineInfo, cluster: list[_Row], num_blocks: int) -> None:
+def _check_cluster(engine: str, cluster: list[_Row], num_blocks: int) -> None:
     if len(cluster) < 2:
         return
     region = cluster[0].region
     if num_blocks == 1:
         first, second = sorted(cluster)[:2]
-        raise _segment_overlap(info, region, first.base, second.base)
+        raise _segment_overlap(engine, region, first.base, second.base)
     strides = sorted({row.stride for row in cluster})
     if len(strides) > 1:
         raise MetadataError(
-            f"engine {info.engine_id!r} interleaves layer parts of region {region} with different "
+            f"engine {engine!r} interleaves layer parts of region {region} with different "
             f"block strides ({strides[0]} and {strides[1]} bytes) over the same bytes; kvray proves "
             "interleaved parts disjoint only when they share one block stride",
-            engine_id=info.engine_id,
+            engine_id=engine,
             region=region,
             strides=strides[:2],
         )
-    _check_one_stride(info, cluster, num_blocks)
+    _check_one_stride(engine, cluster, num_blocks)
 
 
 class _Piece(NamedTuple):
@@ -189,7 +198,7 @@ class _Piece(NamedTuple):
     row: _Row
 
 
-def _check_one_stride(info: EngineInfo, cluster: list[_Row], num_blocks: int) -> None:
+def _check_one_stride(engine: str, cluster: list[_Row], num_blocks: int) -> None:
     """Rows sharing one block stride (at least their longest segment): disjoint, exactly.
 
     Cut the region into windows of one stride. A row whose base is `window · stride + start`
@@ -229,7 +238,7 @@ def _check_one_stride(info: EngineInfo, cluster: list[_Row], num_blocks: int) ->
                         piece.row.base + (window - piece.block0_window) * stride,
                     )
                 )
-                raise _segment_overlap(info, piece.row.region, first, second)
+                raise _segment_overlap(engine, piece.row.region, first, second)
         bisect.insort(open_firsts, piece.first_window)
         open_pieces[piece.first_window] = piece
         heapq.heappush(closing, (piece.end, piece.first_window))

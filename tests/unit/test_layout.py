@@ -80,7 +80,7 @@ def test_mla_block_is_73728_bytes() -> None:
         ({"entry_shape": (-1,)}, "entry_shape", "entry_shape"),
         ({"dtype": "float13"}, "float13", "dtype"),
         ({"dtype": "torch.bfloat16"}, "torch.bfloat16", "dtype"),
-        ({"parts": 3}, "parts", "parts"),
+        ({"parts": 257}, "parts", "parts"),
         ({"parts": 0}, "parts", "parts"),
     ],
 )
@@ -139,8 +139,8 @@ def test_negative_placement_raises(field: str) -> None:
     assert caught.value.facts == {field: -64}
 
 
-@pytest.mark.parametrize(("part_nbytes", "parts"), [(0, 1), (-64, 1), (64, 0), (64, 3)])
-def test_placement_needs_positive_part_and_one_or_two_parts(part_nbytes: int, parts: int) -> None:
+@pytest.mark.parametrize(("part_nbytes", "parts"), [(0, 1), (-64, 1), (64, 0), (64, 257)])
+def test_placement_needs_positive_part_and_a_bounded_number_of_parts(part_nbytes: int, parts: int) -> None:
     with pytest.raises(LayoutError):
         LayerPlacement(
             region=0, offset=0, part_stride=64, block_stride=64, part_nbytes=part_nbytes, parts=parts
