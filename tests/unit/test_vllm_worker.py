@@ -49,7 +49,7 @@ def vllm_cpu_caches(buffer: torch.Tensor, layers: int = 3) -> dict[str, torch.Te
 def test_the_layout_comes_from_the_real_cache_tensors() -> None:
     caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
     cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
-    layout, views = cache.layout, cache.views
+    layout = cache.layout
     assert layout.layer_names == tuple(caches)
     geometry = layout.layer("model.layers.0.self_attn").geometry
     assert (geometry.block_size, geometry.entry_shape, geometry.dtype, geometry.parts) == (
@@ -58,8 +58,10 @@ def test_the_layout_comes_from_the_real_cache_tensors() -> None:
         "bfloat16",
         1,
     )
-    for name, view in views.items():
-        assert view.shape == (NUM_BLOCKS, BLOCK_SIZE, 16) and view.data_ptr() == caches[name].data_ptr()
+    assert geometry.block_layout == "H2 N16 C8"
+    for name, tensor in cache.tensors.items():
+        assert tensor is caches[name]
+        assert cache.strides[name].block_stride == 2 * BLOCK_SIZE * 8 * 2
     split = {"k_and_v": torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8, dtype=torch.float16)}
     layout = layout_of(split, NUM_BLOCKS, BLOCK_SIZE).layout
     assert layout.layer("k_and_v").geometry.parts == 2
@@ -68,7 +70,7 @@ def test_the_layout_comes_from_the_real_cache_tensors() -> None:
 @pytest.mark.parametrize(
     ("tensor", "match"),
     [
-        (torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 8).transpose(1, 2), "not contiguous"),
+        (torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, 8)[..., ::2], "no contiguous innermost axis"),
         (torch.zeros(NUM_BLOCKS + 1, 2, BLOCK_SIZE, 8), "block axis"),
         (torch.zeros(NUM_BLOCKS, 3, dtype=torch.float32), "whole tokens"),
     ],
@@ -98,8 +100,9 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
     assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
     caches = vllm_cpu_caches(buffer)
     cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
-    layout, views = cache.layout, cache.views
-    backing = Backing.adopt(layout, views, settings=settings, shm_path=path)
+    backing = Backing.adopt(
+        cache.layout, cache.tensors, settings=settings, shm_path=path, strides=cache.strides
+    )
     assert backing.kind is MemoryKind.SHM and len(backing.regions) == 1
     (region,) = backing.region_descriptors("vllm-test", 1, TransportKind.SHM, remote_writable=True)
     assert region.handle == path.encode()
@@ -111,9 +114,10 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
 def test_only_a_kvray_shared_memory_file_is_adopted_as_one(tmp_path: Path) -> None:
     caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
     cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)
-    layout, views = cache.layout, cache.views
     with pytest.raises(RegionError, match="not a kvray shared-memory file"):
-        Backing.adopt(layout, views, shm_path=str(tmp_path / "someone-elses-file"))
+        Backing.adopt(
+            cache.layout, cache.tensors, shm_path=str(tmp_path / "someone-elses-file"), strides=cache.strides
+        )
 
 
 def test_a_layer_in_a_storage_too_small_for_an_aligned_region_is_refused(tmp_path: Path) -> None:
@@ -584,7 +588,7 @@ def test_groups_that_share_their_layers_memory_are_one_kvray_layer_per_tensor() 
         "model.layers.2.self_attn.attn",
         "model.layers.3.self_attn.attn",
     }
-    for name, view in cache.views.items():
+    for name, view in cache.tensors.items():
         assert view.data_ptr() == caches[name].data_ptr()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import threading
 from collections.abc import Collection, Coroutine, Iterator, Mapping, Sequence
@@ -32,10 +31,11 @@ from kvray.agent.handoff import (
 )
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
-from kvray.errors import ConfigError
-from kvray.layout import Geometry, KVLayout, LayerSpec
-from kvray.memory import TORCH_DTYPES, Backing, create_shm_buffer
+from kvray.errors import ConfigError, MetadataError
+from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerPlacement, LayerSpec
+from kvray.memory import TORCH_DTYPES, Backing, BlockStrides, create_shm_buffer
 from kvray.owned import remove_owned
+from kvray.validation import check_layers_disjoint
 from kvray.wire import EngineInfo, Role
 
 if TYPE_CHECKING:
@@ -56,8 +56,10 @@ class CacheLayout:
     named after the first vLLM layer that uses it."""
 
     layout: KVLayout
-    #: The tensors, as the layout's shapes, by kvray layer.
-    views: dict[str, torch.Tensor]
+    #: vLLM's tensors, by kvray layer.
+    tensors: dict[str, torch.Tensor]
+    #: How each tensor lays out its blocks (`Backing.adopt`).
+    strides: dict[str, BlockStrides]
     #: The kvray layer of each vLLM layer.
     layer_of: dict[str, str]
     #: The vLLM layers of each kvray layer: it is pushed once the forward has saved them all.
@@ -70,15 +72,17 @@ def layout_of(
     block_size: int,
     group_layers: Sequence[Sequence[str]] = (),
 ) -> CacheLayout:
-    """kvray's layout of vLLM's real per-layer cache tensors (`CacheLayout`). A block of a
-    layer must be one contiguous run (`[num_blocks, ...]`) or two, K and V (`[2, num_blocks,
-    ...]`); what lies inside a block is vLLM's business, since whole blocks move. Tensors that
-    are one another's memory (the same storage, offset, shape, strides and dtype) are one kvray
-    layer; tensors that overlap otherwise are refused. `group_layers`: each KV cache group's
-    layers; every group must cover every kvray layer (its blocks are then moved in all of them),
-    else the model is refused here, at start-up, naming the groups."""
+    """kvray's layout of vLLM's real per-layer cache tensors (`CacheLayout`), on the CPU or a
+    GPU. A block of a layer must be one contiguous run or a few runs one stride apart
+    (`block_runs`); what lies inside a run is vLLM's business, since whole blocks move, but its
+    order is part of the geometry. Tensors that are one another's memory (the same storage,
+    offset, shape, strides and dtype) are one kvray layer; tensors that overlap otherwise are
+    refused. `group_layers`: each KV cache group's layers; every group must cover every kvray
+    layer (its blocks are then moved in all of them), else the model is refused here, at
+    start-up, naming the groups."""
     layers: list[LayerSpec] = []
-    views: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    strides: dict[str, BlockStrides] = {}
     layer_of: dict[str, str] = {}
     users: dict[str, set[str]] = {}
     by_memory: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
@@ -89,69 +93,147 @@ def layout_of(
             layer_of[name] = shared
             users[shared].add(name)
             continue
-        geometry, shape = _geometry(name, tensor, num_blocks, block_size)
+        geometry, strides[name] = block_runs(name, tensor, num_blocks, block_size)
         layers.append(LayerSpec(name=name, geometry=geometry))
-        views[name] = tensor.view(*shape, geometry.entry_shape[0])
+        tensors[name] = tensor
         by_memory[memory] = layer_of[name] = name
         users[name] = {name}
-    _check_disjoint(views)
-    _check_groups(group_layers, layer_of, list(views))
+    layout = KVLayout(layers=tuple(layers), num_blocks=num_blocks)
+    _check_disjoint(layout, tensors, strides)
+    _check_groups(group_layers, layer_of, list(tensors))
     return CacheLayout(
-        KVLayout(layers=tuple(layers), num_blocks=num_blocks),
-        views,
+        layout,
+        tensors,
+        strides,
         layer_of,
         {name: frozenset(names) for name, names in users.items()},
     )
 
 
-def _geometry(
+def _axis_names(rank: int, block_axis: int) -> tuple[str, ...]:
+    """Names of a cache tensor's axes (for `Geometry.block_layout`): vLLM's [B, H, N, C] views
+    (every KV cache layout of vLLM 0.32 and later: blocks, KV heads, tokens, K and V content),
+    its earlier backends' [2, B, N, H, D] (K and V apart, FlashAttention), [B, 2, N, H, D]
+    (FlashInfer) and [B, N, C] (an MLA latent); other shapes by position."""
+    if rank == 4 and block_axis == 0:
+        return ("B", "H", "N", "C")
+    if rank == 5:
+        return ("KV", "B", "N", "H", "D") if block_axis == 1 else ("B", "KV", "N", "H", "D")
+    if rank == 3 and block_axis == 0:
+        return ("B", "N", "C")
+    return tuple(f"d{axis}" for axis in range(rank))
+
+
+def block_runs(
     name: str, tensor: torch.Tensor, num_blocks: int, block_size: int
-) -> tuple[Geometry, tuple[int, ...]]:
-    """A vLLM layer tensor's kvray geometry, and the shape it is viewed as (before the entry)."""
-    if not tensor.is_contiguous():
-        raise ConfigError(
-            f"vLLM's KV cache of layer {name!r} is not contiguous (strides {tensor.stride()}); "
-            "kvray moves whole blocks of a contiguous per-layer cache",
-            layer=name,
-        )
+) -> tuple[Geometry, BlockStrides]:
+    """A vLLM layer tensor's kvray geometry and block strides.
+
+    The block axis is the first (`[num_blocks, ...]`, or `num_blocks` × kernel blocks that
+    split each block evenly), or the second after a K/V axis of 2 (`[2, num_blocks, ...]`).
+    Within a block, the innermost axes that are dense in memory make one run; the axes outside
+    them must step by one stride, and they number the block's parts (K and V, or the KV heads
+    of a layout that keeps the heads outside the blocks). Whatever does not fit (an element
+    stride inside a run, parts at two strides) is refused here, at start-up."""
     if tensor.dtype not in _DTYPE_NAMES:
         raise ConfigError(f"layer {name!r} caches {tensor.dtype}, which kvray does not know", layer=name)
-    shape: tuple[int, ...]
-    if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
-        parts, shape = 1, (num_blocks, block_size)
-    elif tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
-        parts, shape = 2, (2, num_blocks, block_size)
+    shape, steps = list(tensor.shape), list(tensor.stride())
+    split_kv = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
+    names = list(_axis_names(len(shape), 1 if split_kv else 0))
+    if shape and shape[0] == num_blocks:
+        block_axis = 0
+    elif split_kv:
+        block_axis = 1
+    elif len(shape) >= 2 and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        # Kernel blocks: vLLM splits each block into `ratio` smaller ones for the kernels.
+        ratio = shape[0] // num_blocks
+        shape = [num_blocks, ratio, *shape[1:]]
+        steps = [steps[0] * ratio, steps[0], *steps[1:]]
+        names = [names[0], "K", *names[1:]]
+        block_axis = 0
     else:
         raise ConfigError(
             f"vLLM's KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvray needs the "
             f"block axis ({num_blocks} blocks) first, or second after a K/V axis of 2",
             layer=name,
         )
-    per_token = tensor.numel() // (parts * num_blocks * block_size)
-    if per_token * parts * num_blocks * block_size != tensor.numel():
+    # The axes inside a block, outer to inner in memory (axes of one element say nothing).
+    inner = sorted(
+        (
+            (steps[axis], shape[axis], names[axis])
+            for axis in range(len(shape))
+            if axis != block_axis and shape[axis] > 1
+        ),
+        key=lambda axis: -axis[0],
+    )
+    block_layout = " ".join(f"{label}{size}" for _, size, label in inner)
+    outer = list(inner)
+    run_elements = 1
+    while outer and outer[-1][0] == run_elements:
+        run_elements *= outer.pop()[1]
+    if run_elements == 1 and outer:
         raise ConfigError(
-            f"layer {name!r}: {tensor.numel()} elements are not whole tokens of blocks of {block_size}",
+            f"vLLM's KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides "
+            f"{tuple(tensor.stride())}) has no contiguous innermost axis; kvray moves blocks as runs "
+            "of contiguous bytes",
             layer=name,
         )
+    parts, part_step = 1, 0
+    if outer:
+        part_step = expected = outer[-1][0]
+        for step, size, _ in reversed(outer):
+            if step != expected:
+                raise ConfigError(
+                    f"vLLM's KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides "
+                    f"{tuple(tensor.stride())}) keeps a block's parts at more than one stride; kvray "
+                    "moves a block as runs one stride apart",
+                    layer=name,
+                )
+            parts *= size
+            expected = step * size
+    if run_elements % block_size:
+        raise ConfigError(
+            f"layer {name!r}: a run of {run_elements} elements is not whole tokens of blocks of {block_size}",
+            layer=name,
+        )
+    if parts > MAX_PARTS:
+        raise ConfigError(
+            f"layer {name!r}: a block is {parts} separate runs, more than the {MAX_PARTS} kvray moves",
+            layer=name,
+        )
+    itemsize = tensor.element_size()
     geometry = Geometry(
-        block_size=block_size, entry_shape=(per_token,), dtype=_DTYPE_NAMES[tensor.dtype], parts=parts
+        block_size=block_size,
+        entry_shape=(run_elements // block_size,),
+        dtype=_DTYPE_NAMES[tensor.dtype],
+        parts=parts,
+        block_layout=block_layout,
     )
-    return geometry, shape
+    return geometry, BlockStrides(part_step * itemsize, steps[block_axis] * itemsize)
 
 
-def _check_disjoint(views: Mapping[str, torch.Tensor]) -> None:
+def _check_disjoint(
+    layout: KVLayout, tensors: Mapping[str, torch.Tensor], strides: Mapping[str, BlockStrides]
+) -> None:
     """Two kvray layers must not share a byte: a write into one would land in the other."""
-    spans = sorted(
-        (view.data_ptr(), view.data_ptr() + view.numel() * view.element_size(), name)
-        for name, view in views.items()
-    )
-    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
-        if start < end:
-            raise ConfigError(
-                f"vLLM's KV caches of layers {name!r} and {other!r} overlap without being the same "
-                "tensor; kvray cannot move them apart",
-                layers=[name, other],
-            )
+    at_address = {}
+    for spec in layout.layers:
+        geometry = spec.geometry
+        at_address[spec.name] = LayerPlacement(
+            region=0,
+            offset=tensors[spec.name].data_ptr(),
+            part_stride=strides[spec.name].part_stride,
+            block_stride=strides[spec.name].block_stride,
+            part_nbytes=geometry.part_nbytes,
+            parts=geometry.parts,
+        )
+    try:
+        check_layers_disjoint("this engine", layout, at_address)
+    except MetadataError as error:
+        raise ConfigError(
+            f"vLLM's KV caches of two layers overlap without being the same tensor; kvray cannot "
+            f"move them apart ({error})"
+        ) from None
 
 
 def _check_groups(
@@ -328,16 +410,18 @@ class ConnectorWorker:
         """Describe vLLM's KV cache as one kvray backing and start the agent (`layout_of`:
         `group_layers` are the layers of each KV cache group)."""
         cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers)
-        layout, views = cache.layout, cache.views
+        layout, tensors = cache.layout, cache.tensors
         shm_path = self._shm_path
         if shm_path is not None and any(
-            view.untyped_storage().data_ptr() != self._shm_storage for view in views.values()
+            tensor.untyped_storage().data_ptr() != self._shm_storage for tensor in tensors.values()
         ):
             # Not every layer lives in the placed buffer: each storage is its own region, in
             # this process's memory (writable by the `ray` transport, not `shm`).
             remove_owned(shm_path)  # mapped still: the memory stays until the buffer goes
             shm_path = self._shm_path = None
-        backing = Backing.adopt(layout, views, settings=self.settings, shm_path=shm_path)
+        backing = Backing.adopt(
+            layout, tensors, settings=self.settings, shm_path=shm_path, strides=cache.strides
+        )
         self._loop = AgentLoop(f"kvray-{self.engine_id}")
         if self.ray_address is not None:
             self._join_ray(self.ray_address)
