@@ -16,8 +16,9 @@ import mmap
 import os
 import sys
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -46,6 +47,14 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
+
+
+#: The device work that produced the bytes a write is about to read, when the caller knows it
+#: better than "whatever the current stream has queued": a CUDA event recorded on the stream
+#: that wrote them (an engine's compute stream, right after a layer's attention). Transports
+#: that copy from GPU memory order their copies after it; unset, after the calling thread's
+#: current stream. Set it in the task that writes (`contextvars`), e.g. a layer's push.
+source_ready: ContextVar[Any] = ContextVar("kvray_source_ready", default=None)
 
 
 #: Transports whose writers name a region by its virtual address in the owner's process (an
@@ -192,7 +201,7 @@ class Backing:
         self.placements = placements
         self.views = views
         self._closed = False
-        #: The private CUDA memory pool a `allocate`d CUDA backing lives in (see `_cuda_buffer`).
+        #: The private CUDA memory pool a `allocate`d CUDA backing lives in (see `cuda_pool_buffer`).
         self.cuda_pool: object | None = None
 
     # ---- construction ------------------------------------------------------------------
@@ -224,7 +233,7 @@ class Backing:
         else:
             if not torch.cuda.is_available():
                 raise RegionError("a CUDA backing needs a CUDA device, and torch sees none")
-            buffer, pool = _cuda_buffer(alloc_nbytes, device or "cuda")
+            buffer, pool = cuda_pool_buffer(alloc_nbytes, device or "cuda")
         try:
             backing = cls.in_buffer(layout, buffer, alignment=alignment, kind=kind, shm_path=shm_path)
             backing.cuda_pool = pool
@@ -547,7 +556,7 @@ def _layer_view(
     return typed.as_strided(shape, strides, typed.storage_offset() + placement.offset // itemsize)
 
 
-def _cuda_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor, object | None]:
+def cuda_pool_buffer(nbytes: int, device: torch.device | str) -> tuple[torch.Tensor, object | None]:
     """`nbytes` of device memory in a CUDA allocation of their own: torch's caching allocator
     would otherwise carve other tensors of this process out of the same allocation, and a
     peer that opens the backing's IPC handle can reach the whole allocation, not only the

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import functools
 import logging
@@ -51,7 +52,7 @@ from kvray.errors import (
     StaleIncarnationError,
     TransportError,
 )
-from kvray.memory import Backing
+from kvray.memory import Backing, source_ready
 from kvray.notice.local import CompletionInbox, CompletionOutbox
 from kvray.wire import (
     PushRequest,
@@ -309,8 +310,9 @@ class _Layered:
     """A request pushed layer by layer during its forward."""
 
     spec: LayerwiseSpec
-    #: Layers the forward has saved so far, in order.
-    saved: list[str] = field(default_factory=list)
+    #: Layers the forward has saved so far, in order, each with what says its KV is written
+    #: (`kvray.memory.source_ready`; None: the bytes are ready when the layer is saved).
+    saved: list[tuple[str, Any]] = field(default_factory=list)
     #: The decode engine's push request, once it has come, and the blocks it takes.
     request: PushRequest | None = None
     #: Those blocks per group (`_taken_blocks`).
@@ -604,14 +606,16 @@ class Handoff:
             if parked is not None:
                 self._start_layered(layered, parked[0])
 
-    def save_layer(self, layer_name: str) -> None:
-        """The forward has written `layer_name`'s KV of this step's layer-wise requests."""
+    def save_layer(self, layer_name: str, ready: Any = None) -> None:
+        """The forward has written `layer_name`'s KV of this step's layer-wise requests; on a
+        GPU, once `ready` (a CUDA event on the forward's stream) has completed: the layer's
+        copies wait for it on the device, and nothing here waits for it on the host."""
         now = time.perf_counter()
         for layered in self._this_step:
-            layered.saved.append(layer_name)
+            layered.saved.append((layer_name, ready))
             layered.last_saved = now
             if layered.request is not None:
-                self._push_layer(layered, layer_name)
+                self._push_layer(layered, layer_name, ready)
 
     async def preempt(self, keys: Collection[str]) -> None:
         """The engine preempted these layer-wise requests: return once no layer copy reads
@@ -640,13 +644,16 @@ class Handoff:
             self._spawn(self._refuse(request, _why(error)))
             return
         layered.request = request
-        for layer_name in layered.saved:
-            self._push_layer(layered, layer_name)
+        for layer_name, ready in layered.saved:
+            self._push_layer(layered, layer_name, ready)
 
-    def _push_layer(self, layered: _Layered, layer_name: str) -> None:
+    def _push_layer(self, layered: _Layered, layer_name: str, ready: Any) -> None:
         assert layered.request is not None
         push = self._layer_when_room(layered.request.reservation, layer_name, layered.blocks)
-        layered.pushes.append(asyncio.get_running_loop().create_task(push))
+        # The push's copies are ordered after `ready` (the task runs in a context of its own).
+        context = contextvars.copy_context()
+        context.run(source_ready.set, ready)
+        layered.pushes.append(asyncio.get_running_loop().create_task(push, context=context))
 
     async def _layer_when_room(self, reservation: Reservation, layer_name: str, blocks: Sequence[int]) -> int:
         """Push one layer, waiting while the agent's queue of transfers is full (a decode engine
@@ -687,7 +694,7 @@ class Handoff:
                     "engine wants while their layers were pushed",
                     request_id=spec.request_id,
                 )
-            pushed = set(layered.saved)
+            pushed = {layer_name for layer_name, _ in layered.saved}
             for layer_name in agent.layout.layer_names:
                 if layer_name not in pushed:
                     await agent.push_layer(reservation, layer_name, np.asarray(layered.blocks))

@@ -32,8 +32,8 @@ from kvray.agent.handoff import (
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.errors import ConfigError, MetadataError
-from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerPlacement, LayerSpec
-from kvray.memory import TORCH_DTYPES, Backing, BlockStrides, create_shm_buffer
+from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerPlacement, LayerSpec, align_up
+from kvray.memory import TORCH_DTYPES, Backing, BlockStrides, create_shm_buffer, cuda_pool_buffer
 from kvray.owned import remove_owned
 from kvray.validation import check_layers_disjoint
 from kvray.wire import EngineInfo, Role
@@ -350,6 +350,9 @@ class ConnectorWorker:
         self._shm_path: str | None = None
         #: The storage mapping `_shm_path` (its first byte's address).
         self._shm_storage = 0
+        #: A GPU KV cache's own allocation, and the private pool it came from (kept as long).
+        self._cuda_buffer: torch.Tensor | None = None
+        self._cuda_pool: object | None = None
         self._agent: KVAgent | None = None
         self._handoff: Handoff | None = None
         self._mail: PushRequestMail | None = None
@@ -364,9 +367,11 @@ class ConnectorWorker:
 
     @contextlib.contextmanager
     def allocation_context(self) -> Iterator[None]:
-        """While vLLM allocates its KV cache (one `torch.zeros` of the whole size on CPU),
-        place that buffer in a kvray shared-memory file, so that prefill engines on this node
-        write straight into it. Other allocations pass through."""
+        """While vLLM allocates its KV cache (one `torch.zeros` of the whole size, on the CPU or
+        a GPU), place that buffer where same-node writers can reach it and nothing else can be
+        reached with it: on the CPU a kvray shared-memory file, on a GPU a CUDA allocation of
+        its own (a private memory pool: the allocation a CUDA IPC handle exports holds the KV
+        cache and no other tensor). Other allocations pass through."""
         original = torch.zeros
         worker = self
 
@@ -375,12 +380,15 @@ class ConnectorWorker:
             device = torch.device(kwargs.get("device") or "cpu")
             if (
                 worker._shm_path is None
+                and worker._cuda_buffer is None
                 and len(dims) == 1
                 and kwargs.get("dtype") == torch.int8
-                and device.type == "cpu"
                 and int(dims[0]) >= 1 << 20
             ):
-                return worker._shared_buffer(int(dims[0]))
+                if device.type == "cpu":
+                    return worker._shared_buffer(int(dims[0]))
+                if device.type == "cuda":
+                    return worker._pooled_buffer(int(dims[0]), device)
             return original(*size, **kwargs)
 
         torch.zeros = zeros
@@ -398,6 +406,43 @@ class ConnectorWorker:
         skip = -mapped.data_ptr() % alignment
         return mapped[skip : skip + nbytes].view(torch.int8)
 
+    def _pooled_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """`nbytes` of zeroed int8 at an aligned offset of a CUDA allocation of their own."""
+        alignment = self.settings.gpu_alignment
+        buffer, self._cuda_pool = cuda_pool_buffer(align_up(nbytes, alignment) + alignment, device)
+        self._cuda_buffer = buffer
+        skip = -buffer.data_ptr() % alignment
+        return buffer[skip : skip + nbytes].view(torch.int8).zero_()
+
+    def _check_cuda_cache(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A decode engine's CUDA cache must be the buffer `allocation_context` placed, alone in
+        its CUDA allocation as the driver knows it: a writer that opens the engine's IPC handle
+        can reach the whole allocation, so nothing but the KV cache may live there."""
+        placed = self._cuda_buffer
+        if placed is None or any(
+            tensor.untyped_storage().data_ptr() != placed.untyped_storage().data_ptr()
+            for tensor in tensors.values()
+        ):
+            raise ConfigError(
+                "vLLM allocated this decode engine's GPU KV cache outside "
+                "KvrayConnector.get_mem_pool_context(); the CUDA allocation holding it may hold "
+                "other tensors, which writers opening its IPC handle could reach. Use a vLLM whose "
+                "GPU worker allocates the KV cache in the connector's context (0.32 or later), or "
+                'kv_role "kv_producer" for an engine that only prefills'
+            )
+        from kvray.transport.cuda_ipc import cuda_allocation_range
+
+        with torch.cuda.device(placed.device):
+            start, nbytes = cuda_allocation_range(placed.data_ptr())
+        # The caching allocator rounds a segment up to its granularity (2 MiB), never more.
+        granularity = 2 << 20
+        if start != placed.data_ptr() or not placed.numel() <= nbytes < placed.numel() + granularity:
+            raise ConfigError(
+                f"the GPU KV cache's CUDA allocation is {nbytes} bytes at {start:#x}, not the "
+                f"{placed.numel()} bytes kvray allocated for it at {placed.data_ptr():#x}; refusing "
+                "to export memory other tensors may share"
+            )
+
     # ---- start and stop ---------------------------------------------------------------
 
     def register(
@@ -411,6 +456,8 @@ class ConnectorWorker:
         `group_layers` are the layers of each KV cache group)."""
         cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers)
         layout, tensors = cache.layout, cache.tensors
+        if self.role is Role.DECODE and any(tensor.is_cuda for tensor in tensors.values()):
+            self._check_cuda_cache(tensors)
         shm_path = self._shm_path
         if shm_path is not None and any(
             tensor.untyped_storage().data_ptr() != self._shm_storage for tensor in tensors.values()
@@ -575,8 +622,16 @@ class ConnectorWorker:
             return  # not a layer whose cache vLLM registered
         saved = self._saving.setdefault(layer, set())
         saved.add(layer_name)
-        if saved == self.cache.users[layer]:
-            self._loop.loop.call_soon_threadsafe(self._handoff.save_layer, layer)
+        if saved != self.cache.users[layer]:
+            return
+        ready = None
+        tensor = self.cache.tensors[layer]
+        if tensor.is_cuda:
+            # The layer's KV is written once the forward's stream gets here: its copies wait
+            # for this event on the GPU, and this thread never waits for the GPU.
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(torch.cuda.current_stream(tensor.device))
+        self._loop.loop.call_soon_threadsafe(self._handoff.save_layer, layer, ready)
 
     def finished(self) -> tuple[set[str], set[str], set[int], set[str]]:
         """(sent, received, blocks that failed to load, requests that failed to load) since the

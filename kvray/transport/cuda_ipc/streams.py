@@ -14,6 +14,7 @@ import time
 import torch
 
 from kvray.errors import TransportError
+from kvray.memory import source_ready
 
 #: How long a write polls its copies' event from the event loop before a thread waits for it:
 #: this much, plus the time the bytes take at `POLL_BYTES_PER_S` (a third of NVLink's rate).
@@ -53,10 +54,15 @@ _thread_events = threading.local()
 
 
 def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
-    """Order `stream` after the work queued so far on `source_device`'s current stream (the
-    model that wrote the KV). A wait takes the event's state when it is queued, so one event
-    per thread and device serves every write; per thread, so no other thread records it
-    between this record and this wait."""
+    """Order `stream` after the work that wrote the KV: the event the writing task was given
+    (`kvray.memory.source_ready`: e.g. recorded on an engine's compute stream after a layer),
+    else the work queued so far on `source_device`'s current stream. A wait takes the event's
+    state when it is queued, so one event per thread and device serves every write; per thread,
+    so no other thread records it between this record and this wait."""
+    ready = source_ready.get()
+    if ready is not None:
+        stream.wait_event(ready)
+        return
     produced = _produced_event(source_device)
     produced.record(torch.cuda.current_stream(source_device))
     stream.wait_event(produced)
