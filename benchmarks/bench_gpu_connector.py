@@ -1,0 +1,200 @@
+"""The connector's hand-off on one GPU: `KvrayConnector`'s worker side in two Ray GPU actors (a
+prefill and a decode engine, played as vLLM's GPU worker plays them: `tests/gpu/connector_actors`),
+DeepSeek-V3's MLA cache (61 layers of 576 bf16 per token, 64 tokens a block, vLLM's [B, H, N, C]
+views), against a same-GPU device copy of the same bytes measured in the same run.
+
+    python benchmarks/bench_gpu_connector.py [--repeat 10] [--tokens 4096 16384] [--json out.json]
+
+Per prompt length:
+- `one request`: the prefill engine holds the request; the decode engine's step hands over the
+  load (`bind_connector_metadata`); timed until its `get_finished` reports the request received
+  (the push request, the plan, the cuda_ipc copy and the completion all inside), one at a time;
+- `stream of 16`: 16 such loads handed over in one step, until all 16 are reported;
+- `device copy`: one `copy_` of the request's bytes between two plain allocations on the GPU.
+Ratios are the copy's time over the hand-off's (1.0: as fast as the copy), medians over the
+repeats. Every hand-off's blocks are compared by GPU digests afterwards: a wrong byte fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+BLOCK_SIZE = 64
+LAYERS = 61
+STREAM = 16
+
+
+class Engine:
+    """A `VllmGpuWorker` with timing loops (runs in a Ray GPU actor)."""
+
+    def __init__(self, engine_id: str, num_blocks: int, producer: bool) -> None:
+        from connector_actors import VllmGpuWorker
+
+        from kvray.config import Settings
+        from tests.vllm_layouts import CacheShape
+
+        shape = CacheShape(LAYERS, num_blocks, BLOCK_SIZE, 1, 576, torch.bfloat16)
+        settings = Settings(transfer_timeout_s=60.0, max_concurrent_transfers=STREAM)
+        self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer)
+
+    def setup(self, seed: int) -> dict[str, Any]:
+        self.engine.fill(seed)
+        return self.engine.register()
+
+    def setup_fill(self, seed: int) -> None:
+        self.engine.fill(seed)
+
+    def hold(self, key: str, blocks: list[int]) -> None:
+        self.engine.hold(key, key, blocks)
+
+    def handoffs(self, prefill: dict[str, Any], batches: list[list[tuple[str, list[int]]]]) -> list[float]:
+        """Seconds from handing each batch of loads over (one step) to the last one reported."""
+        from kvray.agent.handoff import LoadSpec
+
+        worker = self.engine.worker
+        times = []
+        for batch in batches:
+            loads = {
+                key: LoadSpec(
+                    key,
+                    prefill["engine"],
+                    prefill["incarnation"],
+                    key,
+                    prefill["node"],
+                    prefill["inbox"],
+                    (tuple(blocks),),
+                    0,
+                )
+                for key, blocks in batch
+            }
+            waiting = set(loads)
+            started = time.perf_counter()
+            worker.begin(loads, {})
+            while waiting:
+                _, received, _, failed = worker.finished()
+                if failed & waiting:
+                    raise RuntimeError(f"hand-offs failed: {sorted(failed & waiting)}")
+                waiting -= received
+                if waiting:
+                    time.sleep(20e-6)
+            times.append(time.perf_counter() - started)
+        return times
+
+    def digests(self, blocks: list[int]) -> dict[str, list[int]]:
+        return self.engine.digests(blocks)
+
+    def device_copy(self, nbytes: int, repeat: int) -> list[float]:
+        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        target = torch.empty_like(source)
+        times = []
+        for _ in range(repeat + 2):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            target.copy_(source)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return times[2:]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    return {
+        "median_ms": statistics.median(seconds) * 1e3,
+        "min_ms": min(seconds) * 1e3,
+        "max_ms": max(seconds) * 1e3,
+    }
+
+
+def run(tokens: int, repeat: int, remote: Any) -> dict[str, Any]:
+    import ray
+
+    per_request = tokens // BLOCK_SIZE
+    runs = repeat + 2  # two warm-up runs of each
+    # Both engines have room for one stream; the decode engine's blocks are reused once a
+    # hand-off into them is reported (as vLLM reuses them).
+    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True)
+    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False)
+    p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
+    nbytes = per_request * LAYERS * BLOCK_SIZE * 576 * 2
+
+    def blocks(index: int) -> list[int]:
+        return list(range(index * per_request, (index + 1) * per_request))
+
+    singles = [[(f"one-{tokens}-{i}", blocks(0))] for i in range(runs)]
+    streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
+    for batch in [*singles, *streams]:
+        for key, taken in batch:
+            ray.get(prefill.hold.remote(key, taken))
+    one = ray.get(decode.handoffs.remote(p_info, singles))[2:]
+    landed = ray.get(decode.digests.remote(blocks(0)))
+    assert landed == ray.get(prefill.digests.remote(blocks(0))), "a hand-off's bytes differ"
+    ray.get(decode.setup_fill.remote(3))  # scrubbed: the stream's bytes must land again
+    many = ray.get(decode.handoffs.remote(p_info, streams))[2:]
+    every = [block for index in range(STREAM) for block in blocks(index)]
+    assert ray.get(decode.digests.remote(every)) == ray.get(prefill.digests.remote(every)), (
+        "a stream's bytes differ"
+    )
+    copy = ray.get(decode.device_copy.remote(nbytes, repeat))
+    ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+    for actor in (prefill, decode):
+        ray.kill(actor)
+    copy_s = statistics.median(copy)
+    return {
+        "tokens": tokens,
+        "nbytes": nbytes,
+        "device_copy": summary(copy),
+        "one_request": summary(one),
+        "stream_of_16": summary(many),
+        "one_request_ratio": copy_s / statistics.median(one),
+        "stream_ratio": STREAM * copy_s / statistics.median(many),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    import connector_actors
+    import ray
+    import ray.cloudpickle
+
+    import tests.vllm_layouts
+
+    ray.init(address="local", num_gpus=1, include_dashboard=False, log_to_driver=False)
+    for module in (connector_actors, tests.vllm_layouts):
+        ray.cloudpickle.register_pickle_by_value(module)
+    remote = ray.remote(num_gpus=0.5)(Engine)
+    results = [run(tokens, args.repeat, remote) for tokens in args.tokens]
+    ray.shutdown()
+    device = torch.cuda.get_device_name(0)
+    print(f"kvray connector hand-off on one {device}, DeepSeek-V3 MLA cache, {args.repeat} runs each")
+    print(f"{'tokens':>7} {'MiB':>6} {'copy ms':>8} {'one ms':>8} {'one x':>6} {'16 ms':>8} {'16 x':>6}")
+    for row in results:
+        print(
+            f"{row['tokens']:>7} {row['nbytes'] / 2**20:>6.0f} {row['device_copy']['median_ms']:>8.3f} "
+            f"{row['one_request']['median_ms']:>8.3f} {row['one_request_ratio']:>6.2f} "
+            f"{row['stream_of_16']['median_ms']:>8.3f} {row['stream_ratio']:>6.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": device, "host": platform.node(), "results": results}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
