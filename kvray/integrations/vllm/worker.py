@@ -434,9 +434,10 @@ class ConnectorWorker:
 
         with torch.cuda.device(placed.device):
             start, nbytes = cuda_allocation_range(placed.data_ptr())
-        # The caching allocator rounds a segment up to its granularity (2 MiB), never more.
-        granularity = 2 << 20
-        if start != placed.data_ptr() or not placed.numel() <= nbytes < placed.numel() + granularity:
+        # The pool is this buffer's alone; the caching allocator gives a request a segment of
+        # its own, rounded up to 2 MiB, or of 20 MiB below 10 MiB, never more.
+        segment = max(align_up(placed.numel(), 2 << 20), 20 << 20)
+        if start != placed.data_ptr() or not placed.numel() <= nbytes <= segment:
             raise ConfigError(
                 f"the GPU KV cache's CUDA allocation is {nbytes} bytes at {start:#x}, not the "
                 f"{placed.numel()} bytes kvray allocated for it at {placed.data_ptr():#x}; refusing "
