@@ -37,6 +37,7 @@ import enum
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,6 +56,7 @@ from kvray.errors import (
 from kvray.memory import Backing, source_ready
 from kvray.notice.local import CompletionInbox, CompletionOutbox
 from kvray.wire import (
+    EngineInfo,
     PushRequest,
     PushWithdrawn,
     Reservation,
@@ -363,6 +365,9 @@ class Handoff:
         self._receiving: dict[str, asyncio.Task[None]] = {}
         self._loads_begun: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Prefill: the decode engines' infos push requests carried, as sent and as decoded
+        #: (a decode engine sends the same bytes with every request of one incarnation).
+        self._decoded: OrderedDict[bytes, EngineInfo] = OrderedDict()
         mail.listen(self.take)
 
     def parked(self) -> int:
@@ -579,7 +584,14 @@ class Handoff:
         need)."""
         if not request.decode_info:
             return
-        decode = decode_engine_info(request.decode_info)
+        decode = self._decoded.get(request.decode_info)
+        if decode is None:
+            decode = decode_engine_info(request.decode_info)
+            self._decoded[request.decode_info] = decode
+            while len(self._decoded) > self.settings.max_cached_peers:
+                self._decoded.popitem(last=False)
+        else:
+            self._decoded.move_to_end(request.decode_info)
         reservation = request.reservation
         if (decode.engine_id, decode.incarnation) != (reservation.engine_id, reservation.incarnation):
             raise NotExpectedError(
