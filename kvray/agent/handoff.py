@@ -368,6 +368,8 @@ class Handoff:
         #: Prefill: the decode engines' infos push requests carried, as sent and as decoded
         #: (a decode engine sends the same bytes with every request of one incarnation).
         self._decoded: OrderedDict[bytes, EngineInfo] = OrderedDict()
+        #: Decode: this engine's info and its encoding (`_encoded_info`).
+        self._info_bytes: tuple[EngineInfo, bytes] | None = None
         mail.listen(self.take)
 
     def parked(self) -> int:
@@ -780,7 +782,7 @@ class Handoff:
                 src_incarnation=prefill.incarnation,
                 reservation=reservation,
                 first_block=spec.first_block,
-                decode_info=encode(agent.info),
+                decode_info=self._encoded_info(),
                 groups=spec.block_ids if len(spec.block_ids) > 1 else (),
             )
             asked = time.perf_counter()
@@ -827,6 +829,13 @@ class Handoff:
                         await quarantined.wait()
             # A cancelled request is gone: its blocks are free, not blocks to recompute.
             self._reports.loaded(spec, failed=not ok and not cancelled)
+
+    def _encoded_info(self) -> bytes:
+        """The agent's published info as push requests carry it, encoded once per incarnation."""
+        info = self.agent.info
+        if self._info_bytes is None or self._info_bytes[0] is not info:
+            self._info_bytes = (info, encode(info))
+        return self._info_bytes[1]
 
     async def _wait_while_prefill_lives(
         self, prefill: PrefillAddress, request_id: str, timeout: float
