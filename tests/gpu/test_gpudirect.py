@@ -78,25 +78,26 @@ def test_a_cuda_backing_region_exports_a_dmabuf_where_the_driver_says_supported(
         assert fd >= 0 and _is_dmabuf(fd)
     finally:
         os.close(fd)
-    # Registration may run on a thread with no current CUDA context (an executor's).
-    exported: list[int | BaseException] = []
+    # Registration may run on a thread with no current CUDA context (an engine's event loop's).
+    answers: list[tuple[int, int] | BaseException] = []
 
     def export() -> None:
         try:
-            exported.append(node.dmabuf_fd(region.address, region.nbytes))
+            answers.append((node.device_of(region.address), node.dmabuf_fd(region.address, region.nbytes)))
         except BaseException as error:
-            exported.append(error)
+            answers.append(error)
 
     thread = threading.Thread(target=export)
     thread.start()
     thread.join(60)
-    (result,) = exported
-    if isinstance(result, BaseException):
-        raise result
+    (answer,) = answers
+    if isinstance(answer, BaseException):
+        raise answer
+    found_on, fd = answer
     try:
-        assert _is_dmabuf(result)
+        assert found_on == device and _is_dmabuf(fd)
     finally:
-        os.close(result)
+        os.close(fd)
 
 
 def test_the_driver_refuses_a_dmabuf_for_a_range_that_is_not_page_aligned(

@@ -16,11 +16,12 @@ goes through `GpuDirect`, one seam: `NodeGpuDirect` asks this node (libcuda thro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -243,10 +244,37 @@ class NodeGpuDirect:
             )
         return ordinal.value
 
-    def dmabuf_supported(self, device: int) -> bool:
+    def _device_handle(self, device: int) -> ctypes.c_int:
         libcuda = self._driver()
         handle = ctypes.c_int(-1)
         _check(libcuda, libcuda.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)), "cuDeviceGet")
+        return handle
+
+    @contextlib.contextmanager
+    def _primary_context(self, device: int) -> Iterator[None]:
+        """GPU `device`'s primary context (the one torch allocates in) current on this thread for
+        the block: the driver exports a range only in the context that owns it, and the thread
+        registering memory (an engine's event-loop thread, an executor's) may have none."""
+        libcuda = self._driver()
+        handle = self._device_handle(device)
+        context = ctypes.c_void_p()
+        _check(
+            libcuda,
+            libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle),
+            "cuDevicePrimaryCtxRetain",
+        )
+        try:
+            _check(libcuda, libcuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+            try:
+                yield
+            finally:
+                libcuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            libcuda.cuDevicePrimaryCtxRelease_v2(handle)
+
+    def dmabuf_supported(self, device: int) -> bool:
+        libcuda = self._driver()
+        handle = self._device_handle(device)
         value = ctypes.c_int(0)
         result = libcuda.cuDeviceGetAttribute(ctypes.byref(value), ctypes.c_int(DMA_BUF_SUPPORTED), handle)
         if result == _CUDA_ERROR_INVALID_VALUE:
@@ -264,13 +292,14 @@ class NodeGpuDirect:
                 "CUDA 11.7+ driver, or keep the KV backing on the CPU"
             ) from error
         fd = ctypes.c_int(-1)
-        result = get_handle(
-            ctypes.byref(fd),
-            ctypes.c_uint64(address),
-            ctypes.c_size_t(nbytes),
-            ctypes.c_int(RANGE_HANDLE_DMA_BUF_FD),
-            ctypes.c_ulonglong(0),
-        )
+        with self._primary_context(self.device_of(address)):
+            result = get_handle(
+                ctypes.byref(fd),
+                ctypes.c_uint64(address),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_int(RANGE_HANDLE_DMA_BUF_FD),
+                ctypes.c_ulonglong(0),
+            )
         if result != _CUDA_SUCCESS:
             raise RegionError(
                 f"the CUDA driver refused a dma-buf for GPU memory at {address:#x} (+{nbytes}): "
