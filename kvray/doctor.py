@@ -4,7 +4,9 @@ It reports, for every transport, what it needs and whether this machine can prov
 the reason where not (`kvray.transport.machine_availability`: what the machine offers the
 engines kvray runs on it, not the state of the doctor's own process, which runs no Ray),
 whether pyverbs imports and which RDMA devices it sees (with none, pyverbs' `get_device_list`
-raises rather than returning an empty list), the CUDA devices torch sees, whether kvray's C
+raises rather than returning an empty list), the CUDA devices torch sees, whether GPU memory can
+go over RDMA here (GPUDirect: per GPU whether its driver exports dma-buf, whether the NVIDIA open
+kernel module and a peer-memory module are loaded, and one verdict), whether kvray's C
 helpers are built (without them CPU copies run on Python threads and planning in numpy, both
 slower), where a decode engine here would take notices from other nodes (and whether it can
 listen there), and the versions of Python, Ray, torch and kvray.
@@ -22,6 +24,14 @@ from dataclasses import dataclass, field
 from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
 from kvray.transport import machine_availability, transport_class
+from kvray.transport.verbs.gpudirect import (
+    PEER_MEMORY_MODULES,
+    GpuDirect,
+    GpuDirectReport,
+    GpuPath,
+    NodeGpuDirect,
+    readiness,
+)
 from kvray.wire import TransportKind
 
 
@@ -50,6 +60,8 @@ class DoctorReport:
     notices: str = ""
     #: Per transport with a back-end in this build: what it needs (`Transport.needs`).
     needs: dict[TransportKind, str] = field(default_factory=dict)
+    #: Whether GPU memory can be registered for RDMA here (None: not asked).
+    gpudirect: GpuDirectReport | None = None
 
 
 def _version(distribution: str) -> str | None:
@@ -68,6 +80,20 @@ def verbs_report(api: object | None = None) -> VerbsReport:
     except (ImportError, OSError) as error:
         return VerbsReport(import_error=f"{type(error).__name__}: {error}")
     return VerbsReport(import_error=None, version=_version("pyverbs"), devices=tuple(list_devices(verbs_api)))
+
+
+def rdma_missing(verbs: VerbsReport) -> str | None:
+    """Why no RDMA device can be used here, as the GPUDirect verdict names it (None: one can)."""
+    if verbs.import_error is not None:
+        return "pyverbs does not import, so no RDMA device can be used (see docs/rdma.md)"
+    if not verbs.devices:
+        return "pyverbs sees no RDMA device"
+    return None
+
+
+def gpudirect_report(verbs: VerbsReport, gpudirect: GpuDirect | None = None) -> GpuDirectReport:
+    """GPUDirect RDMA readiness (`gpudirect`: a stand-in for this node's driver and modules)."""
+    return readiness(gpudirect or NodeGpuDirect(), rdma_missing(verbs))
 
 
 def notices_report(settings: Settings) -> str:
@@ -112,7 +138,12 @@ def transport_needs() -> dict[TransportKind, str]:
     return needs
 
 
-def collect(settings: Settings | None = None, *, verbs_api: object | None = None) -> DoctorReport:
+def collect(
+    settings: Settings | None = None,
+    *,
+    verbs_api: object | None = None,
+    gpudirect: GpuDirect | None = None,
+) -> DoctorReport:
     settings = settings or Settings.from_env()
     versions = {
         "python": platform.python_version(),
@@ -132,10 +163,11 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
     from kvray import plan
     from kvray.transport import cpu_copy
 
+    verbs = verbs_report(verbs_api)
     return DoctorReport(
         versions=versions,
         transports=machine_availability(settings),
-        verbs=verbs_report(verbs_api),
+        verbs=verbs,
         cuda_devices=cuda_devices,
         cuda_error=cuda_error,
         settings={
@@ -149,6 +181,7 @@ def collect(settings: Settings | None = None, *, verbs_api: object | None = None
         },
         notices=notices_report(settings),
         needs=transport_needs(),
+        gpudirect=gpudirect_report(verbs, gpudirect),
     )
 
 
@@ -174,9 +207,29 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"  {helper}: {state}")
     cuda = f"{report.cuda_devices}" if report.cuda_error is None else f"unknown ({report.cuda_error})"
     lines.append(f"  CUDA devices: {cuda}")
+    if report.gpudirect is not None:
+        lines.extend(format_gpudirect(report.gpudirect))
     lines.append(f"  notices from other nodes: {report.notices}")
     lines.append("  settings: " + ", ".join(f"{name}={value!r}" for name, value in report.settings.items()))
     return "\n".join(lines)
+
+
+def format_gpudirect(report: GpuDirectReport) -> list[str]:
+    verdict = report.verdict.value + (f": {report.reason}" if report.reason else "")
+    lines = [f"  GPUDirect RDMA (GPU memory over verbs): {verdict}"]
+    for gpu in report.gpus:
+        dmabuf = "dma-buf supported" if gpu.dmabuf else "no dma-buf support"
+        if gpu.path is GpuPath.PEER_MEMORY:
+            way = f"registered through peer memory ({report.peer_memory})"
+        elif gpu.path is GpuPath.DMA_BUF:
+            way = "registered through dma-buf"
+        else:
+            way = "cannot be registered"
+        lines.append(f"    GPU {gpu.index}: {dmabuf}; its memory {way}")
+    open_module = "loaded" if report.open_kernel_module else "not loaded"
+    peer = report.peer_memory or f"none loaded ({', '.join(PEER_MEMORY_MODULES)})"
+    lines.append(f"    NVIDIA open kernel module: {open_module}; peer-memory module: {peer}")
+    return lines
 
 
 def main(settings: Settings | None = None) -> int:

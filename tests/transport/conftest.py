@@ -411,7 +411,7 @@ def _open(kind: TransportKind | str, request: pytest.FixtureRequest) -> Transpor
         from kvray.transport.verbs import VerbsTransport
 
         fabric = FakeFabric()
-        transport = VerbsTransport(settings, api=fabric.api())
+        transport = VerbsTransport(settings, api=fabric.api(), gpudirect=fabric.gpudirect)
         return TransportUnderTest(TransportKind.VERBS, transport, rng, fabric=fabric)
     assert isinstance(kind, TransportKind)
     cls = transport_class(kind)
@@ -428,6 +428,8 @@ async def _close(under_test: TransportUnderTest) -> None:
     await under_test.transport.close()
     for backing in under_test.backings:
         backing.close()
+    if under_test.fabric is not None:
+        under_test.fabric.gpudirect.close()
 
 
 @pytest_asyncio.fixture(params=TRANSPORT_PARAMS, loop_scope="function")

@@ -16,6 +16,12 @@ without hardware. What it enforces, as real hardware would:
 
 Requests are executed in order by one "NIC" thread, which moves bytes through
 `kvray.transport.cpu_copy.scatter_copy` (looked up per copy, so tests that gate copies gate it too).
+
+GPU memory is faked too (`FakeGpuDirect`, the `GpuDirect` seam of kvray.transport.verbs.gpudirect):
+the "GPU memory" is the CPU memory of regions labelled CUDA, a dma-buf is the read end of a pipe
+the fabric maps back to the memory it exports, and a dma-buf memory region (`FakeDmaBufMR`) is
+addressed from its offset into the dma-buf, as pyverbs' is (iova = offset): the NIC translates
+those addresses to the exported memory, so a write addressed as a plain MR would be refused.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import mmap
+import os
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -30,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvray.errors import RegionError
 from kvray.transport import cpu_copy
 from kvray.transport.verbs import VerbsApi
 
@@ -73,9 +82,17 @@ E = ENUMS
 class FakeFabric:
     """Devices, memory regions and queue pairs of one fake network, and its NIC thread."""
 
-    def __init__(self, devices: tuple[str, ...] = ("fake_rdma0",), *, max_sge: int = 4) -> None:
+    def __init__(
+        self, devices: tuple[str, ...] = ("fake_rdma0",), *, max_sge: int = 4, dmabuf: bool = True
+    ) -> None:
         self.device_names = devices
         self.max_sge = max_sge
+        #: Whether the devices register dma-bufs (ibv_reg_dmabuf_mr).
+        self.dmabuf = dmabuf
+        #: Exported dma-bufs by the (st_dev, st_ino) of their descriptor: (address, length).
+        self.dmabufs: dict[tuple[int, int], tuple[int, int]] = {}
+        #: The GPU side of this fake node (`VerbsTransport(..., gpudirect=fabric.gpudirect)`).
+        self.gpudirect = FakeGpuDirect(self)
         self.max_qp_wr = 128
         self.max_msg_sz = 2**31
         self.lock = threading.Condition()
@@ -206,8 +223,8 @@ class FakeFabric:
             return E.IBV_WC_RNR_RETRY_EXC_ERR, None
         lengths = np.array([sge.length for sge in wr.sg], dtype=np.int64)
         dst_offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        src_addresses = np.array([sge.addr for sge in wr.sg], dtype=np.int64)
-        return E.IBV_WC_SUCCESS, (wr.remote_addr, src_addresses, dst_offsets, lengths)
+        src_addresses = np.array([self.mrs[sge.lkey].host_address(sge.addr) for sge in wr.sg], dtype=np.int64)
+        return E.IBV_WC_SUCCESS, (target.host_address(wr.remote_addr), src_addresses, dst_offsets, lengths)
 
 
 class FakeContext:
@@ -253,7 +270,9 @@ class FakePD:
 
 
 class FakeMR:
-    def __init__(self, pd: FakePD, length: int, access: int, address: int | None = None) -> None:
+    def __init__(
+        self, pd: FakePD, length: int, access: int, address: int | None = None, *, host: int | None = None
+    ) -> None:
         self.pd = pd
         self.access = access
         self.length = length
@@ -261,7 +280,10 @@ class FakeMR:
         if address is None:
             self._own = ctypes.create_string_buffer(length)
             address = ctypes.addressof(self._own)
+        #: The MR's first address as work requests name it.
         self.buf = address
+        #: Where that byte is in this process's memory (the same, but for a dma-buf MR).
+        self.host = address if host is None else host
         fabric = pd.context.fabric
         with fabric.lock:
             self.lkey = fabric.new_key()
@@ -272,6 +294,10 @@ class FakeMR:
     def covers(self, address: int, length: int) -> bool:
         return length >= 0 and self.buf <= address and address + length <= self.buf + self.length
 
+    def host_address(self, address: int) -> int:
+        """Where `address` of this MR (covered) is in this process's memory."""
+        return self.host + (address - self.buf)
+
     def close(self) -> None:
         fabric = self.pd.context.fabric
         with fabric.lock:
@@ -279,9 +305,95 @@ class FakeMR:
             fabric.mrs.pop(self.rkey, None)
 
 
-class FakeDmaBufMR:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise FakePyverbsRDMAError("the fake device has no dma-buf support")
+class FakeDmaBufMR(FakeMR):
+    """A dma-buf memory region, as pyverbs' `DmaBufMR(pd, length, access, dmabuf=fd, offset=...)`:
+    it covers [offset, offset + length) of the dma-buf, and work requests address it from
+    `offset` (iova = offset). The descriptor may be closed once it is registered."""
+
+    def __init__(
+        self, pd: FakePD, length: int, access: int, dmabuf: Any = None, offset: int = 0, **_: Any
+    ) -> None:
+        fabric = pd.context.fabric
+        if not fabric.dmabuf:
+            raise FakePyverbsRDMAError("the fake device has no dma-buf support")
+        if not isinstance(dmabuf, int):
+            raise FakePyverbsError("the fake device registers dma-bufs by file descriptor only")
+        try:
+            status = os.fstat(dmabuf)
+        except OSError as error:
+            raise FakePyverbsRDMAError(f"Failed to register a dma-buf MR ({error})") from error
+        exported = fabric.dmabufs.get((status.st_dev, status.st_ino))
+        if exported is None or offset < 0 or offset + length > exported[1]:
+            raise FakePyverbsRDMAError("Failed to register a dma-buf MR (not a dma-buf, or past its end)")
+        super().__init__(pd, length, access, address=offset, host=exported[0] + offset)
+        self.offset = offset
+
+
+class FakeGpuDirect:
+    """FAKE GPUDirect (the `GpuDirect` seam): GPUs that do or do not export dma-buf (`dmabuf`, one
+    entry per GPU), the NVIDIA open kernel module, a peer-memory module. A dma-buf descriptor is
+    the read end of a pipe, registered with the fabric; whether kvray closed it shows as a write to
+    the pipe failing (`descriptors_closed`). Driver questions are recorded in `calls`."""
+
+    def __init__(self, fabric: FakeFabric) -> None:
+        self.fabric = fabric
+        self.dmabuf: tuple[bool, ...] = (True,)
+        self.open_module = True
+        self.peer_memory: str | None = None
+        #: The GPU every address belongs to.
+        self.device = 0
+        #: Addresses the "driver" refuses a dma-buf for.
+        self.refused: set[int] = set()
+        self.calls: list[str] = []
+        #: (read end, write end) of every dma-buf handed out.
+        self.exported: list[tuple[int, int]] = []
+
+    def device_count(self) -> int:
+        self.calls.append("device_count")
+        return len(self.dmabuf)
+
+    def device_of(self, address: int) -> int:
+        self.calls.append("device_of")
+        return self.device
+
+    def dmabuf_supported(self, device: int) -> bool:
+        self.calls.append("dmabuf_supported")
+        if not 0 <= device < len(self.dmabuf):
+            raise RegionError(f"the fake CUDA driver has no GPU {device}")
+        return self.dmabuf[device]
+
+    def dmabuf_fd(self, address: int, nbytes: int) -> int:
+        self.calls.append("dmabuf_fd")
+        if address % mmap.PAGESIZE or nbytes % mmap.PAGESIZE or address in self.refused:
+            raise RegionError(f"the fake CUDA driver refused a dma-buf for {address:#x} (+{nbytes})")
+        read_end, write_end = os.pipe()
+        status = os.fstat(read_end)
+        self.fabric.dmabufs[(status.st_dev, status.st_ino)] = (address, nbytes)
+        self.exported.append((read_end, write_end))
+        return read_end
+
+    def open_kernel_module(self) -> bool:
+        return self.open_module
+
+    def peer_memory_module(self) -> str | None:
+        return self.peer_memory
+
+    def descriptors_closed(self) -> list[bool]:
+        """Per dma-buf handed out: whether every descriptor of its read end is closed."""
+        closed = []
+        for _, write_end in self.exported:
+            try:
+                os.write(write_end, b"x")
+            except BrokenPipeError:
+                closed.append(True)
+            else:
+                closed.append(False)
+        return closed
+
+    def close(self) -> None:
+        for _, write_end in self.exported:
+            os.close(write_end)
+        self.exported.clear()
 
 
 @dataclass

@@ -1,18 +1,20 @@
 """Memory registration of the `verbs` transport (the region step, for RDMA): each region of a
-backing becomes one memory region of the device, deregistered when the backing is gone."""
+backing becomes one memory region of the device, deregistered when the backing is gone. GPU
+regions go through dma-buf or peer memory (`gpudirect`), or are refused before anything is
+registered."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from kvray.errors import RegionError
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, MemoryRegion
 from kvray.transport.verbs.device import Device
+from kvray.transport.verbs.gpudirect import GpuDirect, GpuPath, NodeGpuDirect, check_page_aligned, gpu_path
 from kvray.transport.verbs.requests import RegisteredRegion
 from kvray.wire import VerbsRegionKey
 
@@ -53,8 +55,10 @@ class Registration:
 class Registrations:
     """The registered backings of one device, by backing."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, gpudirect: GpuDirect | None = None) -> None:
         self._device = device
+        #: Asked about GPU memory only (the node's own at first use unless given one).
+        self._gpudirect = gpudirect
         self._by_backing: dict[int, Registration] = {}
 
     def get(self, backing: Backing) -> Registration | None:
@@ -80,21 +84,19 @@ class Registrations:
         api = device.api
         enums = api.enums
         access = enums.IBV_ACCESS_REMOTE_WRITE | enums.IBV_ACCESS_LOCAL_WRITE if remote_writable else 0
+        # Every GPU region's way in is settled before anything is registered (fail closed).
+        paths = self._gpu_paths(backing)
         key = id(backing)
         registration = Registration(weakref.ref(backing, lambda _: self._drop(key)), [], [], remote_writable)
         try:
-            for region in backing.regions:
-                if region.kind is MemoryKind.CUDA:
-                    fd = _cuda_dmabuf_fd(region.address, region.nbytes)
-                    try:
-                        mr = api.DmaBufMR(device.pd, region.nbytes, access, dmabuf=fd, offset=0)
-                    finally:
-                        os.close(fd)
-                    registration.addresses.append(0)  # a dma-buf MR's addresses start at its offset
+            for region, path in zip(backing.regions, paths, strict=True):
+                if path is GpuPath.DMA_BUF:
+                    mr, address = self._dmabuf_mr(region, access)
                 else:
                     mr = api.MR(device.pd, region.nbytes, access, address=region.address)
-                    registration.addresses.append(region.address)
+                    address = region.address
                 registration.mrs.append(mr)
+                registration.addresses.append(address)
         except api.errors as error:
             registration.close(api.errors)
             raise RegionError(
@@ -105,6 +107,53 @@ class Registrations:
             raise
         self._by_backing[key] = registration
         return registration
+
+    @property
+    def gpudirect(self) -> GpuDirect:
+        if self._gpudirect is None:
+            self._gpudirect = NodeGpuDirect()
+        return self._gpudirect
+
+    def _gpu_paths(self, backing: Backing) -> list[GpuPath | None]:
+        """Per region, how its GPU memory is registered (None: CPU memory). Alignment is checked
+        for every region before the driver is asked anything."""
+        for region in backing.regions:
+            if region.kind is MemoryKind.CUDA:
+                check_page_aligned(region.address, region.nbytes)
+        return [
+            gpu_path(self.gpudirect, self.gpudirect.device_of(region.address))
+            if region.kind is MemoryKind.CUDA
+            else None
+            for region in backing.regions
+        ]
+
+    def _dmabuf_mr(self, region: MemoryRegion, access: int) -> tuple[Any, int]:
+        """A dma-buf memory region over `region` and the address its first byte has there: a
+        dma-buf MR is addressed from its offset into the dma-buf (pyverbs sets iova = offset),
+        here 0. A device that refuses dma-buf falls back to peer memory where a module is
+        loaded. The descriptor is closed either way (the MR holds its own reference)."""
+        device = self._device
+        api = device.api
+        fd = self.gpudirect.dmabuf_fd(region.address, region.nbytes)
+        try:
+            return api.DmaBufMR(device.pd, region.nbytes, access, dmabuf=fd, offset=0), 0
+        except TypeError as error:
+            raise RegionError(
+                f"this pyverbs takes no dma-buf file descriptor ({error}); install pyverbs from "
+                "rdma-core 44 or newer, or keep the KV backing on the CPU"
+            ) from error
+        except api.errors as error:
+            if self.gpudirect.peer_memory_module() is None:
+                raise RegionError(
+                    f"{device.name} refused a dma-buf memory region for GPU memory at "
+                    f"{region.address:#x} ({error}) and no peer-memory module (nvidia_peermem) is "
+                    "loaded; the kernel needs 5.12+ and the NIC driver dma-buf support, else load "
+                    "nvidia_peermem or keep the KV backing on the CPU",
+                    address=region.address,
+                ) from error
+        finally:
+            os.close(fd)
+        return api.MR(device.pd, region.nbytes, access, address=region.address), region.address
 
     def _drop(self, key: int) -> None:
         """The backing is gone: deregister its memory (no peer may write into it any more)."""
@@ -117,31 +166,3 @@ class Registrations:
         for registration in self._by_backing.values():
             registration.close(self._device.api.errors)
         self._by_backing.clear()
-
-
-def _cuda_dmabuf_fd(address: int, nbytes: int) -> int:
-    """A dma-buf file descriptor for [address, address + nbytes) of GPU memory (CUDA driver API)."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        get_handle = libcuda.cuMemGetHandleForAddressRange
-    except (OSError, AttributeError) as error:
-        raise RegionError(
-            f"GPU memory is registered for RDMA through dma-buf, but the CUDA driver here has no "
-            f"cuMemGetHandleForAddressRange ({error}); use a CUDA 11.7+ driver or a CPU backing"
-        ) from error
-    fd = ctypes.c_int(-1)
-    dma_buf_fd_type = 1  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
-    result = get_handle(
-        ctypes.byref(fd),
-        ctypes.c_uint64(address),
-        ctypes.c_size_t(nbytes),
-        ctypes.c_int(dma_buf_fd_type),
-        ctypes.c_ulonglong(0),
-    )
-    if result != 0:
-        raise RegionError(
-            f"the CUDA driver refused a dma-buf for GPU memory at {address:#x} (+{nbytes}): CUresult "
-            f"{result}; dma-buf needs an open kernel module (nvidia-open) and a page-aligned region, "
-            "else use a CPU backing"
-        )
-    return fd.value

@@ -25,6 +25,7 @@ from kvray.transport.verbs.connections import (
     read_request,
 )
 from kvray.transport.verbs.device import CompletionPoller, Device, VerbsApi, load_pyverbs, probe
+from kvray.transport.verbs.gpudirect import GpuDirect
 from kvray.transport.verbs.receive import Inbound
 from kvray.transport.verbs.regions import Registrations
 from kvray.transport.verbs.requests import build_write_requests, transfer_tag
@@ -45,7 +46,8 @@ _probed: dict[tuple[str, int, int], str | None] = {}
 
 class VerbsTransport(Transport):
     """RDMA WRITEs through pyverbs (`api`: the seam tests fill with a fake device; pyverbs by
-    default). The device opens at first use; one transport serves one event loop.
+    default). GPU memory is registered as `gpudirect` says (this node's CUDA driver and kernel
+    modules by default). The device opens at first use; one transport serves one event loop.
 
     `stats` counts what happened on it: writes, work requests, send errors, connections
     accepted, and immediates matched or dropped (by reason)."""
@@ -62,10 +64,16 @@ class VerbsTransport(Transport):
     claims_across_nodes = True
 
     def __init__(
-        self, settings: Settings, metrics: EngineMetrics | None = None, *, api: VerbsApi | None = None
+        self,
+        settings: Settings,
+        metrics: EngineMetrics | None = None,
+        *,
+        api: VerbsApi | None = None,
+        gpudirect: GpuDirect | None = None,
     ) -> None:
         super().__init__(settings, metrics)
         self._api = api
+        self._gpudirect = gpudirect
         self._device: Device | None = None
         self._registrations: Registrations | None = None
         #: Writer ends, one per (decode engine, incarnation, writer).
@@ -105,7 +113,7 @@ class VerbsTransport(Transport):
     @property
     def registrations(self) -> Registrations:
         if self._registrations is None:
-            self._registrations = Registrations(self.device)
+            self._registrations = Registrations(self.device, self._gpudirect)
         return self._registrations
 
     @property
