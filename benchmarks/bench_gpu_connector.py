@@ -37,8 +37,13 @@ POLL_S = 100e-6
 class Engine:
     """A `VllmGpuWorker` with timing loops (runs in a Ray GPU actor)."""
 
-    def __init__(self, engine_id: str, num_blocks: int, producer: bool) -> None:
+    def __init__(self, engine_id: str, num_blocks: int, producer: bool, breakdown: bool = False) -> None:
         from connector_actors import VllmGpuWorker
+
+        if breakdown:
+            from kvray.bench import step_times
+
+            step_times.install()
 
         from kvray.config import Settings
         from tests.vllm_layouts import CacheShape
@@ -93,6 +98,11 @@ class Engine:
     def digests(self, blocks: list[int]) -> dict[str, list[int]]:
         return self.engine.digests(blocks)
 
+    def stamps(self) -> list[tuple[str, float]]:
+        from kvray.bench import step_times
+
+        return step_times.taken()
+
     def device_copy(self, nbytes: int, repeat: int) -> list[float]:
         source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         target = torch.empty_like(source)
@@ -117,15 +127,15 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def run(tokens: int, repeat: int, remote: Any) -> dict[str, Any]:
+def run(tokens: int, repeat: int, remote: Any, breakdown: bool = False) -> dict[str, Any]:
     import ray
 
     per_request = tokens // BLOCK_SIZE
     runs = repeat + 2  # two warm-up runs of each
     # Both engines have room for one stream; the decode engine's blocks are reused once a
     # hand-off into them is reported (as vLLM reuses them).
-    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True)
-    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False)
+    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True, breakdown)
+    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False, breakdown)
     p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
     nbytes = per_request * LAYERS * BLOCK_SIZE * 576 * 2
 
@@ -137,7 +147,13 @@ def run(tokens: int, repeat: int, remote: Any) -> dict[str, Any]:
     for batch in [*singles, *streams]:
         for key, taken in batch:
             ray.get(prefill.hold.remote(key, taken))
+    ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
     one = ray.get(decode.handoffs.remote(p_info, singles))[2:]
+    steps: list[tuple[str, float]] = []
+    if breakdown:
+        from kvray.bench.step_times import timeline
+
+        steps = timeline(ray.get(decode.stamps.remote()), ray.get(prefill.stamps.remote()))
     landed = ray.get(decode.digests.remote(blocks(0)))
     assert landed == ray.get(prefill.digests.remote(blocks(0))), "a hand-off's bytes differ"
     ray.get(decode.setup_fill.remote(3))  # scrubbed: the stream's bytes must land again
@@ -159,6 +175,7 @@ def run(tokens: int, repeat: int, remote: Any) -> dict[str, Any]:
         "stream_of_16": summary(many),
         "one_request_ratio": copy_s / statistics.median(one),
         "stream_ratio": STREAM * copy_s / statistics.median(many),
+        "one_request_steps_ms": steps,
     }
 
 
@@ -167,6 +184,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time the hand-off's steps (kvray.bench.step_times)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -181,7 +201,7 @@ def main() -> int:
     for module in (connector_actors, tests.vllm_layouts):
         ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_gpus=0.5)(Engine)
-    results = [run(tokens, args.repeat, remote) for tokens in args.tokens]
+    results = [run(tokens, args.repeat, remote, args.breakdown) for tokens in args.tokens]
     ray.shutdown()
     device = torch.cuda.get_device_name(0)
     print(f"kvray connector hand-off on one {device}, DeepSeek-V3 MLA cache, {args.repeat} runs each")
@@ -192,6 +212,10 @@ def main() -> int:
             f"{row['one_request']['median_ms']:>8.3f} {row['one_request_ratio']:>6.2f} "
             f"{row['stream_of_16']['median_ms']:>8.3f} {row['stream_ratio']:>6.2f}"
         )
+    for row in results:
+        if row["one_request_steps_ms"]:
+            steps = ", ".join(f"{name} {at:.3f}" for name, at in row["one_request_steps_ms"])
+            print(f"{row['tokens']} tokens, one request, ms after the decode step began: {steps}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": device, "host": platform.node(), "results": results}, out, indent=2)

@@ -48,7 +48,7 @@ for step in "${steps[@]}"; do
             python3 benchmarks/bench_gpu_launch.py 2>&1 | tee "$out/gpu-launch.txt"
             rc=${PIPESTATUS[0]} ;;
         connector)
-            PYTHONPATH=$PWD/tests/gpu:$PYTHONPATH python3 benchmarks/bench_gpu_connector.py --repeat 10 \
+            PYTHONPATH=$PWD/tests/gpu:$PYTHONPATH python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown \
                 --json "$out/gpu-connector.json" 2>&1 | tee "$out/gpu-connector.txt"
             rc=${PIPESTATUS[0]} ;;
         *)
