@@ -257,3 +257,39 @@ def test_the_views_here_are_the_views_vllm_makes(layout: str) -> None:
             vllms.data_ptr(),
             vllms.dtype,
         )
+
+
+def test_a_layers_push_runs_after_what_the_forward_said_its_kv_is_ready_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU `save_kv_layer` records a CUDA event on the forward's stream; the layer's push
+    runs with it as `kvray.memory.source_ready`, which the GPU transports order their copies
+    after (here, on the CPU, any object stands for the event)."""
+    from kvray.memory import source_ready
+
+    prefill, decode, _, _ = worker_pair(tmp_path, GQA, "LBHNC", "LBHNC")
+    seen: dict[str, object] = {}
+    agent = prefill.agent
+    original = agent.push_layer
+
+    async def recording(reservation: object, layer: str, blocks: object) -> int:
+        seen[layer] = source_ready.get()
+        return await original(reservation, layer, blocks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(agent, "push_layer", recording)
+    events = {name: object() for name in GQA.names()}
+    try:
+        prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", "p-1", ((1, 2),))})
+        decode.begin({"d-1": load(prefill, "d-1", "p-1", (3, 4))}, {})
+        time.sleep(0.3)
+        loop = prefill._loop
+        assert loop is not None
+        for name in GQA.names():
+            loop.loop.call_soon_threadsafe(prefill.handoff.save_layer, name, events[name])
+        prefill.begin({}, {"r-1": SendSpec("r-1", ((1, 2),), key="p-1")})
+        assert received_within(decode, "d-1", 15) == set()
+        assert seen == events
+        assert source_ready.get() is None  # only the push tasks saw it
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
