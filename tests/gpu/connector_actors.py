@@ -2,8 +2,8 @@
 machine here): a Ray actor holding `ConnectorWorker` over a real CUDA KV cache laid out as vLLM
 lays it out (`tests.vllm_layouts`), called in the order vLLM's GPU worker calls the connector:
 
-    allocation  one `torch.zeros(int8, cuda)` inside `get_mem_pool_context()` (a decode
-                engine; a pure producer allocates plainly), then the per-layer views
+    allocation  one `torch.zeros(int8, cuda)` inside `get_mem_pool_context()`, then the
+                per-layer views
     register    `register_kv_caches`
     each step   `bind_connector_metadata` (the hand-offs: `hold`, `load`, `begin_layerwise`),
                 the forward on its own stream with `save_kv_layer` after each layer's KV is
@@ -45,11 +45,8 @@ class VllmGpuWorker:
     ) -> None:
         self.shape = shape
         self.worker = ConnectorWorker(engine_id, Role.PREFILL if producer else Role.DECODE, settings, 30.0)
-        if producer:  # vLLM calls no allocation context for a pure producer
+        with self.worker.allocation_context():  # vLLM's `get_mem_pool_context()`
             buffer = torch.zeros(shape.nbytes, dtype=torch.int8, device="cuda")
-        else:
-            with self.worker.allocation_context():
-                buffer = torch.zeros(shape.nbytes, dtype=torch.int8, device="cuda")
         self.buffer = buffer
         self.kv_axis_first = legacy == "flash_attn"
         if legacy:
@@ -71,19 +68,19 @@ class VllmGpuWorker:
         self.buffer.copy_(
             torch.randint(-128, 128, self.buffer.shape, generator=generator, device="cuda", dtype=torch.int8)
         )
-        pool = self.worker._cuda_buffer
-        if pool is not None:
+        if self.worker._cuda_buffer is not None:
+            pool = self.worker._cuda_buffer.view(torch.int8)
             start = self.buffer.data_ptr() - pool.data_ptr()
             pool[:start].fill_(CANARY)
             pool[start + self.buffer.numel() :].fill_(CANARY)
         torch.cuda.synchronize()
 
     def canaries_hold(self) -> bool:
-        pool = self.worker._cuda_buffer
-        if pool is None:
+        if self.worker._cuda_buffer is None:
             return True
+        pool = self.worker._cuda_buffer.view(torch.int8)
         start = self.buffer.data_ptr() - pool.data_ptr()
-        outside = torch.cat([pool[:start], pool[start + self.buffer.numel() :]]).view(torch.int8)
+        outside = torch.cat([pool[:start], pool[start + self.buffer.numel() :]])
         return bool((outside == CANARY).all())
 
     def register(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ engine fails its peer's request cleanly. Skipped without CUDA (CPU CI);
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,8 @@ pytestmark = [
 ]
 
 GPU_SHARE = 0.25
+#: Every engine of the module gets an id of its own.
+SERIAL = itertools.count()
 NEVER_HANG_S = 120.0
 
 
@@ -73,8 +76,9 @@ def pair(
 
     options = actors.options(num_gpus=GPU_SHARE)
     cache = shape(kind)
+    serial = next(SERIAL)
     prefill = options.remote(
-        f"gpu-p-{layout}-{kind}-{legacy}",
+        f"gpu-p-{serial}-{layout}-{kind}-{legacy}",
         layout,
         cache,
         settings(),
@@ -83,7 +87,7 @@ def pair(
         order=order,
     )
     decode = options.remote(
-        f"gpu-d-{layout}-{kind}-{legacy}", layout, cache, settings(), legacy=legacy, order=order
+        f"gpu-d-{serial}-{layout}-{kind}-{legacy}", layout, cache, settings(), legacy=legacy, order=order
     )
     ray.get([prefill.fill.remote(1), decode.fill.remote(2)])
     p_info, d_info = ray.get([prefill.register.remote(), decode.register.remote()])

@@ -205,7 +205,7 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # ---- worker side ------------------------------------------------------------------
 
     def get_mem_pool_context(self) -> AbstractContextManager[None] | None:
-        if self._worker is None or self._worker.role is not Role.DECODE:
+        if self._worker is None:
             return None
         return self._worker.allocation_context()
 

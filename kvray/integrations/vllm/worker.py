@@ -369,9 +369,10 @@ class ConnectorWorker:
     def allocation_context(self) -> Iterator[None]:
         """While vLLM allocates its KV cache (one `torch.zeros` of the whole size, on the CPU or
         a GPU), place that buffer where same-node writers can reach it and nothing else can be
-        reached with it: on the CPU a kvray shared-memory file, on a GPU a CUDA allocation of
-        its own (a private memory pool: the allocation a CUDA IPC handle exports holds the KV
-        cache and no other tensor). Other allocations pass through."""
+        reached with it: on the CPU a kvray shared-memory file (an engine that takes writes), on
+        a GPU a CUDA allocation of its own (a private memory pool: the allocation a CUDA IPC
+        handle exports holds the KV cache and no other tensor; a pure producer's is aligned
+        there too, and exported to no one). Other allocations pass through."""
         original = torch.zeros
         worker = self
 
@@ -385,7 +386,7 @@ class ConnectorWorker:
                 and kwargs.get("dtype") == torch.int8
                 and int(dims[0]) >= 1 << 20
             ):
-                if device.type == "cpu":
+                if device.type == "cpu" and worker.role is Role.DECODE:
                     return worker._shared_buffer(int(dims[0]))
                 if device.type == "cuda":
                     return worker._pooled_buffer(int(dims[0]), device)
