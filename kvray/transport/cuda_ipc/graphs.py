@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvray.memory import source_ready
 from kvray.plan import RequestRows
 from kvray.transport.cuda_ipc.driver import (
     EVENT_RECORD_EXTERNAL,
@@ -226,11 +227,19 @@ def copy_rows(
         graph.staging[0] = count
         graph.staging[1 : 1 + count] = rows.local_ids
         graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
-        if source_device == target_device == torch.cuda.current_device():
+        ready = source_ready.get()
+        if ready is None and source_device == target_device == torch.cuda.current_device():
             _replay_rows(graph, target_device, target_stream)
         else:
+            # The graph waits for `produced`: recorded after what wrote the source (the event
+            # the writing task was given, else the source GPU's current stream).
             with torch.cuda.device(src.device):
-                graph.produced.record(torch.cuda.current_stream(source_device))
+                if ready is None:
+                    graph.produced.record(torch.cuda.current_stream(source_device))
+                else:
+                    ordering = copy_stream(source_device)
+                    ordering.wait_event(ready)
+                    graph.produced.record(ordering)
             with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
                 graph.graph.replay()
         return graph.done
