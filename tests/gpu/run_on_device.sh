@@ -6,10 +6,12 @@
 # Here (once): download into .whl the wheels the GPU machine lacks (Ray 2.60.0, msgspec,
 # pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored by git.
 # There, from the repository root, carrying .whl:
-#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch]   (default: the first three)
+#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch] [staging]   (default: the first three)
 # Outputs, named as their current copies in docs/results/: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt,
 # $OUT/gpu-request.txt and $OUT/gpu-request.json, $OUT/gpu-launch.txt (launch: where one write's
-# host time goes) ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
+# host time goes), $OUT/gpu-staging.txt and $OUT/gpu-staging.json (staging: GPU KV over the ray
+# transport between two Ray nodes) ($OUT defaults to ./gpu-results). The exit status is the
+# first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -47,8 +49,12 @@ for step in "${steps[@]}"; do
         launch)
             python3 benchmarks/bench_gpu_launch.py 2>&1 | tee "$out/gpu-launch.txt"
             rc=${PIPESTATUS[0]} ;;
+        staging)
+            python3 benchmarks/bench_gpu_staging.py --repeat 5 --json "$out/gpu-staging.json" 2>&1 \
+                | tee "$out/gpu-staging.txt"
+            rc=${PIPESTATUS[0]} ;;
         *)
-            echo "unknown step $step (tests, demo, bench, launch)"; rc=2 ;;
+            echo "unknown step $step (tests, demo, bench, launch, staging)"; rc=2 ;;
     esac
     echo "== $step: exit $rc"
     [ "$status" -eq 0 ] && status=$rc
