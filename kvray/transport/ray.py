@@ -1,30 +1,58 @@
 """`ray` transport: anywhere Ray runs, no special hardware. The writer gathers every op's bytes
 into one numpy buffer (numpy, not torch views, which would pickle their whole storage) and
 hands it with a `WriteOps` header to the actor hosting the peer's agent; the peer checks every
-op against its own region and scatters (`apply_write`)."""
+op against its own region and scatters (`apply_write`).
+
+KV on a GPU is staged through pinned host memory (`kvray.transport.cuda_staging`): a CUDA writer
+sends a plan in chunks of about a layer, each gathered on its GPU into a pinned buffer and
+delivered while the next one's device-to-host copy runs; a CUDA receiver moves each payload to
+its GPU and scatters it there, after the same checks, before it answers. So GPU engines on two
+nodes need no NIC support, and either side may be on the CPU."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvray.config import Settings
-from kvray.errors import BoundsError, StaleIncarnationError, TransportError, WireDecodeError, WriteFailedError
+from kvray.errors import (
+    BoundsError,
+    KvrayError,
+    StaleIncarnationError,
+    TransportError,
+    WireDecodeError,
+    WriteFailedError,
+)
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
-from kvray.plan import TransferPlan, check_ops
+from kvray.plan import OpTable, TransferPlan, check_ops
 from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
 from kvray.transport.cpu_copy import StagingBuffers, scatter_copy_async
-from kvray.wire import TransportKind, WriteOps, decode_write_ops, encode
+from kvray.transport.cuda_staging import (
+    PinnedSlots,
+    chunk_nbytes,
+    chunk_ops,
+    device_gathers,
+    packed_offsets,
+    receive_payload,
+    send_in_order,
+)
+from kvray.wire import EngineInfo, TransportKind, WriteOps, decode_write_ops, encode
 
 if TYPE_CHECKING:
     import ray
 
 CANCEL_RETRY_S = 0.5
+
+#: Engines whose regions these transports registered (the registry's, one per kind of memory)
+#: run their agent behind a Ray actor that takes deliveries, and are written by offset; an engine
+#: registered through another (`loopback`: in process, no actor) is not.
+_DELIVERABLE = frozenset({TransportKind.RAY, TransportKind.SHM, TransportKind.CUDA_IPC})
 
 
 def _ray_missing() -> str | None:
@@ -40,18 +68,26 @@ class RayTransport(Transport):
     kind = TransportKind.RAY
     needs = "only Ray, which kvray starts or joins"
     reach = Reach.ANYWHERE
-    source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
-    destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM})
+    source_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
+    #: A CUDA destination's regions are published by `cuda_ipc` (which registers CUDA backings);
+    #: this transport ignores their handles and writes through the peer's agent, by offset.
+    destination_kinds = frozenset({MemoryKind.CPU, MemoryKind.SHM, MemoryKind.CUDA})
     registers = frozenset({MemoryKind.CPU})
 
     def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
         super().__init__(settings, metrics)
         self._transfers = 0
         self._staging = StagingBuffers()
+        #: Pinned buffers for GPU writes and deliveries into GPU memory.
+        self._pinned = PinnedSlots()
         # Deliveries given up on that may still be parked at their peer, and the task that keeps
         # cancelling them until each one has ended.
         self._abandoned: set[ray.ObjectRef[Any]] = set()
         self._canceller: asyncio.Task[None] | None = None
+
+    @classmethod
+    def accepts(cls, peer: EngineInfo) -> bool:
+        return all(region.transport in _DELIVERABLE for region in peer.regions)
 
     @classmethod
     def unavailable_reason(cls, settings: Settings) -> str | None:
@@ -78,13 +114,14 @@ class RayTransport(Transport):
                 engine_id=peer.info.engine_id,
             )
         check_write(plan, local, peer)
+        if local.kind is MemoryKind.CUDA:
+            await self._write_from_device(plan, local, peer)
+            return
         ops = plan.ops
         payload = self._staging.take(ops.total_nbytes)
-        payload_offset = np.concatenate(([0], np.cumsum(ops.nbytes)[:-1])).astype(np.int64)
+        payload_offset = packed_offsets(ops.nbytes)
         for index in np.unique(ops.local_region).tolist():
             source = local.regions[index].tensor
-            if source.is_cuda:
-                raise TransportError("the ray transport copies from CPU memory")
             select = ops.local_region == index
             await scatter_copy_async(
                 int(payload.ctypes.data),
@@ -94,17 +131,7 @@ class RayTransport(Transport):
                 ops.nbytes[select],
                 self.settings.copy_threads,
             )
-        self._transfers += 1
-        header = WriteOps(
-            transfer_id=f"{plan.src_engine}:{plan.src_incarnation}:w{self._transfers}",
-            dst_engine=plan.dst_engine,
-            dst_incarnation=plan.dst_incarnation,
-            regions=ops.remote_region.tolist(),
-            remote_offsets=ops.remote_offset.tolist(),
-            nbytes=ops.nbytes.tolist(),
-            request_id=plan.request_id,
-            token=plan.token,
-        )
+        header = self._header(plan, ops, self._next_transfer_id(plan))
         delivery = peer.host.kvray_deliver.remote(encode(header), payload)
         # Submitting the call copied the payload into Ray's object store: the buffer is free.
         self._staging.give_back(payload)
@@ -117,14 +144,62 @@ class RayTransport(Transport):
             self._abandon(delivery)
             raise
         except Exception as error:
-            cause = getattr(error, "cause", None) or error
-            if isinstance(cause, TransportError | StaleIncarnationError | BoundsError):
-                raise cause from error
-            raise WriteFailedError(
-                f"delivering {ops.total_nbytes} bytes to engine {peer.info.engine_id!r} failed: "
-                f"{type(cause).__name__}: {cause}",
-                engine_id=peer.info.engine_id,
-            ) from error
+            failure = _delivery_failure(error, ops.total_nbytes, peer)
+            if failure is error:
+                raise
+            raise failure from error
+
+    async def _write_from_device(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        """A CUDA source: the plan's ops in chunks of about a layer, each gathered on the GPU into
+        a pinned buffer and delivered while the next chunk's copy runs; every delivery is
+        awaited before this returns (and abandoned, as a whole write is, when it fails or is
+        cancelled)."""
+        ops = plan.ops
+        chunks = chunk_ops(ops, chunk_nbytes(ops.total_nbytes, len(plan.layers)))
+        if not chunks:
+            return
+        transfer_id = self._next_transfer_id(plan)
+        deliveries: list[Any] = []
+
+        def submit(chunk: OpTable, payload: npt.NDArray[np.uint8]) -> None:
+            header = self._header(plan, chunk, f"{transfer_id}.{len(deliveries)}")
+            delivery = peer.host.kvray_deliver.remote(encode(header), payload)
+            # An in-process stand-in's call runs from now on, as a Ray call would.
+            deliveries.append(asyncio.ensure_future(delivery) if inspect.iscoroutine(delivery) else delivery)
+
+        try:
+            await send_in_order(chunks, device_gathers(local, ops, self._pinned), submit)
+            for delivery in deliveries:
+                await delivery
+        except asyncio.CancelledError:
+            for delivery in deliveries:
+                self._abandon(delivery)
+            raise
+        except Exception as error:
+            # The write has failed: its other chunks must not land later either.
+            for delivery in deliveries:
+                self._abandon(delivery)
+            failure = _delivery_failure(error, ops.total_nbytes, peer)
+            if failure is error:
+                raise
+            raise failure from error
+
+    def _next_transfer_id(self, plan: TransferPlan) -> str:
+        self._transfers += 1
+        return f"{plan.src_engine}:{plan.src_incarnation}:w{self._transfers}"
+
+    @staticmethod
+    def _header(plan: TransferPlan, ops: OpTable, transfer_id: str) -> WriteOps:
+        return WriteOps(
+            transfer_id=transfer_id,
+            dst_engine=plan.dst_engine,
+            dst_incarnation=plan.dst_incarnation,
+            regions=ops.remote_region.tolist(),
+            remote_offsets=ops.remote_offset.tolist(),
+            nbytes=ops.nbytes.tolist(),
+            request_id=plan.request_id,
+            token=plan.token,
+        )
 
     def _abandon(self, delivery: ray.ObjectRef[Any]) -> None:
         """Cancel a delivery, and keep cancelling it until it has ended.
@@ -134,6 +209,9 @@ class RayTransport(Transport):
         a slow peer."""
         import ray
 
+        if isinstance(delivery, asyncio.Future):  # an in-process stand-in's call, running here
+            delivery.cancel()
+            return
         if not isinstance(delivery, ray.ObjectRef):  # an in-process stand-in: cancelled with us
             return
         _cancel(delivery)
@@ -161,7 +239,9 @@ class RayTransport(Transport):
         info = receiver.info
         message = read_header(header, info.engine_id, info.incarnation)
         async with receiver.admit(message.request_id, message.token) as within:
-            return await apply_ops(receiver.backing, info.engine_id, message, payload, within=within)
+            return await apply_ops(
+                receiver.backing, info.engine_id, message, payload, within=within, slots=self._pinned
+            )
 
     async def close(self) -> None:
         if self._canceller is not None:
@@ -169,6 +249,22 @@ class RayTransport(Transport):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._canceller
         self._abandoned.clear()
+        self._pinned.clear()
+
+
+def _delivery_failure(error: Exception, nbytes: int, peer: Peer) -> Exception:
+    """What a failed delivery raises: the receiver's kvray error as it raised it (Ray wraps it),
+    else a `WriteFailedError` naming the peer."""
+    cause = getattr(error, "cause", None) or error
+    if isinstance(cause, TransportError | StaleIncarnationError | BoundsError):
+        return cause
+    if isinstance(cause, KvrayError) and cause is error:
+        return error
+    return WriteFailedError(
+        f"delivering {nbytes} bytes to engine {peer.info.engine_id!r} failed: "
+        f"{type(cause).__name__}: {cause}",
+        engine_id=peer.info.engine_id,
+    )
 
 
 def _cancel(delivery: ray.ObjectRef[Any]) -> None:
@@ -209,10 +305,13 @@ async def apply_ops(
     message: WriteOps,
     payload: npt.NDArray[np.uint8],
     within: OpsCheck | None = None,
+    slots: PinnedSlots | None = None,
 ) -> int:
     """`apply_write` after `read_header`: check every op and the payload, then scatter.
     `within(regions, offsets, nbytes)`, when given, raises for ops outside what the write's
-    request may change (its blocks), after the region checks and before any byte moves."""
+    request may change (its blocks), after the region checks and before any byte moves. Into a
+    CUDA backing the bytes go through a pinned buffer of `slots` (a fresh one if None) and the
+    GPU; either way this returns once they are all in place."""
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)
@@ -239,7 +338,11 @@ async def apply_ops(
             f"write_ops names {int(nbytes.sum())} bytes but the payload has {payload.size}",
             engine_id=engine_id,
         )
-    payload_offset = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    if backing.kind is MemoryKind.CUDA:
+        targets = [region.tensor for region in backing.regions]
+        await receive_payload(targets, regions, offsets, nbytes, payload, slots or PinnedSlots())
+        return int(payload.size)
+    payload_offset = packed_offsets(nbytes)
     for index in np.unique(regions).tolist():
         select = regions == index
         await scatter_copy_async(

@@ -6,10 +6,13 @@
 # Here (once): download into .whl the wheels the GPU machine lacks (Ray 2.60.0, msgspec,
 # pytest-asyncio, jsonschema and its dependencies), with /.whl/ ignored by git.
 # There, from the repository root, carrying .whl:
-#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch] [connector]   (default: the first three)
+#     bash tests/gpu/run_on_device.sh [tests] [demo] [bench] [launch] [staging] [connector]
+#     (default: the first three)
 # Outputs, named as their current copies in docs/results/: $OUT/gpu-tests.txt, $OUT/demo-cuda.txt,
 # $OUT/gpu-request.txt and $OUT/gpu-request.json, $OUT/gpu-launch.txt (launch: where one write's
-# host time goes), $OUT/gpu-connector.txt and .json (the connector's hand-off) ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
+# host time goes), $OUT/gpu-staging.txt and .json (staging: GPU KV over the ray transport between
+# two Ray nodes), $OUT/gpu-connector.txt and .json (connector: the vLLM connector's hand-off)
+# ($OUT defaults to ./gpu-results). The exit status is the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -47,12 +50,16 @@ for step in "${steps[@]}"; do
         launch)
             python3 benchmarks/bench_gpu_launch.py 2>&1 | tee "$out/gpu-launch.txt"
             rc=${PIPESTATUS[0]} ;;
+        staging)
+            python3 benchmarks/bench_gpu_staging.py --repeat 5 --json "$out/gpu-staging.json" 2>&1 \
+                | tee "$out/gpu-staging.txt"
+            rc=${PIPESTATUS[0]} ;;
         connector)
             PYTHONPATH=$PWD/tests/gpu:$PYTHONPATH python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown \
                 --json "$out/gpu-connector.json" 2>&1 | tee "$out/gpu-connector.txt"
             rc=${PIPESTATUS[0]} ;;
         *)
-            echo "unknown step $step (tests, demo, bench, launch, connector)"; rc=2 ;;
+            echo "unknown step $step (tests, demo, bench, launch, staging, connector)"; rc=2 ;;
     esac
     echo "== $step: exit $rc"
     [ "$status" -eq 0 ] && status=$rc

@@ -38,8 +38,18 @@ def peer(registered_by: TransportKind, node: str, *, handle: bytes = b"h", rdma:
         (MemoryKind.CPU, TransportKind.SHM, "here", True, TransportKind.SHM),  # RDMA is for other nodes
         (MemoryKind.CPU, TransportKind.RAY, "here", False, TransportKind.RAY),
         (MemoryKind.CUDA, TransportKind.CUDA_IPC, "here", False, TransportKind.CUDA_IPC),
+        (MemoryKind.CUDA, TransportKind.CUDA_IPC, "here", True, TransportKind.CUDA_IPC),
         (MemoryKind.CUDA, TransportKind.CUDA_IPC, "there", True, TransportKind.VERBS),
         (MemoryKind.CUDA, TransportKind.SHM, "there", True, TransportKind.VERBS),
+        # GPUs on two nodes without RDMA: ray, staged through pinned host memory on both sides.
+        (MemoryKind.CUDA, TransportKind.CUDA_IPC, "there", False, TransportKind.RAY),
+        (MemoryKind.CUDA, TransportKind.RAY, "there", False, TransportKind.RAY),
+        (MemoryKind.CUDA, TransportKind.SHM, "there", False, TransportKind.RAY),
+        (MemoryKind.CPU, TransportKind.CUDA_IPC, "there", False, TransportKind.RAY),
+        # Between GPU and CPU memory on one node nothing but ray moves bytes.
+        (MemoryKind.CPU, TransportKind.CUDA_IPC, "here", False, TransportKind.RAY),
+        (MemoryKind.CUDA, TransportKind.SHM, "here", False, TransportKind.RAY),
+        (MemoryKind.CUDA, TransportKind.RAY, "here", False, TransportKind.RAY),
     ],
 )
 def test_auto_takes_the_first_transport_whose_flags_fit(
@@ -52,15 +62,17 @@ def test_auto_takes_the_first_transport_whose_flags_fit(
     ("local", "registered_by", "node"),
     [
         (MemoryKind.CPU, TransportKind.CUDA_IPC, "here"),  # a GPU peer and no RDMA: nothing reads CPU into it
-        (MemoryKind.CUDA, TransportKind.SHM, "here"),  # shm and ray copy from CPU memory only
+        (MemoryKind.CUDA, TransportKind.SHM, "here"),  # shm copies from CPU memory only
         (MemoryKind.CUDA, TransportKind.CUDA_IPC, "there"),  # cuda_ipc needs one node
     ],
 )
 def test_no_fitting_transport_is_an_error_that_says_what_was_tried(
     local: MemoryKind, registered_by: TransportKind, node: str
 ) -> None:
-    with pytest.raises(TransportUnavailableError, match="tried cuda_ipc, shm, verbs, ray"):
-        choose_transport("auto", local, "here", peer(registered_by, node), REGISTRY)
+    """Where Ray is not there (no `ray` candidate), GPU memory and other nodes need what is."""
+    without_ray = [cls for cls in REGISTRY if cls.kind is not TransportKind.RAY]
+    with pytest.raises(TransportUnavailableError, match=r"tried cuda_ipc, shm, verbs$"):
+        choose_transport("auto", local, "here", peer(registered_by, node), without_ray)
 
 
 def test_same_node_transports_need_the_peers_handles() -> None:
