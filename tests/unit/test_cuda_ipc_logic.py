@@ -75,6 +75,21 @@ async def test_a_write_polls_its_copy_events_from_the_loop(monkeypatch: pytest.M
     assert events[0].queries == 4
 
 
+async def test_writes_in_flight_share_one_poller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen writes waiting at once are polled by one task, and each returns once its copy has."""
+    monkeypatch.setattr(streams, "POLL_FLOOR_S", 30.0)
+    events = [_Event(polls=index * 3) for index in range(16)]
+    before = {task for task in asyncio.all_tasks() if "_poll" in repr(task)}
+    writes = [asyncio.create_task(wait_for_events([event], nbytes=0)) for event in events]  # type: ignore[list-item]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    pollers = {task for task in asyncio.all_tasks() if "_poll" in repr(task)} - before
+    assert len(pollers) == 1
+    await asyncio.gather(*writes)
+    assert all(event.queries > event.polls for event in events)
+    assert all(not event.synchronized_on for event in events)
+
+
 async def test_a_copy_running_past_the_poll_window_is_waited_for_on_a_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
