@@ -52,6 +52,12 @@ straight into the decode engine's KV cache (kvray places it in a shared-memory f
 requests and notices go through Unix datagram sockets; across nodes both engines join Ray
 (`ray_address`), the KV goes by the `ray` transport and the messages through each engine's
 host actor.
+
+On GPUs the same: the worker reads vLLM's CUDA caches in any of its KV cache layouts
+(`worker.block_runs`), places the decode engine's cache in a CUDA allocation of its own
+(`get_mem_pool_context`), `cuda_ipc` writes it on one node and `ray` (staged through pinned host
+memory) across nodes, and a layer saved during the forward is copied after a CUDA event recorded
+on the forward's stream.
 """
 
 from __future__ import annotations
