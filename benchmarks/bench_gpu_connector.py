@@ -64,24 +64,12 @@ class Engine:
 
     def handoffs(self, prefill: dict[str, Any], batches: list[list[tuple[str, list[int]]]]) -> list[float]:
         """Seconds from handing each batch of loads over (one step) to the last one reported."""
-        from kvray.agent.handoff import LoadSpec
+        from connector_actors import load_specs
 
         worker = self.engine.worker
         times = []
         for batch in batches:
-            loads = {
-                key: LoadSpec(
-                    key,
-                    prefill["engine"],
-                    prefill["incarnation"],
-                    key,
-                    prefill["node"],
-                    prefill["inbox"],
-                    (tuple(blocks),),
-                    0,
-                )
-                for key, blocks in batch
-            }
+            loads = load_specs(prefill, [(key, key, blocks) for key, blocks in batch])
             waiting = set(loads)
             started = time.perf_counter()
             worker.begin(loads, {})

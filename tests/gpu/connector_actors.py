@@ -31,6 +31,24 @@ from tests.vllm_layouts import CacheShape, block_of, layout_views, legacy_views
 CANARY = -91
 
 
+def load_specs(prefill: dict[str, Any], loads: list[tuple[str, str, list[int]]]) -> dict[str, LoadSpec]:
+    """The scheduler's `LoadSpec`s of (request, hand-off key, blocks) from `prefill` (what its
+    `register` returned), as a step's metadata carries them."""
+    return {
+        request_id: LoadSpec(
+            request_id,
+            prefill["engine"],
+            prefill["incarnation"],
+            key,
+            prefill["node"],
+            prefill["inbox"],
+            (tuple(blocks),),
+            0,
+        )
+        for request_id, key, blocks in loads
+    }
+
+
 class VllmGpuWorker:
     def __init__(
         self,
@@ -103,17 +121,7 @@ class VllmGpuWorker:
         self.worker.begin({}, {request_id: SendSpec(request_id, (tuple(blocks),), key=key)})
 
     def load(self, request_id: str, prefill: dict[str, Any], key: str, blocks: list[int]) -> None:
-        spec = LoadSpec(
-            request_id,
-            prefill["engine"],
-            prefill["incarnation"],
-            key,
-            prefill["node"],
-            prefill["inbox"],
-            (tuple(blocks),),
-            0,
-        )
-        self.worker.begin({request_id: spec}, {})
+        self.worker.begin(load_specs(prefill, [(request_id, key, blocks)]), {})
 
     def begin_layerwise(self, request_id: str, key: str, blocks: list[int]) -> None:
         self.worker.begin_layerwise({request_id: LayerwiseSpec(request_id, key, (tuple(blocks),))})
@@ -173,11 +181,10 @@ class VllmGpuWorker:
     # ---- faults --------------------------------------------------------------------------
 
     def hold_writes(self) -> None:
-        """From now on every cuda_ipc write waits at a gate once its copies are queued."""
+        """From now on every cuda_ipc write waits at a gate once its copies are queued (as
+        `gpu_workers.HoldingGpuPrefill`, on the connector's loop)."""
         from kvray.transport.cuda_ipc import transport
 
-        loop = self.worker._loop
-        assert loop is not None
         gate = self._gate = asyncio.Event()
         original = transport.wait_for_events
 
