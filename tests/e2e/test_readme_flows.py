@@ -219,6 +219,11 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "--workload 4k --workload 16k": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_launch.py": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_rows.py --repeat 100": Skip("needs a CUDA GPU"),
+    "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown": Skip(
+        "needs a CUDA GPU"
+    ),
+    "python3 benchmarks/bench_gpu_staging.py --repeat 5 --json gpu-staging.json": Skip("needs a CUDA GPU"),
+    "python3 benchmarks/bench_gpu_staging.py --repeat 5": Skip("needs a CUDA GPU"),
     "ray up ray_cluster.yaml": Skip(
         "launches a cloud cluster; tests/unit/test_cluster_yaml.py validates the file"
     ),
