@@ -358,14 +358,7 @@ class Backing:
         own = {name: _strided_placement(layout, name, strides.get(name)) for name in layout.layer_names}
         extent = {name: own[name].end(layout.num_blocks) for name in layout.layer_names}
         if strides:
-            at_address = {
-                name: msgspec.structs.replace(own[name], offset=tensors[name].data_ptr())
-                for name in layout.layer_names
-            }
-            try:
-                check_layers_disjoint("this engine", layout, at_address)
-            except MetadataError as error:
-                raise LayoutError(f"adopted layers share memory: {error}") from None
+            check_adopted_disjoint(layout, tensors, strides)
         layer_spans = sorted(
             (tensors[name].data_ptr(), tensors[name].data_ptr() + extent[name], name)
             for name in layout.layer_names
@@ -521,6 +514,24 @@ class BlockStrides(NamedTuple):
     part_stride: int
     #: From one block to the next.
     block_stride: int
+
+
+def check_adopted_disjoint(
+    layout: KVLayout, tensors: Mapping[str, torch.Tensor], strides: Mapping[str, BlockStrides]
+) -> None:
+    """No (layer, part, block) segment of the tensors, laid out as `strides` say (contiguous where
+    they say nothing), shares a byte with another (`LayoutError` otherwise): a write into one
+    layer would land in the other."""
+    at_address = {
+        name: msgspec.structs.replace(
+            _strided_placement(layout, name, strides.get(name)), offset=tensors[name].data_ptr()
+        )
+        for name in layout.layer_names
+    }
+    try:
+        check_layers_disjoint("this engine", layout, at_address)
+    except MetadataError as error:
+        raise LayoutError(f"adopted layers share memory: {error}") from None
 
 
 def _strided_placement(layout: KVLayout, name: str, strides: BlockStrides | None) -> LayerPlacement:

@@ -31,11 +31,17 @@ from kvray.agent.handoff import (
 )
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
-from kvray.errors import ConfigError, MetadataError
-from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerPlacement, LayerSpec, align_up
-from kvray.memory import TORCH_DTYPES, Backing, BlockStrides, create_shm_buffer, cuda_pool_buffer
+from kvray.errors import ConfigError, LayoutError
+from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerSpec, align_up
+from kvray.memory import (
+    TORCH_DTYPES,
+    Backing,
+    BlockStrides,
+    check_adopted_disjoint,
+    create_shm_buffer,
+    cuda_pool_buffer,
+)
 from kvray.owned import remove_owned
-from kvray.validation import check_layers_disjoint
 from kvray.wire import EngineInfo, Role
 
 if TYPE_CHECKING:
@@ -216,20 +222,9 @@ def _check_disjoint(
     layout: KVLayout, tensors: Mapping[str, torch.Tensor], strides: Mapping[str, BlockStrides]
 ) -> None:
     """Two kvray layers must not share a byte: a write into one would land in the other."""
-    at_address = {}
-    for spec in layout.layers:
-        geometry = spec.geometry
-        at_address[spec.name] = LayerPlacement(
-            region=0,
-            offset=tensors[spec.name].data_ptr(),
-            part_stride=strides[spec.name].part_stride,
-            block_stride=strides[spec.name].block_stride,
-            part_nbytes=geometry.part_nbytes,
-            parts=geometry.parts,
-        )
     try:
-        check_layers_disjoint("this engine", layout, at_address)
-    except MetadataError as error:
+        check_adopted_disjoint(layout, tensors, strides)
+    except LayoutError as error:
         raise ConfigError(
             f"vLLM's KV caches of two layers overlap without being the same tensor; kvray cannot "
             f"move them apart ({error})"

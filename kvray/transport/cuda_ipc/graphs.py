@@ -29,7 +29,7 @@ from kvray.transport.cuda_ipc.kernels import (
     rows_kernel,
 )
 from kvray.transport.cuda_ipc.ops import upload_table
-from kvray.transport.cuda_ipc.streams import capture_stream, copy_stream, follow_current
+from kvray.transport.cuda_ipc.streams import capture_stream, copy_stream, follow_current, record_after_source
 
 #: Fewest block pairs a captured row copy is sized for; sizes go up in powers of two from here.
 _MIN_CAPACITY = 16
@@ -227,19 +227,12 @@ def copy_rows(
         graph.staging[0] = count
         graph.staging[1 : 1 + count] = rows.local_ids
         graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
-        ready = source_ready.get()
-        if ready is None and source_device == target_device == torch.cuda.current_device():
+        if source_ready.get() is None and source_device == target_device == torch.cuda.current_device():
             _replay_rows(graph, target_device, target_stream)
         else:
-            # The graph waits for `produced`: recorded after what wrote the source (the event
-            # the writing task was given, else the source GPU's current stream).
+            # The graph waits for `produced`, recorded after what wrote the source.
             with torch.cuda.device(src.device):
-                if ready is None:
-                    graph.produced.record(torch.cuda.current_stream(source_device))
-                else:
-                    ordering = copy_stream(source_device)
-                    ordering.wait_event(ready)
-                    graph.produced.record(ordering)
+                record_after_source(graph.produced, source_device)
             with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
                 graph.graph.replay()
         return graph.done

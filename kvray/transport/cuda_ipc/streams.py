@@ -65,8 +65,21 @@ def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
         stream.wait_event(ready)
         return
     produced = _produced_event(source_device)
-    produced.record(torch.cuda.current_stream(source_device))
+    record_after_source(produced, source_device)
     stream.wait_event(produced)
+
+
+def record_after_source(event: torch.cuda.Event, source_device: int) -> None:
+    """Record `event` after the work that wrote the KV on `source_device`: after the event the
+    writing task was given (`kvray.memory.source_ready`), on kvray's copy stream, else on the
+    device's current stream."""
+    ready = source_ready.get()
+    if ready is None:
+        event.record(torch.cuda.current_stream(source_device))
+        return
+    ordering = copy_stream(source_device)
+    ordering.wait_event(ready)
+    event.record(ordering)
 
 
 def _produced_event(source_device: int) -> torch.cuda.Event:
@@ -167,7 +180,10 @@ _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _EventPoller] = w
 async def _on_thread(event: torch.cuda.Event, done: asyncio.Future[None]) -> None:
     try:
         await asyncio.to_thread(event.synchronize)
-    except BaseException as error:
+    except asyncio.CancelledError:
+        done.cancel()
+        raise
+    except Exception as error:  # the waiting write gets it
         if not done.done():
             done.set_exception(error)
         return
