@@ -268,17 +268,17 @@ def test_the_pool_refuses_bad_input_before_copying_a_byte(arguments: dict[str, A
 
 
 def test_many_jobs_at_once_share_the_pool() -> None:
-    """More jobs than threads, all in flight together: each completes, each byte right."""
+    """More jobs than threads, all in flight together: each completes, each byte right. Every
+    job's source stays referenced until it is over (the pool reads it until then)."""
     native = native_module()
     jobs = []
     for seed in range(12):
         ops = [(block * 512, ((block * 5 + seed) % 40) * 512, 512) for block in range(40)]
         dst, src = buffers(40 * 512, ops, seed=seed)
         expected = reference(dst, src, ops)
-        jobs.append(
-            (native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 3, 256), dst, expected)
-        )
-    for job, dst, expected in jobs:
+        job = native.start_copy(dst.ctypes.data, src.ctypes.data, *columns(ops), 3, 256)
+        jobs.append((job, dst, src, expected))
+    for job, dst, _src, expected in jobs:
         wait_over(job)
         assert job.complete
         np.testing.assert_array_equal(dst, expected)
