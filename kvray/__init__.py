@@ -29,7 +29,16 @@ from kvray.errors import (
     TransportError,
 )
 from kvray.host import AgentHost
-from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec, deepseek_v3, llama_gqa, mixed
+from kvray.layout import (
+    BlockOrder,
+    Geometry,
+    KVLayout,
+    LayerSpec,
+    TensorParallel,
+    deepseek_v3,
+    llama_gqa,
+    mixed,
+)
 from kvray.memory import Backing, MemoryKind
 from kvray.transport.loopback import LoopbackNetwork, LoopbackTransport
 from kvray.wire import EngineInfo, Reservation, Role, TransportKind
@@ -80,6 +89,7 @@ __all__ = [
     "Reservation",
     "Role",
     "Settings",
+    "TensorParallel",
     "TransferTimeoutError",
     "TransportError",
     "TransportKind",

@@ -11,8 +11,9 @@ import collections
 import enum
 import functools
 import math
+import re
 from collections.abc import Mapping
-from typing import Annotated, overload
+from typing import Annotated, NamedTuple, overload
 
 import msgspec
 import numpy as np
@@ -50,6 +51,12 @@ MAX_LAYERS = 1024
 #: Most runs one block of one layer may be stored as (K and V; or one per KV head, where an
 #: engine keeps the heads outside the blocks).
 MAX_PARTS = 256
+
+#: Most tensor-parallel ranks one model's KV heads may be split across.
+MAX_TP_SIZE = 64
+
+#: The label of the KV-head axis in `Geometry.block_layout` (as in "N16 H8 C256").
+HEAD_AXIS = "H"
 
 #: Every layer slab (layer-major) and every layer segment inside a block (block-major) starts
 #: at a multiple of this many bytes, so typed views are aligned for any dtype above.
@@ -89,9 +96,11 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     split K and V, one per KV head where an engine keeps the heads outside the blocks.
 
     `block_layout` says how the bytes inside a block are ordered (the engine's axes, outer to
-    inner, e.g. "H8 N16 C256"; "" when the engine does not say): kvray moves whole blocks, so
-    two engines only exchange a layer when they order it alike, which this field makes part of
-    the geometry both sides must agree on."""
+    inner, each a label and a size, e.g. "H8 N16 C256"; "" when the engine does not say): kvray
+    moves whole blocks, so two engines only exchange a layer when they order it alike, which
+    this field makes part of the geometry both sides must agree on. The axis labelled "H" is
+    the KV heads: between tensor-parallel ranks that hold different heads
+    (`KVLayout.tp`), kvray moves the bytes of the heads both hold (`kvray.tensor_parallel`)."""
 
     block_size: int
     entry_shape: tuple[int, ...]
@@ -140,6 +149,89 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     def block_nbytes(self) -> int:
         """Bytes of one block of this layer, all parts."""
         return self.parts * self.part_nbytes
+
+
+class BlockAxis(NamedTuple):
+    """One axis of a block's bytes, as `Geometry.block_layout` names it: "N16" is tokens, 16."""
+
+    label: str
+    size: int
+
+
+_AXIS_TOKEN = re.compile(r"([A-Za-z_]+)([0-9]+)")
+_HEAD_TOKEN = re.compile(f"{HEAD_AXIS}[0-9]+")
+
+
+def block_axes(block_layout: str) -> tuple[BlockAxis, ...]:
+    """The axes of a `Geometry.block_layout`, outer to inner: letters then a size per token,
+    tokens separated by spaces ("KV2 N16 H8 D128"). LayoutError for a token of another shape."""
+    axes: list[BlockAxis] = []
+    for token in block_layout.split():
+        match = _AXIS_TOKEN.fullmatch(token)
+        if match is None or int(match[2]) <= 0:
+            raise LayoutError(
+                f"block layout {block_layout!r}: axis {token!r} is not a label of letters followed "
+                "by a positive size",
+                block_layout=block_layout,
+            )
+        axes.append(BlockAxis(match[1], int(match[2])))
+    return tuple(axes)
+
+
+def head_axis_size(block_layout: str) -> int | None:
+    """The size of a block layout's KV-head axis (its token "H<size>"), or None when it has
+    none. Only that token is read: a layout's other axes need not parse."""
+    head_tokens = [token for token in block_layout.split() if _HEAD_TOKEN.fullmatch(token)]
+    sizes = [int(token[len(HEAD_AXIS) :]) for token in head_tokens]
+    if len(sizes) > 1:
+        raise LayoutError(
+            f"block layout {block_layout!r} names the KV-head axis {HEAD_AXIS!r} {len(sizes)} times",
+            block_layout=block_layout,
+        )
+    return sizes[0] if sizes else None
+
+
+class TensorParallel(msgspec.Struct, frozen=True, kw_only=True):
+    """Which KV heads an engine holds: it is rank `rank` of `size` tensor-parallel ranks of a
+    model with `kv_heads` KV heads in all, each rank holding an equal, consecutive share.
+    `kv_heads` 0: every rank holds the whole cache (an MLA latent, which TP replicates)."""
+
+    size: int = 1
+    rank: int = 0
+    kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size <= MAX_TP_SIZE:
+            raise LayoutError(f"TP size must be in [1, {MAX_TP_SIZE}], got {self.size}", tp_size=self.size)
+        if not 0 <= self.rank < self.size:
+            raise LayoutError(
+                f"TP rank {self.rank} is outside [0, {self.size}) for TP size {self.size}",
+                tp_size=self.size,
+                tp_rank=self.rank,
+            )
+        if self.kv_heads < 0:
+            raise LayoutError(f"kv_heads must be 0 (replicated) or positive, got {self.kv_heads}")
+        if self.kv_heads % self.size:
+            raise LayoutError(
+                f"TP size {self.size} does not divide the model's {self.kv_heads} KV heads",
+                tp_size=self.size,
+                kv_heads=self.kv_heads,
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """True when the ranks split the KV heads (False: each holds the whole cache)."""
+        return self.kv_heads > 0
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads this rank holds (0 when replicated: it holds the whole cache)."""
+        return self.kv_heads // self.size
+
+    @property
+    def first_head(self) -> int:
+        """The model-wide index of this rank's first KV head."""
+        return self.rank * self.local_heads
 
 
 class LayerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,11 +283,13 @@ class LayerPlacement(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """An ordered list of layers sharing `num_blocks` block ids, in one block order."""
+    """An ordered list of layers sharing `num_blocks` block ids, in one block order; `tp` says
+    which of the model's KV heads they hold."""
 
     layers: Annotated[tuple[LayerSpec, ...], msgspec.Meta(max_length=MAX_LAYERS)]
     num_blocks: int
     block_order: BlockOrder = BlockOrder.LAYER_MAJOR
+    tp: TensorParallel = TensorParallel()
 
     def __post_init__(self) -> None:
         if not self.layers:
