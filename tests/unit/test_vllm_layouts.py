@@ -95,6 +95,25 @@ def test_earlier_backends_shapes_are_read_too(
     assert (geometry.parts, geometry.block_layout) == (parts, block_layout)
 
 
+def test_a_rank_of_one_kv_head_says_where_its_heads_are_alike_in_every_layout() -> None:
+    """A TP rank holding one of the model's KV heads keeps its head axis ("H1", which TP
+    planning slices blocks by) in one place: outside the run, inside the parts. One head orders
+    no bytes, so layouts that differ only in where it sits still exchange whole blocks."""
+    one_head = CacheShape(layers=2, num_blocks=8, block_size=16, heads=1, content=64, dtype=torch.bfloat16)
+    for layout in sorted(KV_CACHE_LAYOUTS):
+        caches = layout_views(fresh(one_head), one_head, layout)
+        geometry = layout_of(caches, one_head.num_blocks, one_head.block_size).layout.layers[0].geometry
+        assert (geometry.parts, geometry.block_layout) == (1, "H1 N16 C64"), layout
+    for backend, parts, block_layout in (
+        ("flash_attn", 2, "KV2 H1 N16 D32"),
+        ("flashinfer", 1, "H1 KV2 N16 D32"),
+    ):
+        for order in ("NHD", "HND"):
+            caches = legacy_views(fresh(one_head), one_head, backend, order)
+            geometry = layout_of(caches, one_head.num_blocks, one_head.block_size).layout.layers[0].geometry
+            assert (geometry.parts, geometry.block_layout) == (parts, block_layout), (backend, order)
+
+
 def test_kernel_blocks_that_split_each_block_are_one_block() -> None:
     """vLLM may hand [B x ratio, H, N/ratio, C] views when kernels use smaller blocks."""
     caches = layout_views(fresh(GQA), GQA, "LBHNC")

@@ -32,7 +32,7 @@ from kvray.agent.handoff import (
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.errors import ConfigError, LayoutError
-from kvray.layout import MAX_PARTS, Geometry, KVLayout, LayerSpec, align_up
+from kvray.layout import HEAD_AXIS, MAX_PARTS, Geometry, KVLayout, LayerSpec, align_up
 from kvray.memory import (
     TORCH_DTYPES,
     Backing,
@@ -172,7 +172,6 @@ def block_runs(
         ),
         key=lambda axis: -axis[0],
     )
-    block_layout = " ".join(f"{label}{size}" for _, size, label in inner)
     outer = list(inner)
     run_elements = 1
     while outer and outer[-1][0] == run_elements:
@@ -202,6 +201,14 @@ def block_runs(
             f"layer {name!r}: a run of {run_elements} elements is not whole tokens of blocks of {block_size}",
             layer=name,
         )
+    # A rank holding one KV head still says where its heads are (TP planning slices blocks by
+    # them), at one place for every layout: its stride says nothing, and one head orders no bytes.
+    holds_one_head = any(
+        axis != block_axis and names[axis] == HEAD_AXIS and shape[axis] == 1 for axis in range(len(shape))
+    )
+    part_axes = [f"{label}{size}" for _, size, label in outer]
+    run_axes = [f"{label}{size}" for _, size, label in inner[len(outer) :]]
+    block_layout = " ".join([*part_axes, *([f"{HEAD_AXIS}1"] if holds_one_head else []), *run_axes])
     if parts > MAX_PARTS:
         raise ConfigError(
             f"layer {name!r}: a block is {parts} separate runs, more than the {MAX_PARTS} kvray moves",
