@@ -2,7 +2,9 @@
 
 Given the local and remote `EngineInfo` and a request's block ids, `plan_transfer` produces
 write ops `(local_region, local_offset, remote_region, remote_offset, nbytes)`: one per
-(layer, part, block), then contiguous runs merged. Every op is bounds-checked against both
+(layer, part, block), then contiguous runs merged. Between tensor-parallel ranks that hold
+different KV heads (`KVLayout.tp`), one per (layer, piece of a block, block) instead: the pieces
+hold the heads both ranks hold (`kvray.tensor_parallel`). Every op is bounds-checked against both
 regions before the plan exists (invariant 2). Layer offsets come from an `OffsetCache` keyed
 by `(engine, incarnation, layer, geometry)` (invariant 3): two layers of the same geometry
 never share an entry, an unknown layer raises, and a new incarnation misses the cache.
@@ -38,6 +40,7 @@ from kvray.errors import (
     UnknownLayerError,
 )
 from kvray.layout import Geometry, Int64Array, LayerPlacement, ceil_div
+from kvray.tensor_parallel import check_head_geometries, head_pieces, shared_heads
 from kvray.validation import validate_engine_info
 from kvray.wire import EngineInfo
 
@@ -255,6 +258,9 @@ class Pairing:
     #: The rest of `kvray._plan.plan_ids`' arguments: both pool sizes, then each side's rows
     #: as one 4 x rows int64 array (region, base, stride, bytes) and its region lengths.
     native_args: tuple[int, int, Int64Array, Int64Array, Int64Array, Int64Array]
+    #: The model-wide (first KV head, count) moved, between TP ranks that hold different heads
+    #: (the rows are then slices of blocks, `head_rows`); None when whole blocks move.
+    heads: tuple[int, int] | None = None
 
 
 # ---- the offset cache ----------------------------------------------------------------------
@@ -356,7 +362,14 @@ class OffsetCache:
         if known is not None:
             return known
         names = self.compatible(local, remote, layers)
-        local_rows, remote_rows = self.rows(local, names), self.rows(remote, names)
+        # Whether blocks move whole or as slices of heads is fixed by the two incarnations'
+        # `layout.tp` (`_admit` holds each incarnation to one EngineInfo), so the pair's key
+        # tells the two apart. Slices depend on both sides: they are kept here, never in `rows`.
+        heads = shared_heads(local.layout.tp, remote.layout.tp, repr(local.engine_id), repr(remote.engine_id))
+        if heads is None:
+            local_rows, remote_rows = self.rows(local, names), self.rows(remote, names)
+        else:
+            local_rows, remote_rows = self.head_rows(local, remote, names)
         local_lengths = tuple(region.length for region in local.regions)
         remote_lengths = tuple(region.length for region in remote.regions)
         pairing = Pairing(
@@ -373,9 +386,68 @@ class OffsetCache:
                 _row_table(remote_rows),
                 np.array(remote_lengths, dtype=np.int64),
             ),
+            heads,
         )
         self._pairings[_pair_key(local, remote, layers)] = pairing
         return pairing
+
+    def head_rows(
+        self, local: EngineInfo, remote: EngineInfo, layers: tuple[str, ...]
+    ) -> tuple[PartRows, PartRows]:
+        """Both sides' rows between TP ranks that hold different heads: one per (layer, piece
+        of a block holding heads both ranks hold, `kvray.tensor_parallel.head_pieces`), at the
+        piece's bytes of each block and the layer's block stride. Not cached on their own: the
+        pair's `pairing` keeps them."""
+        self.misses += 2
+        local_region: list[int] = []
+        local_base: list[int] = []
+        local_stride: list[int] = []
+        remote_region: list[int] = []
+        remote_base: list[int] = []
+        remote_stride: list[int] = []
+        nbytes: list[int] = []
+        layer_starts = [0]
+        for layer in layers:
+            local_placement = self.placement(local, layer)
+            remote_placement = self.placement(remote, layer)
+            pieces = head_pieces(
+                local.layout.layer(layer).geometry,
+                local.layout.tp,
+                remote.layout.layer(layer).geometry,
+                remote.layout.tp,
+            )
+            for piece in pieces:
+                local_region.append(local_placement.region)
+                local_base.append(
+                    local_placement.offset
+                    + piece.local_part * local_placement.part_stride
+                    + piece.local_offset
+                )
+                local_stride.append(local_placement.block_stride)
+                remote_region.append(remote_placement.region)
+                remote_base.append(
+                    remote_placement.offset
+                    + piece.remote_part * remote_placement.part_stride
+                    + piece.remote_offset
+                )
+                remote_stride.append(remote_placement.block_stride)
+                nbytes.append(piece.nbytes)
+            layer_starts.append(len(nbytes))
+
+        def part_rows(region: list[int], base: list[int], stride: list[int]) -> PartRows:
+            return PartRows(
+                layers,
+                np.array(region, dtype=np.int64),
+                np.array(base, dtype=np.int64),
+                np.array(stride, dtype=np.int64),
+                np.array(nbytes, dtype=np.int64),
+                tuple(layer_starts),
+            )
+
+        return (
+            part_rows(local_region, local_base, local_stride),
+            part_rows(remote_region, remote_base, remote_stride),
+        )
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -418,12 +490,19 @@ def _pair_key(
 def check_compatible(
     local: EngineInfo, remote: EngineInfo, layers: Sequence[str] | None = None
 ) -> tuple[str, ...]:
-    """The layers to move, after checking both sides have each with the same geometry."""
+    """The layers to move, after checking both sides have each with the same geometry; or,
+    between TP ranks that hold different heads (`layout.tp`), geometries that differ only in
+    how many heads they hold (`kvray.tensor_parallel.check_head_geometries`), and heads that
+    both ranks hold."""
     names = tuple(local.layout.layer_names if layers is None else layers)
     if not names:
         raise PlanError("a transfer needs at least one layer")
     if len(set(names)) != len(names):
         raise PlanError(f"layers repeat in the request: {names}", layers=names)
+    sliced = (
+        shared_heads(local.layout.tp, remote.layout.tp, repr(local.engine_id), repr(remote.engine_id))
+        is not None
+    )
     for name in names:
         local_geometry = local.layout.layer(name).geometry
         try:
@@ -435,7 +514,11 @@ def check_compatible(
                 engine_id=remote.engine_id,
                 layer=name,
             ) from None
-        if local_geometry != remote_geometry:
+        if sliced:
+            check_head_geometries(
+                name, local_geometry, remote_geometry, repr(local.engine_id), repr(remote.engine_id)
+            )
+        elif local_geometry != remote_geometry:
             raise GeometryMismatchError(
                 f"layer {name!r} has geometry {local_geometry} on {local.engine_id!r} but "
                 f"{remote_geometry} on {remote.engine_id!r}",

@@ -11,8 +11,8 @@ import itertools
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kvray.errors import BoundsError, MetadataError, WireDecodeError
-from kvray.layout import Geometry, KVLayout, LayerPlacement
+from kvray.errors import BoundsError, LayoutError, MetadataError, WireDecodeError
+from kvray.layout import Geometry, KVLayout, LayerPlacement, head_axis_size
 from kvray.wire import MAX_REGIONS, EngineInfo, writer_target
 
 
@@ -32,7 +32,8 @@ def validate_engine_info(info: EngineInfo) -> None:
     Regions belong to this engine incarnation and are numbered 0..n-1, and no two of them share
     a byte, neither by address (where one is published: 0 says the transport writes by offset)
     nor in what a same-node writer opens (`wire.writer_target`);
-    every layer of the layout has a placement consistent with its geometry; every byte any
+    every layer of the layout has a placement consistent with its geometry, and holds the
+    KV heads its TP rank holds (`KVLayout.tp`) where its block layout names them; every byte any
     block of any layer can touch lies inside its region; and no two (layer, part, block)
     segments overlap, which is the shape the seed bug had on the wire (two layers at one
     address). The work grows with the number of layers, never with the number of blocks a peer
@@ -101,6 +102,34 @@ def validate_engine_info(info: EngineInfo) -> None:
         _check_placement(info, spec.name, spec.geometry, info.placement(spec.name))
     placements = {name: info.placement(name) for name in info.layout.layer_names}
     check_layers_disjoint(engine, info.layout, placements)
+    _check_heads(info)
+
+
+def _check_heads(info: EngineInfo) -> None:
+    """A rank of a model whose KV heads TP splits holds its share of them in every layer that
+    says where its heads are: a planner slices its blocks by that count."""
+    tp = info.layout.tp
+    if not tp.sharded:
+        return
+    for spec in info.layout.layers:
+        try:
+            heads = head_axis_size(spec.geometry.block_layout)
+        except LayoutError as error:
+            raise MetadataError(
+                f"engine {info.engine_id!r} layer {spec.name!r}: {error}",
+                engine_id=info.engine_id,
+                layer=spec.name,
+            ) from None
+        if heads is not None and heads != tp.local_heads:
+            raise MetadataError(
+                f"engine {info.engine_id!r} layer {spec.name!r} holds {heads} KV heads a block, but as "
+                f"TP rank {tp.rank} of {tp.size} of a model with {tp.kv_heads} KV heads it holds "
+                f"{tp.local_heads}",
+                engine_id=info.engine_id,
+                layer=spec.name,
+                heads=heads,
+                local_heads=tp.local_heads,
+            )
 
 
 def check_layers_disjoint(engine: str, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:

@@ -16,6 +16,8 @@ TIERS: list[tuple[str, ...]] = [
     # foundations: errors, settings, counters, the C extensions
     ("kvray.errors", "kvray.config", "kvray.metrics", "kvray._copy_pool", "kvray._plan"),
     ("kvray.layout",),
+    # which KV heads TP ranks exchange (arithmetic on layouts)
+    ("kvray.tensor_parallel",),
     # what engines publish (descriptors, engine info and its checks) and the shm folder's entries
     ("kvray.wire", "kvray.validation", "kvray.owned"),
     ("kvray.memory",),
@@ -144,7 +146,7 @@ def test_no_module_imports_itself_back() -> None:
 
 def test_the_checks_catch_what_they_look_for() -> None:
     assert against_the_flow({"kvray.plan": {"kvray.agent.push"}}) == [
-        "kvray.plan (tier 5) imports kvray.agent.push (tier 8)"
+        "kvray.plan (tier 6) imports kvray.agent.push (tier 9)"
     ]
     assert against_the_flow({"kvray.agent.push": {"kvray.plan"}}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
