@@ -70,6 +70,11 @@ MAX_HANDSHAKE_BYTES = 1024 * 1024
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
 #: A position of a block table (`PushRequest.groups`): a block id, or -1 for no block.
 GroupBlockId = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_BLOCKS)]
+#: Most tensor-parallel ranks of one engine kvray accepts from a peer.
+MAX_TP_RANKS = 64
+#: A tensor-parallel rank, and a number of them, as messages carry them.
+TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
+TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)]
 #: One column of a `WriteOps` header.
 OpColumn = Annotated[list[ByteCount], msgspec.Meta(max_length=MAX_WRITE_OPS)]
 
@@ -320,6 +325,11 @@ class PushRequest(msgspec.Struct, frozen=True, kw_only=True, tag="push_request")
         tuple[Annotated[tuple[GroupBlockId, ...], msgspec.Meta(max_length=MAX_REQUEST_BLOCKS)], ...],
         msgspec.Meta(max_length=MAX_BLOCK_GROUPS),
     ] = ()
+    #: Which tensor-parallel rank of the decode engine asks, of how many: each rank of a decode
+    #: engine sends every rank of the prefill engine one message (this, or a `PushWithdrawn`
+    #: where it reads none of that rank's KV), so a prefill rank knows when all have answered.
+    decode_rank: TPRank = 0
+    decode_ranks: TPSize = 1
 
 
 class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdrawn"):
@@ -331,6 +341,9 @@ class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdra
     request_id: str
     src_engine: str
     src_incarnation: ByteCount
+    #: As in `PushRequest`: the decode rank that will not ask, of how many.
+    decode_rank: TPRank = 0
+    decode_ranks: TPSize = 1
 
 
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):

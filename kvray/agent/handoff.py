@@ -38,7 +38,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,7 @@ from kvray.errors import (
 )
 from kvray.memory import Backing, source_ready
 from kvray.notice.local import CompletionInbox, CompletionOutbox
+from kvray.tensor_parallel import source_ranks
 from kvray.wire import (
     EngineInfo,
     PushRequest,
@@ -117,6 +118,10 @@ class LoadSpec:
     first_block: int
     #: Why the request's ticket was refused ("": it was not): its load fails at once.
     refusal: str = ""
+    #: A prefill engine of several tensor-parallel ranks: the incarnation and push-request
+    #: inbox of each rank after the first (`prefill_engine` is rank 0; rank r's engine id is
+    #: `rank_engine_id(prefill_engine, r)`, on the same node), as its ticket names them.
+    prefill_ranks: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def refused(cls, request_id: str, block_ids: BlockTable, why: str) -> LoadSpec:
@@ -148,6 +153,12 @@ class LayerwiseSpec:
     request_id: str
     key: str
     block_ids: BlockTable
+
+
+def rank_engine_id(engine_id: str, rank: int) -> str:
+    """The kvray engine id of tensor-parallel rank `rank` of engine `engine_id`: rank 0 goes by
+    the engine's own id (an engine of one rank is its rank 0), the others by a suffix."""
+    return engine_id if rank == 0 else f"{engine_id}-tp{rank}"
 
 
 @dataclass(frozen=True)
@@ -300,11 +311,30 @@ class PushRequestMail:
 
 @dataclass
 class _Held:
-    """A finished request held for a decode engine, until pushed or its lease ends."""
+    """A finished request held for a decode engine, until every rank of the decode engine has
+    answered (each pushed into, or withdrew) or its lease ends. A decode engine of one rank
+    answers once."""
 
     spec: SendSpec
     lease_ends: float
-    pushing: bool = False
+    #: Decode ranks whose push is under way.
+    pushing: set[int] = field(default_factory=set)
+    #: Decode ranks that have answered: pushed into (or refused), or withdrew.
+    answered: set[int] = field(default_factory=set)
+    #: The decode engine's number of ranks, from its first message (0: none came yet).
+    ranks: int = 0
+
+    def admits(self, message: PushRequest | PushWithdrawn) -> bool:
+        """Whether a decode rank's message is one this request still waits for: a rank that
+        has not answered, of as many ranks as the others said."""
+        if self.ranks not in (0, message.decode_ranks) or message.decode_rank >= message.decode_ranks:
+            return False
+        return message.decode_rank not in self.answered and message.decode_rank not in self.pushing
+
+    @property
+    def settled(self) -> bool:
+        """Every decode rank has answered and no push is under way: the blocks may go."""
+        return self.ranks > 0 and not self.pushing and len(self.answered) >= self.ranks
 
 
 @dataclass
@@ -353,7 +383,9 @@ class Handoff:
         #: Prefill: requests held for a decode engine, and push requests that came before
         #: their request (with when they came).
         self._held: dict[str, _Held] = {}
-        self._parked: dict[str, tuple[PushRequest, float]] = {}
+        #: Prefill: decode ranks' messages (push requests, and withdrawals from engines of
+        #: several ranks) that came before their request was held, with when they came.
+        self._parked: dict[str, list[tuple[PushRequest | PushWithdrawn, float]]] = {}
         #: Prefill: requests pushed layer by layer (by hand-off id), and those whose forward
         #: runs in this step.
         self._layered: dict[str, _Layered] = {}
@@ -431,18 +463,22 @@ class Handoff:
             self._reports.sent(spec.request_id)
             self.drop(key)
             return
-        self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
-        parked = self._parked.pop(key, None)
-        if parked is not None:
-            self._spawn(self._push(parked[0]))
+        held = self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
+        for message, _ in self._parked.pop(key, ()):
+            if isinstance(message, PushRequest):
+                self._spawn(self._push(message))
+            elif held.admits(message):
+                held.ranks = message.decode_ranks
+                held.answered.add(message.decode_rank)
+        self._settle(key, held)
 
     def drop(self, key: str) -> None:
         """Hand-off `key` will never have KV here: its parked ask is refused now, later ones
         as they come."""
         self._spend(key)
-        parked = self._parked.pop(key, None)
-        if parked is not None:
-            self._spawn(self._refuse(parked[0], _ENDED_WITHOUT_KV))
+        for message, _ in self._parked.pop(key, ()):
+            if isinstance(message, PushRequest):
+                self._spawn(self._refuse(message, _ENDED_WITHOUT_KV))
 
     def release(self, key: str) -> None:
         """The decode leg of held hand-off `key` failed: free its blocks now."""
@@ -466,10 +502,14 @@ class Handoff:
             if until <= now:
                 del self._spent[key]
         # A decode engine may ask before the prefill engine has even seen the request.
-        for key, (request, arrived) in list(self._parked.items()):
-            if arrived + self.lease_s <= now:
+        for key, messages in list(self._parked.items()):
+            if messages[0][1] + self.lease_s <= now:
                 del self._parked[key]
-                self._spawn(self._refuse(request, "the prefill engine holds no such finished request"))
+                for message, _ in messages:
+                    if isinstance(message, PushRequest):
+                        self._spawn(
+                            self._refuse(message, "the prefill engine holds no such finished request")
+                        )
 
     def _spend(self, key: str) -> None:
         """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
@@ -503,45 +543,89 @@ class Handoff:
                 self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
             return
         if isinstance(request, PushWithdrawn):
-            self._withdrawn(request.request_id)
+            self._withdrawn(request)
             return
         key = request.request_id
         layered = self._layered.get(key)
-        if layered is not None and layered.request is None:
+        if layered is not None and layered.request is None and self._one_to_one(request):
             self._start_layered(layered, request)
         elif key in self._held:
             self._spawn(self._push(request))
         elif key in self._spent:
             self._spawn(self._refuse(request, _ENDED_WITHOUT_KV))
-        elif key in self._parked or len(self._parked) >= self.settings.max_expected_requests:
+        elif not self._park(request):
             self._spawn(self._refuse(request, "too many push requests wait for their requests here"))
-        else:  # the request may not have reached this engine yet, or its hand-over is a step behind
-            self._parked[key] = (request, time.monotonic())
-            self._note(HandoffEvent.ASKED, key, key)
 
-    def _withdrawn(self, key: str) -> None:
-        """The decode engine will not take hand-off `key`: free it if held and not being pushed,
-        and refuse to hold it (or push it) later."""
-        self._parked.pop(key, None)
+    def _one_to_one(self, request: PushRequest) -> bool:
+        """Whether the request is this engine's alone to push, to a decode engine of one rank:
+        only such a request is pushed layer by layer (with tensor parallelism on either side,
+        each decode rank is pushed its KV whole, once the request finished)."""
+        return request.decode_ranks == 1 and self.agent.layout.tp.size == 1
+
+    def _park(self, message: PushRequest | PushWithdrawn) -> bool:
+        """Keep a decode rank's message until its request is held here (it may not have reached
+        this engine yet, or its hand-over is a step behind); False when it cannot be kept: too
+        many requests wait, or this rank's message for it is here already."""
+        key = message.request_id
+        parked = self._parked.get(key, [])
+        if (
+            (not parked and len(self._parked) >= self.settings.max_expected_requests)
+            or message.decode_rank >= message.decode_ranks
+            or any(
+                earlier.decode_rank == message.decode_rank or earlier.decode_ranks != message.decode_ranks
+                for earlier, _ in parked
+            )
+        ):
+            return False
+        self._parked.setdefault(key, parked).append((message, time.monotonic()))
+        if isinstance(message, PushRequest):
+            self._note(HandoffEvent.ASKED, key, key)
+        return True
+
+    def _withdrawn(self, message: PushWithdrawn) -> None:
+        """A decode rank will not take hand-off `key` (from this engine): once every rank of the
+        decode engine has answered, free it if held and not being pushed, and refuse to hold it
+        (or push it) later. A decode engine of one rank answers with this alone."""
+        key = message.request_id
         held = self._held.get(key)
         if held is not None:
-            if held.pushing:
-                return  # the push ends it either way
-            del self._held[key]
-            self._reports.sent(held.spec.request_id)
+            if held.admits(message):
+                held.ranks = message.decode_ranks
+                held.answered.add(message.decode_rank)
+                if held.settled:
+                    self._note(HandoffEvent.WITHDRAWN, key, key)
+                self._settle(key, held)
+            return
         layered = self._layered.get(key)
         if layered is not None and layered.request is not None:
             return  # its layers are being pushed: the decode side refuses them, and it ends
+        if message.decode_ranks > 1:
+            self._park(message)
+            parked = self._parked.get(key, [])
+            withdrawn = {earlier.decode_rank for earlier, _ in parked if isinstance(earlier, PushWithdrawn)}
+            if len(withdrawn) < message.decode_ranks:
+                return  # other ranks may still ask
+        self._parked.pop(key, None)
         self._spend(key)
         self._note(HandoffEvent.WITHDRAWN, key, key)
+
+    def _settle(self, key: str, held: _Held) -> None:
+        """Once every decode rank has answered a held request and no push of it is under way, its
+        blocks go back to the engine and its hand-off id is spent."""
+        if held.settled and self._held.get(key) is held:
+            del self._held[key]
+            self._spend(key)
+            self._reports.sent(held.spec.request_id)
 
     async def _push(self, request: PushRequest) -> None:
         key = request.request_id
         held = self._held.get(key)
-        if held is None or held.pushing:
+        if held is None or not held.admits(request):
             await self._refuse(request, "the request is not held here, or is already being pushed")
             return
-        held.pushing = True
+        rank = request.decode_rank
+        held.ranks = request.decode_ranks
+        held.pushing.add(rank)
         reservation = request.reservation
         try:
             self._learn_peer(request)  # first: a refusal below is told to the decode engine
@@ -554,10 +638,9 @@ class Handoff:
             if not isinstance(error, KvrayError) or isinstance(error, NotExpectedError):
                 await self.agent.abort(reservation, _why(error))
         finally:
-            if self._held.get(key) is held:
-                del self._held[key]
-                self._spend(key)
-            self._reports.sent(held.spec.request_id)
+            held.pushing.discard(rank)
+            held.answered.add(rank)
+            self._settle(key, held)
 
     async def _push_when_room(
         self, reservation: Reservation, blocks: Sequence[int], until: float
@@ -616,9 +699,10 @@ class Handoff:
                 continue
             layered = self._layered[spec.key] = _Layered(spec)
             self._this_step.append(layered)
-            parked = self._parked.pop(spec.key, None)
-            if parked is not None:
-                self._start_layered(layered, parked[0])
+            parked = self._parked.get(spec.key, [])
+            if len(parked) == 1 and isinstance(parked[0][0], PushRequest) and self._one_to_one(parked[0][0]):
+                del self._parked[spec.key]
+                self._start_layered(layered, parked[0][0])
 
     def save_layer(self, layer_name: str, ready: Any = None) -> None:
         """The forward has written `layer_name`'s KV of this step's layer-wise requests; on a
@@ -646,7 +730,7 @@ class Handoff:
             if layered.request is None:
                 continue
             await self.agent.forget_layers(layered.request.reservation.request_id)
-            self._parked[key] = (layered.request, time.monotonic())
+            self._parked[key] = [(layered.request, time.monotonic())]
 
     def _start_layered(self, layered: _Layered, request: PushRequest) -> None:
         """The decode engine asked while the forward runs: push the layers saved so far now,
@@ -752,47 +836,58 @@ class Handoff:
 
     async def _receive(self, spec: LoadSpec) -> None:
         """Reserve the blocks, ask the prefill engine to push, wait, and report; the blocks are
-        the engine's again only once no write of the request can land."""
+        the engine's again only once no write of the request can land.
+
+        With tensor parallelism (either side), this rank reserves its blocks once for each
+        prefill rank holding heads it takes (`kvray.tensor_parallel.source_ranks`) and asks
+        each to push its part; it tells every other prefill rank it takes nothing from it.
+        The request has arrived once every part has."""
         agent = self.agent
         self._loads_begun.add(spec.request_id)
         ok = False
-        reserved = False
+        reserved: list[str] = []
         cancelled = False
         try:
             if spec.refusal:
                 raise NotExpectedError(
                     f"request {spec.request_id!r} was refused: {spec.refusal}", request_id=spec.request_id
                 )
-            prefill = await self._prefill_engine(spec)
-            if prefill.engine_id != spec.prefill_engine or spec.prefill_incarnation not in (
-                None,
-                prefill.incarnation,
-            ):
-                raise StaleIncarnationError(
-                    f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} "
-                    f"incarnation {spec.prefill_incarnation}, but the coordinator knows "
-                    f"{prefill.engine_id!r} incarnation {prefill.incarnation}",
-                    engine_id=spec.prefill_engine,
+            prefills = await self._prefill_ranks(spec)
+            sources = self._sources(len(prefills))
+            own = agent.layout.tp
+            blocks = list(table_blocks(spec.block_ids))
+            asks: list[tuple[PrefillAddress, str, PushRequest]] = []
+            for rank in sources:
+                prefill = prefills[rank]
+                part = spec.request_id if len(sources) == 1 else f"{spec.request_id}#tp{rank}"
+                reservation = agent.expect(part, blocks)
+                reserved.append(part)
+                request = PushRequest(
+                    request_id=spec.prefill_request_id,
+                    src_engine=prefill.engine_id,
+                    src_incarnation=prefill.incarnation,
+                    reservation=reservation,
+                    first_block=spec.first_block,
+                    decode_info=self._encoded_info(),
+                    groups=spec.block_ids if len(spec.block_ids) > 1 else (),
+                    decode_rank=own.rank,
+                    decode_ranks=own.size,
                 )
-            reservation = agent.expect(spec.request_id, list(table_blocks(spec.block_ids)))
-            reserved = True
-            request = PushRequest(
-                request_id=spec.prefill_request_id,
-                src_engine=prefill.engine_id,
-                src_incarnation=prefill.incarnation,
-                reservation=reservation,
-                first_block=spec.first_block,
-                decode_info=self._encoded_info(),
-                groups=spec.block_ids if len(spec.block_ids) > 1 else (),
-            )
+                asks.append((prefill, part, request))
+            for rank, prefill in enumerate(prefills):
+                if rank not in sources:
+                    self._spawn(self._withdraw_from(spec, prefill))
             asked = time.perf_counter()
             # One deadline for the ask and the KV: a prefill engine busy enough to let its inbox
             # fill takes the ask late, not never (a gone one refuses the datagram at once).
             deadline = self.settings.transfer_timeout_s
             async with asyncio.timeout(deadline):
-                await self._mail.send(agent, prefill, encode(request), joined=self.joined)
+                for prefill, _, request in asks:
+                    await self._mail.send(agent, prefill, encode(request), joined=self.joined)
             remaining = max(deadline - (time.perf_counter() - asked), 0.001)
-            await self._wait_while_prefill_lives(prefill, spec.request_id, remaining)
+            await _all_or_first_error(
+                self._wait_while_prefill_lives(prefill, part, remaining) for prefill, part, _ in asks
+            )
             ok = True
             waited = time.perf_counter() - asked
             await self._moved(
@@ -816,19 +911,29 @@ class Handoff:
         finally:
             # From here on the load is not cancelled: a release must run to its end.
             self._receiving.pop(spec.request_id, None)
-            if reserved:
+            for part in reserved:
                 try:
-                    await agent.release(spec.request_id)
+                    await agent.release(part)
                 except KvrayError as error:
                     ok = False
-                    log.error("kvray: %s could not be released: %s", spec.request_id, error)
+                    log.error("kvray: %s could not be released: %s", part, error)
                     # A writer may still write into the blocks: the engine keeps them (the
                     # request is not reported) until the agent's quarantine of it ends.
-                    quarantined = agent.quarantined.get(spec.request_id)
+                    quarantined = agent.quarantined.get(part)
                     if quarantined is not None:
                         await quarantined.wait()
             # A cancelled request is gone: its blocks are free, not blocks to recompute.
             self._reports.loaded(spec, failed=not ok and not cancelled)
+
+    def _sources(self, prefill_ranks: int) -> tuple[int, ...]:
+        """The prefill ranks (of `prefill_ranks`) this rank takes KV from: the one rank of a
+        prefill engine without tensor parallelism; else those holding heads of this rank's
+        (assuming the prefill engine's model has this one's KV heads: its ranks check that
+        when they plan, and refuse a decode engine of another model)."""
+        own = self.agent.layout.tp
+        if prefill_ranks == 1 and own.size == 1:
+            return (0,)
+        return source_ranks(own, prefill_ranks, own.kv_heads)
 
     def _encoded_info(self) -> bytes:
         """The agent's published info as push requests carry it, encoded once per incarnation."""
@@ -862,13 +967,21 @@ class Handoff:
                 with contextlib.suppress(asyncio.CancelledError, KvrayError):
                     await waiting
 
-    async def _prefill_engine(self, spec: LoadSpec) -> PrefillAddress:
-        """Where the prefill engine takes push requests: as its own ticket names it, else (the
-        request came here first) from the coordinator."""
+    async def _prefill_ranks(self, spec: LoadSpec) -> list[PrefillAddress]:
+        """Where the prefill engine's ranks take push requests: as its own ticket names them,
+        else (the request came here first) from the coordinator, which knows each rank's
+        incarnation, inbox and how many ranks the engine has."""
         if spec.prefill_incarnation is not None:
-            return PrefillAddress(
+            first = PrefillAddress(
                 spec.prefill_engine, spec.prefill_incarnation, spec.prefill_node, spec.prefill_inbox
             )
+            others = [
+                PrefillAddress(
+                    rank_engine_id(spec.prefill_engine, rank), incarnation, spec.prefill_node, inbox
+                )
+                for rank, (incarnation, inbox) in enumerate(spec.prefill_ranks, start=1)
+            ]
+            return [first, *others]
         if not self.joined:
             raise NotExpectedError(
                 f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} alone: only "
@@ -876,26 +989,73 @@ class Handoff:
                 "prefill engine's kv_transfer_params instead",
                 engine_id=spec.prefill_engine,
             )
-        peer = await self.agent.peer(spec.prefill_engine, wait_s=self.settings.lookup_timeout_s)
-        info = peer.info
-        return PrefillAddress(
-            info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
-        )
+        addresses: list[PrefillAddress] = []
+        ranks = 1
+        while len(addresses) < ranks:
+            engine_id = rank_engine_id(spec.prefill_engine, len(addresses))
+            peer = await self.agent.peer(engine_id, wait_s=self.settings.lookup_timeout_s)
+            info = peer.info
+            tp = info.layout.tp
+            if not addresses:
+                ranks = tp.size
+            if (tp.rank, tp.size) != (len(addresses), ranks) or info.engine_id != engine_id:
+                raise StaleIncarnationError(
+                    f"engine {engine_id!r} is registered as rank {tp.rank} of {tp.size}, not rank "
+                    f"{len(addresses)} of prefill engine {spec.prefill_engine!r}'s {ranks}",
+                    engine_id=engine_id,
+                )
+            addresses.append(
+                PrefillAddress(
+                    info.engine_id, info.incarnation, info.node_id, info.endpoints.get(PUSH_ENDPOINT, "")
+                )
+            )
+        return addresses
 
     async def withdraw(self, spec: LoadSpec) -> None:
-        """Tell the prefill engine this engine will not take the request (best effort, bounded:
-        otherwise its lease frees it)."""
+        """Tell the prefill engine (each of its ranks) this engine will not take the request
+        (best effort, bounded: otherwise its lease frees it)."""
         try:
             async with asyncio.timeout(self.settings.notify_timeout_s):
-                prefill = await self._prefill_engine(spec)
+                prefills = await self._prefill_ranks(spec)
+        except Exception as error:
+            log.info("kvray: could not withdraw %s from its prefill engine: %s", spec.request_id, _why(error))
+            return
+        await asyncio.gather(*(self._withdraw_from(spec, prefill) for prefill in prefills))
+
+    async def _withdraw_from(self, spec: LoadSpec, prefill: PrefillAddress) -> None:
+        """Tell one prefill rank this rank will not take the request from it."""
+        own = self.agent.layout.tp
+        try:
+            async with asyncio.timeout(self.settings.notify_timeout_s):
                 withdrawn = PushWithdrawn(
                     request_id=spec.prefill_request_id,
                     src_engine=prefill.engine_id,
                     src_incarnation=prefill.incarnation,
+                    decode_rank=own.rank,
+                    decode_ranks=own.size,
                 )
                 await self._mail.send(self.agent, prefill, encode(withdrawn), joined=self.joined)
         except Exception as error:
-            log.info("kvray: could not withdraw %s from its prefill engine: %s", spec.request_id, _why(error))
+            log.info(
+                "kvray: could not withdraw %s from prefill engine %s: %s",
+                spec.request_id,
+                prefill.engine_id,
+                _why(error),
+            )
+
+
+async def _all_or_first_error(waits: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run `waits` together; the first to fail cancels the others, and its error is raised
+    (not an exception group: one cause is the load's)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for wait in waits:
+                group.create_task(wait)
+    except BaseExceptionGroup as failed:
+        first = failed.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
 
 
 def _taken_blocks(request: PushRequest, held: BlockTable) -> BlockTable:

@@ -3,7 +3,11 @@ line per event on one engine, with per-layer digests of the KV each side sent an
 compare both sides, and each side's time (the vLLM connector's `digest_log`).
 
     {"side": "sent", "request": id, "prefill_request": hand-off id, "seconds": s,
-     "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: sha256}}
+     "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: sha256},
+     "tp": [rank, size], "heads": {"name#head": sha256}}
+
+`heads` (models whose KV heads tensor parallelism splits) has one digest per layer and KV head,
+numbered across the whole model: engines of different TP sizes are compared head by head.
     {"side": "asked" | "withdrawn" | "preempted" | "receive cancelled", "request": ..., ...}
     {"side": "push failed" | "receive failed", ..., "error": why}
 """
@@ -21,6 +25,7 @@ import torch
 
 from kvray.agent.handoff import BlockTable, HandoffEvent, Moved
 from kvray.memory import Backing
+from kvray.tensor_parallel import head_runs
 
 
 class DigestLog:
@@ -37,6 +42,8 @@ class DigestLog:
     async def moved(self, moved: Moved, backing: Backing) -> None:
         # On a thread: the agent's loop keeps moving other requests' KV meanwhile.
         digests = await asyncio.to_thread(self.digests, backing, moved.handoff, moved.groups)
+        heads = await asyncio.to_thread(self.head_digests, backing, moved.handoff, moved.groups)
+        tp = backing.layout.tp
         self._append(
             moved.event,
             moved.request_id,
@@ -46,6 +53,8 @@ class DigestLog:
             layerwise=moved.layerwise,
             tail_seconds=moved.tail_s,
             layers=digests,
+            tp=[tp.rank, tp.size],
+            heads=heads,
         )
 
     def digests(self, backing: Backing, handoff: str, groups: BlockTable) -> dict[str, str]:
@@ -62,6 +71,30 @@ class DigestLog:
                 picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
                 key = name if len(groups) == 1 else f"{name}@group{group}"
                 digests[key] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
+        return digests
+
+    def head_digests(self, backing: Backing, handoff: str, groups: BlockTable) -> dict[str, str]:
+        """Per layer and KV head (numbered across the model's ranks), SHA-256 of the head's
+        bytes in a request's blocks (group after group), for one request in `every`; none for a
+        model whose ranks each cache the whole KV (`TensorParallel.kv_heads` 0)."""
+        tp = backing.layout.tp
+        if not tp.kv_heads or zlib.crc32(handoff.encode()) % self.every != 0:
+            return {}
+        blocks = [block for group in groups for block in group]
+        digests = {}
+        for spec in backing.layout.layers:
+            placement = backing.placements[spec.name]
+            memory = backing.regions[placement.region].tensor
+            for head in range(tp.local_heads):
+                runs = head_runs(spec.geometry, head, 1)
+                pieces = [
+                    memory[start : start + nbytes]
+                    for block in blocks
+                    for part, offset, nbytes in runs
+                    for start in (placement.byte_offset(part, block) + offset,)
+                ]
+                data = torch.cat(pieces).cpu().numpy().tobytes() if pieces else b""
+                digests[f"{spec.name}#{tp.first_head + head}"] = hashlib.sha256(data).hexdigest()
         return digests
 
     def _append(self, event: HandoffEvent, request_id: str, handoff: str, **fields: Any) -> None:

@@ -19,6 +19,7 @@ from kvray.integrations.vllm.tickets import (
     PREFILL_INBOX,
     PREFILL_INCARNATION,
     PREFILL_NODE,
+    PREFILL_RANKS,
     PREFILL_REQUEST,
     TAG,
     HandoffKey,
@@ -71,6 +72,38 @@ def test_a_ticket_is_only_its_own_kind() -> None:
 def test_an_altered_ticket_is_refused(change: dict[str, Any]) -> None:
     with pytest.raises(TicketError):
         tickets.read_load(KEY, {**tickets.held_params(KEY, HELD), **change})
+
+
+#: A prefill engine of three tensor-parallel ranks: ranks 1 and 2 named after rank 0.
+HELD_TP = Held(
+    engine="vllm-p",
+    incarnation=7,
+    request=tickets.mint_handoff(),
+    node="n1",
+    inbox="/dev/shm/kvray-x",
+    ranks=((8, "/dev/shm/kvray-y"), (9, "/dev/shm/kvray-z")),
+)
+
+
+def test_a_tensor_parallel_engines_ticket_names_every_rank_and_one_of_one_rank_is_as_before() -> None:
+    params = tickets.held_params(KEY, HELD_TP)
+    assert params[PREFILL_RANKS] == [[8, "/dev/shm/kvray-y"], [9, "/dev/shm/kvray-z"]]
+    assert tickets.read_held(KEY, params) == HELD_TP
+    assert PREFILL_RANKS not in tickets.held_params(KEY, HELD)
+    # A rank's inbox or incarnation altered, a rank added or dropped: not what was signed.
+    for ranks in (
+        [[8, "/tmp/attacker.sock"], [9, "/dev/shm/kvray-z"]],
+        [[8, "/dev/shm/kvray-y"], [10, "/dev/shm/kvray-z"]],
+        [[8, "/dev/shm/kvray-y"]],
+        [[8, "/dev/shm/kvray-y"], [9, "/dev/shm/kvray-z"], [9, "/dev/shm/kvray-z"]],
+    ):
+        with pytest.raises(TicketError):
+            tickets.read_held(KEY, {**params, PREFILL_RANKS: ranks})
+    with pytest.raises(TicketError):  # one engine's ticket with ranks made up
+        tickets.read_held(KEY, {**tickets.held_params(KEY, HELD), PREFILL_RANKS: [[8, "/tmp/x"]]})
+    for malformed in ("x", [[8]], [["8", "/tmp/x"]], [[8, 9]], [[-1, "/tmp/x"]], [[8, "/tmp/x"]] * 64):
+        with pytest.raises(TicketError):
+            tickets.read_held(KEY, {**params, PREFILL_RANKS: malformed})
 
 
 def test_a_ticket_signed_under_another_key_or_unsigned_is_refused() -> None:

@@ -83,6 +83,7 @@ from kvray.agent.handoff import (
     LayerwiseSpec,
     LoadSpec,
     SendSpec,
+    rank_engine_id,
     table_blocks,
 )
 from kvray.config import handoff_key_from_env
@@ -103,7 +104,7 @@ from kvray.integrations.vllm.tickets import (
     read_load,
 )
 from kvray.integrations.vllm.worker import CONNECTOR_KEYS, ConnectorWorker, settings_from
-from kvray.layout import ceil_div
+from kvray.layout import TensorParallel, ceil_div
 from kvray.wire import Role
 
 if TYPE_CHECKING:
@@ -175,8 +176,8 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ConfigError("KvrayConnector runs with tensor_parallel_size 1 (one worker per engine)")
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        kv_heads = kv_heads_of(vllm_config)
         self.engine_id = f"vllm-{transfer.engine_id}"
         self.block_size = block_size_of(kv_cache_config, int(vllm_config.cache_config.block_size))
         lease_s = float(extra.get("lease_s", 60.0))
@@ -193,13 +194,15 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # A pure producer exposes nothing writable (least privilege); otherwise the engine
             # takes writes, and pushes too.
             worker_role = Role.PREFILL if transfer.kv_role == "kv_producer" else Role.DECODE
+            tp = TensorParallel(size=self.tp_size, rank=_tp_rank(self.tp_size), kv_heads=kv_heads)
             self._worker = ConnectorWorker(
-                self.engine_id,
+                rank_engine_id(self.engine_id, tp.rank),
                 worker_role,
                 settings,
                 lease_s,
                 ray_address=extra.get("ray_address"),
                 node_id=extra.get("node_id"),
+                tp=tp,
             )
             _instrument(self._worker, extra)
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
@@ -304,10 +307,13 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # ---- scheduler side ---------------------------------------------------------------
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every tensor-parallel rank's handshake, by rank: a held request's ticket names them all."""
         assert self._scheduler is not None
-        handshake = metadata.get(0)
-        if isinstance(handshake, KvrayHandshake):
-            self._scheduler.handshake = handshake
+        ranks = [metadata.get(rank) for rank in range(self.tp_size)]
+        handshakes = [handshake for handshake in ranks if isinstance(handshake, KvrayHandshake)]
+        if len(handshakes) == len(ranks):
+            self._scheduler.handshake = handshakes[0]
+            self._scheduler.rank_handshakes = tuple(handshakes[1:])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -349,6 +355,8 @@ class _Scheduler:
         self.block_size = block_size
         self.key = key
         self.handshake: KvrayHandshake | None = None
+        #: Tensor parallelism: the handshakes of ranks 1, 2, ... (rank 0's is `handshake`).
+        self.rank_handshakes: tuple[KvrayHandshake, ...] = ()
         #: Decode: local prefix-cache hits at the time of the match, per request, and the
         #: ticket it loads by (or why its ticket was refused: the load then fails at once).
         self._local_tokens: dict[str, int] = {}
@@ -508,6 +516,7 @@ class _Scheduler:
             request=key,
             node=handshake.node,
             inbox=handshake.inbox,
+            ranks=tuple((rank.incarnation, rank.inbox) for rank in self.rank_handshakes),
         )
         return True, held_params(self.key, held)
 
@@ -594,6 +603,49 @@ def block_size_of(kv_cache_config: Any, configured: int) -> int:
     return sizes.pop() if sizes else configured
 
 
+def kv_heads_of(vllm_config: Any) -> int:
+    """The model's KV heads as kvray's `TensorParallel.kv_heads` has them (0: every rank caches
+    the whole KV, an MLA latent), after refusing, at start-up, the parallel configurations
+    kvray does not move: pipeline or context parallelism, and tensor-parallel sizes that do not
+    divide the KV heads (vLLM would replicate heads across ranks)."""
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    tp_size = int(parallel.tensor_parallel_size)
+    unsupported = {
+        "pipeline_parallel_size": int(getattr(parallel, "pipeline_parallel_size", 1)),
+        "prefill_context_parallel_size": int(getattr(parallel, "prefill_context_parallel_size", 1)),
+        "decode_context_parallel_size": int(getattr(parallel, "decode_context_parallel_size", 1)),
+    }
+    beyond = {name: size for name, size in unsupported.items() if size != 1}
+    if beyond:
+        raise ConfigError(
+            f"KvrayConnector moves KV between engines with tensor parallelism only; this engine has "
+            f"{', '.join(f'{name}={size}' for name, size in beyond.items())}: run it with 1",
+            **beyond,
+        )
+    if model is None or getattr(model, "use_mla", False):
+        return 0
+    kv_heads = int(model.get_total_num_kv_heads())
+    if kv_heads % tp_size:
+        raise ConfigError(
+            f"tensor_parallel_size {tp_size} does not divide the model's {kv_heads} KV heads (vLLM "
+            "would replicate heads across ranks); kvray moves KV split evenly by heads: use a "
+            f"size that divides {kv_heads}",
+            tensor_parallel_size=tp_size,
+            kv_heads=kv_heads,
+        )
+    return kv_heads
+
+
+def _tp_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 #: Any of these in a request's kv_transfer_params makes `do_remote_prefill` a kvray load.
 _KVRAY_LOAD_KEYS = frozenset({PREFILL_ENGINE, PREFILL_REQUEST, HANDOFF})
 
@@ -610,6 +662,7 @@ def _load_spec(request_id: str, ticket: Load, block_ids: BlockTable, first_block
         prefill_inbox=held.inbox if held is not None else "",
         block_ids=block_ids,
         first_block=first_block,
+        prefill_ranks=held.ranks if held is not None else (),
     )
 
 

@@ -9,7 +9,8 @@ here (random, 128 bits), never taken from a client's request id.
     kind     written by                       fields vouched for
     hold     orchestrator, to the prefill     hand-off id            (decode first)
     load     orchestrator, to the decode      prefill engine, id     (decode first)
-    held     prefill engine, as it finishes   engine, incarnation, id, node, push inbox
+    held     prefill engine, as it finishes   engine, incarnation, id, node, push inbox,
+                                              and each further TP rank's incarnation and inbox
              (its answer's kv_transfer_params; the proxy gives it to the decode engine, or
              back to the prefill engine with `kvray_release` when the decode leg failed)
 
@@ -38,6 +39,8 @@ PREFILL_INCARNATION = "kvray_prefill_incarnation"
 PREFILL_REQUEST = "kvray_prefill_request"
 PREFILL_NODE = "kvray_prefill_node"
 PREFILL_INBOX = "kvray_prefill_inbox"
+#: A prefill engine of several tensor-parallel ranks: [incarnation, inbox] of ranks 1, 2, ...
+PREFILL_RANKS = "kvray_prefill_ranks"
 HANDOFF = "kvray_handoff"
 TAG = "kvray_tag"
 #: With a prefill engine's own `held` ticket, sent back to it: drop the held request now.
@@ -48,6 +51,8 @@ KEY_NBYTES = 32
 _HANDOFF_ID = re.compile(r"[0-9a-f]{32}")
 _MAX_NAME = 256
 _MAX_PATH = 4096
+#: Most tensor-parallel ranks a ticket names.
+_MAX_RANKS = 64
 
 
 class HandoffKey:
@@ -127,6 +132,16 @@ class Held:
     request: str
     node: str
     inbox: str
+    #: The engine's further tensor-parallel ranks (1, 2, ...): each one's incarnation and push
+    #: inbox (`kvray.agent.handoff.LoadSpec.prefill_ranks`).
+    ranks: tuple[tuple[int, str], ...] = ()
+
+    def signed_fields(self) -> tuple[str | int, ...]:
+        """The fields the ticket's tag vouches for (an engine of one rank: as before ranks)."""
+        fields: list[str | int] = [self.engine, self.incarnation, self.request, self.node, self.inbox]
+        for incarnation, inbox in self.ranks:
+            fields += [incarnation, inbox]
+        return tuple(fields)
 
 
 @dataclass(frozen=True)
@@ -157,7 +172,7 @@ def load_params(key: HandoffKey, engine: str, handoff: str) -> dict[str, Any]:
 
 def held_params(key: HandoffKey, held: Held) -> dict[str, Any]:
     """A prefill engine's answer for a request it holds: what the decode leg needs, no more."""
-    return {
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         PREFILL_ENGINE: held.engine,
@@ -165,8 +180,11 @@ def held_params(key: HandoffKey, held: Held) -> dict[str, Any]:
         PREFILL_REQUEST: held.request,
         PREFILL_NODE: held.node,
         PREFILL_INBOX: held.inbox,
-        TAG: key.tag("held", held.engine, held.incarnation, held.request, held.node, held.inbox),
+        TAG: key.tag("held", *held.signed_fields()),
     }
+    if held.ranks:
+        params[PREFILL_RANKS] = [[incarnation, inbox] for incarnation, inbox in held.ranks]
+    return params
 
 
 def release_params(held: Mapping[str, Any]) -> dict[str, Any]:
@@ -204,9 +222,23 @@ def read_held(key: HandoffKey, params: Mapping[str, Any]) -> Held:
         request=_handoff(params.get(PREFILL_REQUEST)),
         node=_text(params.get(PREFILL_NODE), PREFILL_NODE, _MAX_NAME, empty=True),
         inbox=_text(params.get(PREFILL_INBOX), PREFILL_INBOX, _MAX_PATH, empty=True),
+        ranks=_ranks(params.get(PREFILL_RANKS, [])),
     )
-    key.verify(params, "held", held.engine, held.incarnation, held.request, held.node, held.inbox)
+    key.verify(params, "held", *held.signed_fields())
     return held
+
+
+def _ranks(value: object) -> tuple[tuple[int, str], ...]:
+    if not isinstance(value, list) or len(value) >= _MAX_RANKS:
+        raise TicketError(
+            f"kv_transfer_params {PREFILL_RANKS} must be a list of fewer than {_MAX_RANKS} ranks"
+        )
+    ranks: list[tuple[int, str]] = []
+    for rank in value:
+        if not isinstance(rank, (list, tuple)) or len(rank) != 2:
+            raise TicketError(f"kv_transfer_params {PREFILL_RANKS} holds [incarnation, inbox] pairs")
+        ranks.append((_incarnation(rank[0]), _text(rank[1], PREFILL_RANKS, _MAX_PATH, empty=True)))
+    return tuple(ranks)
 
 
 def _text(value: object, name: str, limit: int, *, empty: bool = False) -> str:

@@ -32,7 +32,7 @@ from kvray.agent.handoff import (
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.errors import ConfigError, LayoutError
-from kvray.layout import HEAD_AXIS, MAX_PARTS, Geometry, KVLayout, LayerSpec, align_up
+from kvray.layout import HEAD_AXIS, MAX_PARTS, Geometry, KVLayout, LayerSpec, TensorParallel, align_up
 from kvray.memory import (
     TORCH_DTYPES,
     Backing,
@@ -77,13 +77,15 @@ def layout_of(
     num_blocks: int,
     block_size: int,
     group_layers: Sequence[Sequence[str]] = (),
+    tp: TensorParallel | None = None,
 ) -> CacheLayout:
     """kvray's layout of vLLM's real per-layer cache tensors (`CacheLayout`), on the CPU or a
     GPU. A block of a layer must be one contiguous run or a few runs one stride apart
     (`block_runs`); what lies inside a run is vLLM's business, since whole blocks move, but its
     order is part of the geometry. Tensors that are one another's memory (the same storage,
     offset, shape, strides and dtype) are one kvray layer; tensors that overlap otherwise are
-    refused. `group_layers`: each KV cache group's layers; every group must cover every kvray
+    refused. `tp`: this worker's tensor-parallel rank of its engine. `group_layers`: each KV
+    cache group's layers; every group must cover every kvray
     layer (its blocks are then moved in all of them), else the model is refused here, at
     start-up, naming the groups."""
     layers: list[LayerSpec] = []
@@ -104,7 +106,7 @@ def layout_of(
         tensors[name] = tensor
         by_memory[memory] = layer_of[name] = name
         users[name] = {name}
-    layout = KVLayout(layers=tuple(layers), num_blocks=num_blocks)
+    layout = KVLayout(layers=tuple(layers), num_blocks=num_blocks, tp=tp or TensorParallel())
     _check_disjoint(layout, tensors, strides)
     _check_groups(group_layers, layer_of, list(tensors))
     return CacheLayout(
@@ -330,8 +332,11 @@ class ConnectorWorker:
         *,
         ray_address: str | None = None,
         node_id: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.engine_id = engine_id
+        #: This worker's tensor-parallel rank of its engine (its cache holds that rank's heads).
+        self.tp = tp or TensorParallel()
         self.role = role
         self.settings = settings
         self.lease_s = lease_s
@@ -458,7 +463,7 @@ class ConnectorWorker:
     ) -> EngineInfo:
         """Describe vLLM's KV cache as one kvray backing and start the agent (`layout_of`:
         `group_layers` are the layers of each KV cache group)."""
-        cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers)
+        cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers, self.tp)
         layout, tensors = cache.layout, cache.tensors
         if self.role is Role.DECODE and any(tensor.is_cuda for tensor in tensors.values()):
             self._check_cuda_cache(tensors)
