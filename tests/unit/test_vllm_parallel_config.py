@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector module needs vllm: pip install -e '.[vllm]'")
 
-from kvray.errors import ConfigError  # noqa: E402 - after the check that vllm is installed
-from kvray.integrations.vllm.connector import kv_heads_of  # noqa: E402
+from kvray.errors import ConfigError
+from kvray.integrations.vllm.connector import kv_heads_of
 
 
 def config(tp: int = 1, kv_heads: int = 4, *, mla: bool = False, **parallel: int) -> Any:
@@ -35,7 +35,9 @@ def test_an_mla_latent_is_whole_on_every_rank(tp: int) -> None:
 
 @pytest.mark.parametrize(("tp", "kv_heads"), [(2, 3), (4, 2), (8, 4), (3, 4)])
 def test_tp_sizes_that_would_replicate_or_split_heads_unevenly_are_refused(tp: int, kv_heads: int) -> None:
-    with pytest.raises(ConfigError, match=f"tensor_parallel_size {tp} does not divide the model's {kv_heads}"):
+    with pytest.raises(
+        ConfigError, match=f"tensor_parallel_size {tp} does not divide the model's {kv_heads}"
+    ):
         kv_heads_of(config(tp, kv_heads))
 
 
