@@ -20,12 +20,13 @@ from kvray.integrations.vllm.model import (
     SMOLLM2_NAME,
     TINY_DEEPSEEK,
     TINY_HYBRID,
+    TINY_LLAMA_GQA,
     TOKENIZER_FILES,
     TinyModel,
     tiny_model,
 )
 
-TINY_MODELS = [TINY_DEEPSEEK, TINY_HYBRID]
+TINY_MODELS = [TINY_DEEPSEEK, TINY_HYBRID, TINY_LLAMA_GQA]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 #: SmolLM2's vocabulary and special tokens, as its built folder's config.json has them.
 SMOLLM2_TOKENS = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
@@ -103,6 +104,35 @@ def test_the_tiny_hybrid_alternates_sliding_and_full_attention(tmp_path: Path) -
         assert (folder / name).read_text() == f"{name} of the stand-in tokenizer\n"
 
 
+def test_the_tiny_llama_gqa_splits_its_kv_heads_over_two_ranks(tmp_path: Path) -> None:
+    require_builders()
+    from safetensors import safe_open
+
+    stand_in_smollm2(tmp_path)
+    folder = tiny_model(TINY_LLAMA_GQA, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"]
+    assert (heads, kv_heads, head_dim) == (4, 2, 64)
+    assert config["hidden_size"] == heads * head_dim
+    # vLLM splits the KV heads over the tensor-parallel ranks: 1 and 2 must divide them.
+    assert kv_heads % 2 == 0 and heads % 2 == 0
+    assert {name: config[name] for name in SMOLLM2_TOKENS} == SMOLLM2_TOKENS
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+        key = weights.get_tensor("model.layers.0.self_attn.k_proj.weight")
+        embedding = weights.get_tensor("model.embed_tokens.weight")
+    assert {f"model.layers.{layer}.self_attn.q_proj.weight" for layer in range(4)} <= names
+    assert "model.layers.4.self_attn.q_proj.weight" not in names
+    assert tuple(key.shape) == (kv_heads * head_dim, heads * head_dim)
+    assert str(embedding.dtype) == "torch.bfloat16"
+    # The architecture's own initialisation: normal, std = initializer_range (not vLLM's
+    # near-constant dummy weights, which answer every prompt alike).
+    assert abs(embedding.float().std().item() - config["initializer_range"]) < 1e-3
+    assert abs(key.float().std().item() - config["initializer_range"]) < 1e-3
+
+
 def finished(folder: Path, model: TinyModel) -> Path:
     """A folder that says it was built from `model`'s recipe (and holds nothing else)."""
     folder.mkdir()
@@ -149,7 +179,7 @@ def test_a_tiny_model_names_what_to_install(tmp_path: Path, monkeypatch: pytest.
     assert not (tmp_path / TINY_DEEPSEEK.name).exists()
 
 
-@pytest.mark.parametrize("name", ["tiny-deepseek", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-deepseek", "tiny-hybrid", "tiny-llama-gqa"])
 def test_the_command_prints_a_tiny_models_folder(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

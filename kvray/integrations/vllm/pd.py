@@ -6,14 +6,18 @@ the KV pushed into the blocks it allocated, and decodes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 CONNECTOR_MODULE = "kvray.integrations.vllm.connector"
+#: vLLM's CPU worker processes' OpenMP cores, one `|`-separated list per rank (vLLM reads it in
+#: the engine core, as its multiprocessing executor starts the workers).
+THREADS_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def deployment_key() -> str:
@@ -71,7 +75,13 @@ class Engine:
     Ray cluster and registers with kvray's coordinator, naming the actor's node: engines on
     other nodes then reach it (the `ray` transport). Outside Ray, or with False, the engines
     know each other only from `kv_transfer_params` and must share a node. `engine_options`: more
-    `vllm.LLM` arguments (e.g. `num_gpu_blocks_override`, a small KV cache)."""
+    `vllm.LLM` arguments (e.g. `num_gpu_blocks_override`, a small KV cache).
+
+    With `tensor_parallel_size` (or `pipeline_parallel_size`) above 1 in `engine_options`, the
+    ranks run under vLLM's multiprocessing executor unless `distributed_executor_backend` names
+    another (vLLM would take its Ray executor in an actor placed in a placement group), and on a
+    CPU each rank gets its share of this process's cores (`cpu_thread_binding`) unless
+    `VLLM_CPU_OMP_THREADS_BIND` is set: vLLM's own binding wants a NUMA node per rank."""
 
     def __init__(
         self,
@@ -90,6 +100,9 @@ class Engine:
         from vllm.config import KVTransferConfig
 
         options: dict[str, Any] = dict(engine_options or {})
+        ranks = int(options.get("tensor_parallel_size", 1)) * int(options.get("pipeline_parallel_size", 1))
+        if ranks > 1:
+            options.setdefault("distributed_executor_backend", "mp")
         #: The engine's kvray engine id ("" without a connector): what a client names in a
         #: decode engine's `kvray_prefill_engine` to hand it a request first (`decode_first`).
         self.kv_engine = ""
@@ -98,14 +111,15 @@ class Engine:
             config["engine_id"] = config.get("engine_id") or uuid.uuid4().hex
             self.kv_engine = f"vllm-{config['engine_id']}"
             options["kv_transfer_config"] = KVTransferConfig(**config)
-        self.llm = LLM(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=True,
-            disable_log_stats=False,  # kv_cache_usage_perc: see blocks_in_use
-            **options,
-        )
+        with _cpu_threads_bound(ranks):
+            self.llm = LLM(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                enforce_eager=True,
+                disable_log_stats=False,  # kv_cache_usage_perc: see blocks_in_use
+                **options,
+            )
 
     def generate(
         self,
@@ -177,6 +191,47 @@ class Engine:
         import psutil
 
         return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
+def cpu_thread_binding(ranks: int, cpus: Sequence[int] | None = None) -> str:
+    """A `VLLM_CPU_OMP_THREADS_BIND` value giving each of `ranks` worker processes its own
+    consecutive share of `cpus` (default: the cores this process may run on), the first ranks one
+    more where they do not divide: "0|1" for 2 ranks on cores 0 and 1. With fewer cores than
+    ranks, ranks share cores in turn."""
+    allowed = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if ranks < 1 or not allowed:
+        raise ValueError(f"cannot bind {ranks} ranks to cores {allowed}")
+    if len(allowed) < ranks:
+        return "|".join(str(allowed[rank % len(allowed)]) for rank in range(ranks))
+    share, extra = divmod(len(allowed), ranks)
+    per_rank: list[str] = []
+    first = 0
+    for rank in range(ranks):
+        count = share + (1 if rank < extra else 0)
+        per_rank.append(",".join(str(cpu) for cpu in allowed[first : first + count]))
+        first += count
+    return "|".join(per_rank)
+
+
+@contextlib.contextmanager
+def _cpu_threads_bound(ranks: int) -> Iterator[None]:
+    """`VLLM_CPU_OMP_THREADS_BIND` set for `ranks` CPU workers while vLLM starts them, where
+    there are several ranks, vLLM runs on the CPU and the variable is unset. Only around the
+    start: the engine core inherits it then, and a later engine of this process with another
+    number of ranks must not (vLLM asserts one list per rank)."""
+    if ranks <= 1 or THREADS_BIND_VARIABLE in os.environ:
+        yield
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    os.environ[THREADS_BIND_VARIABLE] = cpu_thread_binding(ranks)
+    try:
+        yield
+    finally:
+        os.environ.pop(THREADS_BIND_VARIABLE, None)
 
 
 def _logprobs(positions: Any) -> tuple[dict[int, float], ...] | None:
