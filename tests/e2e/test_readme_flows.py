@@ -178,6 +178,7 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "kvray model smollm2": Covered("README.md > vLLM #0"),
     "kvray model tiny-deepseek": Run(INLINE, expect=(r"(?m)^/\S+/tiny-deepseek$",)),
     "kvray model tiny-hybrid": Run(INLINE, expect=(r"(?m)^/\S+/tiny-hybrid$",)),
+    "kvray model tiny-llama-gqa": Run(INLINE, expect=(r"(?m)^/\S+/tiny-llama-gqa$",)),
     "kvray bench --only memcpy kvray nixl --cases a --repeat 20": Run(
         INLINE,
         # Every column of figures names its unit.
