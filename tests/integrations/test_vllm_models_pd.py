@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from generations import departures
 from handoff_logs import asked, by_request, digests, failures
 from vllm_installed import require_vllm
 
@@ -42,7 +43,6 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
 )
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
     Engine,
-    Generation,
     decode_first,
     prefill_then_decode,
     transfer_config,
@@ -123,30 +123,6 @@ def prompts() -> list[str]:
     chosen = load_prompts() + LONG_PROMPTS
     assert len(chosen) >= 32
     return chosen
-
-
-def departures(single: list[Generation], pd: list[Generation], tolerance: float) -> list[str]:
-    """Where P/D departs from a single engine by more than `tolerance`: a top logprob further
-    apart, or a token that differs where the single engine's top two were further apart (not
-    a near tie); each generation is compared up to the first token that differs."""
-    found = []
-    for index, (alone, moved) in enumerate(zip(single, pd, strict=True)):
-        assert alone.logprobs is not None and moved.logprobs is not None
-        positions = zip(alone.token_ids, moved.token_ids, alone.logprobs, moved.logprobs, strict=False)
-        for position, (mine, theirs, my_top, their_top) in enumerate(positions):
-            shared = my_top.keys() & their_top.keys()
-            worst = max((abs(my_top[token] - their_top[token]) for token in shared), default=float("inf"))
-            if worst > tolerance:
-                found.append(f"prompt {index} token {position}: logprobs {worst:.2e} apart")
-                break
-            if mine != theirs:
-                first, second = sorted(my_top.values(), reverse=True)[:2]
-                if first - second > tolerance:
-                    found.append(
-                        f"prompt {index} token {position}: {theirs} for {mine} ({first - second:.2e})"
-                    )
-                break
-    return found
 
 
 def held_blocks(*engines: Any) -> list[float]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from generations import departures
 from handoff_logs import failures, records
 from vllm_installed import require_vllm
 
@@ -33,7 +34,7 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     TINY_LLAMA_GQA,
     tiny_model,
 )
-from kvray.integrations.vllm.pd import Engine, Generation, transfer_config  # noqa: E402
+from kvray.integrations.vllm.pd import Engine, transfer_config  # noqa: E402
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -80,28 +81,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
     ray.shutdown()
-
-
-def departures(single: list[Generation], pd: list[Generation], tolerance: float) -> list[str]:
-    """Where P/D departs from a single engine by more than `tolerance` (see test_vllm_models_pd)."""
-    found = []
-    for index, (alone, moved) in enumerate(zip(single, pd, strict=True)):
-        assert alone.logprobs is not None and moved.logprobs is not None
-        positions = zip(alone.token_ids, moved.token_ids, alone.logprobs, moved.logprobs, strict=False)
-        for position, (mine, theirs, my_top, their_top) in enumerate(positions):
-            shared = my_top.keys() & their_top.keys()
-            worst = max((abs(my_top[token] - their_top[token]) for token in shared), default=float("inf"))
-            if worst > tolerance:
-                found.append(f"prompt {index} token {position}: logprobs {worst:.2e} apart")
-                break
-            if mine != theirs:
-                first, second = sorted(my_top.values(), reverse=True)[:2]
-                if first - second > tolerance:
-                    found.append(
-                        f"prompt {index} token {position}: {theirs} for {mine} ({first - second:.2e})"
-                    )
-                break
-    return found
 
 
 def head_digests(path: Path, side: str) -> dict[str, dict[str, str]]:
