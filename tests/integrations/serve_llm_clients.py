@@ -74,10 +74,13 @@ def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: i
     return chunks
 
 
-def serving(logs: Path, extra: Mapping[str, Any], **app_options: Any) -> Iterator[dict[str, Any]]:
-    """A local Ray with Ray Serve LLM's P/D app over the test model (`extra`: both sides'
-    connector settings, each side's digest log in `logs`; `app_options`: more `build_pd_app`
-    arguments) and a reference engine without kvray: {"url", "reference", "logs"}. For a
+def serving(
+    logs: Path, extra: Mapping[str, Any], *, model: str | None = None, **app_options: Any
+) -> Iterator[dict[str, Any]]:
+    """A local Ray with Ray Serve LLM's P/D app over the test model (SmolLM2 unless `model`
+    names a model folder; `extra`: both sides' connector settings, each side's digest log in
+    `logs`; `app_options`: more `build_pd_app` arguments, `model_id` among them) and a reference
+    engine without kvray: {"url", "reference", "logs"}. For a
     module fixture (vLLM must be installed)."""
     from ray import serve
 
@@ -85,7 +88,7 @@ def serving(logs: Path, extra: Mapping[str, Any], **app_options: Any) -> Iterato
     from kvray.integrations.vllm.pd import Engine
     from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving
 
-    model = str(smollm2())
+    model = model or str(smollm2())
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
     # Metrics each second: tests read the engines' KV cache usage from them.
     ray.init(
@@ -102,7 +105,7 @@ def serving(logs: Path, extra: Mapping[str, Any], **app_options: Any) -> Iterato
     serve.run(
         build_pd_app(
             model,
-            model_id=MODEL_ID,
+            model_id=app_options.pop("model_id", MODEL_ID),
             prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
             decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
             **app_options,

@@ -40,7 +40,12 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 
 from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
 from kvray.errors import ConfigError
-from kvray.integrations.vllm.pd import CONNECTOR_MODULE, transfer_config
+from kvray.integrations.vllm.pd import (
+    CONNECTOR_MODULE,
+    THREADS_BIND_VARIABLE,
+    cpu_thread_binding,
+    transfer_config,
+)
 from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff, new_key_hex
 
 #: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
@@ -90,6 +95,11 @@ def build_pd_app(
     register()
 
     def config(extra: Mapping[str, Any] | None, replicas: int, options: Mapping[str, Any] | None) -> Any:
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"}
+        ranks = int((options or {}).get("tensor_parallel_size", 1))
+        if ranks > 1 and not gpu:
+            # One core per rank (vLLM's own binding wants a NUMA node per rank).
+            env[THREADS_BIND_VARIABLE] = os.environ.get(THREADS_BIND_VARIABLE) or cpu_thread_binding(ranks)
         return LLMConfig(
             model_loading_config={"model_id": model_id, "model_source": model},
             engine_kwargs={
@@ -101,7 +111,7 @@ def build_pd_app(
             },
             placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
             deployment_config={"num_replicas": replicas},
-            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"}},
+            runtime_env={"env_vars": env},
         )
 
     return build_pd_openai_app(
