@@ -21,6 +21,19 @@ def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:
     return found
 
 
+def head_digests(path: Path, side: str) -> dict[str, dict[str, str]]:
+    """(prefill request id) -> per layer and KV head digest of one side of a digest log, every
+    tensor-parallel rank's records merged (a prefill rank pushing to two decode ranks logs its
+    heads twice: alike, or this fails)."""
+    merged: dict[str, dict[str, str]] = {}
+    for record in records(path):
+        if record["side"] == side:
+            heads = merged.setdefault(record["prefill_request"], {})
+            for head, digest in record["heads"].items():
+                assert heads.setdefault(head, digest) == digest, (record["prefill_request"], head)
+    return merged
+
+
 def failures(*paths: Path) -> list[str]:
     """Why hand-offs failed, as the connectors logged it (for assertion messages)."""
     logged = [record for path in paths for record in records(path)]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from generations import departures
-from handoff_logs import failures, records
+from handoff_logs import failures, head_digests, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -81,19 +81,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
     ray.shutdown()
-
-
-def head_digests(path: Path, side: str) -> dict[str, dict[str, str]]:
-    """Per prefill request, every rank's per-head digests of one side of a digest log, merged (a
-    prefill rank pushing to two decode ranks logs its heads twice: alike, or this fails)."""
-    merged: dict[str, dict[str, str]] = {}
-    for record in records(path):
-        if record["side"] != side:
-            continue
-        heads = merged.setdefault(record["prefill_request"], {})
-        for head, digest in record["heads"].items():
-            assert heads.setdefault(head, digest) == digest, (record["prefill_request"], head)
-    return merged
 
 
 def layer_digests(path: Path, side: str) -> dict[tuple[str, int], dict[str, str]]:

@@ -11,11 +11,10 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from handoff_logs import failures, records
+from handoff_logs import failures, head_digests, records
 from serve_llm_clients import serving, wait_until_nothing_held
 from vllm_installed import require_vllm
 
@@ -48,17 +47,6 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     )
 
 
-def heads(path: Path, side: str) -> dict[str, dict[str, str]]:
-    """Per hand-off, every rank's per-head digests of one side of a digest log, merged."""
-    merged: dict[str, dict[str, str]] = {}
-    for record in records(path):
-        if record["side"] == side:
-            for head, digest in record["heads"].items():
-                found = merged.setdefault(record["prefill_request"], {}).setdefault(head, digest)
-                assert found == digest, (record["prefill_request"], head)
-    return merged
-
-
 def test_completions_through_a_tp2_decode_deployment_equal_a_single_engine(app: dict[str, Any]) -> None:
     prompts = load_prompts()[:8]
     alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, NEW_TOKENS))]
@@ -70,7 +58,7 @@ def test_completions_through_a_tp2_decode_deployment_equal_a_single_engine(app: 
         served.append(reply.json()["choices"][0]["text"])
     logs = app["logs"]
     assert served == alone, failures(logs / "p.jsonl", logs / "d.jsonl")
-    sent, received = heads(logs / "p.jsonl", "sent"), heads(logs / "d.jsonl", "received")
+    sent, received = head_digests(logs / "p.jsonl", "sent"), head_digests(logs / "d.jsonl", "received")
     assert len(sent) >= len(prompts) and set(sent) == set(received)
     decode_ranks = {record["tp"][0] for record in records(logs / "d.jsonl") if record["side"] == "received"}
     assert decode_ranks == {0, 1}
