@@ -40,7 +40,7 @@ from kvray.errors import (
     UnknownLayerError,
 )
 from kvray.layout import Geometry, Int64Array, LayerPlacement, ceil_div
-from kvray.tensor_parallel import check_head_geometries, head_pieces, shared_heads
+from kvray.tensor_parallel import HeadPiece, check_head_geometries, head_pieces, shared_heads
 from kvray.validation import validate_engine_info
 from kvray.wire import EngineInfo
 
@@ -399,13 +399,7 @@ class OffsetCache:
         piece's bytes of each block and the layer's block stride. Not cached on their own: the
         pair's `pairing` keeps them."""
         self.misses += 2
-        local_region: list[int] = []
-        local_base: list[int] = []
-        local_stride: list[int] = []
-        remote_region: list[int] = []
-        remote_base: list[int] = []
-        remote_stride: list[int] = []
-        nbytes: list[int] = []
+        placed: list[tuple[LayerPlacement, LayerPlacement, HeadPiece]] = []
         layer_starts = [0]
         for layer in layers:
             local_placement = self.placement(local, layer)
@@ -416,37 +410,30 @@ class OffsetCache:
                 remote.layout.layer(layer).geometry,
                 remote.layout.tp,
             )
-            for piece in pieces:
-                local_region.append(local_placement.region)
-                local_base.append(
-                    local_placement.offset
-                    + piece.local_part * local_placement.part_stride
-                    + piece.local_offset
-                )
-                local_stride.append(local_placement.block_stride)
-                remote_region.append(remote_placement.region)
-                remote_base.append(
-                    remote_placement.offset
-                    + piece.remote_part * remote_placement.part_stride
-                    + piece.remote_offset
-                )
-                remote_stride.append(remote_placement.block_stride)
-                nbytes.append(piece.nbytes)
-            layer_starts.append(len(nbytes))
+            placed += [(local_placement, remote_placement, piece) for piece in pieces]
+            layer_starts.append(len(placed))
+        nbytes = np.array([piece.nbytes for _, _, piece in placed], dtype=np.int64)
 
-        def part_rows(region: list[int], base: list[int], stride: list[int]) -> PartRows:
+        def part_rows(rows: list[tuple[LayerPlacement, int, int]]) -> PartRows:
+            """One side's rows from (placement, part, offset in the part) per piece."""
             return PartRows(
                 layers,
-                np.array(region, dtype=np.int64),
-                np.array(base, dtype=np.int64),
-                np.array(stride, dtype=np.int64),
-                np.array(nbytes, dtype=np.int64),
+                np.array([placement.region for placement, _, _ in rows], dtype=np.int64),
+                np.array(
+                    [
+                        placement.offset + part * placement.part_stride + offset
+                        for placement, part, offset in rows
+                    ],
+                    dtype=np.int64,
+                ),
+                np.array([placement.block_stride for placement, _, _ in rows], dtype=np.int64),
+                nbytes,
                 tuple(layer_starts),
             )
 
         return (
-            part_rows(local_region, local_base, local_stride),
-            part_rows(remote_region, remote_base, remote_stride),
+            part_rows([(mine, piece.local_part, piece.local_offset) for mine, _, piece in placed]),
+            part_rows([(theirs, piece.remote_part, piece.remote_offset) for _, theirs, piece in placed]),
         )
 
     def __len__(self) -> int:
