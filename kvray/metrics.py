@@ -129,6 +129,17 @@ class DirectoryEvent(enum.Enum):
     PEER_DEPARTED = "peer_departed"
 
 
+class IntegrityCheck(enum.Enum):
+    """What a decode engine's check of a transfer's checksums found (`kvray.integrity`)."""
+
+    #: Every layer's bytes as landed hash to what the writer read.
+    OK = "ok"
+    #: At least one layer differs: the request is failed, never decoded.
+    MISMATCH = "mismatch"
+    #: Not checked: the writer sent no checksums (integrity off or not sampled there).
+    UNCHECKED = "unchecked"
+
+
 class RdmaReceive(enum.Enum):
     """What a decode engine's RDMA completion poller made of one receive completion."""
 
@@ -315,6 +326,27 @@ RDMA_RECEIVES = MetricSpec(
     ("engine", "outcome"),
 )
 
+INTEGRITY_CHECKS = MetricSpec(
+    "kvray_integrity_checks",
+    MetricKind.COUNTER,
+    "Transfers a decode engine checked against the writer's checksums, by result (ok, mismatch, unchecked)",
+    ("engine", "peer", "result"),
+)
+INTEGRITY_MISMATCHED_LAYERS = MetricSpec(
+    "kvray_integrity_mismatched_layers",
+    MetricKind.COUNTER,
+    "Layers whose bytes as landed differed from what the writer read (each a wrong layer of a "
+    "failed request)",
+    ("engine", "peer"),
+)
+INTEGRITY_SECONDS = MetricSpec(
+    "kvray_integrity_seconds",
+    MetricKind.HISTOGRAM,
+    "Seconds a decode engine spent hashing one transfer's landed bytes",
+    ("engine",),
+    _LATENCY_BOUNDS,
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     BYTES_PUSHED,
     TRANSFERS,
@@ -340,6 +372,9 @@ METRICS: tuple[MetricSpec, ...] = (
     RDMA_SEND_ERRORS,
     RDMA_CONNECTIONS_ACCEPTED,
     RDMA_RECEIVES,
+    INTEGRITY_CHECKS,
+    INTEGRITY_MISMATCHED_LAYERS,
+    INTEGRITY_SECONDS,
 )
 
 #: Tags that say whose a record is, not what kind: `counts` sums over them.
@@ -600,6 +635,16 @@ class EngineMetrics:
 
     def release_quarantined(self) -> None:
         self._count(RELEASES_QUARANTINED, (self.engine_id,))
+
+    def integrity(
+        self, peer: str, result: IntegrityCheck, wrong_layers: int = 0, seconds: float = 0.0
+    ) -> None:
+        """One transfer's checksums checked (`seconds`: hashing the landed bytes)."""
+        self._count(INTEGRITY_CHECKS, (self.engine_id, peer, result.value))
+        if wrong_layers:
+            self._count(INTEGRITY_MISMATCHED_LAYERS, (self.engine_id, peer), wrong_layers)
+        if result is not IntegrityCheck.UNCHECKED:
+            self._emit(INTEGRITY_SECONDS, seconds, self._known_tags(INTEGRITY_SECONDS, (self.engine_id,))[1])
 
     # ---- notices, the directory, RDMA ----
 
