@@ -19,6 +19,7 @@ from kvray.config import Settings
 from kvray.errors import (
     AgentNotRunningError,
     ConfigError,
+    KVIntegrityError,
     KvrayError,
     LayoutError,
     MetadataError,
@@ -73,6 +74,7 @@ __all__ = [
     "EngineInfo",
     "Geometry",
     "KVAgent",
+    "KVIntegrityError",
     "KVLayout",
     "KvrayError",
     "LayerSpec",

@@ -122,6 +122,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: Ports from `notice_port` on that the listener may take, the first free one (several
     #: decode engines on one node each need one): a range a firewall can allow.
     notice_ports: int = 1
+    #: Share of requests whose KV a writer hashes as it pushes (`kvray.integrity`; 1.0: every
+    #: request, 0.0: none). The decode side checks every transfer that carries checksums
+    #: before the request may decode; a request is picked by its id, so every layer and every
+    #: TP rank of it is checked alike.
+    integrity_sample_rate: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):
@@ -165,6 +170,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"copy_threads must be 0 (pick) or a number of threads, got {self.copy_threads}",
                 setting="copy_threads",
                 value=self.copy_threads,
+            )
+        rate = self.integrity_sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate <= 1.0:
+            raise ConfigError(
+                f"integrity_sample_rate must be a share of requests from 0.0 to 1.0, got {rate!r}",
+                setting="integrity_sample_rate",
+                value=rate,
             )
         if self.verbs_gid_index < -1:
             raise ConfigError(

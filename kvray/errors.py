@@ -22,7 +22,8 @@
         ├── WriteFailedError
         │   └── NotExpectedError     the decode engine no longer expects the request
         ├── TransferTimeoutError (TimeoutError)   (invariant 5)
-        └── BackpressureError        too much work is already queued
+        ├── BackpressureError        too much work is already queued
+        └── KVIntegrityError         the KV that landed is not the KV that was sent (layers named)
 
 Each error keeps the facts needed to act on it in `facts` (engine, layer, offsets, ...),
 also readable as attributes, and survives pickling, so it crosses Ray task boundaries whole.
@@ -151,6 +152,11 @@ class TransferTimeoutError(TransportError, TimeoutError):
     """A transfer, lookup or wait passed its deadline."""
 
 
+class KVIntegrityError(TransportError):
+    """The bytes of some layers, as they landed in the decode engine's blocks, differ from what
+    the writer read for the push (`layers` names them): the request is not decoded from them."""
+
+
 class BackpressureError(TransportError):
     """More work is queued than the configured bound allows."""
 
@@ -162,6 +168,7 @@ __all__ = [
     "BoundsError",
     "ConfigError",
     "GeometryMismatchError",
+    "KVIntegrityError",
     "KvrayError",
     "LayoutError",
     "MetadataError",

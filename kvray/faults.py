@@ -1,14 +1,20 @@
 """Deliberate faults, for demonstrations and for tests that prove kvray's checks can fail.
 
-Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`, or `seed_bug` in
-the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`).
+Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`, `seed_bug` in
+the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`, or a
+`ByteFlipper` given to an agent as its `transport_hook`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from kvray.plan import OffsetCache, OffsetKey
+from kvray.memory import Backing
+from kvray.plan import OffsetCache, OffsetKey, TransferPlan
+from kvray.transport.base import Peer, Transport
 from kvray.wire import EngineInfo
 
 
@@ -32,3 +38,69 @@ class BuildsAgents(Protocol):
 def inject_seed_bug(target: BuildsAgents) -> None:
     """Make the agent `target` builds next plan with `SeedBugOffsetCache`."""
     target.offset_cache = SeedBugOffsetCache()
+
+
+@dataclass
+class ByteFlipper:
+    """A transport hook (`KVAgent(..., transport_hook=ByteFlipper())`) that corrupts one byte of
+    every `every`-th write on its way: one bit of a byte in the middle of the write's middle op
+    is flipped in the writer's memory while the transport moves it, and put back after. The
+    writer's checksums were taken before the write, so the decode side receives bytes that
+    differ from what was hashed, as if the link had flipped them; the writer's own memory ends
+    as it was. `flipped` records (request id, layer) of each corrupted write."""
+
+    every: int = 1
+    writes: int = 0
+    flipped: list[tuple[str, str]] = field(default_factory=list)
+    #: Writes under way: a transport's `write_then` may call its own `write`, which must not
+    #: count (or flip the byte back) a second time.
+    _active: int = 0
+
+    def __call__(self, transport: Transport) -> None:
+        write, write_then = transport.write, transport.write_then
+
+        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
+            with self._flipped(plan, local):
+                await write(plan, local, peer)
+
+        async def flipped_write_then(
+            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None]
+        ) -> None:
+            with self._flipped(plan, local):
+                await write_then(plan, local, peer, then)
+
+        # Deliberately on the instance: only this agent's transport corrupts.
+        patched: Any = transport
+        patched.write = flipped_write
+        patched.write_then = flipped_write_then
+
+    @contextlib.contextmanager
+    def _flipped(self, plan: TransferPlan, local: Backing) -> Iterator[None]:
+        if self._active:
+            yield
+            return
+        self._active += 1
+        try:
+            with self._flip(plan, local):
+                yield
+        finally:
+            self._active -= 1
+
+    @contextlib.contextmanager
+    def _flip(self, plan: TransferPlan, local: Backing) -> Iterator[None]:
+        self.writes += 1
+        ops = plan.unmerged
+        if self.writes % self.every or not len(ops):
+            yield
+            return
+        middle = len(ops) // 2
+        region = int(ops.local_region[middle])
+        offset = int(ops.local_offset[middle]) + int(ops.nbytes[middle]) // 2
+        layer = next(name for index, name in enumerate(plan.layers) if plan.layer_starts[index + 1] > middle)
+        byte = local.regions[region].tensor[offset : offset + 1]
+        byte.bitwise_xor_(1)
+        self.flipped.append((plan.request_id, layer))
+        try:
+            yield
+        finally:
+            byte.bitwise_xor_(1)

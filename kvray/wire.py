@@ -29,12 +29,20 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from kvray.errors import MetadataError, UnknownLayerError, WireDecodeError
-from kvray.layout import MAX_BLOCKS, MAX_BYTES, MAX_LAYERS, ByteCount, KVLayout, LayerPlacement
+from kvray.layout import (
+    MAX_BLOCKS,
+    MAX_BYTES,
+    MAX_LAYERS,
+    ByteCount,
+    KVLayout,
+    LayerPlacement,
+    TensorParallel,
+)
 
 #: Most regions one engine may publish (one per tensor of a non-shared backing: K and V of
 #: every layer).
@@ -75,6 +83,10 @@ MAX_TP_RANKS = 64
 #: A tensor-parallel rank, and a number of them, as messages carry them.
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)]
+#: A layer's position in an engine's layout.
+LayerIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]
+#: A 64-bit hash value (msgpack carries no larger integer).
+Uint64 = Annotated[int, msgspec.Meta(ge=0)]
 #: One column of a `WriteOps` header.
 OpColumn = Annotated[list[ByteCount], msgspec.Meta(max_length=MAX_WRITE_OPS)]
 
@@ -257,6 +269,16 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: Proofs of arrival the writer's transport gives the decode side for the request's writes
     #: (`Transport.arrival_proofs`): it completes the request only once that many have come.
     arrival_proofs: ByteCount = 0
+    #: The hash of each layer's bytes as the writer read them (`kvray.integrity`): its
+    #: algorithm ("" when the transfer was not checked), the layers (indices into the decode
+    #: engine's layout) and their values. The decode side takes the request only when the
+    #: bytes as landed hash the same.
+    checksum: Literal["", "xxh3_64"] = ""
+    checksum_layers: Annotated[tuple[LayerIndex, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
+    checksum_values: Annotated[tuple[Uint64, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
+    #: The writer's tensor-parallel rank (None: it holds every head this engine holds), which
+    #: says what part of each block it wrote.
+    src_tp: TensorParallel | None = None
 
 
 class TransferFailed(TransferNotice, frozen=True, kw_only=True, tag="failed"):

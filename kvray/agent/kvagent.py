@@ -58,7 +58,9 @@ class KVAgent:
     the registry's (e.g. `kvray.notice.loopback.LoopbackChannel`); the agent closes both when
     it closes.
     `offset_cache` may be shared between agents of one process; `metrics_sink` receives the
-    agent's metrics (Ray's metrics API when Ray is up).
+    agent's metrics (Ray's metrics API when Ray is up); `transport_hook` sees each transport
+    the agent opens or is given, once, before its first use (`kvray.faults` corrupts writes
+    through it).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class KVAgent:
         metrics_sink: MetricsSink | None = None,
         transports: Sequence[Transport] = (),
         notices: Sequence[NoticeChannel] = (),
+        transport_hook: Callable[[Transport], None] | None = None,
     ) -> None:
         if (layout is None) == (backing is None):
             raise PlanError("give a KVAgent either a layout (kvray allocates) or a backing, not both")
@@ -94,7 +97,9 @@ class KVAgent:
         )
         self._use_coordinator = use_coordinator
         self._cache = offset_cache if offset_cache is not None else OffsetCache()
-        self._transports = TransportSet(settings, backing.kind, transports, self._engine.metrics)
+        self._transports = TransportSet(
+            settings, backing.kind, transports, self._engine.metrics, hook=transport_hook
+        )
         self._notices = NoticeSet(settings, self._engine.metrics, notices)
         self._notices.node_id = self._engine.node_id
         service = directory_service(coordinator) if coordinator is not None else None

@@ -36,10 +36,12 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
+from kvray.integrity import THREAD_MIN_BYTES, Checksums, sampled, writer_checksums
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
+from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
@@ -75,6 +77,8 @@ class _Layerwise:
     #: Proofs of arrival the layers' writes give the decode side (`Transport.arrival_proofs`).
     arrival_proofs: int = 0
     layers: set[str] = field(default_factory=set)
+    #: The layers' checksums so far (`kvray.integrity`), when the request is checked.
+    checksums: Checksums | None = None
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
     #: Layer writes in progress, and an event set whenever there are none.
@@ -149,7 +153,10 @@ class Pusher:
             started = time.perf_counter()
             peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
-            notice = self._done(reservation, transfer_id, plan.nbytes, transport.arrival_proofs)
+            checksums = await self._checksums(reservation, plan, peer)
+            notice = self._done(
+                reservation, transfer_id, plan.nbytes, transport.arrival_proofs, checksums, peer
+            )
             try:
                 async with self._claim(peer, reservation, transport):
                     early = self.notices.early(peer, notice)
@@ -208,6 +215,7 @@ class Pusher:
                     request_id=request_id,
                     engine_id=reservation.engine_id,
                 )
+            checksums = await self._checksums(reservation, plan, peer)
             # From here to the write's start nothing awaits but the claim: a failure recorded
             # meanwhile is seen by the failure notice, which waits for this write to end.
             state.writing += 1
@@ -220,12 +228,17 @@ class Pusher:
                 if state.writing == 0:
                     state.idle.set()
             state.layers.add(layer)
+            if checksums is not None:
+                known = state.checksums or Checksums((), ())
+                state.checksums = Checksums(known.layers + checksums.layers, known.values + checksums.values)
             state.arrival_proofs += transport.arrival_proofs
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)
             state.unmerged_ops += plan.unmerged_count
             state.busy_s += time.perf_counter() - started
-            state.notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
+            state.notice = self._done(
+                reservation, state.transfer_id, state.nbytes, state.arrival_proofs, state.checksums, peer
+            )
             state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
@@ -284,7 +297,9 @@ class Pusher:
                     stale_incarnation=reservation.incarnation,
                 )
             attempt.peer = peer
-            notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
+            notice = self._done(
+                reservation, state.transfer_id, state.nbytes, state.arrival_proofs, state.checksums, peer
+            )
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
                 async with self._claim(peer, reservation):
@@ -403,8 +418,28 @@ class Pusher:
 
     # ---- one transfer -----------------------------------------------------------------
 
-    def _done(self, reservation: Reservation, transfer_id: str, nbytes: int, proofs: int) -> TransferDone:
+    def _done(
+        self,
+        reservation: Reservation,
+        transfer_id: str,
+        nbytes: int,
+        proofs: int,
+        checksums: Checksums | None = None,
+        peer: Peer | None = None,
+    ) -> TransferDone:
         info = self.engine.info
+        if checksums is not None and peer is not None:
+            tp = info.layout.tp
+            return TransferDone(
+                **self._header(reservation, transfer_id),
+                nbytes=nbytes,
+                arrival_proofs=proofs,
+                checksum=checksums.algorithm,
+                checksum_layers=checksums.layers,
+                checksum_values=checksums.values,
+                # Which part of each block this writer wrote, where it is not the whole.
+                src_tp=tp if shared_heads(tp, peer.info.layout.tp) is not None else None,
+            )
         # `_header`'s fields, spelled out: this is on the path of every completion.
         return TransferDone(
             transfer_id=transfer_id,
@@ -417,6 +452,16 @@ class Pusher:
             nbytes=nbytes,
             arrival_proofs=proofs,
         )
+
+    async def _checksums(self, reservation: Reservation, plan: TransferPlan, peer: Peer) -> Checksums | None:
+        """The checksums of the bytes `plan` reads (`kvray.integrity`), when the request is
+        sampled: hashed on a worker thread when large (the hash releases the GIL)."""
+        if not sampled(reservation.request_id, self.engine.settings.integrity_sample_rate):
+            return None
+        backing, layout = self.engine.backing, peer.info.layout
+        if plan.nbytes < THREAD_MIN_BYTES:
+            return writer_checksums(plan, backing, layout)
+        return await asyncio.to_thread(writer_checksums, plan, backing, layout)
 
     def _claim(
         self, peer: Peer, reservation: Reservation, transport: Transport | None = None

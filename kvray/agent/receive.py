@@ -28,6 +28,7 @@ from kvray.agent.engine import Blocks, Engine, node_address
 from kvray.agent.transports import TransportSet
 from kvray.errors import (
     AgentNotRunningError,
+    KVIntegrityError,
     KvrayError,
     MetadataError,
     NotExpectedError,
@@ -38,9 +39,10 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
+from kvray.integrity import THREAD_MIN_BYTES, Checksums, check, placements_of
 from kvray.layout import Int64Array
 from kvray.memory import Backing
-from kvray.metrics import DropReason, Outcome
+from kvray.metrics import DropReason, IntegrityCheck, Outcome
 from kvray.notice import NoticeSet
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.notice.claims import ClaimBoard
@@ -124,6 +126,9 @@ class Receiving:
         #: Completions taken on the usual path, not yet in the metrics (`record_completions`):
         #: counted after the waiter resumes, not between the notice and it.
         self._unrecorded: list[TransferDone] = []
+        #: Each layer's placement in this engine's backing, as `kvray.integrity` reads them
+        #: (made at the first check).
+        self._placements: list[tuple[int, int, int, int, int, int]] | None = None
 
     async def start(self) -> dict[str, str]:
         """Start taking writers' claims and notices (a decode engine, once, at its start): the
@@ -391,6 +396,8 @@ class Receiving:
         metrics = self.engine.metrics
         for message in unrecorded:
             metrics.received(message.src_engine, message.nbytes)
+            if not message.checksum:
+                metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED)
 
     def close(self) -> None:
         """Fail every wait (the agent closed) and release the claim board (the agent closes the
@@ -455,6 +462,7 @@ class Receiving:
         if (
             type(message) is TransferDone
             and not message.arrival_proofs
+            and not message.checksum
             and message.dst_engine == engine.engine_id
             and message.dst_incarnation == engine.incarnation
         ):
@@ -522,11 +530,11 @@ class Receiving:
                 )
             )
             future.exception()  # retrieved here; wait_for_kv re-raises it
-        elif message.arrival_proofs:
+        elif message.arrival_proofs or message.checksum:
             # The writer's transport gives the decode side its own proofs of arrival, which the
-            # notice can overtake: complete once they have come too (wait_for_kv's deadline
-            # bounds the wait).
-            engine.spawn(self._complete_after_arrival(message, expectation))
+            # notice can overtake, and the bytes that landed must hash as the writer's did:
+            # complete once both hold (wait_for_kv's deadline bounds the wait).
+            engine.spawn(self._complete_when_landed(message, expectation))
         else:
             self._complete(message, future)
         return None
@@ -539,19 +547,11 @@ class Receiving:
         if len(self._unrecorded) > _MAX_UNRECORDED:  # nobody waits: count them now
             self.record_completions()
 
-    async def _complete_after_arrival(self, message: TransferDone, expectation: _Expectation) -> None:
+    async def _complete_when_landed(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future
         try:
-            if not any(transport.arrival_proofs for transport in self.transports.receiving):
-                raise MetadataError(
-                    f"engine {message.src_engine!r} names {message.arrival_proofs} proofs of arrival "
-                    f"for {message.request_id!r}, but engine {self.engine.engine_id!r} takes writes "
-                    "through no transport that gives them",
-                    request_id=message.request_id,
-                    engine_id=self.engine.engine_id,
-                )
-            for transport in self.transports.receiving:
-                await transport.complete(self, message)
+            if message.arrival_proofs:
+                await self._arrived(message)
         except asyncio.CancelledError:
             return  # the wait ended (deadline, cancel, close): its own path reports it
         except KvrayError as error:
@@ -559,10 +559,70 @@ class Receiving:
                 future.set_exception(error)
                 future.exception()
             return
-        # Every write posted before the last immediate has landed: the writer is done here.
-        expectation.writer_done.set()
+        if message.arrival_proofs:
+            # Every write posted before the last immediate has landed: the writer is done here.
+            expectation.writer_done.set()
+        if message.checksum and not future.done():
+            try:
+                await self._check_integrity(message, expectation)
+            except asyncio.CancelledError:
+                return
+            except KvrayError as error:
+                if not future.done():
+                    future.set_exception(error)
+                    future.exception()
+                return
         if not future.done():
             self._complete(message, future)
+
+    async def _check_integrity(self, message: TransferDone, expectation: _Expectation) -> None:
+        """`KVIntegrityError` unless every layer the notice names hashes, as landed in the
+        request's blocks, to the writer's value (`kvray.integrity.check`), counted either way."""
+        engine = self.engine
+        if self._placements is None:
+            self._placements = placements_of(engine.backing)
+        # The wire admits one algorithm: a notice that names another never decodes.
+        expected = Checksums(message.checksum_layers, message.checksum_values)
+        placements, blocks = self._placements, expectation.blocks
+
+        def checked() -> None:
+            check(
+                expected,
+                engine.backing,
+                placements,
+                blocks,
+                message.src_tp,
+                request_id=message.request_id,
+                engine_id=engine.engine_id,
+                writer=message.src_engine,
+            )
+
+        started = time.perf_counter()
+        try:
+            if message.nbytes < THREAD_MIN_BYTES:
+                checked()
+            else:
+                await asyncio.to_thread(checked)
+        except KVIntegrityError as error:
+            layers = len(error.facts.get("layers", ()))
+            engine.metrics.integrity(
+                message.src_engine, IntegrityCheck.MISMATCH, layers, time.perf_counter() - started
+            )
+            raise
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, time.perf_counter() - started)
+
+    async def _arrived(self, message: TransferDone) -> None:
+        """Wait for the proofs of arrival the notice names (`Transport.complete`)."""
+        if not any(transport.arrival_proofs for transport in self.transports.receiving):
+            raise MetadataError(
+                f"engine {message.src_engine!r} names {message.arrival_proofs} proofs of arrival "
+                f"for {message.request_id!r}, but engine {self.engine.engine_id!r} takes writes "
+                "through no transport that gives them",
+                request_id=message.request_id,
+                engine_id=self.engine.engine_id,
+            )
+        for transport in self.transports.receiving:
+            await transport.complete(self, message)
 
     def _misaddressed(self, what: str, engine_id: str, incarnation: int) -> StaleIncarnationError:
         return StaleIncarnationError(

@@ -4,7 +4,7 @@ and the choice per peer (`kvray.transport.choose_transport`) kept until the peer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvray.config import Settings
 from kvray.errors import TransportUnavailableError
@@ -33,8 +33,13 @@ class TransportSet:
         memory: MemoryKind,
         injected: Sequence[Transport] = (),
         metrics: EngineMetrics | None = None,
+        *,
+        hook: Callable[[Transport], None] | None = None,
     ) -> None:
         self.settings = settings
+        #: Sees each transport of the set once, as it is opened or given (`KVAgent`'s
+        #: `transport_hook`).
+        self.hook = hook
         self.memory = memory
         #: What the transports it opens count into (injected ones keep their own).
         self.metrics = metrics
@@ -46,7 +51,7 @@ class TransportSet:
                     f"two {transport.kind.value} transports were given; give one of each kind",
                     transport=transport.kind.value,
                 )
-            self._open[transport.kind] = transport
+            self._open[transport.kind] = self._hooked(transport)
         #: The transports the engine takes writes through (a decode engine's, once it started).
         self.receiving: list[Transport] = []
         self._candidates: tuple[type[Transport], ...] | None = None
@@ -63,7 +68,12 @@ class TransportSet:
                 if to_write
                 else transport_class(kind)(self.settings, self.metrics)
             )
-            transport = self._open[kind] = opened
+            transport = self._open[kind] = self._hooked(opened)
+        return transport
+
+    def _hooked(self, transport: Transport) -> Transport:
+        if self.hook is not None:
+            self.hook(transport)
         return transport
 
     def registrar(self) -> Transport:
@@ -72,7 +82,7 @@ class TransportSet:
         cls = registering_class(self.memory, self._injected)
         transport = self._open.get(cls.kind)
         if transport is None:
-            transport = self._open[cls.kind] = cls(self.settings)
+            transport = self._open[cls.kind] = self._hooked(cls(self.settings))
         return transport
 
     def start_receiving(self, decode: bool) -> list[Transport]:

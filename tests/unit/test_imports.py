@@ -23,6 +23,8 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.memory",),
     ("kvray.coordinator",),
     ("kvray.plan",),
+    # the checksums a writer sends and the decode side checks (hashes over planned bytes)
+    ("kvray.integrity",),
     ("kvray.transport",),
     # completion: notice channels and claims
     ("kvray.notice",),
@@ -146,7 +148,7 @@ def test_no_module_imports_itself_back() -> None:
 
 def test_the_checks_catch_what_they_look_for() -> None:
     assert against_the_flow({"kvray.plan": {"kvray.agent.push"}}) == [
-        "kvray.plan (tier 6) imports kvray.agent.push (tier 9)"
+        "kvray.plan (tier 6) imports kvray.agent.push (tier 10)"
     ]
     assert against_the_flow({"kvray.agent.push": {"kvray.plan"}}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]

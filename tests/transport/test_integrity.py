@@ -1,0 +1,247 @@
+"""KV integrity end to end between two agents, on every transport this machine can run without
+hardware: `shm` (one node), `ray` (its delivery path, the peer's actor stood in), and `verbs`
+on the fake RDMA fabric (two "nodes"). The writer hashes each layer's bytes as it pushes them;
+the decode side hashes the bytes as they landed in its blocks and lets the request complete
+only when every layer agrees. A byte flipped on the way (`kvray.faults.ByteFlipper`) or a plan
+that writes a layer over another (the seed bug) fails the request with `KVIntegrityError`
+naming the layers, counted in the metrics; blocks outside the request stay as they were.
+(`cuda_ipc`: tests/gpu/test_integrity_gpu.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from fake_verbs import FakeFabric
+from test_contract import ready_layout
+from test_verbs_agents import AgentActorStandIn, _Method
+
+from kvray.agent import KVAgent
+from kvray.config import Settings
+from kvray.errors import KVIntegrityError
+from kvray.faults import ByteFlipper, SeedBugOffsetCache
+from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec
+from kvray.metrics import MemorySink
+from kvray.transport.ray import RayTransport
+from kvray.transport.verbs import VerbsTransport
+from kvray.wire import Role, TransportKind
+
+TRANSPORTS = ("shm", "ray", "verbs")
+#: Four layers of one geometry: the seed bug writes them all to the first one's place.
+SAME_GEOMETRY = KVLayout(
+    layers=tuple(
+        LayerSpec(
+            name=f"dense{i}", geometry=Geometry(block_size=16, entry_shape=(2, 64), dtype="bfloat16", parts=2)
+        )
+        for i in range(4)
+    ),
+    num_blocks=24,
+)
+
+
+class StandIn(AgentActorStandIn):
+    """IN-PROCESS STAND-IN for the decode agent's Ray actor, with the `ray` transport's delivery."""
+
+    def __init__(self, agent: KVAgent) -> None:
+        super().__init__(agent)
+        self.kvray_deliver = _Method(agent.deliver)
+
+
+@dataclass
+class Pair:
+    prefill: KVAgent
+    decode: KVAgent
+    kind: TransportKind
+    flipper: ByteFlipper
+    sink: MemorySink
+
+
+def _agents(
+    kind: str, tmp_path: Path, layout: KVLayout, flip: bool, seed_bug: bool, sample_rate: float
+) -> tuple[KVAgent, KVAgent, ByteFlipper, MemorySink]:
+    settings = Settings(shm_dir=str(tmp_path), transport=kind, transfer_timeout_s=10.0, notify_timeout_s=5.0)
+    writer_settings = msgspec.structs.replace(settings, integrity_sample_rate=sample_rate)
+    flipper = ByteFlipper(every=1 if flip else 1 << 30)
+    sink = MemorySink()
+    prefill_transports: list[Any] = []
+    decode_transports: list[Any] = []
+    if kind == "verbs":
+        fabric = FakeFabric()
+        prefill_transports = [VerbsTransport(settings, api=fabric.api())]
+        decode_transports = [VerbsTransport(settings, api=fabric.api())]
+    prefill = KVAgent(
+        "p",
+        Role.PREFILL,
+        layout,
+        settings=writer_settings,
+        use_coordinator=False,
+        transports=prefill_transports,
+        transport_hook=flipper,
+        offset_cache=SeedBugOffsetCache() if seed_bug else None,
+    )
+    decode = KVAgent(
+        "d",
+        Role.DECODE,
+        layout,
+        settings=settings,
+        use_coordinator=False,
+        transports=decode_transports,
+        metrics_sink=sink,
+    )
+    if kind == "verbs":
+        prefill.node_id, decode.node_id = "node-a", "node-b"
+    return prefill, decode, flipper, sink
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def make_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
+    # As inside a Ray actor: the `ray` transport may be chosen (its peer's actor is stood in).
+    monkeypatch.setattr(RayTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
+    made: list[Pair] = []
+
+    async def make(
+        kind: str,
+        layout: KVLayout | None = None,
+        *,
+        flip: bool = False,
+        seed_bug: bool = False,
+        sample_rate: float = 1.0,
+    ) -> Pair:
+        layout = layout or ready_layout("mixed", BlockOrder.LAYER_MAJOR)
+        prefill, decode, flipper, sink = _agents(kind, tmp_path, layout, flip, seed_bug, sample_rate)
+        await decode.start()
+        await prefill.start()
+        prefill.add_peer(decode.info, StandIn(decode))
+        decode.add_peer(prefill.info)
+        rng = np.random.default_rng(5)
+        for agent in (prefill, decode):
+            for region in agent.backing.regions:
+                data = (region.allocation if region.allocation is not None else region.tensor).numpy()
+                data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
+        pair = Pair(prefill, decode, TransportKind(kind), flipper, sink)
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        await pair.prefill.close()
+        await pair.decode.close()
+
+
+def _blocks(agent: KVAgent, layer: str, ids: np.ndarray) -> torch.Tensor:
+    view = agent.backing.view(layer)
+    picked = view[:, ids] if agent.layout.layer(layer).geometry.parts == 2 else view[ids]
+    return picked.contiguous().view(torch.uint8)
+
+
+def _memory(agent: KVAgent) -> list[np.ndarray]:
+    """Every byte of the agent's allocations (the canaries around its regions included)."""
+    return [
+        (region.allocation if region.allocation is not None else region.tensor).numpy().copy()
+        for region in agent.backing.regions
+    ]
+
+
+SRC, DST = np.array([3, 1, 4, 15, 9]), np.array([10, 11, 5, 20, 2])
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+async def test_kv_that_lands_intact_is_checked_and_taken(make_pair: Any, kind: str, layerwise: bool) -> None:
+    pair: Pair = await make_pair(kind)
+    prefill, decode = pair.prefill, pair.decode
+    before = _memory(decode)
+    reservation = decode.expect("r", DST)
+    if layerwise:
+        for layer in prefill.layout.layer_names:
+            await prefill.push_layer(reservation, layer, SRC)
+        result = await prefill.finish("r")
+    else:
+        result = await prefill.push(reservation, SRC)
+    assert result.transport is pair.kind
+    await decode.wait_for_kv("r", timeout=10)
+    for layer in prefill.layout.layer_names:
+        assert torch.equal(_blocks(prefill, layer, SRC), _blocks(decode, layer, DST)), layer
+    # Only the reserved blocks changed.
+    after = _memory(decode)
+    changed = sum(int((a != b).sum()) for a, b in zip(before, after, strict=True))
+    assert 0 < changed <= result.nbytes
+    assert pair.sink.value("kvray_integrity_checks", result="ok") == 1
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 0
+    assert pair.sink.observations("kvray_integrity_seconds")
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+async def test_a_byte_flipped_on_the_way_fails_the_request_naming_its_layer(
+    make_pair: Any, kind: str, layerwise: bool
+) -> None:
+    pair: Pair = await make_pair(kind, flip=True)
+    prefill, decode = pair.prefill, pair.decode
+    sent = _memory(prefill)
+    reservation = decode.expect("r", DST)
+    if layerwise:
+        # One layer in the middle corrupted, the others intact.
+        pair.flipper.every = len(prefill.layout.layer_names)
+        for layer in prefill.layout.layer_names:
+            await prefill.push_layer(reservation, layer, SRC)
+        await prefill.finish("r")
+    else:
+        await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError) as raised:
+        await decode.wait_for_kv("r", timeout=10)
+    flipped_layers = [layer for request, layer in pair.flipper.flipped if request == "r"]
+    assert len(flipped_layers) == 1
+    assert raised.value.facts["layers"] == flipped_layers
+    assert flipped_layers[0] in str(raised.value)
+    # Exactly one bit differs from what was sent, in that layer's blocks.
+    differing = [
+        layer
+        for layer in prefill.layout.layer_names
+        if not torch.equal(_blocks(prefill, layer, SRC), _blocks(decode, layer, DST))
+    ]
+    assert differing == flipped_layers
+    bits = (_blocks(prefill, differing[0], SRC) ^ _blocks(decode, differing[0], DST)).numpy()
+    assert int(np.unpackbits(bits).sum()) == 1
+    # The writer's memory is as it was.
+    assert all(np.array_equal(a, b) for a, b in zip(sent, _memory(prefill), strict=True))
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 1
+    assert pair.sink.value("kvray_integrity_mismatched_layers") == 1
+    await decode.release("r")
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+async def test_the_seed_bug_fails_the_request_naming_the_layers_it_wrote_over(
+    make_pair: Any, kind: str
+) -> None:
+    pair: Pair = await make_pair(kind, SAME_GEOMETRY, seed_bug=True)
+    prefill, decode = pair.prefill, pair.decode
+    reservation = decode.expect("r", DST)
+    await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError) as raised:
+        await decode.wait_for_kv("r", timeout=10)
+    # Every layer went to dense0's place: the others' places got nothing, and dense0's holds
+    # whichever layer's bytes landed last (its own only if they did).
+    wrong = raised.value.facts["layers"]
+    assert {"dense1", "dense2", "dense3"} <= set(wrong) <= {"dense0", "dense1", "dense2", "dense3"}
+    assert pair.sink.value("kvray_integrity_mismatched_layers") == len(wrong)
+    await decode.release("r")
+
+
+async def test_unsampled_requests_are_taken_unchecked_and_counted(make_pair: Any) -> None:
+    pair: Pair = await make_pair("shm", flip=True, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    reservation = decode.expect("r", DST)
+    await prefill.push(reservation, SRC)
+    await decode.wait_for_kv("r", timeout=10)  # not checked: the flip goes unseen
+    await asyncio.sleep(0)  # the completion is counted once the waiter has resumed
+    assert pair.sink.value("kvray_integrity_checks", result="unchecked") == 1
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 0
