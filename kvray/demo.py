@@ -3,9 +3,11 @@ generation.
 
 Starts (or joins) a Ray cluster, N prefill and M decode workers around the reference model, runs
 a workload of prompts both ways and prints what an operator wants to see: the exact-match rate
-(must be 100%), a per-layer KV digest check, bytes moved, transfer speed, time to first token
-and per-token latency percentiles, and the transport chosen per worker pair. Exits non-zero
-when any output or any layer's bytes differ, so a Ray job running it fails loudly.
+(must be 100%), the requests the decode side's integrity check refused (`kvray.integrity`:
+none), a per-layer KV digest check, bytes moved, transfer speed, time to first token and
+per-token latency percentiles, and the transport chosen per worker pair. Exits non-zero when
+any output or any layer's bytes differ, or a request was refused, so a Ray job running it
+fails loudly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvray.config import Settings
-from kvray.errors import ConfigError
+from kvray.errors import ConfigError, KVIntegrityError
 from kvray.layout import BlockOrder
 from kvray.memory import MemoryKind
 from kvray.models.reference import MODEL_PRESETS, ReferenceModel, encode_text
@@ -70,6 +72,9 @@ class RequestOutcome:
     pair: tuple[str, str]
     layerwise: bool
     bad_layers: list[str] = field(default_factory=list)
+    #: The layers the decode side's integrity check found wrong: the request was refused, not
+    #: decoded (`tokens` is empty).
+    refused_layers: list[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -113,7 +118,10 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     model = ReferenceModel(config)
     order = BlockOrder(args.block_order)
     layout = model.layout(args.blocks, order)
-    settings = Settings.from_env(transport=args.transport)
+    overrides: dict[str, Any] = {"transport": args.transport}
+    if args.no_integrity:
+        overrides["integrity_sample_rate"] = 0.0
+    settings = Settings.from_env(**overrides)
     fault = SeedBugOffsetCache() if args.inject_seed_bug else None
     memory, num_gpus = _placement(args)
     prefills: list[Any] = [
@@ -157,9 +165,15 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
             )
             prefilled = await prefills[p].prefill.remote(prompt, reservation, layerwise=layerwise)
             ttft = time.perf_counter() - started
-            decoded = await decodes[d].decode.remote(
-                request_id, prefilled.first_token, len(prompt), args.max_new_tokens
-            )
+            try:
+                decoded = await decodes[d].decode.remote(
+                    request_id, prefilled.first_token, len(prompt), args.max_new_tokens
+                )
+            except KVIntegrityError as refused:  # (Ray's task error is an instance of its cause)
+                progress.step()
+                return _refused(
+                    prompt, references[index], prefilled, (f"prefill-{p}", f"decode-{d}"), refused
+                )
             progress.step()
         bad_layers = [
             layer for layer, digest in prefilled.kv_digest.items() if decoded.kv_digest.get(layer) != digest
@@ -187,9 +201,32 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     return list(outcomes)
 
 
+def _refused(
+    prompt: list[int], reference: list[int], prefilled: Any, pair: tuple[str, str], error: KVIntegrityError
+) -> RequestOutcome:
+    """A request the decode side refused to decode: its KV did not land as it was sent."""
+    return RequestOutcome(
+        prompt_len=len(prompt),
+        tokens=[],
+        reference=reference,
+        ttft_s=0.0,
+        tpot_s=0.0,
+        transfer_s=prefilled.transfer_s,
+        exposed_transfer_s=prefilled.exposed_transfer_s,
+        compute_s=prefilled.compute_s,
+        nbytes=prefilled.nbytes,
+        transport=prefilled.transport.value,
+        pair=pair,
+        layerwise=False,
+        refused_layers=list(error.facts.get("layers", ())),
+    )
+
+
 def summarize(outcomes: Sequence[RequestOutcome], args: argparse.Namespace, seconds: float) -> bool:
     """Print the summary table; True when every output and every layer's bytes matched."""
     exact = sum(outcome.exact for outcome in outcomes)
+    refused = [outcome for outcome in outcomes if outcome.refused_layers]
+    decoded = [outcome for outcome in outcomes if not outcome.refused_layers]
     digest_bad = [outcome for outcome in outcomes if outcome.bad_layers]
     total_bytes = sum(outcome.nbytes for outcome in outcomes)
     speeds = [o.nbytes / o.transfer_s / 1e9 for o in outcomes if o.transfer_s > 0]
@@ -210,6 +247,12 @@ def summarize(outcomes: Sequence[RequestOutcome], args: argparse.Namespace, seco
         ),
         ("exact match, disaggregated vs colocated", f"{rate:.1f}% ({exact}/{len(outcomes)})"),
         (
+            "KV integrity, checked before decoding",
+            ("off (--no-integrity)" if args.no_integrity else "every request arrived intact")
+            if not refused
+            else f"{len(refused)} requests refused, not decoded, e.g. layers {refused[0].refused_layers[:3]}",
+        ),
+        (
             "KV digest, prefill vs decode, per layer",
             "all layers equal"
             if not digest_bad
@@ -218,10 +261,10 @@ def summarize(outcomes: Sequence[RequestOutcome], args: argparse.Namespace, seco
         ("pushes", ", ".join(f"{count} {mode}" for mode, count in sorted(by_mode.items()))),
         ("bytes moved", f"{total_bytes / 2**20:.2f} MiB"),
         ("transfer speed per request", f"median {statistics.median(speeds):.3f} GB/s" if speeds else "-"),
-        ("time to first token", _percentiles([o.ttft_s for o in outcomes])),
-        ("  of which prefill compute", _percentiles([o.compute_s for o in outcomes])),
-        ("  of which transfer after compute", _percentiles([o.exposed_transfer_s for o in outcomes])),
-        ("time per output token", _percentiles([o.tpot_s for o in outcomes])),
+        ("time to first token", _percentiles([o.ttft_s for o in decoded])),
+        ("  of which prefill compute", _percentiles([o.compute_s for o in decoded])),
+        ("  of which transfer after compute", _percentiles([o.exposed_transfer_s for o in decoded])),
+        ("time per output token", _percentiles([o.tpot_s for o in decoded])),
         ("wall time", f"{seconds:.1f} s"),
     ]
     width = max(len(name) for name, _ in rows)
@@ -230,7 +273,7 @@ def summarize(outcomes: Sequence[RequestOutcome], args: argparse.Namespace, seco
     print("  transport per pair:")
     for (prefill, decode, transport), count in sorted(pairs.items()):
         print(f"    {prefill} -> {decode}: {transport} ({count} requests)")
-    ok = exact == len(outcomes) and not digest_bad
+    ok = exact == len(outcomes) and not digest_bad and not refused
     print(f"RESULT: {'PASS' if ok else 'FAIL'}: exact match {rate:.1f}%")
     return ok
 
@@ -263,6 +306,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--inject-seed-bug",
         action="store_true",
         help="cache offsets by geometry only (the bug kvray prevents) and watch it fail",
+    )
+    parser.add_argument(
+        "--no-integrity",
+        action="store_true",
+        help="do not check the KV against the writer's checksums before decoding (with "
+        "--inject-seed-bug: watch wrong KV decoded into wrong tokens)",
     )
     parser.add_argument(
         "--address",

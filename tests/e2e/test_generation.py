@@ -1,6 +1,7 @@
 """The model-level proof: disaggregated generation (prefill on one actor, KV pushed to another,
 decode there) produces exactly the tokens of colocated generation, for every prompt, with the
-per-layer KV digests of both sides equal; and with the seed bug injected it does not."""
+per-layer KV digests of both sides equal; with the seed bug injected, the decode side refuses the
+requests whose KV it wrote over (and, with that check off, decodes them wrong)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,39 @@ def test_disaggregated_equals_colocated(local_ray: None, model: str, order: str,
     assert not [o.bad_layers for o in outcomes if o.bad_layers]
 
 
-def test_the_injected_seed_bug_is_caught(local_ray: None) -> None:
-    """Offsets cached by geometry alone: the equality check and the digest check both fail."""
+def test_the_injected_seed_bug_is_refused_before_decoding(local_ray: None) -> None:
+    """Offsets cached by geometry alone, integrity on (the default): the decode side finds the
+    layers the bug wrote over and refuses those requests; none is decoded from wrong KV."""
     args = parse(["--model", "mixed", "--prompts", "12", "--max-new-tokens", "8", "--inject-seed-bug"])
     outcomes = asyncio.run(run_demo(args))
+    refused = [o for o in outcomes if o.refused_layers]
+    assert len(refused) >= len(outcomes) // 2, "the seed bug should damage most requests"
+    assert all(o.exact for o in outcomes if not o.refused_layers), "a request was decoded from wrong KV"
+    named = {layer for o in refused for layer in o.refused_layers}
+    # Layers 2 (K/V) and 3 (MLA) share a geometry with layers 0 and 1: their blocks never land.
+    assert {"model.layers.2.self_attn.kv", "model.layers.3.self_attn.mla"} <= named
+    assert "model.layers.0.self_attn.kv" not in named
+
+
+def test_without_the_check_the_seed_bug_decodes_wrong_tokens(local_ray: None) -> None:
+    """The same with integrity off: the wrong KV is decoded, and only the comparison with
+    colocated generation and the test-only digests show it."""
+    args = parse(
+        [
+            "--model",
+            "mixed",
+            "--prompts",
+            "12",
+            "--max-new-tokens",
+            "8",
+            "--inject-seed-bug",
+            "--no-integrity",
+        ]
+    )
+    outcomes = asyncio.run(run_demo(args))
+    assert not [o for o in outcomes if o.refused_layers]
     wrong = [o for o in outcomes if not o.exact]
     assert len(wrong) >= len(outcomes) // 2, "the seed bug should break most outputs"
     damaged = {layer for o in outcomes for layer in o.bad_layers}
-    # Layers 2 (K/V) and 3 (MLA) share a geometry with layers 0 and 1: their blocks never land.
     assert {"model.layers.2.self_attn.kv", "model.layers.3.self_attn.mla"} <= damaged
     assert "model.layers.0.self_attn.kv" not in damaged
