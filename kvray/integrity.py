@@ -15,21 +15,22 @@ that never landed all fail the check alike.
 
 The hash is XXH3-64 (the xxHash library, `xxhash` on PyPI) over those bytes as one stream: it
 reads 15-20 GB/s on one core here and releases the GIL, so large checks run on a worker thread.
-Memory on a GPU is gathered to the host first (`_host_bytes`).
+Memory on a GPU is gathered to the host first (`DeviceRegions`).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvray.errors import KVIntegrityError, MetadataError
-from kvray.layout import Int64Array, KVLayout, TensorParallel
+from kvray.layout import Int64Array, KVLayout, LayerPlacement, TensorParallel
 from kvray.memory import Backing
 from kvray.plan import TransferPlan
 from kvray.tensor_parallel import head_runs, shared_heads
@@ -112,11 +113,11 @@ def writer_pieces(plan: TransferPlan) -> list[Pieces]:
     return layers
 
 
-def writer_checksums(plan: TransferPlan, backing: Backing, dst_layout: KVLayout) -> Checksums:
-    """The values a writer sends for `plan`: each layer's bytes as read from `backing`."""
+def writer_checksums(plan: TransferPlan, regions: RegionBytes, dst_layout: KVLayout) -> Checksums:
+    """The values a writer sends for `plan`: each layer's bytes as read from its `regions`."""
     names = dst_layout.layer_names
     indices = tuple(names.index(layer) for layer in plan.layers)
-    values = tuple(hash_pieces(backing, pieces) for pieces in writer_pieces(plan))
+    values = tuple(hash_pieces(regions, pieces) for pieces in writer_pieces(plan))
     return Checksums(indices, values)
 
 
@@ -125,63 +126,55 @@ def writer_checksums(plan: TransferPlan, backing: Backing, dst_layout: KVLayout)
 
 def landed_pieces(
     layout: KVLayout,
-    placements: Sequence[tuple[int, int, int, int, int, int]],
+    placement: LayerPlacement,
     blocks: Int64Array,
     layer: str,
     heads: tuple[int, int] | None,
 ) -> Pieces:
-    """The ranges of `layer` a transfer fills in the reservation's `blocks`, found from the
-    decode engine's own layout: `placements` gives each layer's (region, offset, part_stride,
-    block_stride, part_nbytes, parts) in layout order; `heads`: the model-wide (first, count) of
-    the KV heads the writer holds when it holds only some of this rank's (`shared_heads`)."""
-    index = layout.layer_names.index(layer)
-    region, offset, part_stride, block_stride, part_nbytes, parts = placements[index]
+    """The ranges of `layer` (at `placement` in the decode engine's own layout) that a transfer
+    fills in the reservation's `blocks`; `heads`: the model-wide (first, count) of the KV heads
+    the writer holds where it holds only some of this rank's (`shared_heads`)."""
     if heads is None:
-        runs = [(part, 0, part_nbytes) for part in range(parts)]
+        runs = [(part, 0, placement.part_nbytes) for part in range(placement.parts)]
     else:
         first, count = heads
-        geometry = layout.layers[index].geometry
-        runs = [
-            (run.part, run.offset, run.nbytes)
-            for run in head_runs(geometry, first - layout.tp.first_head, count)
-        ]
-    run_start = np.array([offset + part * part_stride + at for part, at, _ in runs], dtype=np.int64)
+        geometry = layout.layer(layer).geometry
+        shared = head_runs(geometry, first - layout.tp.first_head, count)
+        runs = [(run.part, run.offset, run.nbytes) for run in shared]
+    run_start = np.array(
+        [placement.offset + part * placement.part_stride + at for part, at, _ in runs], dtype=np.int64
+    )
     run_bytes = np.array([nbytes for _, _, nbytes in runs], dtype=np.int64)
-    starts = (run_start[:, None] + np.sort(blocks)[None, :] * block_stride).T.ravel()
+    # Block after block, each block's runs in order: then sorted by where they sit.
+    starts = (run_start[None, :] + blocks[:, None] * placement.block_stride).ravel()
     nbytes = np.tile(run_bytes, blocks.size)
     order = np.argsort(starts, kind="stable")
-    return Pieces(np.full(starts.size, region, dtype=np.int64), starts[order], nbytes[order])
+    return Pieces(np.full(starts.size, placement.region, dtype=np.int64), starts[order], nbytes[order])
 
 
 def landed_checksums(
-    backing: Backing,
-    placements: Sequence[tuple[int, int, int, int, int, int]],
+    regions: RegionBytes,
+    layout: KVLayout,
+    placements: Mapping[str, LayerPlacement],
     blocks: Int64Array,
     layers: Sequence[int],
     writer_tp: TensorParallel | None,
 ) -> tuple[int, ...]:
-    """The values of `layers` (indices into the decode engine's layout) over the bytes as they
-    sit in its `blocks` (see `landed_pieces`)."""
-    layout = backing.layout
+    """The values of `layers` (indices into the decode engine's `layout`) over the bytes as
+    they sit in its `blocks` (see `landed_pieces`)."""
     heads = None if writer_tp is None else shared_heads(writer_tp, layout.tp, "the writer", "this engine")
+    names = layout.layer_names
     return tuple(
-        hash_pieces(backing, landed_pieces(layout, placements, blocks, layout.layer_names[index], heads))
+        hash_pieces(regions, landed_pieces(layout, placements[names[index]], blocks, names[index], heads))
         for index in layers
     )
 
 
-def placements_of(backing: Backing) -> list[tuple[int, int, int, int, int, int]]:
-    """Each layer's placement in `backing`, in layout order, as plain numbers."""
-    return [
-        (p.region, p.offset, p.part_stride, p.block_stride, p.part_nbytes, p.parts)
-        for p in (backing.placements[name] for name in backing.layout.layer_names)
-    ]
-
-
 def check(
     expected: Checksums,
-    backing: Backing,
-    placements: Sequence[tuple[int, int, int, int, int, int]],
+    regions: RegionBytes,
+    layout: KVLayout,
+    placements: Mapping[str, LayerPlacement],
     blocks: Int64Array,
     writer_tp: TensorParallel | None,
     *,
@@ -189,18 +182,22 @@ def check(
     engine_id: str,
     writer: str,
 ) -> None:
-    """`KVIntegrityError` naming every layer whose landed bytes differ from `expected`."""
-    layout = backing.layout
-    if expected.algorithm != XXH3_64:
-        raise MetadataError(f"checksum algorithm {expected.algorithm!r} is not one kvray knows")
+    """`KVIntegrityError` naming every layer whose landed bytes differ from `expected`;
+    `MetadataError` for checksums that do not describe this engine's layers."""
     if len(expected.layers) != len(expected.values) or len(set(expected.layers)) != len(expected.layers):
         raise MetadataError(
             f"the checksums of {request_id!r} from {writer!r} name {len(expected.layers)} layers "
-            f"for {len(expected.values)} values, or a layer twice"
+            f"for {len(expected.values)} values, or a layer twice",
+            request_id=request_id,
+            engine_id=engine_id,
         )
     if any(not 0 <= index < len(layout.layers) for index in expected.layers):
-        raise MetadataError(f"the checksums of {request_id!r} from {writer!r} name a layer this engine lacks")
-    landed = landed_checksums(backing, placements, blocks, expected.layers, writer_tp)
+        raise MetadataError(
+            f"the checksums of {request_id!r} from {writer!r} name a layer engine {engine_id!r} lacks",
+            request_id=request_id,
+            engine_id=engine_id,
+        )
+    landed = landed_checksums(regions, layout, placements, blocks, expected.layers, writer_tp)
     wrong = [
         layout.layer_names[index]
         for index, want, got in zip(expected.layers, expected.values, landed, strict=True)
@@ -218,26 +215,60 @@ def check(
         )
 
 
-# ---- hashing ----------------------------------------------------------------------------------
+# ---- reading and hashing ------------------------------------------------------------------------
 
 
-def hash_pieces(backing: Backing, pieces: Pieces) -> int:
-    """XXH3-64 of the pieces' bytes of `backing` as one stream (ranges that follow each other
-    in memory are read as one)."""
+class RegionBytes(Protocol):
+    """An engine's regions as the hash reads them."""
+
+    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
+        """The bytes of each range in order (several ranges may come as one buffer)."""
+        ...
+
+
+class HostRegions:
+    """Regions in host memory: each a buffer of its bytes, read in place."""
+
+    def __init__(self, regions: Sequence[npt.NDArray[np.uint8]]) -> None:
+        self._views = [region.reshape(-1).view(np.uint8).data for region in regions]
+
+    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
+        views = self._views
+        for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True):
+            yield views[r][start : start + length]
+
+
+class DeviceRegions:
+    """Regions on a GPU: the ranges are gathered on the device and copied to the host."""
+
+    def __init__(self, regions: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(regions)
+
+    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
+        parts = [
+            self._tensors[r][start : start + length]
+            for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True)
+        ]
+        if parts:
+            yield torch.cat(parts).cpu().numpy().data
+
+
+def regions_of(backing: Backing) -> RegionBytes:
+    """How the hash reads `backing`'s regions."""
+    tensors = [region.tensor for region in backing.regions]
+    if any(tensor.device.type != "cpu" for tensor in tensors):
+        return DeviceRegions(tensors)
+    return HostRegions([tensor.numpy() for tensor in tensors])
+
+
+def hash_pieces(regions: RegionBytes, pieces: Pieces) -> int:
+    """XXH3-64 of the pieces' bytes as one stream (ranges that follow each other in memory are
+    read as one)."""
     import xxhash
 
-    region, offset, nbytes = _merged(pieces)
     digest = xxhash.xxh3_64()
-    if region.size and backing.regions[int(region[0])].tensor.device.type != "cpu":
-        for data in _host_bytes(backing, region, offset, nbytes):
-            digest.update(data)
-        return digest.intdigest()
-    views: dict[int, memoryview] = {}
-    for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True):
-        view = views.get(r)
-        if view is None:
-            view = views[r] = memoryview(backing.regions[r].tensor.numpy())
-        digest.update(view[start : start + length])
+    for data in regions.read(*_merged(pieces)):
+        digest.update(data)
     return digest.intdigest()
 
 
@@ -249,15 +280,3 @@ def _merged(pieces: Pieces) -> tuple[Int64Array, Int64Array, Int64Array]:
     joins = (region[1:] == region[:-1]) & (offset[:-1] + nbytes[:-1] == offset[1:])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return region[starts], offset[starts], np.add.reduceat(nbytes, starts)
-
-
-def _host_bytes(backing: Backing, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> list[bytes]:
-    """The ranges of a GPU backing, copied to the host in order."""
-    parts = [
-        backing.regions[r].tensor[start : start + length]
-        for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True)
-    ]
-    if not parts:
-        return []
-    gathered = torch.cat(parts).cpu().numpy()
-    return [gathered.tobytes()]

@@ -36,7 +36,7 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.integrity import THREAD_MIN_BYTES, Checksums, sampled, writer_checksums
+from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, writer_checksums
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
@@ -458,10 +458,10 @@ class Pusher:
         sampled: hashed on a worker thread when large (the hash releases the GIL)."""
         if not sampled(reservation.request_id, self.engine.settings.integrity_sample_rate):
             return None
-        backing, layout = self.engine.backing, peer.info.layout
+        regions, layout = regions_of(self.engine.backing), peer.info.layout
         if plan.nbytes < THREAD_MIN_BYTES:
-            return writer_checksums(plan, backing, layout)
-        return await asyncio.to_thread(writer_checksums, plan, backing, layout)
+            return writer_checksums(plan, regions, layout)
+        return await asyncio.to_thread(writer_checksums, plan, regions, layout)
 
     def _claim(
         self, peer: Peer, reservation: Reservation, transport: Transport | None = None

@@ -39,7 +39,7 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
-from kvray.integrity import THREAD_MIN_BYTES, Checksums, check, placements_of
+from kvray.integrity import THREAD_MIN_BYTES, Checksums, check, regions_of
 from kvray.layout import Int64Array
 from kvray.memory import Backing
 from kvray.metrics import DropReason, IntegrityCheck, Outcome
@@ -126,9 +126,6 @@ class Receiving:
         #: Completions taken on the usual path, not yet in the metrics (`record_completions`):
         #: counted after the waiter resumes, not between the notice and it.
         self._unrecorded: list[TransferDone] = []
-        #: Each layer's placement in this engine's backing, as `kvray.integrity` reads them
-        #: (made at the first check).
-        self._placements: list[tuple[int, int, int, int, int, int]] | None = None
 
     async def start(self) -> dict[str, str]:
         """Start taking writers' claims and notices (a decode engine, once, at its start): the
@@ -579,17 +576,17 @@ class Receiving:
         """`KVIntegrityError` unless every layer the notice names hashes, as landed in the
         request's blocks, to the writer's value (`kvray.integrity.check`), counted either way."""
         engine = self.engine
-        if self._placements is None:
-            self._placements = placements_of(engine.backing)
+        backing = engine.backing
         # The wire admits one algorithm: a notice that names another never decodes.
         expected = Checksums(message.checksum_layers, message.checksum_values)
-        placements, blocks = self._placements, expectation.blocks
+        blocks = expectation.blocks
 
         def checked() -> None:
             check(
                 expected,
-                engine.backing,
-                placements,
+                regions_of(backing),
+                backing.layout,
+                backing.placements,
                 blocks,
                 message.src_tp,
                 request_id=message.request_id,

@@ -8,7 +8,8 @@ single engine token for token and in every generated token's top-5 logprobs (flo
 |Δ| ≤ 1e-5), prefill first (whole pushes) and decode first (layer by layer); the per-layer
 digests (per group) are equal as sent and as received; no block stays held. On the MLA model
 the seed bug (offsets cached by geometry alone, in a prefill engine on the decode engine's
-node: shared memory) breaks both and the digests name the layers; on the hybrid model a killed
+node: shared memory) is caught by the decode engine's integrity check, which names the layers
+and fails every request before it decodes; on the hybrid model a killed
 prefill engine fails its decode requests within the deadline. (The same models on one node and
 behind an HTTP front: `test_bench_connectors.py` serves the MLA model on Ray Serve LLM's P/D
 app, `test_vllm_serve.py` the hybrid one behind kvray's proxy.)
@@ -172,27 +173,25 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
     assert held_blocks(prefill, decode) == [0, 0]
 
 
-def test_the_seed_bug_breaks_the_mla_model_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
+def test_the_seed_bug_on_the_mla_model_is_caught_before_decoding(engines: dict[str, Any]) -> None:
     if engines["shape"].model is not TINY_DEEPSEEK:
         pytest.skip("the seed's case is the MLA model's: every layer of one geometry")
     chosen = prompts()[:16]
     decode, logs = engines["decode"], engines["logs"]
-    single = ray.get(decode.generate.remote(chosen, NEW_TOKENS))
     handoff = prefill_then_decode(engines["seed_bug"], decode, chosen, NEW_TOKENS)
-    differing = [
-        i for i, (a, b) in enumerate(zip(single, handoff.decode, strict=True)) if a.token_ids != b.token_ids
-    ]
-    assert differing, "the seed bug left every generation intact: the KV did not come from the push"
-    sent, received = digests(logs / "bug.jsonl"), digests(logs / "d.jsonl")
-    request = handoff.prefill[0].kv_transfer_params["kvray_prefill_request"]
-    wrong = sorted(
-        layer
-        for layer, digest in sent[("sent", request)].items()
-        if received[("received", request)][layer] != digest
-    )
-    # All four MLA layers share one geometry: every write went to the first layer's offsets.
-    assert wrong == [f"model.layers.{i}.self_attn.attn" for i in (1, 2, 3)], wrong
+    # kv_load_failure_policy "fail": every request the bug wrote over is refused by the decode
+    # engine's integrity check and ends with an error; none is answered from wrong KV.
+    assert [(g.finish_reason, g.token_ids) for g in handoff.decode] == [("error", ())] * len(chosen)
+    # All four MLA layers share one geometry: every write went to the first layer's place.
+    refused = [error for error in failures(logs / "d.jsonl") if "KVIntegrityError" in error]
+    assert len(refused) == len(chosen), refused
+    assert all(
+        "3 of 4 layers differ" in error
+        and all(f"model.layers.{i}.self_attn.attn" in error for i in (1, 2, 3))
+        for error in refused
+    ), refused
     # The seed-bug engine shares the decode engine's node: it wrote through shared memory.
+    request = handoff.prefill[0].kv_transfer_params["kvray_prefill_request"]
     assert by_request(logs / "bug.jsonl", "sent")[request]["transport"] == "shm"
     assert held_blocks(engines["seed_bug"], decode) == [0, 0]
 

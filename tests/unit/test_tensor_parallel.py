@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvray.plan as plan_module
-from kvray.errors import GeometryMismatchError, LayoutError, MetadataError, PlanError, WireDecodeError
+from kvray.errors import (
+    GeometryMismatchError,
+    KVIntegrityError,
+    LayoutError,
+    MetadataError,
+    PlanError,
+    WireDecodeError,
+)
+from kvray.integrity import Checksums, HostRegions, check, landed_pieces, writer_checksums
 from kvray.layout import (
     MAX_TP_SIZE,
     BlockOrder,
@@ -467,6 +475,8 @@ def test_every_decode_rank_gets_exactly_its_heads(data: st.DataObject, make_info
         background[:CANARY] = background[-CANARY:] = 0xA5
         target = background.copy()
         written = 0
+        #: Each source rank's checksums of what it wrote (`kvray.integrity`).
+        checked: list[tuple[EngineInfo, Checksums]] = []
         for source_rank in source_ranks(dst.layout.tp, prefill_size, kv_heads):
             src = prefill[source_rank]
             # The C loops (where built) and the numpy twin, one on a cache that has the pair's
@@ -479,6 +489,7 @@ def test_every_decode_rank_gets_exactly_its_heads(data: st.DataObject, make_info
             assert plans[0].unmerged.rows() == plans[1].unmerged.rows()
             apply_checked(plans[0], src, dst, sources[source_rank], target)
             written += plans[0].nbytes
+            checked.append((src, writer_checksums(plans[0], HostRegions([sources[source_rank]]), dst.layout)))
 
         expected = background.copy()
         region = expected[CANARY : CANARY + length]
@@ -491,6 +502,28 @@ def test_every_decode_rank_gets_exactly_its_heads(data: st.DataObject, make_info
         )
         block_nbytes = sum(shape.geometry().block_nbytes for shape in decode_shapes)
         assert written == count * block_nbytes, "a byte was written twice or not at all"
+
+        # The decode side's integrity check, from its own layout: every source rank's layers
+        # hash as they were written; one bit flipped in a layer's landed bytes names that layer.
+        landed = target[CANARY : CANARY + length]
+        ids = np.array(decode_ids, dtype=np.int64)
+        for src, expected in checked:
+            writer_tp = src.layout.tp if shared_heads(src.layout.tp, dst.layout.tp) is not None else None
+            facts = {"request_id": "r", "engine_id": dst.engine_id, "writer": src.engine_id}
+            check(expected, HostRegions([landed]), dst.layout, dst.placements, ids, writer_tp, **facts)
+            layer = data.draw(st.sampled_from(sorted(dst.layout.layer_names)), label="flipped layer")
+            heads = shared_heads(src.layout.tp, dst.layout.tp)
+            pieces = landed_pieces(dst.layout, dst.placements[layer], ids, layer, heads)
+            piece = data.draw(st.integers(0, pieces.offset.size - 1), label="flipped piece")
+            at = int(pieces.offset[piece]) + data.draw(
+                st.integers(0, int(pieces.nbytes[piece]) - 1), label="byte"
+            )
+            bit = 1 << data.draw(st.integers(0, 7), label="bit")
+            landed[at] ^= bit
+            with pytest.raises(KVIntegrityError) as raised:
+                check(expected, HostRegions([landed]), dst.layout, dst.placements, ids, writer_tp, **facts)
+            assert raised.value.facts["layers"] == [layer]
+            landed[at] ^= bit
 
 
 def llama_rank(
