@@ -125,7 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser = commands.add_parser(
         "doctor", help="which transports work here and why not; pyverbs, RDMA devices, CUDA, versions"
     )
-    doctor_parser.set_defaults(handler=lambda args: doctor.main())
+    doctor_parser.add_argument(
+        "--check-integrity",
+        action="store_true",
+        help="also move one request over each transport available here (workers on a local Ray) "
+        "and check it as a decode engine does; exit 1 if one fails",
+    )
+    doctor_parser.set_defaults(handler=lambda args: doctor.main(integrity=args.check_integrity))
     model_parser = commands.add_parser(
         "model", help="build (once) a test model's Hugging Face folder for vLLM and print its path"
     )
