@@ -10,9 +10,14 @@ writer's first step to the moment the reader may use the KV. The request's block
 `push` as the int64 arrays an engine's block table holds, made before the clock starts (as
 NIXL's descriptor lists are).
 
-Completion latency is measured on the same actors: the prefill side pushes layer by layer
-(`push_layer`: the bytes only), stamps the clock after the last byte, then `finish`es (the
-completion notice alone); the decode side stamps when `wait_for_kv` returns. The path across
+Each transport runs twice, with the integrity check (the default: the writer hashes what it
+pushes, the decode side what landed, before `wait_for_kv` returns) and without it, so the
+table shows what the check costs in the same run.
+
+Completion latency is measured on the same actors, without the integrity check: the prefill
+side pushes layer by layer (`push_layer`: the bytes only), stamps the clock after the last
+byte, then `finish`es (the completion notice alone); the decode side stamps when `wait_for_kv`
+returns. The path across
 nodes is measured on this node by a third prefill agent that says it runs on another node: it
 writes with the `ray` transport and sends its notice over the decode engine's TCP listener, as a
 writer on another node does; and by a bare Ray call on the decode actor, the path a notice takes
@@ -39,7 +44,12 @@ from kvray.wire import Reservation, Role, TransferDone, encode
 
 SHM = "kvray shm"
 RAY = "kvray ray transport"
-_TRANSPORT = {SHM: "shm", RAY: "ray"}
+#: The same with the integrity check off (`integrity_sample_rate` 0): against the rows above, in
+#: the same run, what the check costs (the writer's hash and the decode side's).
+SHM_UNCHECKED = "kvray shm, integrity off"
+RAY_UNCHECKED = "kvray ray transport, integrity off"
+_TRANSPORT = {SHM: "shm", RAY: "ray", SHM_UNCHECKED: "shm", RAY_UNCHECKED: "ray"}
+_UNCHECKED = {SHM_UNCHECKED, RAY_UNCHECKED}
 DEADLINE_S = 60.0
 TIMED = "writer's first step -> reader's wait_for_kv returns (two actors)"
 
@@ -105,11 +115,12 @@ class KvrayPrefill:
         fill_source(backing.regions[0].tensor.numpy(), workload)
         self.agents: dict[str, KVAgent] = {}
         for name, transport in _TRANSPORT.items():
+            rate = 0.0 if name in _UNCHECKED else 1.0
             agent = KVAgent(
-                f"bench-prefill-{transport}-{workload.key}",
+                f"bench-prefill-{transport}{'-unchecked' if rate == 0.0 else ''}-{workload.key}",
                 Role.PREFILL,
                 backing=backing,
-                settings=Settings.from_env(transport=transport),
+                settings=Settings.from_env(transport=transport, integrity_sample_rate=rate),
             )
             await agent.start()
             self.agents[name] = agent
@@ -117,7 +128,7 @@ class KvrayPrefill:
             f"bench-prefill-far-{workload.key}",
             Role.PREFILL,
             backing=backing,
-            settings=Settings.from_env(transport="ray"),
+            settings=Settings.from_env(transport="ray", integrity_sample_rate=0.0),
         )
         self.far_writer.node_id = OTHER_NODE
         await self.far_writer.start()
@@ -148,7 +159,7 @@ class KvrayPrefill:
     async def notify_by_ray_call(self, reservation: Reservation, decode: Any) -> float:
         """A completion notice through the decode actor's `kvray_notify`, the way a writer on
         another node sends it; returns the clock just before the call."""
-        agent = self.agents[SHM]
+        agent = self.agents[SHM_UNCHECKED]
         message = TransferDone(
             transfer_id=f"{reservation.request_id}@bench",
             request_id=reservation.request_id,
@@ -176,8 +187,8 @@ PrefillActor = ray.remote(KvrayPrefill)
 
 class KvrayTransports(Contender):
     family = "kvray"
-    names = (SHM, RAY)
-    timed: ClassVar[Mapping[str, str]] = {SHM: TIMED, RAY: TIMED}
+    names = (SHM, SHM_UNCHECKED, RAY, RAY_UNCHECKED)
+    timed: ClassVar[Mapping[str, str]] = dict.fromkeys(names, TIMED)
 
     def __init__(self, completion_runs: int) -> None:
         self.completion_runs = completion_runs
@@ -200,7 +211,8 @@ class KvrayTransports(Contender):
         ray.get(self.prefill.setup.remote(workload))
 
     def run(self, name: str, run: int) -> Run:
-        request_id = f"{self.workload.key}-{_TRANSPORT[name]}-{run}"
+        unchecked = "-unchecked" if name in _UNCHECKED else ""
+        request_id = f"{self.workload.key}-{_TRANSPORT[name]}{unchecked}-{run}"
         reservation = ray.get(self.decode.prepare.remote(run, request_id))
         facts = ray.get(self.prefill.push.remote(name, reservation))
         seen_at = ray.get(self.decode.seen.remote(request_id))
@@ -219,8 +231,8 @@ class KvrayTransports(Contender):
 
     def _completion_latency(self) -> None:
         paths = (
-            (COMPLETION_SHM, SHM),
-            (COMPLETION_RAY, RAY),
+            (COMPLETION_SHM, SHM_UNCHECKED),
+            (COMPLETION_RAY, RAY_UNCHECKED),
             (COMPLETION_TCP, None),
             (COMPLETION_RAY_CALL, None),
         )
