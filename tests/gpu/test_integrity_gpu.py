@@ -1,0 +1,117 @@
+"""KV integrity on GPU backings over `cuda_ipc`, prefill and decode agents in two processes (no
+Ray): the writer hashes the layers it pushes from GPU memory, the decode side the bytes as they
+landed in its GPU blocks, and a request whose bytes were corrupted on the way (`ByteFlipper`)
+fails with `KVIntegrityError` naming the layer. Also what the check costs here (printed, not
+asserted: timings belong in benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvray.layout import KVLayout, mixed
+from kvray.memory import Backing, MemoryKind
+from kvray.wire import Reservation, Role, decode_engine_info, encode
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LOCAL_BLOCKS = [3, 4, 5, 9, 17]
+REMOTE_BLOCKS = [20, 21, 22, 0, 6]
+
+
+def _decode(conn: Connection, layout: KVLayout, requests: int) -> None:
+    asyncio.run(_decode_agent(conn, layout, requests))
+
+
+async def _decode_agent(conn: Connection, layout: KVLayout, requests: int) -> None:
+    from kvray.agent import KVAgent
+    from kvray.config import Settings
+    from kvray.errors import KVIntegrityError
+
+    torch.cuda.set_device(0)
+    backing = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
+    agent = KVAgent("decode", Role.DECODE, backing=backing, settings=Settings(), use_coordinator=False)
+    info = await agent.start()
+    conn.send(encode(info))
+    for index in range(requests):
+        request_id = f"req-{index}"
+        reservation = agent.expect(request_id, REMOTE_BLOCKS)
+        conn.send(msgspec.msgpack.encode(reservation))
+        try:
+            await agent.wait_for_kv(request_id, timeout=60)
+            conn.send(("ok", []))
+        except KVIntegrityError as error:
+            conn.send(("refused", list(error.facts["layers"])))
+        await agent.release(request_id)
+    conn.send(dict(agent.stats))
+    conn.recv()
+    await agent.close()
+
+
+@pytest.fixture
+def decode_process() -> Any:
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    layout = mixed(32)
+    process = context.Process(target=_decode, args=(child, layout, 3))
+    process.start()
+    assert parent.poll(120), "the decode process did not publish its engine info"
+    yield parent, decode_engine_info(parent.recv())
+    with contextlib.suppress(BrokenPipeError, OSError):
+        parent.send("done")
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+
+
+def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process: Any) -> None:
+    from kvray.agent import KVAgent
+    from kvray.faults import ByteFlipper
+    from kvray.wire import TransportKind
+
+    conn, info = decode_process
+    source = Backing.allocate(info.layout, MemoryKind.CUDA, device="cuda:0")
+    generator = torch.Generator(device="cuda:0").manual_seed(5)
+    region = source.regions[0].tensor
+    region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8, device="cuda:0", generator=generator))
+    flipper = ByteFlipper(every=1 << 30)
+    before = region.cpu().numpy().copy()
+
+    async def push(flip: bool) -> tuple[Any, float]:
+        agent = KVAgent(
+            "prefill", Role.PREFILL, backing=source, use_coordinator=False, transport_hook=flipper
+        )
+        await agent.start()
+        agent.add_peer(info)
+        reservation = msgspec.msgpack.decode(conn.recv(), type=Reservation)
+        flipper.every = 1 if flip else 1 << 30
+        started = time.perf_counter()
+        result = await agent.push(reservation, LOCAL_BLOCKS)
+        seconds = time.perf_counter() - started
+        await agent.close()
+        return result, seconds
+
+    clean, _ = asyncio.run(push(False))
+    assert clean.transport is TransportKind.CUDA_IPC
+    assert conn.recv() == ("ok", [])
+    asyncio.run(push(True))
+    verdict, layers = conn.recv()
+    assert verdict == "refused" and layers == [layer for _, layer in flipper.flipped], (verdict, layers)
+    again, seconds = asyncio.run(push(False))
+    assert conn.recv() == ("ok", [])
+    stats = conn.recv()
+    assert stats["integrity_checks_ok"] == 2 and stats["integrity_checks_mismatch"] == 1
+    # The writer's memory is as it was.
+    assert np.array_equal(region.cpu().numpy(), before)
+    print(
+        f"\ncuda_ipc push of {again.nbytes / 2**20:.2f} MiB with the integrity check: {seconds * 1e3:.2f} ms"
+    )
