@@ -9,7 +9,10 @@ record feeds both views:
   transport and role tags are summed over;
 - the sink: Ray's metrics API (`ray.util.metrics`, exported by each node's metrics agent with a
   `ray_` prefix) while Ray is initialised in this process, nothing otherwise; `MemorySink`
-  keeps every record in memory, for tests and for code that scrapes nothing.
+  keeps every record in memory, for tests and for code that scrapes nothing;
+- taps (`EngineMetrics.tap`): sinks that see each record as it is made, beside the sink; an
+  `IntervalSink` keeps those of `OPERATOR_METRICS` until a reader on another thread takes
+  them (vLLM's connector stats, `kvray.integrations.vllm.stats`).
 
 Records for Ray's sink are batched: made on an event loop, they reach Ray within `FLUSH_S`
 (one call per counter and tag set, however many events), so a transfer's hot path pays a
@@ -22,10 +25,12 @@ import asyncio
 import enum
 import logging
 import sys
-from collections import Counter, defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from kvray.errors import KvrayError
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +161,17 @@ class RdmaReceive(enum.Enum):
 
 #: Tag value of a transport not chosen yet (the push failed before planning).
 NO_TRANSPORT = "none"
+
+#: `kvray_failures`' call tag of a failed `wait_for_kv` (push calls go by their `PushCall`).
+WAIT_CALL = "wait"
+#: `kvray_failures`' cause tag of a failure that is not a kvray error.
+OTHER_CAUSE = "other"
+
+
+def failure_cause(error: BaseException | None) -> str:
+    """A failure's cause as a tag value: the kvray error's class name (a set as small as kvray's
+    error tree, so the tag's values stay bounded), `OTHER_CAUSE` for anything else."""
+    return type(error).__name__ if isinstance(error, KvrayError) else OTHER_CAUSE
 
 
 @dataclass(frozen=True, eq=False)  # one object per metric: hashed by identity, cheaply
@@ -339,6 +355,28 @@ INTEGRITY_MISMATCHED_LAYERS = MetricSpec(
     "failed request)",
     ("engine", "peer"),
 )
+FAILURES = MetricSpec(
+    "kvray_failures",
+    MetricKind.COUNTER,
+    "Push calls (whole, layer, finish) and waits for KV (wait) that failed or timed out, by cause: "
+    "the kvray error's class (TransferTimeoutError, StaleIncarnationError, WriteFailedError, ...; "
+    "other: not a kvray error)",
+    ("engine", "call", "cause"),
+)
+BLOCKS_HELD = MetricSpec(
+    "kvray_blocks_held",
+    MetricKind.GAUGE,
+    "Blocks a prefill engine holds for decode engines: finished requests, from their hold until "
+    "their push or their lease ends",
+    ("engine",),
+)
+LEASES_EXPIRED = MetricSpec(
+    "kvray_leases_expired",
+    MetricKind.COUNTER,
+    "Requests a prefill engine held for a decode engine that did not ask within the lease "
+    "(lease_s): their blocks went back unpushed",
+    ("engine",),
+)
 INTEGRITY_SECONDS = MetricSpec(
     "kvray_integrity_seconds",
     MetricKind.HISTOGRAM,
@@ -375,16 +413,45 @@ METRICS: tuple[MetricSpec, ...] = (
     INTEGRITY_CHECKS,
     INTEGRITY_MISMATCHED_LAYERS,
     INTEGRITY_SECONDS,
+    FAILURES,
+    BLOCKS_HELD,
+    LEASES_EXPIRED,
 )
+
+#: What an operator of P/D serving watches first: what vLLM's connector stats carry to its
+#: /metrics (`kvray.integrations.vllm.stats`) and docs/grafana/kvray.json charts.
+OPERATOR_METRICS: tuple[MetricSpec, ...] = (
+    TRANSFERS,
+    BYTES_PUSHED,
+    BYTES_RECEIVED,
+    TRANSFER_SECONDS,
+    WAITS,
+    WAIT_SECONDS,
+    FAILURES,
+    INTEGRITY_CHECKS,
+    INTEGRITY_MISMATCHED_LAYERS,
+    INTEGRITY_SECONDS,
+    BLOCKS_HELD,
+    LEASES_EXPIRED,
+)
+
+#: Outcomes `kvray_failures` counts: rejected calls (backpressure, retried) and cancelled ones
+#: (their caller's choice) have their outcome counts alone.
+_FAILED = frozenset({Outcome.FAILED, Outcome.TIMED_OUT})
 
 #: Tags that say whose a record is, not what kind: `counts` sums over them.
 IDENTITY_TAGS = frozenset({"engine", "role", "peer", "transport"})
 
 
+def kind_tags(spec: MetricSpec) -> tuple[str, ...]:
+    """The tags of `spec` that say what kind of event a record is (not whose), in order."""
+    return tuple(key for key in spec.tag_keys if key not in IDENTITY_TAGS)
+
+
 def count_key(spec: MetricSpec, tags: Mapping[str, str]) -> str:
     """A counter record's name in `EngineMetrics.counts`: the metric without `kvray_`, then the
     value of each kind tag in order (`kvray_transfers{push=whole,outcome=ok}`: `transfers_whole_ok`)."""
-    kinds = [tags[key] for key in spec.tag_keys if key not in IDENTITY_TAGS]
+    kinds = [tags[key] for key in kind_tags(spec)]
     return "_".join([spec.name.removeprefix("kvray_"), *kinds])
 
 
@@ -495,6 +562,77 @@ def _matches(key: tuple[str, tuple[tuple[str, str], ...]], name: str, tags: Mapp
     return metric == name and all(present.get(tag) == value for tag, value in tags.items())
 
 
+@dataclass
+class Figures:
+    """The records an `IntervalSink` kept over an interval, by metric name, then by the values of
+    the metric's kind tags (`kind_tags`; identity tags are summed over, as in `counts`)."""
+
+    #: Counters' sums.
+    counters: dict[str, dict[tuple[str, ...], float]] = field(default_factory=dict)
+    #: Histograms' observations, in the order they were made.
+    observations: dict[str, dict[tuple[str, ...], list[float]]] = field(default_factory=dict)
+    #: Gauges' latest values.
+    gauges: dict[str, dict[tuple[str, ...], float]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.counters or self.observations or self.gauges)
+
+
+#: Records an `IntervalSink` keeps untaken: a step of a large batch of layer-wise requests makes
+#: three per layer pushed (100 requests of 61 layers: ~18k); past this, nobody is reading.
+MAX_INTERVAL_RECORDS = 1 << 17
+
+
+class IntervalSink:
+    """Keeps the records of `specs` until a reader takes them, summed by interval (`take`), for a
+    view that reads figures by interval, as vLLM's connector stats do. Records come on the agent's
+    loop and the reader takes them on another thread (vLLM's): a record is one append to a deque
+    (thread-safe without a lock: the transfer's path pays that alone), and the reader sums
+    them.
+    Past `max_records` untaken records (a worker driven without a reader) the oldest are dropped."""
+
+    batched = False
+
+    def __init__(
+        self, specs: Iterable[MetricSpec] = OPERATOR_METRICS, max_records: int = MAX_INTERVAL_RECORDS
+    ) -> None:
+        self._kinds = {spec: kind_tags(spec) for spec in specs}
+        self._records: deque[tuple[MetricSpec, float, Mapping[str, str]]] = deque(maxlen=max_records)
+        #: Each gauge's value as last taken (`take` hands on changes only).
+        self._taken_gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        if spec in self._kinds:
+            self._records.append((spec, value, tags))
+
+    def take(self) -> Figures:
+        """The records since the last call (one reader calls this): counters summed and histogram
+        observations listed, by kind tags; gauges only where their value changed since they were
+        last taken (a gauge set to the same level again is not news, and an interval without news
+        is empty)."""
+        figures = Figures()
+        records = self._records
+        while records:  # the only reader: what it saw there is there to take
+            spec, value, tags = records.popleft()
+            key = tuple(tags[tag] for tag in self._kinds[spec])
+            if spec.kind is MetricKind.COUNTER:
+                sums = figures.counters.setdefault(spec.name, {})
+                sums[key] = sums.get(key, 0.0) + value
+            elif spec.kind is MetricKind.GAUGE:
+                figures.gauges.setdefault(spec.name, {})[key] = value
+            else:
+                figures.observations.setdefault(spec.name, {}).setdefault(key, []).append(value)
+        changed: dict[str, dict[tuple[str, ...], float]] = {}
+        for name, levels in figures.gauges.items():
+            for key, value in levels.items():
+                if self._taken_gauges.get((name, key)) != value:
+                    self._taken_gauges[(name, key)] = value
+                    changed.setdefault(name, {})[key] = value
+        figures.gauges = changed
+        return figures
+
+
 #: The process's sink unless an agent is given another: Ray's, when Ray is up.
 RAY_SINK = RaySink()
 
@@ -527,6 +665,8 @@ class EngineMetrics:
         self._counts: Counter[str] = Counter()
         #: (metric, tag values) -> its count key and tags, made once per tag set.
         self._known: dict[tuple[MetricSpec, tuple[str, ...]], tuple[str, dict[str, str]]] = {}
+        #: Sinks handed each record as it is made, beside `sink` (`tap`).
+        self._taps: tuple[MetricsSink, ...] = ()
 
     @classmethod
     def detached(cls) -> EngineMetrics:
@@ -537,6 +677,11 @@ class EngineMetrics:
     def counts(self) -> Counter[str]:
         """Every counter's total so far, by `count_key` (a copy: absent keys read 0)."""
         return self._counts.copy()
+
+    def tap(self, sink: MetricsSink) -> None:
+        """Hand every record from now on to `sink` too, as it is made (never batched), on the
+        thread that makes it: the agent's event loop."""
+        self._taps = (*self._taps, sink)
 
     def flush(self) -> None:
         """Hand the records held back for a batched sink on now (an agent does as it closes):
@@ -558,6 +703,8 @@ class EngineMetrics:
             self.sink.record(spec, value, tags)
 
     def _emit(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        for tap in self._taps:
+            tap.record(spec, value, tags)
         if not self._batched:
             self.sink.record(spec, value, tags)
             return
@@ -593,13 +740,22 @@ class EngineMetrics:
         self._count(BYTES_PUSHED, (self.engine_id, transport, peer), nbytes)
 
     def transfer(
-        self, push: PushCall, outcome: Outcome, transport: str, peer: str, seconds: float | None = None
+        self,
+        push: PushCall,
+        outcome: Outcome,
+        transport: str,
+        peer: str,
+        seconds: float | None = None,
+        error: BaseException | None = None,
     ) -> None:
-        """One push call ended; `seconds` is observed for successful calls."""
+        """One push call ended; `seconds` is observed for successful calls, and a call that
+        failed or timed out is counted by its `error`'s cause."""
         self._count(TRANSFERS, (self.engine_id, transport, peer, push.value, outcome.value))
         if outcome is Outcome.OK and seconds is not None:
             _, tags = self._known_tags(TRANSFER_SECONDS, (self.engine_id, transport, peer, push.value))
             self._emit(TRANSFER_SECONDS, seconds, tags)
+        elif outcome in _FAILED:
+            self._count(FAILURES, (self.engine_id, push.value, failure_cause(error)))
 
     def layerwise_partial(self) -> None:
         self._count(LAYERWISE_PARTIAL, (self.engine_id,))
@@ -621,11 +777,14 @@ class EngineMetrics:
         """A transfer its writer reported failed (`received`: one taken as done)."""
         self._count(COMPLETIONS, (self.engine_id, "failed"))
 
-    def wait(self, outcome: Outcome, seconds: float) -> None:
-        """One `wait_for_kv` ended; its wait is observed when the KV arrived."""
+    def wait(self, outcome: Outcome, seconds: float, error: BaseException | None = None) -> None:
+        """One `wait_for_kv` ended; its wait is observed when the KV arrived, and a wait that
+        failed or timed out is counted by its `error`'s cause."""
         self._count(WAITS, (self.engine_id, outcome.value))
         if outcome is Outcome.OK:
             self._emit(WAIT_SECONDS, seconds, self._known_tags(WAIT_SECONDS, (self.engine_id,))[1])
+        elif outcome in _FAILED:
+            self._count(FAILURES, (self.engine_id, WAIT_CALL, failure_cause(error)))
 
     def dropped(self, reason: DropReason) -> None:
         self._count(MESSAGES_DROPPED, (self.engine_id, reason.value))
@@ -675,6 +834,15 @@ class EngineMetrics:
 
     def rdma_receive(self, outcome: RdmaReceive) -> None:
         self._count(RDMA_RECEIVES, (self.engine_id, outcome.value))
+
+    # ---- a prefill engine's hand-offs (`kvray.agent.handoff`) ----
+
+    def lease_expired(self) -> None:
+        self._count(LEASES_EXPIRED, (self.engine_id,))
+
+    def blocks_held(self, count: int) -> None:
+        _, tags = self._known_tags(BLOCKS_HELD, (self.engine_id,))
+        self._emit(BLOCKS_HELD, count, tags)
 
     # ---- a worker's block pool ----
 

@@ -383,6 +383,8 @@ class Handoff:
         #: Prefill: requests held for a decode engine, and push requests that came before
         #: their request (with when they came).
         self._held: dict[str, _Held] = {}
+        #: Prefill: the blocks of the requests held (`_held_changed`).
+        self._blocks_held = 0
         #: Prefill: decode ranks' messages (push requests, and withdrawals from engines of
         #: several ranks) that came before their request was held, with when they came.
         self._parked: dict[str, list[tuple[PushRequest | PushWithdrawn, float]]] = {}
@@ -464,6 +466,7 @@ class Handoff:
             self.drop(key)
             return
         held = self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
+        self._held_changed(held, began=True)
         for message, _ in self._parked.pop(key, ()):
             if isinstance(message, PushRequest):
                 self._spawn(self._push(message))
@@ -485,6 +488,7 @@ class Handoff:
         held = self._held.get(key)
         if held is not None and not held.pushing:
             del self._held[key]
+            self._held_changed(held, began=False)
             self._spend(key)
             self._reports.sent(held.spec.request_id)
 
@@ -495,8 +499,10 @@ class Handoff:
         for key, held in list(self._held.items()):
             if not held.pushing and held.lease_ends <= now:
                 del self._held[key]
+                self._held_changed(held, began=False)
                 self._spend(key)
                 self._reports.sent(held.spec.request_id)
+                self.agent.metrics.lease_expired()
                 log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
         for key, until in list(self._spent.items()):
             if until <= now:
@@ -510,6 +516,13 @@ class Handoff:
                         self._spawn(
                             self._refuse(message, "the prefill engine holds no such finished request")
                         )
+
+    def _held_changed(self, held: _Held, *, began: bool) -> None:
+        """A hold began or ended: record the blocks held as it happens, before the end is
+        reported (vLLM reads the figure as the step that hears of the end ends, maybe its last)."""
+        blocks = len(table_blocks(held.spec.block_ids))
+        self._blocks_held += blocks if began else -blocks
+        self.agent.metrics.blocks_held(self._blocks_held)
 
     def _spend(self, key: str) -> None:
         """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
@@ -614,6 +627,7 @@ class Handoff:
         blocks go back to the engine and its hand-off id is spent."""
         if held.settled and self._held.get(key) is held:
             del self._held[key]
+            self._held_changed(held, began=False)
             self._spend(key)
             self._reports.sent(held.spec.request_id)
 

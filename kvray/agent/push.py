@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -326,13 +327,14 @@ class Pusher:
             return None
         return peer
 
-    def _record_finish(self, state: _Layerwise, outcome: Outcome) -> None:
+    def _record_finish(self, state: _Layerwise, outcome: Outcome, error: BaseException | None = None) -> None:
         self.engine.metrics.transfer(
             PushCall.FINISH,
             outcome,
             state.transport.value,
             state.reservation.engine_id,
             time.perf_counter() - state.started,
+            error,
         )
 
     async def _receipt(self, state: _Layerwise, peer: Peer, receipt: Receipt) -> None:
@@ -368,7 +370,7 @@ class Pusher:
             raise
         finally:
             self.notices.claims.end(reservation)
-            self._record_finish(state, outcome)
+            self._record_finish(state, outcome, sys.exc_info()[1])  # the error leaving, if any
 
     def _tell_failed(self, peer: Peer, state: _Layerwise, reason: str) -> None:
         if not self.engine.closed.is_set():
@@ -591,7 +593,8 @@ class Pusher:
         finally:
             transport = attempt.transport.value if attempt.transport is not None else NO_TRANSPORT
             seconds = time.perf_counter() - attempt.started
-            engine.metrics.transfer(call, outcome, transport, remote_engine, seconds)
+            # The error leaving this block, if any: the one raised above.
+            engine.metrics.transfer(call, outcome, transport, remote_engine, seconds, sys.exc_info()[1])
 
     async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:
         """After a transport failure, ask the directory whether the peer has a new incarnation

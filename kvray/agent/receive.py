@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -378,8 +379,8 @@ class Receiving:
             timer.cancel()
             if outcome is Outcome.OK:  # after the caller resumes: off the path to its next step
                 loop.call_soon(self._record_wait, outcome, time.perf_counter() - started)
-            else:
-                engine.metrics.wait(outcome, time.perf_counter() - started)
+            else:  # the error leaving the wait: the future's, or one raised above
+                engine.metrics.wait(outcome, time.perf_counter() - started, sys.exc_info()[1])
             if not future.done():
                 future.cancel()
 

@@ -1,6 +1,7 @@
-"""kvray's metrics as Prometheus sees them: real transfers between worker actors on a local Ray,
-read back from the node's metrics agent (Ray's Prometheus endpoint), where Ray exports them with
-a `ray_` prefix (counters with a `_total` suffix)."""
+"""kvray's metrics as Prometheus sees them: real transfers between worker actors on a local Ray
+(and a prefill engine's hand-off holding requests nobody asks for), read back from the node's
+metrics agent (Ray's Prometheus endpoint), where Ray exports them with a `ray_` prefix (counters
+with a `_total` suffix)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import ray
 
+from kvray.agent.handoff import Handoff, LoadSpec, PushRequestMail, SendSpec
+from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.layout import mixed
+from kvray.wire import Role
 from kvray.workers import DecodeActor, PrefillActor
 
 pytestmark = pytest.mark.cluster
@@ -72,6 +77,20 @@ def _total(samples: list[Sample], name: str, **labels: str) -> float:
     )
 
 
+def _scrape_until(
+    url: str, expected: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+) -> dict[Any, float]:
+    """Each sample sum of `expected` (by name and labels) as scraped once they are all in, or at
+    a deadline (each worker reports every 500 ms)."""
+    deadline = time.monotonic() + 90
+    while True:
+        samples = _scrape(url)
+        seen = {key: _total(samples, key[0], **dict(key[1])) for key in expected}
+        if seen == expected or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)
+
+
 def test_transfers_show_up_in_prometheus(metrics_url: str) -> None:
     layout = mixed(16)
     prefill = PrefillActor.remote("metrics-p", layout)
@@ -119,6 +138,73 @@ def test_transfers_show_up_in_prometheus(metrics_url: str) -> None:
     assert waits == 3
     assert in_use == 2
     assert _total(samples, "ray_kvray_blocks_total", engine="metrics-d") == layout.num_blocks
-    assert _total(samples, "ray_kvray_transfers_total", outcome="failed") == 0
+    assert _total(samples, "ray_kvray_transfers_total", engine="metrics-p", outcome="failed") == 0
+    assert _total(samples, "ray_kvray_failures_total", engine="metrics-p") == 0
     ok = _total(samples, "ray_kvray_transfers_total", engine="metrics-p", push="whole", outcome="ok")
     assert ok == 2
+
+
+def test_failures_show_up_by_cause(metrics_url: str) -> None:
+    layout = mixed(16)
+    prefill = PrefillActor.remote("metrics-fail-p", layout)
+    decode = DecodeActor.remote("metrics-fail-d", layout)
+    ray.get([actor.start.remote() for actor in (prefill, decode)])
+    # A push into a reservation its decode engine released: refused, nothing written.
+    ray.get(prefill.allocate.remote("gone", 2))
+    reservation = ray.get(decode.reserve.remote("gone", 2))
+    ray.get(decode.release.remote("gone"))
+    with pytest.raises(ray.exceptions.RayTaskError, match="NotExpectedError"):
+        ray.get(prefill.push.remote(reservation, timeout=30.0))
+    # A wait for KV nobody pushes.
+    ray.get(decode.reserve.remote("never", 2))
+    with pytest.raises(ray.exceptions.RayTaskError, match="TransferTimeoutError"):
+        ray.get(decode.wait.remote("never", 0.2))
+
+    failures = "ray_kvray_failures_total"
+    expected = {
+        (failures, (("engine", "metrics-fail-p"), ("call", "whole"), ("cause", "NotExpectedError"))): 1.0,
+        (failures, (("engine", "metrics-fail-p"),)): 1.0,
+        (failures, (("engine", "metrics-fail-d"), ("call", "wait"), ("cause", "TransferTimeoutError"))): 1.0,
+        (failures, (("engine", "metrics-fail-d"),)): 1.0,
+        ("ray_kvray_transfers_total", (("engine", "metrics-fail-p"), ("outcome", "failed"))): 1.0,
+        ("ray_kvray_waits_total", (("engine", "metrics-fail-d"), ("outcome", "timed_out"))): 1.0,
+    }
+    assert _scrape_until(metrics_url, expected) == expected
+
+
+@ray.remote
+class LeaseHolder:
+    """A prefill engine's hand-off in an actor, holding requests no decode engine asks for (the
+    actor is its `HandoffReports`: a class of this module's own would not unpickle in Ray's
+    workers, which cannot import a test module)."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.agent = KVAgent(engine_id, Role.PREFILL, mixed(16), use_coordinator=False)
+        self.handoff: Handoff | None = None
+
+    def sent(self, request_id: str) -> None:
+        pass
+
+    def loaded(self, spec: LoadSpec, *, failed: bool) -> None:
+        pass
+
+    async def hold(self, blocks: list[int], lease_s: float) -> None:
+        """Hold a request of `blocks` for `lease_s`, then check the leases."""
+        if self.handoff is None:  # made on the actor's event loop, where its push-request inbox listens
+            self.handoff = Handoff(
+                self.agent, PushRequestMail(self.agent.settings.shm_dir), self, lease_s=lease_s
+            )
+        self.handoff.lease_s = lease_s
+        self.handoff.hold(SendSpec(f"request-{blocks[0]}", (tuple(blocks),)))
+        self.handoff.expire()
+
+
+def test_leases_expired_and_blocks_held_show_up(metrics_url: str) -> None:
+    holder = LeaseHolder.remote("metrics-lease-p")
+    ray.get(holder.hold.remote([1, 2, 3], 300.0))  # held: nobody asks
+    ray.get(holder.hold.remote([4, 5], 0.0))  # its lease has ended by the check
+    expected = {
+        ("ray_kvray_leases_expired_total", (("engine", "metrics-lease-p"),)): 1.0,
+        ("ray_kvray_blocks_held", (("engine", "metrics-lease-p"),)): 3.0,
+    }
+    assert _scrape_until(metrics_url, expected) == expected

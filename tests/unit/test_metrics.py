@@ -7,6 +7,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import threading
 import types
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,22 +21,37 @@ from agent_pair import agent_pair
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.errors import BlockIdError, TransferTimeoutError, WireDecodeError
+from kvray.errors import (
+    BackpressureError,
+    BlockIdError,
+    RequestCancelledError,
+    StaleIncarnationError,
+    TransferTimeoutError,
+    WireDecodeError,
+    WriteFailedError,
+)
 from kvray.layout import BlockOrder, mixed
 from kvray.metrics import (
+    BLOCKS_HELD,
     BLOCKS_IN_USE,
     BYTES_PUSHED,
+    FAILURES,
     METRICS,
+    OPERATOR_METRICS,
     TRANSFER_SECONDS,
     TRANSFERS,
     WAITS,
     EngineMetrics,
+    IntervalSink,
     MemorySink,
     MetricKind,
+    NoticeSend,
+    NullSink,
     Outcome,
     PushCall,
     RaySink,
     count_key,
+    failure_cause,
 )
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
@@ -103,6 +119,10 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
     assert sink.value(WAITS.name, engine="m-d", outcome="timed_out") == 1
     assert len(sink.observations("kvray_wait_seconds", engine="m-d")) == 2
     assert sink.value("kvray_messages_dropped", engine="m-d", reason="malformed") == 1
+    # Failures by cause: the refused push and the wait that timed out, nothing else.
+    assert sink.value(FAILURES.name, engine="m-p", call="whole", cause="BlockIdError") == 1
+    assert sink.value(FAILURES.name, engine="m-d", call="wait", cause="TransferTimeoutError") == 1
+    assert sink.value(FAILURES.name) == 2
 
     # One system: each agent's stats are exactly its counter records, by count_key.
     for agent in (prefill, decode):
@@ -114,6 +134,97 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
         assert +agent.stats == +totals
     assert prefill.stats["transfers_whole_ok"] == 1 and prefill.stats["transfers_layer_ok"] == 2
     assert decode.stats["completions_ok"] == 2 and decode.stats["messages_dropped_malformed"] == 1
+
+
+def test_failures_are_counted_by_the_kvray_error_class() -> None:
+    sink = MemorySink()
+    metrics = EngineMetrics("p", "prefill", sink)
+    metrics.transfer(PushCall.WHOLE, Outcome.TIMED_OUT, "shm", "d", 1.0, TransferTimeoutError("late"))
+    metrics.transfer(PushCall.LAYER, Outcome.FAILED, "shm", "d", None, StaleIncarnationError("old"))
+    metrics.transfer(PushCall.FINISH, Outcome.FAILED, "shm", "d", None, RuntimeError("not kvray's"))
+    # Refused at once (retried) and cancelled (the caller's choice): outcomes, not failures.
+    metrics.transfer(PushCall.WHOLE, Outcome.REJECTED, "none", "d", error=BackpressureError("full"))
+    metrics.transfer(PushCall.WHOLE, Outcome.CANCELLED, "shm", "d", error=None)
+    metrics.wait(Outcome.FAILED, 0.5, WriteFailedError("the writer failed"))
+    metrics.wait(Outcome.CANCELLED, 0.5, RequestCancelledError("released"))
+    assert sink.value(FAILURES.name, engine="p", call="whole", cause="TransferTimeoutError") == 1
+    assert sink.value(FAILURES.name, call="layer", cause="StaleIncarnationError") == 1
+    assert sink.value(FAILURES.name, call="finish", cause="other") == 1
+    assert sink.value(FAILURES.name, call="wait", cause="WriteFailedError") == 1
+    assert sink.value(FAILURES.name) == 4
+    assert metrics.counts["failures_wait_WriteFailedError"] == 1
+    assert failure_cause(None) == failure_cause(ValueError()) == "other"
+
+
+def test_operator_metrics_are_kvray_metrics() -> None:
+    assert set(OPERATOR_METRICS) <= set(METRICS)
+    assert len(set(OPERATOR_METRICS)) == len(OPERATOR_METRICS)
+
+
+async def test_a_tap_sees_each_record_as_it_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_ray(monkeypatch, initialized=True)
+    metrics = EngineMetrics("p", "prefill", RaySink())  # batched: records reach Ray later
+    tap = MemorySink()
+    metrics.tap(tap)
+    metrics.bytes_pushed("shm", "d", 10)
+    metrics.transfer(PushCall.WHOLE, Outcome.OK, "shm", "d", 0.001)
+    assert _FakeMetric.made == []
+    assert tap.value(BYTES_PUSHED.name, engine="p", peer="d") == 10
+    assert tap.observations(TRANSFER_SECONDS.name, push="whole") == [0.001]
+    metrics.flush()
+
+
+def test_an_interval_sink_keeps_the_operator_figures_until_taken() -> None:
+    figures = IntervalSink()
+    metrics = EngineMetrics("p", "prefill", NullSink())
+    metrics.tap(figures)
+    metrics.transfer(PushCall.WHOLE, Outcome.OK, "shm", "d1", 0.002)
+    metrics.transfer(PushCall.WHOLE, Outcome.OK, "ray", "d2", 0.004)
+    metrics.transfer(PushCall.LAYER, Outcome.FAILED, "shm", "d1", error=WriteFailedError("lost"))
+    metrics.bytes_pushed("shm", "d1", 100)
+    metrics.bytes_pushed("ray", "d2", 50)
+    metrics.notice_sent("tcp", NoticeSend.AT_ONCE)  # not an operator metric: not kept
+    metrics.blocks_held(3)
+    taken = figures.take()
+    # By kind tags: peers and transports are summed over, as in `counts`.
+    assert taken.counters[TRANSFERS.name] == {("whole", "ok"): 2.0, ("layer", "failed"): 1.0}
+    assert taken.counters[BYTES_PUSHED.name] == {(): 150.0}
+    assert taken.counters[FAILURES.name] == {("layer", "WriteFailedError"): 1.0}
+    assert taken.observations == {TRANSFER_SECONDS.name: {("whole",): [0.002, 0.004]}}
+    assert taken.gauges == {BLOCKS_HELD.name: {(): 3}}
+    assert "kvray_notices_sent" not in taken.counters
+    assert figures.take().empty  # taken: nothing since
+    metrics.blocks_held(3)
+    assert figures.take().empty  # the same level again is not news
+    metrics.blocks_held(0)
+    assert figures.take().gauges == {BLOCKS_HELD.name: {(): 0}}
+
+
+def test_an_interval_sink_read_from_another_thread_loses_no_record() -> None:
+    figures = IntervalSink()
+    metrics = EngineMetrics("p", "prefill", NullSink())
+    metrics.tap(figures)
+    recorded = 20_000
+
+    def record() -> None:
+        for _ in range(recorded):
+            metrics.bytes_pushed("shm", "d", 1)
+
+    writer = threading.Thread(target=record)
+    writer.start()
+    taken = 0.0
+    while writer.is_alive():
+        taken += figures.take().counters.get(BYTES_PUSHED.name, {}).get((), 0.0)
+    writer.join()
+    taken += figures.take().counters.get(BYTES_PUSHED.name, {}).get((), 0.0)
+    assert taken == recorded
+
+
+def test_an_interval_sink_nobody_reads_keeps_its_latest_records() -> None:
+    figures = IntervalSink(max_records=3)
+    for nbytes in (1, 2, 4, 8, 16):
+        figures.record(BYTES_PUSHED, nbytes, {"engine": "p", "transport": "shm", "peer": "d"})
+    assert figures.take().counters == {BYTES_PUSHED.name: {(): 28.0}}
 
 
 def test_count_keys_name_the_metric_and_its_kind_tags() -> None:
