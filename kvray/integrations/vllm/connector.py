@@ -88,6 +88,7 @@ from kvray.agent.handoff import (
 )
 from kvray.config import handoff_key_from_env
 from kvray.errors import ConfigError, TicketError
+from kvray.integrations.vllm.stats import KvrayConnectorStats, KvrayPromMetrics, take_stats
 from kvray.integrations.vllm.tickets import (
     HANDOFF,
     PREFILL_ENGINE,
@@ -343,6 +344,25 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pending()
+
+    # ---- vLLM's connector stats: kvray's figures on vLLM's /metrics (`stats`) -------------
+
+    def get_kv_connector_stats(self) -> KvrayConnectorStats | None:
+        return take_stats(self._worker.figures) if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvrayConnectorStats:
+        return KvrayConnectorStats.build(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvrayPromMetrics:
+        return KvrayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 class _Scheduler:

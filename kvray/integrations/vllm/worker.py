@@ -41,6 +41,7 @@ from kvray.memory import (
     create_shm_buffer,
     cuda_pool_buffer,
 )
+from kvray.metrics import IntervalSink
 from kvray.owned import remove_owned
 from kvray.wire import EngineInfo, Role
 
@@ -365,6 +366,9 @@ class ConnectorWorker:
         self._mail: PushRequestMail | None = None
         self._loop: AgentLoop | None = None
         self._results = _Results()
+        #: The agent's records of `kvray.metrics.OPERATOR_METRICS` since vLLM last asked
+        #: (`KvrayConnector.get_kv_connector_stats`).
+        self.figures = IntervalSink()
         #: vLLM's KV cache as kvray moves it, once registered.
         self.cache: CacheLayout | None = None
         #: The vLLM layers saved so far in this step's forward, by kvray layer.
@@ -512,6 +516,7 @@ class ConnectorWorker:
         )
         if self.node_id is not None:
             agent.node_id = self.node_id
+        agent.metrics.tap(self.figures)
         self._handoff = Handoff(
             agent,
             self._mail,
