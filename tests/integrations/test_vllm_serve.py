@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -259,3 +260,82 @@ def test_clients_sharing_one_request_id_each_get_their_own_answer(servers: dict[
     ]
     assert again == alone[:2]
     assert kv_cache_usage(servers["prefill"], model) == 0.0 and kv_cache_usage(decode, model) == 0.0
+
+
+# ---- kvray's figures on vLLM's /metrics ------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(?P<name>vllm:kvray_\w+)\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def kvray_samples(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """The server's `vllm:kvray_*` samples: (name, labels, value)."""
+    samples = []
+    for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            samples.append((match["name"], dict(_LABEL.findall(match["labels"])), float(match["value"])))
+    return samples
+
+
+def figure(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        value
+        for sample, present, value in samples
+        if sample == name and all(present.get(key) == wanted for key, wanted in labels.items())
+    )
+
+
+def test_kvray_figures_move_on_vllms_metrics(servers: dict[str, str]) -> None:
+    model, proxy, prefill, decode = servers["model"], servers["proxy"], servers["prefill"], servers["decode"]
+    names = {name for name, _, _ in kvray_samples(prefill)}
+    assert {"vllm:kvray_bytes_pushed_total", "vllm:kvray_blocks_held"} <= names  # there before any event
+    before = {"prefill": kvray_samples(prefill), "decode": kvray_samples(decode)}
+    prompts = load_prompts()[:3]
+    for prompt in prompts:
+        complete(proxy, model, prompt)
+    # A ticket taken twice: the prefill engine pushes it once; the second load is refused there
+    # (its hand-off is spent), and the decode engine's wait for it fails.
+    held = complete(prefill, model, prompts[0], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    ticket = held["kv_transfer_params"]
+    complete(decode, model, prompts[0], kv_transfer_params=ticket)
+    body = {"model": model, "prompt": prompts[0], "max_tokens": NEW_TOKENS, "kv_transfer_params": ticket}
+    httpx.post(f"{decode}/v1/completions", json=body, timeout=300.0)
+
+    def moved(side: str, name: str, **labels: str) -> float:
+        return figure(after[side], name, **labels) - figure(before[side], name, **labels)
+
+    # Engines report their figures as their steps end, the front-end records them as it hears:
+    # read until they are in (bounded).
+    deadline = time.monotonic() + 60
+    while True:
+        after = {"prefill": kvray_samples(prefill), "decode": kvray_samples(decode)}
+        failed = moved("decode", "vllm:kvray_failures_total", call="wait", cause="WriteFailedError")
+        if (moved("decode", "vllm:kvray_waits_total", outcome="ok") >= 4 and failed >= 1) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.5)
+    pushes = moved("prefill", "vllm:kvray_transfers_total", push="whole", outcome="ok") + moved(
+        "prefill", "vllm:kvray_transfers_total", push="finish", outcome="ok"
+    )
+    assert pushes == 4
+    assert moved("prefill", "vllm:kvray_transfers_total", outcome="failed") == 0
+    pushed = moved("prefill", "vllm:kvray_bytes_pushed_total")
+    assert pushed > 0
+    assert moved("decode", "vllm:kvray_bytes_received_total") == pushed
+    assert moved("decode", "vllm:kvray_waits_total", outcome="ok") == 4
+    assert moved("decode", "vllm:kvray_wait_seconds_count") == 4
+    assert moved("prefill", "vllm:kvray_transfer_seconds_count") == 4
+    assert moved("decode", "vllm:kvray_waits_total", outcome="failed") == 1
+    assert moved("decode", "vllm:kvray_failures_total", call="wait", cause="WriteFailedError") == 1
+    # Integrity is checked on every request by default: each KV that arrived hashed as sent.
+    assert moved("decode", "vllm:kvray_integrity_checks_total", result="ok") == 4
+    assert moved("decode", "vllm:kvray_integrity_checks_total", result="mismatch") == 0
+    assert moved("prefill", "vllm:kvray_leases_expired_total") == 0
+    assert figure(after["prefill"], "vllm:kvray_blocks_held") == 0  # every hold pushed and freed
+    engine = {"model_name": model, "engine": "0"}
+    assert figure(after["prefill"], "vllm:kvray_bytes_pushed_total", **engine) == figure(
+        after["prefill"], "vllm:kvray_bytes_pushed_total"
+    )
