@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import socket
 import time
+import types
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def _scrape(url: str) -> list[Sample]:
     samples = []
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if match and match["name"].startswith("ray_kvray_"):
+        if match and match["name"].startswith(("ray_kvray_", "ray_vllm_kvray_")):
             labels = dict(_LABEL.findall(match["labels"] or ""))
             samples.append(Sample(match["name"], labels, float(match["value"])))
     return samples
@@ -206,5 +207,45 @@ def test_leases_expired_and_blocks_held_show_up(metrics_url: str) -> None:
     expected = {
         ("ray_kvray_leases_expired_total", (("engine", "metrics-lease-p"),)): 1.0,
         ("ray_kvray_blocks_held", (("engine", "metrics-lease-p"),)): 3.0,
+    }
+    assert _scrape_until(metrics_url, expected) == expected
+
+
+def test_vllm_engine_figures_as_ray_serve_llm_exports_them(metrics_url: str) -> None:
+    """What Ray Serve LLM's vLLM engines do with kvray's connector stats: vLLM's Ray stat logger
+    (`RayKVConnectorProm`) builds kvray's metrics with Ray's metric wrappers, and Ray exports
+    them as `ray_vllm_kvray_*`."""
+    ray_wrappers = pytest.importorskip("vllm.v1.metrics.ray_wrappers")
+    from vllm.config import KVTransferConfig
+
+    from kvray.integrations.vllm.stats import take_stats
+    from kvray.metrics import EngineMetrics, IntervalSink, NullSink, Outcome, PushCall
+
+    transfer = KVTransferConfig(
+        kv_connector="KvrayConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kvray.integrations.vllm.connector",
+    )
+    engines: dict[int, list[object]] = {0: ["served-model", "0"]}
+    prom = ray_wrappers.RayKVConnectorProm(
+        types.SimpleNamespace(kv_transfer_config=transfer), ["model_name", "engine"], engines
+    )
+    figures = IntervalSink()
+    metrics = EngineMetrics("serve-llm-p", "prefill", NullSink())
+    metrics.tap(figures)
+    for _ in range(3):
+        metrics.transfer(PushCall.WHOLE, Outcome.OK, "shm", "d", 0.002)
+        metrics.bytes_pushed("shm", "d", 4096)
+    metrics.blocks_held(7)
+    stats = take_stats(figures)
+    assert stats is not None
+    prom.observe(stats.to_dict(), 0)
+
+    engine = (("model_name", "served-model"), ("engine", "0"))
+    expected = {
+        ("ray_vllm_kvray_transfers_total", (*engine, ("push", "whole"), ("outcome", "ok"))): 3.0,
+        ("ray_vllm_kvray_bytes_pushed_total", engine): 3 * 4096.0,
+        ("ray_vllm_kvray_transfer_seconds_count", (*engine, ("push", "whole"))): 3.0,
+        ("ray_vllm_kvray_blocks_held", engine): 7.0,
     }
     assert _scrape_until(metrics_url, expected) == expected
