@@ -38,7 +38,8 @@ kv_transfer_params are client input: kvray reads only tickets it signed (`ticket
                   the held blocks at once
 
 The workers' lines are `kvray.agent.handoff.Handoff` (the same for any engine integration);
-`worker` hands it each step's decisions and reports its outcomes to vLLM.
+`worker` hands it each step's decisions and reports its outcomes to vLLM, and `stats` what the
+agent recorded (transfers, bytes, latencies, failures, integrity, holds) to vLLM's `/metrics`.
 
 Decode first (Ray Serve LLM's orchestrator): the orchestrator mints the id and signs a `load`
 ticket for D and a `hold` ticket for P; D asks while P computes, and P pushes each layer as its
