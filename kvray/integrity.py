@@ -78,28 +78,9 @@ def sampled(request_id: str, rate: float) -> bool:
 
 def writer_pieces(plan: TransferPlan) -> list[Pieces]:
     """Per layer of `plan`: the local ranges its ops read, in the order of where they land."""
-    layers: list[Pieces] = []
-    rows = plan.rows
-    if rows is not None:
-        for index in range(len(plan.layers)):
-            first, stop = rows.local.layer_starts[index], rows.local.layer_starts[index + 1]
-            local = slice(first, stop)
-            local_start = (
-                rows.local.base[local, None] + rows.local_ids[None, :] * rows.local.block_stride[local, None]
-            )
-            remote_start = (
-                rows.remote.base[local, None]
-                + rows.remote_ids[None, :] * rows.remote.block_stride[local, None]
-            )
-            blocks = rows.local_ids.size
-            local_region = np.repeat(rows.local.region[local], blocks)
-            remote_region = np.repeat(rows.remote.region[local], blocks)
-            nbytes = np.repeat(rows.local.nbytes[local], blocks)
-            order = np.lexsort((remote_start.ravel(), remote_region))
-            layers.append(Pieces(local_region[order], local_start.ravel()[order], nbytes[order]))
-        return layers
     unmerged = plan.unmerged
     starts = plan.layer_starts
+    layers: list[Pieces] = []
     for index in range(len(plan.layers)):
         span = slice(starts[index], starts[index + 1])
         order = np.lexsort((unmerged.remote_offset[span], unmerged.remote_region[span]))

@@ -550,6 +550,10 @@ class Receiving:
         try:
             if message.arrival_proofs:
                 await self._arrived(message)
+                # Every write posted before the last immediate has landed: the writer is done here.
+                expectation.writer_done.set()
+            if message.checksum and not future.done():
+                await self._check_integrity(message, expectation)
         except asyncio.CancelledError:
             return  # the wait ended (deadline, cancel, close): its own path reports it
         except KvrayError as error:
@@ -557,19 +561,6 @@ class Receiving:
                 future.set_exception(error)
                 future.exception()
             return
-        if message.arrival_proofs:
-            # Every write posted before the last immediate has landed: the writer is done here.
-            expectation.writer_done.set()
-        if message.checksum and not future.done():
-            try:
-                await self._check_integrity(message, expectation)
-            except asyncio.CancelledError:
-                return
-            except KvrayError as error:
-                if not future.done():
-                    future.set_exception(error)
-                    future.exception()
-                return
         if not future.done():
             self._complete(message, future)
 
