@@ -192,7 +192,7 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
         why="--quick (smaller blocks, 2 runs) instead of 20 runs; its JSON out of the checkout",
     ),
     "kvray bench --only memcpy kvray --cases a --repeat 10": Skip(
-        "a timing benchmark (integrity on and off); the --only memcpy kvray nixl line above runs its --quick form"
+        "a timing benchmark (integrity on and off); the --only memcpy kvray nixl line runs its --quick form"
     ),
     "kvray bench": Skip("the whole benchmark, many minutes; tests/e2e/test_bench_quick.py runs --quick"),
     "kvray bench --json docs/results/bench.json --plot docs/results/bench.png": Skip(
