@@ -13,9 +13,16 @@ side finds the places from its own layout and reservation, never from the writer
 plan that writes a layer over another (the seed bug), a byte flipped on the way, or a write
 that never landed all fail the check alike.
 
-The hash is XXH3-64 (the xxHash library, `xxhash` on PyPI) over those bytes as one stream: it
-reads 15-20 GB/s on one core here and releases the GIL, so large checks run on a worker thread.
-Memory on a GPU is gathered to the host first (`DeviceRegions`).
+Two algorithms, named in the notice; the writer picks the one its memory hashes fastest and
+the decode side computes the same, wherever its own memory is:
+- `xxh3_64` for host memory: XXH3-64 (the xxHash library, `xxhash` on PyPI) over the bytes as one
+  stream. It reads 15-20 GB/s on one core here and releases the GIL, so large checks run on a
+  worker thread.
+- `wsum64` for GPU memory: a position-weighted sum of the stream's 32-bit words, computed on the
+  device by reduction kernels (`wsum64`), so only eight bytes per layer cross to the host. Any
+  one flipped bit of a stream shorter than 8 GiB changes it, and so does a block moved to
+  another place; it is a checksum against faults, not a defence against a forger (the notice's
+  channel is what the writer is checked by).
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from kvray.memory import Backing
 from kvray.plan import TransferPlan
 from kvray.tensor_parallel import head_runs, shared_heads
 
-#: The one algorithm: what `TransferDone.checksum` names.
+#: The algorithms: what `TransferDone.checksum` names.
 XXH3_64: Final = "xxh3_64"
+WSUM64: Final = "wsum64"
+Algorithm = Literal["xxh3_64", "wsum64"]
 #: Checks of at least this many bytes run on a worker thread (below it the hop costs more).
 THREAD_MIN_BYTES = 1 << 20
 
@@ -60,7 +69,7 @@ class Checksums:
 
     layers: tuple[int, ...]
     values: tuple[int, ...]
-    algorithm: Literal["xxh3_64"] = XXH3_64
+    algorithm: Algorithm = XXH3_64
 
 
 def sampled(request_id: str, rate: float) -> bool:
@@ -98,8 +107,9 @@ def writer_checksums(plan: TransferPlan, regions: RegionBytes, dst_layout: KVLay
     """The values a writer sends for `plan`: each layer's bytes as read from its `regions`."""
     names = dst_layout.layer_names
     indices = tuple(names.index(layer) for layer in plan.layers)
-    values = tuple(hash_pieces(regions, pieces) for pieces in writer_pieces(plan))
-    return Checksums(indices, values)
+    algorithm = regions.algorithm
+    values = tuple(regions.digest(pieces, algorithm) for pieces in writer_pieces(plan))
+    return Checksums(indices, values, algorithm)
 
 
 # ---- the decode side -------------------------------------------------------------------------
@@ -140,15 +150,16 @@ def landed_checksums(
     blocks: Int64Array,
     layers: Sequence[int],
     writer_tp: TensorParallel | None,
+    algorithm: Algorithm = XXH3_64,
 ) -> tuple[int, ...]:
-    """The values of `layers` (indices into the decode engine's `layout`) over the bytes as
-    they sit in its `blocks` (see `landed_pieces`)."""
+    """The `algorithm` values of `layers` (indices into the decode engine's `layout`) over the
+    bytes as they sit in its `blocks` (see `landed_pieces`)."""
     heads = None if writer_tp is None else shared_heads(writer_tp, layout.tp, "the writer", "this engine")
     names = layout.layer_names
-    return tuple(
-        hash_pieces(regions, landed_pieces(layout, placements[names[index]], blocks, names[index], heads))
-        for index in layers
+    pieces = (
+        landed_pieces(layout, placements[names[index]], blocks, names[index], heads) for index in layers
     )
+    return tuple(regions.digest(layer, algorithm) for layer in pieces)
 
 
 def check(
@@ -178,7 +189,9 @@ def check(
             request_id=request_id,
             engine_id=engine_id,
         )
-    landed = landed_checksums(regions, layout, placements, blocks, expected.layers, writer_tp)
+    landed = landed_checksums(
+        regions, layout, placements, blocks, expected.layers, writer_tp, expected.algorithm
+    )
     wrong = [
         layout.layer_names[index]
         for index, want, got in zip(expected.layers, expected.values, landed, strict=True)
@@ -200,42 +213,76 @@ def check(
 
 
 class RegionBytes(Protocol):
-    """An engine's regions as the hash reads them."""
+    """An engine's regions as the checks read them."""
 
-    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
-        """The bytes of each range in order (several ranges may come as one buffer)."""
+    #: The algorithm this memory hashes fastest: what a writer over it sends.
+    algorithm: Algorithm
+
+    def digest(self, pieces: Pieces, algorithm: Algorithm) -> int:
+        """`algorithm`'s value of the pieces' bytes as one stream."""
         ...
 
 
 class HostRegions:
     """Regions in host memory: each a buffer of its bytes, read in place."""
 
+    algorithm: Algorithm = XXH3_64
+
     def __init__(self, regions: Sequence[npt.NDArray[np.uint8]]) -> None:
         self._views = [region.reshape(-1).view(np.uint8).data for region in regions]
 
-    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
+    def read(self, pieces: Pieces) -> Iterator[memoryview]:
+        """The pieces' bytes in order, back-to-back ranges as one buffer."""
         views = self._views
+        region, offset, nbytes = _merged(pieces)
         for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True):
             yield views[r][start : start + length]
 
+    def digest(self, pieces: Pieces, algorithm: Algorithm) -> int:
+        if algorithm == XXH3_64:
+            import xxhash
+
+            hasher = xxhash.xxh3_64()
+            for data in self.read(pieces):
+                hasher.update(data)
+            return hasher.intdigest()
+        summer = WeightedSum()
+        for data in self.read(pieces):
+            summer.update(np.frombuffer(data, dtype=np.uint8))
+        return summer.value()
+
 
 class DeviceRegions:
-    """Regions on a GPU: the ranges are gathered on the device and copied to the host."""
+    """Regions on a GPU: a layer's ranges are gathered into one buffer on the device, summed
+    there (`wsum64`), or copied to the host for XXH3 (a writer in host memory)."""
+
+    algorithm: Algorithm = WSUM64
 
     def __init__(self, regions: Sequence[torch.Tensor]) -> None:
         self._tensors = list(regions)
 
-    def read(self, region: Int64Array, offset: Int64Array, nbytes: Int64Array) -> Iterator[memoryview]:
+    def gather(self, pieces: Pieces) -> torch.Tensor:
+        """The pieces' bytes as one uint8 tensor on the regions' device."""
+        region, offset, nbytes = _merged(pieces)
         parts = [
             self._tensors[r][start : start + length]
             for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True)
         ]
-        if parts:
-            yield torch.cat(parts).cpu().numpy().data
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=self._tensors[0].device)
+        return torch.cat(parts)
+
+    def digest(self, pieces: Pieces, algorithm: Algorithm) -> int:
+        gathered = self.gather(pieces)
+        if algorithm == WSUM64:
+            return wsum64(gathered)
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(gathered.cpu().numpy().data)
 
 
 def regions_of(backing: Backing) -> RegionBytes:
-    """How the hash reads `backing`'s regions."""
+    """How the checks read `backing`'s regions."""
     tensors = [region.tensor for region in backing.regions]
     if any(tensor.device.type != "cpu" for tensor in tensors):
         return DeviceRegions(tensors)
@@ -243,14 +290,79 @@ def regions_of(backing: Backing) -> RegionBytes:
 
 
 def hash_pieces(regions: RegionBytes, pieces: Pieces) -> int:
-    """XXH3-64 of the pieces' bytes as one stream (ranges that follow each other in memory are
-    read as one)."""
-    import xxhash
+    """The value of the pieces' bytes in the algorithm `regions` hashes fastest."""
+    return regions.digest(pieces, regions.algorithm)
 
-    digest = xxhash.xxh3_64()
-    for data in regions.read(*_merged(pieces)):
-        digest.update(data)
-    return digest.intdigest()
+
+# ---- wsum64 ---------------------------------------------------------------------------------
+#
+# The stream's n bytes, zero-padded to whole 32-bit little-endian words w_0 .. w_(m-1):
+#   A = sum(w_i),  B = sum((i + 1) * w_i),  value = B + K * A + n   (all mod 2**64, K odd).
+# One flipped bit k of word i moves the value by 2**k * (i + 1 + K), which is 0 mod 2**64 only
+# where i + 1 = -K mod 2**(64 - k): for K below, no i of a stream under 8 GiB. Integer sums mod
+# 2**64 do not depend on the order of the additions, so a GPU reduction, torch on the CPU and
+# numpy agree to the bit.
+
+WSUM64_K: Final = 0x9E3779B97F4A7C15
+_MASK64: Final = (1 << 64) - 1
+#: Words summed per step: bounds the device's temporary int64 tensors (three of 8 bytes a word).
+_WSUM_CHUNK_WORDS: Final = 1 << 23
+
+
+def wsum64(data: torch.Tensor) -> int:
+    """`wsum64` of a 1-D uint8 tensor's bytes, computed where the tensor is (reduction kernels
+    on a GPU)."""
+    nbytes = data.numel()
+    pad = -nbytes % 4
+    if pad or data.storage_offset() % 4:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _WSUM_CHUNK_WORDS):
+        chunk = words[start : start + _WSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        index = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=data.device)
+        total += chunk.sum()
+        weighted += (chunk * index).sum()
+    return (int(weighted) + WSUM64_K * int(total) + nbytes) & _MASK64
+
+
+class WeightedSum:
+    """`wsum64` over a stream that arrives in buffers (host memory, numpy)."""
+
+    def __init__(self) -> None:
+        self._total = 0
+        self._weighted = 0
+        self._words = 0
+        self._nbytes = 0
+        self._carry = np.zeros(0, dtype=np.uint8)
+
+    def update(self, data: npt.NDArray[np.uint8]) -> None:
+        self._nbytes += data.size
+        if self._carry.size:
+            data = np.concatenate([self._carry, data])
+        whole = data.size - data.size % 4
+        self._carry = data[whole:].copy()
+        for start in range(0, whole, 4 * _WSUM_CHUNK_WORDS):
+            chunk = data[start : min(whole, start + 4 * _WSUM_CHUNK_WORDS)]
+            self._add(np.frombuffer(chunk, dtype="<u4"))
+
+    def _add(self, words: npt.NDArray[np.uint32]) -> None:
+        wide = words.astype(np.uint64)
+        index = np.arange(self._words + 1, self._words + 1 + wide.size, dtype=np.uint64)
+        self._total = (self._total + int(wide.sum(dtype=np.uint64))) & _MASK64
+        self._weighted = (self._weighted + int((wide * index).sum(dtype=np.uint64))) & _MASK64
+        self._words += wide.size
+
+    def value(self) -> int:
+        weighted, total = self._weighted, self._total
+        if self._carry.size:
+            last = np.zeros(4, dtype=np.uint8)
+            last[: self._carry.size] = self._carry
+            word = int(last.view("<u4")[0])
+            total = (total + word) & _MASK64
+            weighted = (weighted + (self._words + 1) * word) & _MASK64
+        return (weighted + WSUM64_K * total + self._nbytes) & _MASK64
 
 
 def _merged(pieces: Pieces) -> tuple[Int64Array, Int64Array, Int64Array]:

@@ -273,7 +273,7 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: algorithm ("" when the transfer was not checked), the layers (indices into the decode
     #: engine's layout) and their values. The decode side takes the request only when the
     #: bytes as landed hash the same.
-    checksum: Literal["", "xxh3_64"] = ""
+    checksum: Literal["", "xxh3_64", "wsum64"] = ""
     checksum_layers: Annotated[tuple[LayerIndex, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
     checksum_values: Annotated[tuple[Uint64, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
     #: The writer's tensor-parallel rank (None: it holds every head this engine holds), which

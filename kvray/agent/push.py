@@ -231,7 +231,9 @@ class Pusher:
             state.layers.add(layer)
             if checksums is not None:
                 known = state.checksums or Checksums((), ())
-                state.checksums = Checksums(known.layers + checksums.layers, known.values + checksums.values)
+                state.checksums = Checksums(
+                    known.layers + checksums.layers, known.values + checksums.values, checksums.algorithm
+                )
             state.arrival_proofs += transport.arrival_proofs
             state.nbytes += plan.nbytes
             state.ops += len(plan.ops)

@@ -569,8 +569,9 @@ class Receiving:
         request's blocks, to the writer's value (`kvray.integrity.check`), counted either way."""
         engine = self.engine
         backing = engine.backing
-        # The wire admits one algorithm: a notice that names another never decodes.
-        expected = Checksums(message.checksum_layers, message.checksum_values)
+        # Called only for a notice that names an algorithm (the wire admits those kvray has).
+        assert message.checksum
+        expected = Checksums(message.checksum_layers, message.checksum_values, message.checksum)
         blocks = expectation.blocks
 
         def checked() -> None:
