@@ -105,8 +105,8 @@ def serving(
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
     def deploy(**changes: Any) -> None:
-        """The app with `changes` to its `build_pd_app` arguments: deployed again, Serve
-        applies a change of replica counts alone in place (the running replicas stay)."""
+        """The app with `changes` to its `build_pd_app` arguments (deployed again, Serve
+        replaces the replicas of a deployment whose arguments changed)."""
         serve.run(
             build_pd_app(
                 model,

@@ -90,9 +90,15 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 
 def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str, Any]) -> None:
+    # The model, alone in an engine, answers sensibly: the folder `kvray model smollm2` built is
+    # the model, not noise.
+    (paris,) = ray.get(engines["decode"].generate.remote(["The capital of France is"], 4))
+    assert paris.text.startswith(" Paris"), paris.text
     prompts = load_prompts()
     assert len(prompts) >= 32
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
+    # The engine read every prompt whole (none cut short) and answered each.
+    assert all(g.token_ids for g in single)
     handoff = prefill_then_decode(engines["prefill"], engines["decode"], prompts, NEW_TOKENS)
     assert all(
         g.kv_transfer_params and g.kv_transfer_params.get("kvray_prefill_engine") for g in handoff.prefill

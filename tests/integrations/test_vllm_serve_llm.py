@@ -301,11 +301,11 @@ def under_load(
 
 
 def test_a_killed_decode_replica_fails_only_its_requests_and_is_replaced(app: dict[str, Any]) -> None:
-    first = replicas("Decode")
+    # Serve may start both replicas afresh (a new version of the deployment) or add one.
     app["redeploy"](decode_replicas=2)
     running("Decode", 2)
     before = replicas("Decode")
-    assert len(before) == 2 and set(first) <= set(before), (first, before)
+    assert len(before) == 2, before
     prompts = load_prompts()[:8]
     alone = [g.text for g in ray.get(app["reference"].generate.remote(prompts, FAULT_TOKENS))]
     victim, load, answers = under_load(app["url"], prompts, "Decode", on_replicas=len(prompts))
