@@ -11,7 +11,13 @@ cache helps either side). Per length, medians with min and max over the runs:
   decode engine the request, once it has asked, to its first token) and the tail: from the
   last layer's KV in the prefill's cache to the decode side told it may decode.
 
-    python examples/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--json PATH]
+With `--integrity`, also what the integrity check costs (`kvray.integrity`): a second prefill
+engine that sends no checksums (`integrity_sample_rate` 0) hands fresh prompts of each length to
+the same decode engine, interleaved with the checked pair's, and the push, the decode side's
+wait (which includes its check) and the TTFT are set side by side. Digests are off for these
+(they would hash the KV once more).
+
+    python benchmarks/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--integrity] [--json PATH]
 
 Needs the vllm extra (see the README's *vLLM* section).
 """
@@ -33,6 +39,13 @@ import ray
 
 from kvray.integrations.vllm.model import smollm2
 from kvray.integrations.vllm.pd import Engine, decode_first, prefill_then_decode, transfer_config
+
+
+def kv_bytes(tokens: int) -> int:
+    """SmolLM2's KV for `tokens` as vLLM's CPU cache holds it: whole blocks of 128 tokens, 30
+    layers, 3 KV heads of 64 values for K and V, float32."""
+    blocks = -(-tokens // 128)
+    return blocks * 128 * 30 * 3 * 64 * 2 * 4
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -72,26 +85,38 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--integrity", action="store_true", help="also an unchecked prefill engine: the check's cost"
+    )
     args = parser.parse_args()
     max_model_len = max(args.lengths) + 64
     model = str(smollm2())
     ray.init(include_dashboard=False, log_to_driver=False)
     logs = Path(tempfile.mkdtemp(prefix="kvray-vllm-bench-"))
     actor = ray.remote(num_cpus=0)(Engine)
+    # With --integrity no request's KV is digested (timings only): the check is what is timed.
+    digests = {"digest_every": 10**9} if args.integrity else {}
     prefill = actor.remote(
-        model, transfer_config({"digest_log": str(logs / "p.jsonl")}), max_model_len=max_model_len
+        model, transfer_config({**digests, "digest_log": str(logs / "p.jsonl")}), max_model_len=max_model_len
     )
     decode = actor.remote(
-        model, transfer_config({"digest_log": str(logs / "d.jsonl")}), max_model_len=max_model_len
+        model, transfer_config({**digests, "digest_log": str(logs / "d.jsonl")}), max_model_len=max_model_len
     )
     single = actor.remote(model, None, max_model_len=max_model_len)
-    ray.get([engine.processes.remote() for engine in (prefill, decode, single)])
+    engines = [prefill, decode, single]
+    unchecked = None
+    if args.integrity:
+        config = {**digests, "digest_log": str(logs / "p-unchecked.jsonl"), "integrity_sample_rate": 0.0}
+        unchecked = actor.remote(model, transfer_config(config), max_model_len=max_model_len)
+        engines.append(unchecked)
+    ray.get([engine.processes.remote() for engine in engines])
     rng = np.random.default_rng(0)
     vocabulary = 49000  # inside SmolLM2's 49,152 tokens, clear of the special ones at the end
 
     results: dict[int, dict[str, Any]] = {}
     for length in args.lengths:
         single_ttft, pair_ttft, first_ttft, requests, layered = [], [], [], [], []
+        off_ttft, off_requests = [], []
         for run in range(args.runs + 1):  # the first run of each length warms up, untimed
             prompt = rng.integers(0, vocabulary, length).tolist()
             began = time.perf_counter()
@@ -105,6 +130,14 @@ def main() -> int:
             other = rng.integers(0, vocabulary, length).tolist()
             first = decode_first(prefill, decode, [other], 1, before_prefill=asked(logs / "p.jsonl", marks))
             layerwise = time.perf_counter() - marks[-1]
+            if unchecked is not None:
+                began = time.perf_counter()
+                plain = prefill_then_decode(
+                    unchecked, decode, [rng.integers(0, vocabulary, length).tolist()], 1
+                )
+                if run:
+                    off_ttft.append(time.perf_counter() - began)
+                    off_requests.append((plain.prefill[0].kv_transfer_params or {})["kvray_prefill_request"])
             if run:
                 single_ttft.append(alone)
                 pair_ttft.append(both)
@@ -127,6 +160,13 @@ def main() -> int:
             "layerwise_requests": len(tail_s),
             "layerwise_ttft_ratio": statistics.median(first_ttft) / statistics.median(single_ttft),
         }
+        if unchecked is not None:
+            pushed_off = records(logs / "p-unchecked.jsonl")
+            results[length]["unchecked"] = {
+                "push_s": spread([pushed_off[r] for r in off_requests if r in pushed_off]),
+                "decode_wait_s": spread([waited[r] for r in off_requests if r in waited]),
+                "pd_ttft_s": spread(off_ttft),
+            }
     failed = [
         line
         for log in (logs / "p.jsonl", logs / "d.jsonl")
@@ -147,6 +187,23 @@ def main() -> int:
         ]
         ratios = f"{row['ttft_ratio']:.2f}x {row['layerwise_ttft_ratio']:.2f}x"
         print(f"{length:>6}  " + "  ".join(f"{cell:>22}" for cell in cells) + f"  {ratios}")
+    if unchecked is not None:
+        print("\nthe integrity check's cost: one decode engine, checked vs unchecked prefill (medians, ms)")
+        print(
+            f"{'tokens':>6}  {'KV bytes':>9}  {'push on':>8} {'off':>7}  {'wait on':>8} {'off':>7}  "
+            f"{'wait +':>10}  {'TTFT P/D on':>11} {'off':>7}"
+        )
+        for length, row in results.items():
+            off = row["unchecked"]
+            # The decode side's wait spans the whole transfer: its push request, the push, the
+            # notice and (checked) its own hash.
+            on_s, off_s = row["decode_wait_s"]["median"], off["decode_wait_s"]["median"]
+            print(
+                f"{length:>6}  {kv_bytes(length) / 2**20:7.1f}Mi  {row['push_s']['median'] * 1e3:8.1f} "
+                f"{off['push_s']['median'] * 1e3:7.1f}  {row['decode_wait_s']['median'] * 1e3:8.1f} "
+                f"{off['decode_wait_s']['median'] * 1e3:7.1f}  {(on_s / off_s - 1) * 100:+9.1f}%  "
+                f"{row['pd_ttft_s']['median'] * 1e3:11.1f} {off['pd_ttft_s']['median'] * 1e3:7.1f}"
+            )
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": args.runs, "results": results}, indent=2))
     ray.shutdown()

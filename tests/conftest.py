@@ -6,6 +6,11 @@ import os
 # uses the loopback address; otherwise a second node on this machine binds eth0's address and
 # hangs connecting to the head.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Several vLLM engines (each a worker with an OpenMP thread per core) share this machine's cores
+# in the integration tests. OpenMP threads that spin while they wait for work take the cores
+# from the engine that has work; passive ones sleep. Every process the tests start (Ray workers,
+# vLLM's engine cores and workers, the README's commands) inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Iterator
 from typing import Any
