@@ -125,8 +125,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: Share of requests whose KV a writer hashes as it pushes (`kvray.integrity`; 1.0: every
     #: request, 0.0: none). The decode side checks every transfer that carries checksums
     #: before the request may decode; a request is picked by its id, so every layer and every
-    #: TP rank of it is checked alike.
-    integrity_sample_rate: float = 1.0
+    #: TP rank of it is checked alike. The default checks one request in a hundred: checking
+    #: all costs more than a transfer on the fastest paths (docs/benchmarks.md), while a fault
+    #: that corrupts every request (the seed bug's kind) is still caught within about a
+    #: hundred requests.
+    integrity_sample_rate: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):

@@ -118,9 +118,11 @@ async def run_demo(args: argparse.Namespace) -> list[RequestOutcome]:
     model = ReferenceModel(config)
     order = BlockOrder(args.block_order)
     layout = model.layout(args.blocks, order)
-    overrides: dict[str, Any] = {"transport": args.transport}
-    if args.no_integrity:
-        overrides["integrity_sample_rate"] = 0.0
+    # The demo checks every request's KV (the library's default samples), or none.
+    overrides: dict[str, Any] = {
+        "transport": args.transport,
+        "integrity_sample_rate": 0.0 if args.no_integrity else 1.0,
+    }
     settings = Settings.from_env(**overrides)
     fault = SeedBugOffsetCache() if args.inject_seed_bug else None
     memory, num_gpus = _placement(args)

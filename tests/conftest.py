@@ -11,6 +11,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # from the engine that has work; passive ones sleep. Every process the tests start (Ray workers,
 # vLLM's engine cores and workers, the README's commands) inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every request's KV checked (`Settings.integrity_sample_rate`, read by `Settings.from_env` in
+# every process the tests start): the tests exercise the check on every transfer, not on the
+# default's one in a hundred. Tests of sampling set their own rate; the README's commands run
+# without it (`tests/e2e/test_readme_flows.py`), as a user's would.
+os.environ.setdefault("KVRAY_INTEGRITY_SAMPLE_RATE", "1.0")
 
 from collections.abc import Iterator
 from typing import Any

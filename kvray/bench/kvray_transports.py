@@ -44,12 +44,13 @@ from kvray.wire import Reservation, Role, TransferDone, encode
 
 SHM = "kvray shm"
 RAY = "kvray ray transport"
-#: The same with the integrity check off (`integrity_sample_rate` 0): against the rows above, in
-#: the same run, what the check costs (the writer's hash and the decode side's).
-SHM_UNCHECKED = "kvray shm, integrity off"
-RAY_UNCHECKED = "kvray ray transport, integrity off"
-_TRANSPORT = {SHM: "shm", RAY: "ray", SHM_UNCHECKED: "shm", RAY_UNCHECKED: "ray"}
-_UNCHECKED = {SHM_UNCHECKED, RAY_UNCHECKED}
+#: The same with every request's KV checked (`integrity_sample_rate` 1.0; the rows above check
+#: none): against them, in the same run, what the check costs (the writer's hash and the decode
+#: side's).
+SHM_CHECKED = "kvray shm, every request checked"
+RAY_CHECKED = "kvray ray transport, every request checked"
+_TRANSPORT = {SHM: "shm", RAY: "ray", SHM_CHECKED: "shm", RAY_CHECKED: "ray"}
+_CHECKED = {SHM_CHECKED, RAY_CHECKED}
 DEADLINE_S = 60.0
 TIMED = "writer's first step -> reader's wait_for_kv returns (two actors)"
 
@@ -115,9 +116,9 @@ class KvrayPrefill:
         fill_source(backing.regions[0].tensor.numpy(), workload)
         self.agents: dict[str, KVAgent] = {}
         for name, transport in _TRANSPORT.items():
-            rate = 0.0 if name in _UNCHECKED else 1.0
+            rate = 1.0 if name in _CHECKED else 0.0
             agent = KVAgent(
-                f"bench-prefill-{transport}{'-unchecked' if rate == 0.0 else ''}-{workload.key}",
+                f"bench-prefill-{transport}{'-checked' if rate else ''}-{workload.key}",
                 Role.PREFILL,
                 backing=backing,
                 settings=Settings.from_env(transport=transport, integrity_sample_rate=rate),
@@ -159,7 +160,7 @@ class KvrayPrefill:
     async def notify_by_ray_call(self, reservation: Reservation, decode: Any) -> float:
         """A completion notice through the decode actor's `kvray_notify`, the way a writer on
         another node sends it; returns the clock just before the call."""
-        agent = self.agents[SHM_UNCHECKED]
+        agent = self.agents[SHM]
         message = TransferDone(
             transfer_id=f"{reservation.request_id}@bench",
             request_id=reservation.request_id,
@@ -187,7 +188,7 @@ PrefillActor = ray.remote(KvrayPrefill)
 
 class KvrayTransports(Contender):
     family = "kvray"
-    names = (SHM, SHM_UNCHECKED, RAY, RAY_UNCHECKED)
+    names = (SHM, SHM_CHECKED, RAY, RAY_CHECKED)
     timed: ClassVar[Mapping[str, str]] = dict.fromkeys(names, TIMED)
 
     def __init__(self, completion_runs: int) -> None:
@@ -211,8 +212,8 @@ class KvrayTransports(Contender):
         ray.get(self.prefill.setup.remote(workload))
 
     def run(self, name: str, run: int) -> Run:
-        unchecked = "-unchecked" if name in _UNCHECKED else ""
-        request_id = f"{self.workload.key}-{_TRANSPORT[name]}{unchecked}-{run}"
+        checked = "-checked" if name in _CHECKED else ""
+        request_id = f"{self.workload.key}-{_TRANSPORT[name]}{checked}-{run}"
         reservation = ray.get(self.decode.prepare.remote(run, request_id))
         facts = ray.get(self.prefill.push.remote(name, reservation))
         seen_at = ray.get(self.decode.seen.remote(request_id))
@@ -231,8 +232,8 @@ class KvrayTransports(Contender):
 
     def _completion_latency(self) -> None:
         paths = (
-            (COMPLETION_SHM, SHM_UNCHECKED),
-            (COMPLETION_RAY, RAY_UNCHECKED),
+            (COMPLETION_SHM, SHM),
+            (COMPLETION_RAY, RAY),
             (COMPLETION_TCP, None),
             (COMPLETION_RAY_CALL, None),
         )

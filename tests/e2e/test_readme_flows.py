@@ -418,6 +418,7 @@ def with_ports(text: str, ports: dict[int, int]) -> str:
 
 def block_environment(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("KVRAY_INTEGRITY_SAMPLE_RATE", None)  # tests/conftest.py's: users run the default
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["RAY_ADDRESS"] = "local"

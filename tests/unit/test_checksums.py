@@ -114,3 +114,17 @@ def test_host_and_device_regions_compute_either_algorithm_alike() -> None:
     import xxhash
 
     assert host.digest(pieces, XXH3_64) == device.digest(pieces, XXH3_64) == xxhash.xxh3_64_intdigest(stream)
+
+
+def test_the_default_checks_about_one_request_in_a_hundred_and_all_ranks_alike() -> None:
+    from kvray.config import Settings
+    from kvray.integrity import sampled
+
+    rate = Settings().integrity_sample_rate
+    assert rate == 0.01
+    ids = [f"req-{i}-{random.Random(i).getrandbits(64):x}" for i in range(20_000)]
+    checked = sum(sampled(request_id, rate) for request_id in ids)
+    assert 0.007 * len(ids) < checked < 0.013 * len(ids), checked
+    # Decided by the id alone: asked again (another layer, another rank), the same answer.
+    assert [sampled(i, rate) for i in ids[:500]] == [sampled(i, rate) for i in ids[:500]]
+    assert all(sampled(i, 1.0) for i in ids[:100]) and not any(sampled(i, 0.0) for i in ids[:100])
