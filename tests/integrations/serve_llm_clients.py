@@ -34,6 +34,22 @@ def exported(metric: str) -> dict[str, float]:
     return values
 
 
+def exported_total(metric: str, **labels: str) -> float:
+    """The sum over every node and Serve replica of a Ray-exported metric's series that carry
+    `labels`."""
+    total = 0.0
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for line in httpx.get(url, timeout=10.0).text.splitlines():
+            if line.startswith(metric + "{") and all(
+                f'{key}="{value}"' in line for key, value in labels.items()
+            ):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def kv_cache_usage() -> dict[str, float]:
     """The KV cache usage (the fraction of blocks held) that each Serve replica's vLLM engine
     last recorded, by replica id, as Ray's metrics agents export it. An engine records it as

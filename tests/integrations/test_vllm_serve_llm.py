@@ -29,6 +29,7 @@ from handoff_logs import by_request, failures
 from serve_llm_clients import (
     MODEL_ID,
     exported,
+    exported_total,
     hang_up,
     kv_cache_usage,
     ongoing,
@@ -106,6 +107,17 @@ def test_completions_equal_a_single_engine_and_the_kv_arrives_intact(app: dict[s
     assert sampled
     for key in sampled:
         assert sent[key]["layers"] == received[key]["layers"], key
+    # kvray's figures on Ray Serve LLM's own metrics (its engines' vLLM Ray stat logger): every
+    # request pushed, and checked (the tests check every request's KV) with no mismatch.
+    deadline = time.monotonic() + 60.0
+    while True:
+        pushed = exported_total("ray_vllm_kvray_transfers_total", outcome="ok")
+        checked = exported_total("ray_vllm_kvray_integrity_checks_total", result="ok")
+        if (pushed >= len(prompts) and checked >= len(prompts)) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert pushed >= len(prompts) and checked >= len(prompts), (pushed, checked)
+    assert exported_total("ray_vllm_kvray_integrity_checks_total", result="mismatch") == 0
 
 
 def test_streamed_completions_and_chat_equal_a_single_engine(app: dict[str, Any]) -> None:
