@@ -176,4 +176,6 @@ def test_what_the_gpu_checksum_costs() -> None:
         timings["copy to host + xxh3"].append(time.perf_counter() - started)
     for name, seconds in timings.items():
         median = sorted(seconds)[len(seconds) // 2]
-        print(f"\n{name}: 64 MiB in {median * 1e3:.2f} ms (median of 7), {(64 << 20) / median / 1e9:.1f} GB/s")
+        print(
+            f"\n{name}: 64 MiB in {median * 1e3:.2f} ms (median of 7), {(64 << 20) / median / 1e9:.1f} GB/s"
+        )
