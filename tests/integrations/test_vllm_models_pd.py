@@ -152,6 +152,14 @@ def test_pd_equals_a_single_engine_in_tokens_and_logprobs(engines: dict[str, Any
         assert len(sent[("sent", request)]) == engines["shape"].digest_layers
         # The engines are on two nodes: nothing but the ray transport reaches across.
         assert pushes[request]["transport"] == "ray", pushes[request]
+    # Each connector worker joined the cluster and registered with kvray's coordinator, naming
+    # its engine's node: the decode side found the prefill engine there.
+    from kvray.coordinator import get_or_create_coordinator
+    from kvray.wire import decode_engine_info
+
+    found = ray.get(get_or_create_coordinator().lookup.remote(params[0]["kvray_prefill_engine"], 10.0))
+    nodes = ray.get([prefill.node_id.remote(), decode.node_id.remote()])
+    assert nodes[0] != nodes[1] and decode_engine_info(found[0]).node_id == nodes[0], nodes
     assert held_blocks(prefill, decode) == [0, 0]
 
 
