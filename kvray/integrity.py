@@ -27,6 +27,7 @@ the decode side computes the same, wherever its own memory is:
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ def writer_checksums(plan: TransferPlan, regions: RegionBytes, dst_layout: KVLay
     names = dst_layout.layer_names
     indices = tuple(names.index(layer) for layer in plan.layers)
     algorithm = regions.algorithm
-    values = tuple(regions.digest(pieces, algorithm) for pieces in writer_pieces(plan))
+    values = regions.digest_layers(writer_pieces(plan), algorithm)
     return Checksums(indices, values, algorithm)
 
 
@@ -159,7 +160,7 @@ def landed_checksums(
     pieces = (
         landed_pieces(layout, placements[names[index]], blocks, names[index], heads) for index in layers
     )
-    return tuple(regions.digest(layer, algorithm) for layer in pieces)
+    return regions.digest_layers(list(pieces), algorithm)
 
 
 def check(
@@ -222,6 +223,10 @@ class RegionBytes(Protocol):
         """`algorithm`'s value of the pieces' bytes as one stream."""
         ...
 
+    def digest_layers(self, layers: Sequence[Pieces], algorithm: Algorithm) -> tuple[int, ...]:
+        """`digest` of each layer's pieces."""
+        ...
+
 
 class HostRegions:
     """Regions in host memory: each a buffer of its bytes, read in place."""
@@ -251,6 +256,9 @@ class HostRegions:
             summer.update(np.frombuffer(data, dtype=np.uint8))
         return summer.value()
 
+    def digest_layers(self, layers: Sequence[Pieces], algorithm: Algorithm) -> tuple[int, ...]:
+        return tuple(self.digest(pieces, algorithm) for pieces in layers)
+
 
 class DeviceRegions:
     """Regions on a GPU: a layer's ranges are gathered into one buffer on the device, summed
@@ -273,12 +281,17 @@ class DeviceRegions:
         return torch.cat(parts)
 
     def digest(self, pieces: Pieces, algorithm: Algorithm) -> int:
-        gathered = self.gather(pieces)
+        return self.digest_layers([pieces], algorithm)[0]
+
+    def digest_layers(self, layers: Sequence[Pieces], algorithm: Algorithm) -> tuple[int, ...]:
+        """Every layer gathered into one buffer on the device, then summed per layer by a few
+        kernels for all the layers at once (not a set of launches per layer)."""
+        gathered = [self.gather(pieces) for pieces in layers]
         if algorithm == WSUM64:
-            return wsum64(gathered)
+            return wsum64_layers(gathered)
         import xxhash
 
-        return xxhash.xxh3_64_intdigest(gathered.cpu().numpy().data)
+        return tuple(xxhash.xxh3_64_intdigest(layer.cpu().numpy().data) for layer in gathered)
 
 
 def regions_of(backing: Backing) -> RegionBytes:
@@ -312,19 +325,35 @@ _WSUM_CHUNK_WORDS: Final = 1 << 23
 def wsum64(data: torch.Tensor) -> int:
     """`wsum64` of a 1-D uint8 tensor's bytes, computed where the tensor is (reduction kernels
     on a GPU)."""
-    nbytes = data.numel()
-    pad = -nbytes % 4
-    if pad or data.storage_offset() % 4:
-        data = torch.cat([data, data.new_zeros(pad)])
-    words = data.view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, words.numel(), _WSUM_CHUNK_WORDS):
-        chunk = words[start : start + _WSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        index = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=data.device)
-        total += chunk.sum()
-        weighted += (chunk * index).sum()
-    return (int(weighted) + WSUM64_K * int(total) + nbytes) & _MASK64
+    return wsum64_layers([data])[0]
+
+
+def wsum64_layers(layers: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """`wsum64` of each 1-D uint8 tensor (all on one device): the layers laid end to end, each
+    zero-padded to whole words, and summed per layer with two scatter-adds per step."""
+    if not layers:
+        return ()
+    device = layers[0].device
+    padded = [
+        layer if layer.numel() % 4 == 0 else torch.cat([layer, layer.new_zeros(-layer.numel() % 4)])
+        for layer in layers
+    ]
+    words = torch.cat(padded).view(torch.int32) if len(padded) > 1 else padded[0].clone().view(torch.int32)
+    counts = [layer.numel() // 4 for layer in padded]
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=device)
+    starts = ends - torch.tensor(counts, dtype=torch.int64, device=device)
+    total = torch.zeros(len(layers), dtype=torch.int64, device=device)
+    weighted = torch.zeros(len(layers), dtype=torch.int64, device=device)
+    for first in range(0, words.numel(), _WSUM_CHUNK_WORDS):
+        chunk = words[first : first + _WSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        position = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=device)
+        layer = torch.searchsorted(ends, position, right=True)
+        total.index_add_(0, layer, chunk)
+        weighted.index_add_(0, layer, chunk * (position - starts[layer] + 1))
+    return tuple(
+        (w + WSUM64_K * t + layer.numel()) & _MASK64
+        for w, t, layer in zip(weighted.tolist(), total.tolist(), layers, strict=True)
+    )
 
 
 class WeightedSum:

@@ -128,3 +128,34 @@ def test_the_default_checks_about_one_request_in_a_hundred_and_all_ranks_alike()
     # Decided by the id alone: asked again (another layer, another rank), the same answer.
     assert [sampled(i, rate) for i in ids[:500]] == [sampled(i, rate) for i in ids[:500]]
     assert all(sampled(i, 1.0) for i in ids[:100]) and not any(sampled(i, 0.0) for i in ids[:100])
+
+
+def test_many_layers_at_once_equal_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DeviceRegions` sums every layer of a transfer with the same few kernels: each layer's
+    value equals its own stream's, empty and unaligned layers and chunks that cut across
+    layers included."""
+    import kvray.integrity as integrity
+    from kvray.integrity import wsum64_layers
+
+    rng = random.Random(3)
+    layers = [bytes(rng.getrandbits(8) for _ in range(n)) for n in (4096, 0, 13, 1, 8192, 6)]
+    expected = tuple(closed_form(layer) for layer in layers)
+    tensors = [
+        torch.frombuffer(bytearray(layer), dtype=torch.uint8) if layer else torch.empty(0, dtype=torch.uint8)
+        for layer in layers
+    ]
+    assert wsum64_layers(tensors) == expected
+    monkeypatch.setattr(integrity, "_WSUM_CHUNK_WORDS", 5)
+    assert wsum64_layers(tensors) == expected
+    region = torch.randint(0, 256, (1 << 14,), dtype=torch.uint8)
+    pieces = [
+        Pieces(
+            np.zeros(2, dtype=np.int64),
+            np.array([100, 5000], dtype=np.int64),
+            np.array([64, 300], dtype=np.int64),
+        ),
+        Pieces(np.zeros(1, dtype=np.int64), np.array([7], dtype=np.int64), np.array([1001], dtype=np.int64)),
+    ]
+    host, device = HostRegions([region.numpy()]), DeviceRegions([region])
+    assert device.digest_layers(pieces, WSUM64) == host.digest_layers(pieces, WSUM64)
+    assert device.digest_layers(pieces, XXH3_64) == host.digest_layers(pieces, XXH3_64)
