@@ -329,8 +329,11 @@ def wsum64(data: torch.Tensor) -> int:
 
 
 def wsum64_layers(layers: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """`wsum64` of each 1-D uint8 tensor (all on one device): the layers laid end to end, each
-    zero-padded to whole words, and summed per layer with two scatter-adds per step."""
+    """`wsum64` of each 1-D uint8 tensor (all on one device), with a few kernels for them all:
+    the layers laid end to end (each zero-padded to whole words) and two running sums taken
+    over the whole stream; a layer's sums are differences of the running sums at its ends (its
+    weights counted from its own first word: sum((i - start + 1) w_i) = sum((i + 1) w_i) -
+    start * sum(w_i)). No atomics, and one copy to the host at the end."""
     if not layers:
         return ()
     device = layers[0].device
@@ -339,21 +342,35 @@ def wsum64_layers(layers: Sequence[torch.Tensor]) -> tuple[int, ...]:
         for layer in layers
     ]
     words = torch.cat(padded).view(torch.int32) if len(padded) > 1 else padded[0].clone().view(torch.int32)
-    counts = [layer.numel() // 4 for layer in padded]
-    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=device)
-    starts = ends - torch.tensor(counts, dtype=torch.int64, device=device)
-    total = torch.zeros(len(layers), dtype=torch.int64, device=device)
-    weighted = torch.zeros(len(layers), dtype=torch.int64, device=device)
+    ends = list(itertools.accumulate(layer.numel() // 4 for layer in padded))
+    starts = [0, *ends[:-1]]
+    marks = sorted(set(ends) - {0})
+    taken: list[int] = []
+    plain: list[torch.Tensor] = []
+    weighted: list[torch.Tensor] = []
+    carry = torch.zeros(2, dtype=torch.int64, device=device)
     for first in range(0, words.numel(), _WSUM_CHUNK_WORDS):
         chunk = words[first : first + _WSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        position = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=device)
-        layer = torch.searchsorted(ends, position, right=True)
-        total.index_add_(0, layer, chunk)
-        weighted.index_add_(0, layer, chunk * (position - starts[layer] + 1))
-    return tuple(
-        (w + WSUM64_K * t + layer.numel()) & _MASK64
-        for w, t, layer in zip(weighted.tolist(), total.tolist(), layers, strict=True)
-    )
+        count = chunk.numel()
+        weight = torch.arange(first + 1, first + 1 + count, dtype=torch.int64, device=device)
+        running = torch.stack([torch.cumsum(chunk, 0), torch.cumsum(chunk * weight, 0)]) + carry[:, None]
+        inside = [mark for mark in marks if first < mark <= first + count]
+        if inside:
+            index = torch.tensor([mark - 1 - first for mark in inside], dtype=torch.int64, device=device)
+            plain.append(running[0, index])
+            weighted.append(running[1, index])
+            taken += inside
+        carry = running[:, -1]
+    sums_a, sums_b = {0: 0}, {0: 0}
+    if taken:
+        sums_a.update(zip(taken, torch.cat(plain).tolist(), strict=True))
+        sums_b.update(zip(taken, torch.cat(weighted).tolist(), strict=True))
+    values = []
+    for layer, start, end in zip(layers, starts, ends, strict=True):
+        total = sums_a[end] - sums_a[start]
+        weights = sums_b[end] - sums_b[start] - start * total
+        values.append((weights + WSUM64_K * total + layer.numel()) & _MASK64)
+    return tuple(values)
 
 
 class WeightedSum:
