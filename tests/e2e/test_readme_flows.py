@@ -678,6 +678,7 @@ def test_the_serve_block(tmp_path: Path) -> None:
         assert len(replies[-1]["tokens"]) == 8 and replies[-1]["transport"], replies[-1]
 
 
+@pytest.mark.extended  # the README's vLLM example: test_vllm_pd.py / test_vllm_serve_llm.py test its path
 def test_the_vllm_example_block(tmp_path: Path) -> None:
     require_vllm()
     with running("README.md > vLLM #0", tmp_path) as flow:
@@ -715,6 +716,7 @@ def test_the_vllm_proxy_block(tmp_path: Path) -> None:
                 assert error["leg"] == leg and f":{flow.ports[port]}" in error["message"], error
 
 
+@pytest.mark.extended  # the README's vLLM example: test_vllm_pd.py / test_vllm_serve_llm.py test its path
 def test_the_serve_llm_blocks(tmp_path: Path) -> None:
     """examples/serve_vllm_pd.py in the background answers the README's curl, then the README's
     OpenAI client; a Ctrl-C (SIGINT) stops it and every process it started."""

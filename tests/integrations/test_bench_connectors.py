@@ -22,7 +22,10 @@ from vllm_installed import require_vllm
 require_vllm()
 pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install -e '.[vllm]'")
 
-pytestmark = pytest.mark.cluster
+# Extended tier (`pytest -m extended`): a benchmark's smoke run, five engines in three Serve apps;
+# the MLA model's P/D path is tested in test_vllm_models_pd.py and Serve LLM's in
+# test_vllm_serve_llm.py.
+pytestmark = [pytest.mark.cluster, pytest.mark.extended]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_connectors.py"
 MODEL = "tiny-deepseek"
