@@ -96,8 +96,8 @@ def serving(
     """A local Ray with Ray Serve LLM's P/D app over the test model (SmolLM2 unless `model`
     names a model folder; `extra`: both sides' connector settings, each side's digest log in
     `logs`; `app_options`: more `build_pd_app` arguments, `model_id` among them) and a reference
-    engine without kvray: {"url", "reference", "logs", "redeploy"}, the last the app deployed
-    again with other arguments. For a module fixture (vLLM must be installed)."""
+    engine without kvray: {"url", "reference", "logs"}. For a module fixture (vLLM must be
+    installed)."""
     from ray import serve
 
     from kvray.integrations.vllm.model import smollm2
@@ -120,25 +120,20 @@ def serving(
         port = int(probe.getsockname()[1])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
-    def deploy(**changes: Any) -> None:
-        """The app with `changes` to its `build_pd_app` arguments (deployed again, Serve
-        replaces the replicas of a deployment whose arguments changed)."""
-        serve.run(
-            build_pd_app(
-                model,
-                model_id=model_id,
-                prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
-                decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
-                **{**app_options, **changes},
-            ),
-            blocking=False,
-        )
-
-    deploy()
+    serve.run(
+        build_pd_app(
+            model,
+            model_id=model_id,
+            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
+            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
+            **app_options,
+        ),
+        blocking=False,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_until_serving(url, START_S)
     ray.get(reference.processes.remote())
-    yield {"url": url, "reference": reference, "logs": logs, "redeploy": deploy}
+    yield {"url": url, "reference": reference, "logs": logs}
     serve.shutdown()
     ray.shutdown()
 
