@@ -688,6 +688,7 @@ def test_the_vllm_example_block(tmp_path: Path) -> None:
         assert "exact match with a single engine: 4/4 prompts" in output, flow.tail()
 
 
+@pytest.mark.extended  # the README's proxy example: test_vllm_serve.py tests its path
 def test_the_vllm_proxy_block(tmp_path: Path) -> None:
     """The two servers and the proxy answer the README's curl; then, a server gone, the proxy
     answers 503 with a JSON error naming that leg."""
