@@ -108,7 +108,7 @@ def serving(
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
     # Metrics each second: tests read the engines' KV cache usage from them.
     ray.init(
-        num_cpus=8,
+        num_cpus=12,
         include_dashboard=False,
         log_to_driver=False,
         _system_config={"metrics_report_interval_ms": 1000},

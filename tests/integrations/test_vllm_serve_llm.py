@@ -52,9 +52,10 @@ pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 LONG_TOKENS = 160
-#: Each decode engine's KV cache: 16 blocks of 128 tokens, so that a few long generations at once
+#: Each decode engine's KV cache: 20 blocks of 128 tokens (vLLM keeps one back; 2048 tokens, the
+#: longest request, must fit in the rest), so that a few long generations at once
 #: run out of blocks and vLLM preempts some of them.
-DECODE_BLOCKS = 16
+DECODE_BLOCKS = 20
 
 
 def free_port() -> int:
@@ -228,7 +229,7 @@ def test_eight_clients_mixing_duplicate_ids_refusals_hang_ups_and_preemption(app
     prompts = load_prompts()
     short = prompts[10:18]
     # About 700 tokens each: three at once on one decode replica with their generations need
-    # more than its 16 blocks (a prompt of 1700 tokens still fits in one).
+    # more than its 20 blocks.
     long = [" ".join(prompts[20 + 3 * i : 32 + 3 * i]) for i in range(4)]
     alone_short = [g.text for g in ray.get(reference.generate.remote(short, NEW_TOKENS))]
     alone_long = [g.text for g in ray.get(reference.generate.remote(long, LONG_TOKENS, ignore_eos=True))]
