@@ -96,8 +96,8 @@ def serving(
     """A local Ray with Ray Serve LLM's P/D app over the test model (SmolLM2 unless `model`
     names a model folder; `extra`: both sides' connector settings, each side's digest log in
     `logs`; `app_options`: more `build_pd_app` arguments, `model_id` among them) and a reference
-    engine without kvray: {"url", "reference", "logs"}. For a module fixture (vLLM must be
-    installed)."""
+    engine without kvray: {"url", "reference", "logs"}. For a
+    module fixture (vLLM must be installed)."""
     from ray import serve
 
     from kvray.integrations.vllm.model import smollm2
@@ -108,22 +108,20 @@ def serving(
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
     # Metrics each second: tests read the engines' KV cache usage from them.
     ray.init(
-        num_cpus=12,
+        num_cpus=8,
         include_dashboard=False,
         log_to_driver=False,
         _system_config={"metrics_report_interval_ms": 1000},
     )
-    model_id = app_options.pop("model_id", MODEL_ID)
     reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-
     serve.run(
         build_pd_app(
             model,
-            model_id=model_id,
+            model_id=app_options.pop("model_id", MODEL_ID),
             prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
             decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
             **app_options,
@@ -136,38 +134,3 @@ def serving(
     yield {"url": url, "reference": reference, "logs": logs}
     serve.shutdown()
     ray.shutdown()
-
-
-def replicas(deployment: str) -> list[str]:
-    """Names of the live Serve replica actors of a deployment ("Prefill" or "Decode")."""
-    return sorted(
-        actor["name"]
-        for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == "serve" and f"#{deployment}:" in actor["name"]
-    )
-
-
-def ongoing(replica: str) -> int:
-    """How many requests a Serve replica is handling now, as Serve counts them (its replica
-    actor answers on a thread of its own, whatever the replica is doing)."""
-    actor = ray.get_actor(replica, namespace="serve")
-    return int(ray.get(actor.get_num_ongoing_requests.remote(), timeout=30))
-
-
-def running(
-    deployment: str, count: int, gone: str = "", timeout_s: float = 300.0, model_id: str = MODEL_ID
-) -> None:
-    """Wait until the replica `gone` (if any) has left the deployment and Serve reports at
-    least `count` replicas of it running (engines up): every running replica is then one started
-    after `gone` died or one that was running beside it (Serve may bring up `gone`'s replacement
-    meanwhile)."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = serve.status().applications["default"].deployments[f"{deployment}:{model_id}"]
-        names = replicas(deployment)
-        if gone not in names and states.replica_states.get("RUNNING", 0) >= count:
-            return
-        assert time.monotonic() < deadline, f"{gone or deployment} not running: {states}, replicas {names}"
-        time.sleep(2.0)
