@@ -624,6 +624,8 @@ def test_every_inline_command_of_the_pages_is_in_the_table() -> None:
     named = inline_commands()
     assert set(named) - set(COMMANDS) == set(), "commands to classify in COMMANDS"
     assert set(COMMANDS) - set(named) == set(), "COMMANDS entries no page names any longer"
+    run = {command for command, entry in COMMANDS.items() if isinstance(entry, Run)}
+    assert set(EXTENDED_COMMANDS) <= run, "EXTENDED_COMMANDS entries that are not run"
     blocks = shell_blocks()
     for command, entry in COMMANDS.items():
         if isinstance(entry, Covered) and entry.by in blocks:
@@ -752,8 +754,21 @@ def test_the_serve_llm_blocks(tmp_path: Path) -> None:
 # --- the inline commands ------------------------------------------------------------------
 
 
+#: Inline commands in the extended tier (`pytest -m extended`), with the test of the default run
+#: that covers the same path.
+EXTENDED_COMMANDS = {
+    "python examples/serve_app.py": "the Ray Serve block above and tests/e2e/test_serve.py",
+    "kvray bench --only memcpy kvray nixl --cases a --repeat 20": "tests/e2e/test_bench_quick.py",
+}
+
+
 @pytest.mark.parametrize(
-    "command", [command for command, entry in COMMANDS.items() if isinstance(entry, Run)]
+    "command",
+    [
+        pytest.param(command, marks=[pytest.mark.extended] if command in EXTENDED_COMMANDS else [])
+        for command, entry in COMMANDS.items()
+        if isinstance(entry, Run)
+    ],
 )
 def test_an_inline_command(command: str, tmp_path: Path) -> None:
     entry = COMMANDS[command]
