@@ -215,7 +215,6 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "python benchmarks/bench_plan.py --repeat 30": Skip(BENCHMARK),
     "python benchmarks/bench_serve_llm.py --requests 16": Skip(BENCHMARK),
     "python benchmarks/bench_ttft.py --json docs/results/ttft.json": Skip(BENCHMARK),
-    "python benchmarks/bench_vllm_pd.py --runs 5": Skip(BENCHMARK),
     "python benchmarks/bench_vllm_pd.py --runs 5 --integrity": Skip(BENCHMARK),
     "python benchmarks/bench_connectors.py --requests 4 --new-tokens 16": Skip(CONNECTORS),
     "python benchmarks/bench_connectors.py --model tiny-deepseek --clients 1 4": Skip(CONNECTORS),
