@@ -302,11 +302,6 @@ def regions_of(backing: Backing) -> RegionBytes:
     return HostRegions([tensor.numpy() for tensor in tensors])
 
 
-def hash_pieces(regions: RegionBytes, pieces: Pieces) -> int:
-    """The value of the pieces' bytes in the algorithm `regions` hashes fastest."""
-    return regions.digest(pieces, regions.algorithm)
-
-
 # ---- wsum64 ---------------------------------------------------------------------------------
 #
 # The stream's n bytes, zero-padded to whole 32-bit little-endian words w_0 .. w_(m-1):
