@@ -269,16 +269,13 @@ class DeviceRegions:
     def __init__(self, regions: Sequence[torch.Tensor]) -> None:
         self._tensors = list(regions)
 
-    def gather(self, pieces: Pieces) -> torch.Tensor:
-        """The pieces' bytes as one uint8 tensor on the regions' device."""
+    def slices(self, pieces: Pieces) -> list[torch.Tensor]:
+        """The pieces' bytes as views of the regions (nothing copied), back-to-back ranges as one."""
         region, offset, nbytes = _merged(pieces)
-        parts = [
+        return [
             self._tensors[r][start : start + length]
             for r, start, length in zip(region.tolist(), offset.tolist(), nbytes.tolist(), strict=True)
         ]
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=self._tensors[0].device)
-        return torch.cat(parts)
 
     def digest(self, pieces: Pieces, algorithm: Algorithm) -> int:
         return self.digest_layers([pieces], algorithm)[0]
@@ -286,12 +283,16 @@ class DeviceRegions:
     def digest_layers(self, layers: Sequence[Pieces], algorithm: Algorithm) -> tuple[int, ...]:
         """Every layer gathered into one buffer on the device, then summed per layer by a few
         kernels for all the layers at once (not a set of launches per layer)."""
-        gathered = [self.gather(pieces) for pieces in layers]
+        parts = [self.slices(pieces) for pieces in layers]
         if algorithm == WSUM64:
-            return wsum64_layers(gathered)
+            return _wsum64_parts(parts, self._tensors[0].device)
         import xxhash
 
-        return tuple(xxhash.xxh3_64_intdigest(layer.cpu().numpy().data) for layer in gathered)
+        empty = torch.empty(0, dtype=torch.uint8)
+        return tuple(
+            xxhash.xxh3_64_intdigest((torch.cat(layer) if layer else empty).cpu().numpy().data)
+            for layer in parts
+        )
 
 
 def regions_of(backing: Backing) -> RegionBytes:
@@ -313,7 +314,7 @@ def regions_of(backing: Backing) -> RegionBytes:
 
 WSUM64_K: Final = 0x9E3779B97F4A7C15
 _MASK64: Final = (1 << 64) - 1
-#: Words summed per step: bounds the device's temporary int64 tensors (three of 8 bytes a word).
+#: Words summed per step: bounds the device's temporary int64 tensors (a few of 8 bytes a word).
 _WSUM_CHUNK_WORDS: Final = 1 << 23
 
 
@@ -324,20 +325,29 @@ def wsum64(data: torch.Tensor) -> int:
 
 
 def wsum64_layers(layers: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """`wsum64` of each 1-D uint8 tensor (all on one device), with a few kernels for them all:
-    the layers laid end to end (each zero-padded to whole words) and two running sums taken
-    over the whole stream; a layer's sums are differences of the running sums at its ends (its
-    weights counted from its own first word: sum((i - start + 1) w_i) = sum((i + 1) w_i) -
-    start * sum(w_i)). No atomics, and one copy to the host at the end."""
+    """`wsum64` of each 1-D uint8 tensor (all on one device), with a few kernels for them all
+    (`_wsum64_parts`)."""
     if not layers:
         return ()
-    device = layers[0].device
-    padded = [
-        layer if layer.numel() % 4 == 0 else torch.cat([layer, layer.new_zeros(-layer.numel() % 4)])
-        for layer in layers
-    ]
-    words = torch.cat(padded).view(torch.int32) if len(padded) > 1 else padded[0].clone().view(torch.int32)
-    ends = list(itertools.accumulate(layer.numel() // 4 for layer in padded))
+    return _wsum64_parts([[layer] for layer in layers], layers[0].device)
+
+
+def _wsum64_parts(layers: Sequence[Sequence[torch.Tensor]], device: torch.device) -> tuple[int, ...]:
+    """`wsum64` of each layer's parts (1-D uint8 tensors on `device`, read as one stream): the
+    layers laid end to end in one copy (each zero-padded to whole words) and two running sums
+    taken over the whole stream; a layer's sums are differences of the running sums at its ends
+    (its weights counted from its own first word: sum((i - start + 1) w_i) = sum((i + 1) w_i) -
+    start * sum(w_i)). No atomics, and one copy to the host at the end."""
+    sizes = [sum(part.numel() for part in layer) for layer in layers]
+    stream: list[torch.Tensor] = []
+    for layer, size in zip(layers, sizes, strict=True):
+        stream += layer
+        if size % 4:
+            stream.append(torch.zeros(-size % 4, dtype=torch.uint8, device=device))
+    words = (torch.cat(stream) if stream else torch.empty(0, dtype=torch.uint8, device=device)).view(
+        torch.int32
+    )
+    ends = list(itertools.accumulate(-(-size // 4) for size in sizes))
     starts = [0, *ends[:-1]]
     marks = sorted(set(ends) - {0})
     taken: list[int] = []
@@ -361,10 +371,10 @@ def wsum64_layers(layers: Sequence[torch.Tensor]) -> tuple[int, ...]:
         sums_a.update(zip(taken, torch.cat(plain).tolist(), strict=True))
         sums_b.update(zip(taken, torch.cat(weighted).tolist(), strict=True))
     values = []
-    for layer, start, end in zip(layers, starts, ends, strict=True):
+    for size, start, end in zip(sizes, starts, ends, strict=True):
         total = sums_a[end] - sums_a[start]
         weights = sums_b[end] - sums_b[start] - start * total
-        values.append((weights + WSUM64_K * total + layer.numel()) & _MASK64)
+        values.append((weights + WSUM64_K * total + size) & _MASK64)
     return tuple(values)
 
 
