@@ -9,6 +9,10 @@ whether it is alive every `LIVENESS_PROBE_S`. One that deregisters or closes is 
 restart the directory is empty and carries a new epoch: agents notice through their
 heartbeat and register again.
 
+It remembers the last `MAX_DEPARTED` engine incarnations that left, so a lookup naming one of
+them (a push into a reservation of a dead engine) fails at once instead of waiting for an
+engine that cannot come back: a restarted engine is another incarnation.
+
 An entry belongs to its registrant. Anyone who can call the actor can name any actor handle as
 a host, so the registrant proves itself with a random secret it generates at start and sends
 with `register`, `heartbeat` and `deregister` (never returned by any call). Only the holder of
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +57,8 @@ MIN_SECRET_BYTES = 16
 #: The longest a lookup waits for an engine to register, whatever its caller asks: the longest
 #: wait any deployment's `max_timeout_s` allows (an agent clamps to its own first).
 MAX_LOOKUP_WAIT_S = TIMEOUT_CEILING_S
+#: Engine incarnations that left, remembered so that a lookup naming one fails at once.
+MAX_DEPARTED = 65536
 #: Checks and clamps the waits callers ask of the coordinator (`Settings.deadline`).
 _WAITS = Settings(max_timeout_s=MAX_LOOKUP_WAIT_S)
 
@@ -88,6 +95,8 @@ class Coordinator:
         self._changed = asyncio.Condition()
         self._lapse_s = _WAITS.deadline(lapse_s, 10.0, "lapse_s")
         self.dropped_dead = 0
+        #: Engine incarnations that left (closed, died, or were replaced by a newer one), oldest first.
+        self._departed: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     async def register(self, info_bytes: bytes, host: Any, secret: bytes) -> int:
         """Add an engine, or replace the registrant's own entry with a newer incarnation (see
@@ -106,8 +115,10 @@ class Coordinator:
                 engine_id=info.engine_id,
                 incarnation=info.incarnation,
             )
-        if old is not None and old.watch is not None and old.info.incarnation != info.incarnation:
-            old.watch.cancel()
+        if old is not None and old.info.incarnation != info.incarnation:
+            self._left(info.engine_id, old.info.incarnation)
+            if old.watch is not None:
+                old.watch.cancel()
         watch = None
         if host is not None and (
             old is None or old.info.incarnation != info.incarnation or old.watch is None
@@ -162,11 +173,27 @@ class Coordinator:
         await self._notify()
         return True
 
-    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
+    async def lookup(
+        self, engine_id: str, timeout_s: float, incarnation: int | None = None
+    ) -> tuple[bytes, Any]:
         """(engine info bytes, host actor) of `engine_id`, waiting up to `timeout_s` for it
         (0 or None: not at all; more than `MAX_LOOKUP_WAIT_S`: that long). NaN, infinities, negative
-        values and non-numbers raise `ConfigError`: nothing waits forever."""
+        values and non-numbers raise `ConfigError`: nothing waits forever. With `incarnation`
+        (the caller wants that life of the engine), an incarnation that already left fails at
+        once (`UnknownEngineError`), unless a newer one is registered (returned: the caller
+        sees it is stale)."""
         timeout_s = _WAITS.deadline(timeout_s, 0.0, "timeout_s", allow_zero=True)
+        if (
+            engine_id not in self._engines
+            and isinstance(incarnation, int)
+            and (engine_id, incarnation) in self._departed
+        ):
+            raise UnknownEngineError(
+                f"engine {engine_id!r} incarnation {incarnation} has left (it closed or its actor "
+                "died) and no other incarnation is registered; nothing waits for it",
+                engine_id=engine_id,
+                incarnation=incarnation,
+            )
         try:
             async with asyncio.timeout(timeout_s), self._changed:
                 await self._changed.wait_for(lambda: engine_id in self._engines)
@@ -245,8 +272,17 @@ class Coordinator:
 
     def _drop(self, engine_id: str, watching: bool = True) -> None:
         entry = self._engines.pop(engine_id, None)
-        if entry is not None and watching and entry.watch is not None:
+        if entry is None:
+            return
+        self._left(engine_id, entry.info.incarnation)
+        if watching and entry.watch is not None:
             entry.watch.cancel()
+
+    def _left(self, engine_id: str, incarnation: int) -> None:
+        self._departed[(engine_id, incarnation)] = None
+        self._departed.move_to_end((engine_id, incarnation))
+        while len(self._departed) > MAX_DEPARTED:
+            self._departed.popitem(last=False)
 
     async def departed(self, known: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of the (engine id, incarnation) pairs an agent has cached, those no longer registered

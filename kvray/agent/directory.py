@@ -30,7 +30,9 @@ class DirectoryService(Protocol):
 
     async def deregister(self, engine_id: str, incarnation: int, secret: bytes) -> bool: ...
 
-    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]: ...
+    async def lookup(
+        self, engine_id: str, timeout_s: float, incarnation: int | None = None
+    ) -> tuple[bytes, Any]: ...
 
     async def heartbeat(self, engine_id: str, incarnation: int, secret: bytes) -> int | None: ...
 
@@ -54,8 +56,10 @@ class RemoteDirectory:
         removed: bool = await self.handle.deregister.remote(engine_id, incarnation, secret)
         return removed
 
-    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
-        found: tuple[bytes, Any] = await self.handle.lookup.remote(engine_id, timeout_s)
+    async def lookup(
+        self, engine_id: str, timeout_s: float, incarnation: int | None = None
+    ) -> tuple[bytes, Any]:
+        found: tuple[bytes, Any] = await self.handle.lookup.remote(engine_id, timeout_s, incarnation)
         return found
 
     async def heartbeat(self, engine_id: str, incarnation: int, secret: bytes) -> int | None:
@@ -244,9 +248,12 @@ class Directory:
             self._peers.move_to_end(engine_id)
         return peer
 
-    async def peer(self, engine_id: str, *, wait_s: float | None = None) -> Peer:
+    async def peer(
+        self, engine_id: str, *, wait_s: float | None = None, incarnation: int | None = None
+    ) -> Peer:
         """The engine's published info and host: cached, else asked of the coordinator, which
-        waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register."""
+        waits up to `wait_s` (default `lookup_timeout_s`) for the engine to register; with
+        `incarnation`, not at all once that incarnation has left (`UnknownEngineError`)."""
         peer = self.cached(engine_id)
         if peer is not None:
             return peer
@@ -261,7 +268,10 @@ class Directory:
         bound = wait + self.settings.notify_timeout_s
         try:
             async with asyncio.timeout(bound):
-                info_bytes, host = await self.service.lookup(engine_id, wait)
+                if incarnation is None:
+                    info_bytes, host = await self.service.lookup(engine_id, wait)
+                else:
+                    info_bytes, host = await self.service.lookup(engine_id, wait, incarnation)
         except KvrayError:
             raise
         except TimeoutError as error:
@@ -281,11 +291,12 @@ class Directory:
 
     async def current(self, engine_id: str, incarnation: int, *, wait_s: float | None = None) -> Peer:
         """The peer, looked up afresh when what is cached is another incarnation than the one
-        asked for (the cache may be behind); the caller checks the incarnation it gets."""
-        peer = await self.peer(engine_id, wait_s=wait_s)
+        asked for (the cache may be behind); the caller checks the incarnation it gets. An
+        incarnation the coordinator saw leave fails at once instead of being waited for."""
+        peer = await self.peer(engine_id, wait_s=wait_s, incarnation=incarnation)
         if peer.info.incarnation != incarnation and self.service is not None:
             self.forget(engine_id)
-            peer = await self.peer(engine_id, wait_s=wait_s)
+            peer = await self.peer(engine_id, wait_s=wait_s, incarnation=incarnation)
         return peer
 
     async def check(self, engine_id: str, incarnation: int) -> None:

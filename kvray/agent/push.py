@@ -3,7 +3,9 @@ into the blocks a decode engine reserved for it, whole (`push`) or a layer at a 
 forward pass produces them (`push_layer`, then `finish`).
 
 Every push runs under a deadline and a bounded slot (`max_concurrent_transfers` running,
-`max_queued_transfers` waiting, more are refused with `BackpressureError`). A push that fails
+`max_queued_transfers` waiting, more are refused with `BackpressureError`). A push takes its
+slot once its peer is known: a lookup that waits (an engine not registered yet) holds no slot,
+so it cannot hold up pushes to other engines. A push that fails
 once its peer is known tells the peer in the background (`TransferFailed`, naming the
 incarnation it planned against) after its last byte has stopped moving, so the decode side
 frees the request's blocks at once instead of at its deadline; a failed layer-wise push
@@ -106,6 +108,9 @@ class _Attempt:
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
+    #: Counted among the transfers waiting for a slot; holding one.
+    queued: bool = False
+    slotted: bool = False
 
 
 def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
@@ -192,6 +197,7 @@ class Pusher:
             started = time.perf_counter()
             state = self._layerwise.get(request_id)
             self._check_same_reservation(state, reservation)
+            self._check_not_failed(reservation)
             remote_ids = state.remote_ids if state is not None else _ids(reservation)
             peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, [layer])
             state = self._layerwise.get(request_id)
@@ -208,14 +214,7 @@ class Pusher:
             attempt.transfer_id = state.transfer_id
             if layer in state.layers:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
-            failed = self._failed_layerwise.get(request_id)
-            if failed is not None:
-                # A PlanError: the peer is fine, the request is not (finish or abort it).
-                raise PlanError(
-                    f"request {request_id!r} already failed ({failed}); its layers are no longer written",
-                    request_id=request_id,
-                    engine_id=reservation.engine_id,
-                )
+            self._check_not_failed(reservation)  # again: it may have failed while this planned
             checksums = await self._checksums(reservation, plan, peer)
             # From here to the write's start nothing awaits but the claim: a failure recorded
             # meanwhile is seen by the failure notice, which waits for this write to end.
@@ -245,6 +244,17 @@ class Pusher:
             state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
+
+    def _check_not_failed(self, reservation: Reservation) -> None:
+        failed = self._failed_layerwise.get(reservation.request_id)
+        if failed is not None:
+            # A PlanError: the peer is fine, the request is not (finish or abort it).
+            raise PlanError(
+                f"request {reservation.request_id!r} already failed ({failed}); its layers are no "
+                "longer written",
+                request_id=reservation.request_id,
+                engine_id=reservation.engine_id,
+            )
 
     @staticmethod
     def _check_same_reservation(state: _Layerwise | None, reservation: Reservation) -> None:
@@ -300,6 +310,7 @@ class Pusher:
                     stale_incarnation=reservation.incarnation,
                 )
             attempt.peer = peer
+            await self._take_slot(attempt)
             notice = self._done(
                 reservation, state.transfer_id, state.nbytes, state.arrival_proofs, state.checksums, peer
             )
@@ -526,7 +537,8 @@ class Pusher:
     async def _transfer(
         self, reservation: Reservation, timeout: float | None, *, call: PushCall
     ) -> AsyncIterator[_Attempt]:
-        """A bounded slot and a deadline for one transfer; failures are kvray errors, and once
+        """A deadline for one transfer, and its place in the queue for a slot (the body takes
+        the slot with `_take_slot` once its peer is known); failures are kvray errors, and once
         the peer is known it is told (in the background) so it does not wait for its deadline.
         Every call that gets this far is counted once in the metrics, by outcome."""
         engine = self.engine
@@ -552,17 +564,17 @@ class Pusher:
         try:
             async with asyncio.timeout(deadline):
                 self._waiting += 1
-                try:
-                    await self._slots.acquire()
-                finally:
-                    self._waiting -= 1
+                attempt.queued = True
                 try:
                     yield attempt
                 except TransportError as error:
                     await self._raise_if_restarted(attempt, error)
                     raise
                 finally:
-                    self._slots.release()
+                    if attempt.queued:
+                        self._waiting -= 1
+                    if attempt.slotted:
+                        self._slots.release()
             outcome = Outcome.OK
         except KvrayError as error:
             if isinstance(error, TransferTimeoutError):
@@ -597,6 +609,13 @@ class Pusher:
             seconds = time.perf_counter() - attempt.started
             # The error leaving this block, if any: the one raised above.
             engine.metrics.transfer(call, outcome, transport, remote_engine, seconds, sys.exc_info()[1])
+
+    async def _take_slot(self, attempt: _Attempt) -> None:
+        """One of the `max_concurrent_transfers` slots, for the rest of the transfer."""
+        await self._slots.acquire()
+        attempt.slotted = True
+        attempt.queued = False
+        self._waiting -= 1
 
     async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:
         """After a transport failure, ask the directory whether the peer has a new incarnation
@@ -643,6 +662,7 @@ class Pusher:
                 engine_id=remote_engine,
             )
         attempt.peer = peer
+        await self._take_slot(attempt)
         # What the notice needs (a connection to a listener on another node) opens while the
         # bytes move.
         self.notices.prepare(peer)

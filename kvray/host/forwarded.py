@@ -167,8 +167,10 @@ class ForwardedDirectory(DirectoryService):
         removed: bool = await self._call("deregister", engine_id, incarnation, secret)
         return removed
 
-    async def lookup(self, engine_id: str, timeout_s: float) -> tuple[bytes, Any]:
-        found: tuple[bytes, Any] = await self._call("lookup", engine_id, timeout_s)
+    async def lookup(
+        self, engine_id: str, timeout_s: float, incarnation: int | None = None
+    ) -> tuple[bytes, Any]:
+        found: tuple[bytes, Any] = await self._call("lookup", engine_id, timeout_s, incarnation)
         return found
 
     async def heartbeat(self, engine_id: str, incarnation: int, secret: bytes) -> int | None:

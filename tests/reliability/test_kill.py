@@ -1,8 +1,9 @@
 """Kill tests on a local multi-actor cluster: the prefill actor mid-transfer, the decode actor
-mid-transfer, the coordinator mid-workload. For each, the survivor gets a kvray error within its
-deadline (never a hang), its blocks are back in its pool, the directory drops the dead engine
-(or, for the coordinator, comes back with every engine), and new transfers between the
-survivors and restarted actors land with the right bytes and touch nothing else."""
+mid-transfer, one of two decode actors, the coordinator mid-workload. For each, the survivor
+gets a kvray error within its deadline (never a hang), its blocks are back in its pool, the
+directory drops the dead engine (or, for the coordinator, comes back with every engine), and
+new transfers between the survivors and restarted actors land with the right bytes and touch
+nothing else."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import ray
@@ -206,6 +208,55 @@ def test_decode_killed_mid_transfer(
         f"restarted decode took {moved} bytes exactly"
     )
     for actor in (prefill, restarted):
+        ray.kill(actor)
+
+
+def test_a_dead_decode_engine_holds_up_no_push_to_another(
+    workers_by_value: Any, canary_mask: Any, figures: Callable[[str], None]
+) -> None:
+    # One prefill engine, two decode engines; one decode engine dies with requests reserved
+    # that the prefill engine then pushes layer by layer. Each of those fails at once (the
+    # coordinator remembers the incarnation that left; the engine's inbox is gone), not at its
+    # deadline, and holds none of the prefill's two slots meanwhile: the other decode engine's
+    # requests land as usual. Lookups may wait as long as a push, as with the defaults.
+    settings = msgspec.structs.replace(
+        _settings("shm"), max_concurrent_transfers=2, lookup_timeout_s=PUSH_DEADLINE_S
+    )
+    layout = mixed(NUM_BLOCKS, BlockOrder.LAYER_MAJOR)
+    prefill = PrefillActor.remote("two-p", layout, settings)
+    dead = ray.remote(workers_by_value.PlainDecode).remote("two-dead", layout, settings)
+    live = DecodeActor.remote("two-live", layout, settings)
+    ray.get([actor.start.remote() for actor in (prefill, dead, live)])
+    moved = [_transfer_and_check(prefill, dead, "two-dead", "before", 1, 40, canary_mask, settings)]
+    doomed = [ray.get(dead.reserve.remote(f"doomed{i}", 1)) for i in range(4)]
+    for reservation in doomed:
+        ray.get(prefill.allocate.remote(reservation.request_id, 1))
+    ray.kill(dead)
+    wait_until(_dropped(settings, "two-dead"), what="the coordinator dropping the dead decode")
+
+    started = time.monotonic()
+    pushes = [prefill.push.remote(reservation, layerwise=True) for reservation in doomed]
+    moved += [
+        _transfer_and_check(prefill, live, "two-live", f"live{i}", 2, 50 + i, canary_mask, settings)
+        for i in range(3)
+    ]
+    errors = []
+    for pushing in pushes:
+        with pytest.raises(KvrayError) as raised:
+            ray.get(pushing, timeout=NEVER_HANG_S)
+        errors.append(kvray_type(raised.value))
+    failed_after = time.monotonic() - started
+    # Refused as a departed engine (or an inbox gone, for a push that found it cached), never
+    # a push that waited for its deadline or for a slot.
+    assert set(errors) <= {"UnknownEngineError", "TransportError"}, errors
+    assert ray.get(prefill.free_count.remote()) == NUM_BLOCKS
+    figures(
+        f"[kvray kill] one of two decode engines killed: its 4 pushes failed "
+        f"({', '.join(sorted(set(errors)))}) within {failed_after:.1f} s (deadline "
+        f"{PUSH_DEADLINE_S} s) while the other engine took 3 pushes exactly ({sum(moved)} bytes "
+        "with the first)"
+    )
+    for actor in (prefill, live):
         ray.kill(actor)
 
 

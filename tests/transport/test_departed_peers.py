@@ -1,6 +1,7 @@
 """A writer lets go of peers that are gone: after the coordinator drops a decode engine (it
 closed, died or restarted), the prefill agent's next heartbeat forgets it and unmaps its shared
-memory; and no more than `max_cached_peers` peers stay mapped at once.
+memory; and no more than `max_cached_peers` peers stay mapped at once. A push into an engine
+incarnation that left fails at once, and a push waiting for a peer's lookup holds no slot.
 
 The coordinator runs in this process (its methods called the way an actor handle's are), so no
 Ray is needed; the mappings are read from /proc/self/maps."""
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_asyncio
+import torch
 from process_probes import mappings_of, until
 
 from kvray.agent import KVAgent
@@ -25,7 +27,7 @@ from kvray.config import Settings
 from kvray.coordinator import Coordinator
 from kvray.errors import ConfigError, UnknownEngineError
 from kvray.layout import BlockOrder, mixed
-from kvray.wire import Role
+from kvray.wire import Reservation, Role
 
 LAYOUT = mixed(8, BlockOrder.LAYER_MAJOR)
 
@@ -122,6 +124,93 @@ async def test_a_restarted_peer_is_forgotten_and_the_new_life_looked_up(
         await _push_into(prefill, new, "after")
     finally:
         await new.close()
+        await prefill.close()
+
+
+def _block(agent: KVAgent, layer: str, block: int) -> Any:
+    """One block of one layer (both parts of a split K/V layer), as bytes."""
+    view = agent.backing.view(layer)
+    picked = view[:, block] if agent.layout.layer(layer).geometry.parts == 2 else view[block]
+    return picked.view(torch.uint8)
+
+
+def _filled(agent: KVAgent, blocks: list[int], value: int) -> None:
+    """Every byte of every layer 0xAB (a canary), but `blocks`' bytes `value`."""
+    for layer in agent.layout.layer_names:
+        agent.backing.view(layer).view(torch.uint8).fill_(0xAB)
+        for block in blocks:
+            _block(agent, layer, block).fill_(value)
+
+
+def _blocks_hold(agent: KVAgent, value: int, blocks: list[int]) -> bool:
+    """`blocks` hold `value` in every layer, and every other block still the canary."""
+    return all(
+        bool((_block(agent, layer, block) == (value if block in blocks else 0xAB)).all())
+        for layer in agent.layout.layer_names
+        for block in range(agent.layout.num_blocks)
+    )
+
+
+async def test_a_push_into_an_engine_incarnation_that_left_fails_at_once(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    # The coordinator remembers the incarnation that left, so the writer does not wait
+    # `lookup_timeout_s` for an engine that cannot come back (a restart is another incarnation).
+    coordinator, settings = directory
+    settings = msgspec.structs.replace(
+        settings, lookup_timeout_s=30.0, max_timeout_s=60.0, transfer_timeout_s=30.0
+    )
+    prefill = KVAgent("gone-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    decode = KVAgent("gone-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    await decode.start()
+    try:
+        reservation = decode.expect("r", [1, 2])
+        await decode.close()
+        async with asyncio.timeout(10):  # the test's own guard, far below the 30 s lookup wait
+            with pytest.raises(UnknownEngineError, match="has left") as caught:
+                await prefill.push(reservation, [3, 4])
+        assert caught.value.facts["incarnation"] == reservation.incarnation
+        # Never registered: still waited for (it may be starting), up to the lookup's wait.
+        with pytest.raises(UnknownEngineError, match=r"waited 0\.2 s"):
+            await prefill.peer("gone-never", wait_s=0.2)
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_push_waiting_for_a_lookup_holds_up_no_push_to_another_engine(
+    directory: tuple[InProcess, Settings],
+) -> None:
+    # One slot: a push into an engine the coordinator does not list waits for its lookup
+    # without the slot, while a push into a registered engine takes it and lands.
+    coordinator, settings = directory
+    settings = msgspec.structs.replace(
+        settings, max_concurrent_transfers=1, max_timeout_s=4.0, transfer_timeout_s=4.0
+    )
+    prefill = KVAgent("slot-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    decode = KVAgent("slot-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    await decode.start()
+    try:
+        unregistered = Reservation(
+            request_id="q", engine_id="slot-later", incarnation=1, blocks=(1,), token=7
+        )
+        waiting = asyncio.create_task(prefill.push(unregistered, [0]))
+        await asyncio.sleep(0.2)  # in its lookup, which waits up to 2 s
+        assert not waiting.done()
+        _filled(prefill, [3, 4], 0x5C)
+        _filled(decode, [], 0)
+        reservation = decode.expect("r", [1, 6])
+        await prefill.push(reservation, [3, 4])
+        await decode.wait_for_kv("r", timeout=2.0)
+        assert not waiting.done(), "the push waited for the other one's lookup"
+        assert _blocks_hold(decode, 0x5C, [1, 6])
+        await decode.release("r")
+        with pytest.raises(UnknownEngineError, match="not registered"):
+            await waiting
+    finally:
+        await decode.close()
         await prefill.close()
 
 
