@@ -14,8 +14,8 @@ cache helps either side). Per length, medians with min and max over the runs:
 With `--integrity`, also what the integrity check costs (`kvray.integrity`): a second prefill
 engine that sends no checksums (`integrity_sample_rate` 0) hands fresh prompts of each length to
 the same decode engine, interleaved with the checked pair's, and the push, the decode side's
-wait (which includes its check) and the TTFT are set side by side. Digests are off for these
-(they would hash the KV once more).
+wait (which includes its check) and the TTFT are set side by side. No run digests the KV (the
+connector's digest log only times the hand-offs here): a digest would be timed with kvray.
 
     python benchmarks/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--integrity] [--json PATH]
 
@@ -94,8 +94,9 @@ def main() -> int:
     ray.init(include_dashboard=False, log_to_driver=False)
     logs = Path(tempfile.mkdtemp(prefix="kvray-vllm-bench-"))
     actor = ray.remote(num_cpus=0)(Engine)
-    # With --integrity no request's KV is digested (timings only): the check is what is timed.
-    digests = {"digest_every": 10**9} if args.integrity else {}
+    # The log gives each hand-off's times; no request's KV is digested (the digest runs on the
+    # decode side's path to its first token, and would be timed with kvray).
+    digests = {"digest_every": 10**9}
     prefill = actor.remote(
         model, transfer_config({**digests, "digest_log": str(logs / "p.jsonl")}), max_model_len=max_model_len
     )

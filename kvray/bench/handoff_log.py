@@ -3,8 +3,8 @@ line per event on one engine, with per-layer digests of the KV each side sent an
 compare both sides, and each side's time (the vLLM connector's `digest_log`).
 
     {"side": "sent", "request": id, "prefill_request": hand-off id, "seconds": s,
-     "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: sha256},
-     "tp": [rank, size], "heads": {"name#head": sha256}}
+     "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: digest},
+     "tp": [rank, size], "heads": {"name#head": digest}}
 
 `heads` (models whose KV heads tensor parallelism splits) has one digest per layer and KV head,
 numbered across the whole model: engines of different TP sizes are compared head by head.
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import zlib
 from typing import Any
 
 import torch
+import xxhash
 
 from kvray.agent.handoff import BlockTable, HandoffEvent, Moved
 from kvray.memory import Backing
@@ -41,8 +41,7 @@ class DigestLog:
 
     async def moved(self, moved: Moved, backing: Backing) -> None:
         # On a thread: the agent's loop keeps moving other requests' KV meanwhile.
-        digests = await asyncio.to_thread(self.digests, backing, moved.handoff, moved.groups)
-        heads = await asyncio.to_thread(self.head_digests, backing, moved.handoff, moved.groups)
+        digests, heads = await asyncio.to_thread(self._both, backing, moved.handoff, moved.groups)
         tp = backing.layout.tp
         self._append(
             moved.event,
@@ -57,24 +56,32 @@ class DigestLog:
             heads=heads,
         )
 
+    def _both(
+        self, backing: Backing, handoff: str, groups: BlockTable
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        return self.digests(backing, handoff, groups), self.head_digests(backing, handoff, groups)
+
     def digests(self, backing: Backing, handoff: str, groups: BlockTable) -> dict[str, str]:
-        """Per-layer SHA-256 of a request's blocks, for one request in `every`: by layer for an
-        engine of one KV cache group, by `layer@group` for each group of several (a group's
-        blocks in a layer's cache are that group's KV of it)."""
+        """Per-layer digest of a request's blocks (each part's blocks in turn), for one request
+        in `every`: by layer for an engine of one KV cache group, by `layer@group` for each group
+        of several (a group's blocks in a layer's cache are that group's KV of it)."""
         if zlib.crc32(handoff.encode()) % self.every != 0:
             return {}
         digests = {}
         for group, blocks in enumerate(groups):
-            index = torch.as_tensor(list(blocks), dtype=torch.long)
-            for name, view in backing.views.items():
-                block_axis = view.dim() - 3  # [(2,) blocks, tokens, entry]
-                picked = view.index_select(block_axis, index).contiguous().view(torch.uint8)
-                key = name if len(groups) == 1 else f"{name}@group{group}"
-                digests[key] = hashlib.sha256(picked.numpy().tobytes()).hexdigest()
+            for spec in backing.layout.layers:
+                placement = backing.placements[spec.name]
+                runs = [
+                    (placement.byte_offset(part, block), placement.part_nbytes)
+                    for part in range(placement.parts)
+                    for block in blocks
+                ]
+                key = spec.name if len(groups) == 1 else f"{spec.name}@group{group}"
+                digests[key] = _digest(backing.regions[placement.region].tensor, runs)
         return digests
 
     def head_digests(self, backing: Backing, handoff: str, groups: BlockTable) -> dict[str, str]:
-        """Per layer and KV head (numbered across the model's ranks), SHA-256 of the head's
+        """Per layer and KV head (numbered across the model's ranks), digest of the head's
         bytes in a request's blocks (group after group), for one request in `every`; none for a
         model whose ranks each cache the whole KV (`TensorParallel.kv_heads` 0)."""
         tp = backing.layout.tp
@@ -86,18 +93,30 @@ class DigestLog:
             placement = backing.placements[spec.name]
             memory = backing.regions[placement.region].tensor
             for head in range(tp.local_heads):
-                runs = head_runs(spec.geometry, head, 1)
-                pieces = [
-                    memory[start : start + nbytes]
+                runs = [
+                    (placement.byte_offset(part, block) + offset, nbytes)
                     for block in blocks
-                    for part, offset, nbytes in runs
-                    for start in (placement.byte_offset(part, block) + offset,)
+                    for part, offset, nbytes in head_runs(spec.geometry, head, 1)
                 ]
-                data = torch.cat(pieces).cpu().numpy().tobytes() if pieces else b""
-                digests[f"{spec.name}#{tp.first_head + head}"] = hashlib.sha256(data).hexdigest()
+                digests[f"{spec.name}#{tp.first_head + head}"] = _digest(memory, runs)
         return digests
 
     def _append(self, event: HandoffEvent, request_id: str, handoff: str, **fields: Any) -> None:
         record = {"side": event.value, "request": request_id, "prefill_request": handoff, **fields}
         with contextlib.suppress(OSError), open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
+
+
+def _digest(memory: torch.Tensor, runs: list[tuple[int, int]]) -> str:
+    """XXH3-128 of the bytes [start, start + nbytes) of a region's uint8 tensor, run after run
+    (a digest to compare two sides' copies, not a defence against anyone). Host memory is read
+    through numpy and hashed without letting go of the GIL: a hash that let go of it once per
+    call, on a thread beside an engine's busy Python thread, would wait up to a switch interval
+    each time to get it back, on the path of the request's load."""
+    if memory.device.type == "cpu":
+        host = memory.numpy()
+        data = b"".join(host[start : start + nbytes].data for start, nbytes in runs)
+    else:
+        pieces = [memory[start : start + nbytes] for start, nbytes in runs]
+        data = torch.cat(pieces).cpu().numpy().tobytes() if pieces else b""
+    return xxhash.xxh3_128_hexdigest(data)

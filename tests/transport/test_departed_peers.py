@@ -9,6 +9,7 @@ Ray is needed; the mappings are read from /proc/self/maps."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -151,6 +152,22 @@ def _blocks_hold(agent: KVAgent, value: int, blocks: list[int]) -> bool:
     )
 
 
+@contextlib.asynccontextmanager
+async def _pair(
+    name: str, coordinator: InProcess, settings: Settings
+) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
+    """A prefill and a decode agent registered with `coordinator`, closed on the way out."""
+    prefill = KVAgent(f"{name}-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
+    decode = KVAgent(f"{name}-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
+    await prefill.start()
+    await decode.start()
+    try:
+        yield prefill, decode
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
 async def test_a_push_into_an_engine_incarnation_that_left_fails_at_once(
     directory: tuple[InProcess, Settings],
 ) -> None:
@@ -160,11 +177,7 @@ async def test_a_push_into_an_engine_incarnation_that_left_fails_at_once(
     settings = msgspec.structs.replace(
         settings, lookup_timeout_s=30.0, max_timeout_s=60.0, transfer_timeout_s=30.0
     )
-    prefill = KVAgent("gone-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
-    decode = KVAgent("gone-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
-    await prefill.start()
-    await decode.start()
-    try:
+    async with _pair("gone", coordinator, settings) as (prefill, decode):
         reservation = decode.expect("r", [1, 2])
         await decode.close()
         async with asyncio.timeout(10):  # the test's own guard, far below the 30 s lookup wait
@@ -174,9 +187,6 @@ async def test_a_push_into_an_engine_incarnation_that_left_fails_at_once(
         # Never registered: still waited for (it may be starting), up to the lookup's wait.
         with pytest.raises(UnknownEngineError, match=r"waited 0\.2 s"):
             await prefill.peer("gone-never", wait_s=0.2)
-    finally:
-        await decode.close()
-        await prefill.close()
 
 
 async def test_a_push_waiting_for_a_lookup_holds_up_no_push_to_another_engine(
@@ -188,11 +198,7 @@ async def test_a_push_waiting_for_a_lookup_holds_up_no_push_to_another_engine(
     settings = msgspec.structs.replace(
         settings, max_concurrent_transfers=1, max_timeout_s=4.0, transfer_timeout_s=4.0
     )
-    prefill = KVAgent("slot-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
-    decode = KVAgent("slot-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
-    await prefill.start()
-    await decode.start()
-    try:
+    async with _pair("slot", coordinator, settings) as (prefill, decode):
         unregistered = Reservation(
             request_id="q", engine_id="slot-later", incarnation=1, blocks=(1,), token=7
         )
@@ -209,9 +215,6 @@ async def test_a_push_waiting_for_a_lookup_holds_up_no_push_to_another_engine(
         await decode.release("r")
         with pytest.raises(UnknownEngineError, match="not registered"):
             await waiting
-    finally:
-        await decode.close()
-        await prefill.close()
 
 
 async def test_no_more_than_max_cached_peers_stay_mapped(directory: tuple[InProcess, Settings]) -> None:
