@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from head_layouts import head_layout
 
 from kvray.agent.handoff import (
     PUSH_ENDPOINT,
@@ -73,20 +74,13 @@ def layout(tp: TensorParallel) -> KVLayout:
     """Per rank: heads, then tokens, then K and V (vLLM's CPU order); an MLA-like latent (no
     head axis, the whole cache on every rank) where the model has no KV heads to split."""
     if tp.kv_heads:
-        heads = tp.local_heads
-        geometry = Geometry(
-            block_size=TOKENS,
-            entry_shape=(heads * CONTENT,),
-            dtype="float32",
-            block_layout=f"H{heads} N{TOKENS} C{CONTENT}",
-        )
-    else:
-        geometry = Geometry(
-            block_size=TOKENS,
-            entry_shape=(2 * CONTENT,),
-            dtype="float32",
-            block_layout=f"N{TOKENS} C{2 * CONTENT}",
-        )
+        return head_layout(tp, tokens=TOKENS, content=CONTENT, layers=LAYERS, num_blocks=NUM_BLOCKS)
+    geometry = Geometry(
+        block_size=TOKENS,
+        entry_shape=(2 * CONTENT,),
+        dtype="float32",
+        block_layout=f"N{TOKENS} C{2 * CONTENT}",
+    )
     layers = tuple(LayerSpec(name=f"layer{i}", geometry=geometry) for i in range(LAYERS))
     return KVLayout(layers=layers, num_blocks=NUM_BLOCKS, tp=tp)
 

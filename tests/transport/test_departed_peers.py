@@ -154,9 +154,12 @@ def _blocks_hold(agent: KVAgent, value: int, blocks: list[int]) -> bool:
 
 @contextlib.asynccontextmanager
 async def _pair(
-    name: str, coordinator: InProcess, settings: Settings
+    name: str, directory: tuple[InProcess, Settings], **changes: Any
 ) -> AsyncIterator[tuple[KVAgent, KVAgent]]:
-    """A prefill and a decode agent registered with `coordinator`, closed on the way out."""
+    """A prefill and a decode agent registered with the directory's coordinator, under its
+    settings with `changes`, closed on the way out."""
+    coordinator, settings = directory
+    settings = msgspec.structs.replace(settings, **changes)
     prefill = KVAgent(f"{name}-p", Role.PREFILL, LAYOUT, settings=settings, coordinator=coordinator)
     decode = KVAgent(f"{name}-d", Role.DECODE, LAYOUT, settings=settings, coordinator=coordinator)
     await prefill.start()
@@ -173,11 +176,8 @@ async def test_a_push_into_an_engine_incarnation_that_left_fails_at_once(
 ) -> None:
     # The coordinator remembers the incarnation that left, so the writer does not wait
     # `lookup_timeout_s` for an engine that cannot come back (a restart is another incarnation).
-    coordinator, settings = directory
-    settings = msgspec.structs.replace(
-        settings, lookup_timeout_s=30.0, max_timeout_s=60.0, transfer_timeout_s=30.0
-    )
-    async with _pair("gone", coordinator, settings) as (prefill, decode):
+    changes = {"lookup_timeout_s": 30.0, "max_timeout_s": 60.0, "transfer_timeout_s": 30.0}
+    async with _pair("gone", directory, **changes) as (prefill, decode):
         reservation = decode.expect("r", [1, 2])
         await decode.close()
         async with asyncio.timeout(10):  # the test's own guard, far below the 30 s lookup wait
@@ -194,11 +194,8 @@ async def test_a_push_waiting_for_a_lookup_holds_up_no_push_to_another_engine(
 ) -> None:
     # One slot: a push into an engine the coordinator does not list waits for its lookup
     # without the slot, while a push into a registered engine takes it and lands.
-    coordinator, settings = directory
-    settings = msgspec.structs.replace(
-        settings, max_concurrent_transfers=1, max_timeout_s=4.0, transfer_timeout_s=4.0
-    )
-    async with _pair("slot", coordinator, settings) as (prefill, decode):
+    changes = {"max_concurrent_transfers": 1, "max_timeout_s": 4.0, "transfer_timeout_s": 4.0}
+    async with _pair("slot", directory, **changes) as (prefill, decode):
         unregistered = Reservation(
             request_id="q", engine_id="slot-later", incarnation=1, blocks=(1,), token=7
         )

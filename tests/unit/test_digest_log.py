@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from head_layouts import head_layout
 
 from kvray.bench.handoff_log import DigestLog
-from kvray.layout import Geometry, KVLayout, LayerSpec, TensorParallel
+from kvray.layout import TensorParallel
 from kvray.memory import Backing
 
 HEADS, TOKENS, CONTENT, LAYERS, BLOCKS = 4, 4, 6, 3, 8
@@ -19,17 +20,7 @@ def backing(tp: TensorParallel) -> Backing:
     """vLLM's CPU order per rank: heads, tokens, K and V; every value names its global head,
     token, content index, layer and block."""
     heads = tp.local_heads
-    geometry = Geometry(
-        block_size=TOKENS,
-        entry_shape=(heads * CONTENT,),
-        dtype="float32",
-        block_layout=f"H{heads} N{TOKENS} C{CONTENT}",
-    )
-    layout = KVLayout(
-        layers=tuple(LayerSpec(name=f"layer{i}", geometry=geometry) for i in range(LAYERS)),
-        num_blocks=BLOCKS,
-        tp=tp,
-    )
+    layout = head_layout(tp, tokens=TOKENS, content=CONTENT, layers=LAYERS, num_blocks=BLOCKS)
     made = Backing.allocate(layout)
     head = np.arange(tp.first_head, tp.first_head + heads, dtype=np.float32).reshape(1, -1, 1, 1)
     token = np.arange(TOKENS, dtype=np.float32).reshape(1, 1, -1, 1)
