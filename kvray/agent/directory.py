@@ -268,10 +268,7 @@ class Directory:
         bound = wait + self.settings.notify_timeout_s
         try:
             async with asyncio.timeout(bound):
-                if incarnation is None:
-                    info_bytes, host = await self.service.lookup(engine_id, wait)
-                else:
-                    info_bytes, host = await self.service.lookup(engine_id, wait, incarnation)
+                info_bytes, host = await self.service.lookup(engine_id, wait, incarnation)
         except KvrayError:
             raise
         except TimeoutError as error:

@@ -108,8 +108,7 @@ class _Attempt:
     transport: TransportKind | None = None
     #: When the call began (`time.perf_counter`); finish: when the request's first layer's did.
     started: float = 0.0
-    #: Counted among the transfers waiting for a slot; holding one.
-    queued: bool = False
+    #: Holding one of the slots (until then, counted among the transfers waiting for one).
     slotted: bool = False
 
 
@@ -564,17 +563,16 @@ class Pusher:
         try:
             async with asyncio.timeout(deadline):
                 self._waiting += 1
-                attempt.queued = True
                 try:
                     yield attempt
                 except TransportError as error:
                     await self._raise_if_restarted(attempt, error)
                     raise
                 finally:
-                    if attempt.queued:
-                        self._waiting -= 1
                     if attempt.slotted:
                         self._slots.release()
+                    else:
+                        self._waiting -= 1
             outcome = Outcome.OK
         except KvrayError as error:
             if isinstance(error, TransferTimeoutError):
@@ -614,7 +612,6 @@ class Pusher:
         """One of the `max_concurrent_transfers` slots, for the rest of the transfer."""
         await self._slots.acquire()
         attempt.slotted = True
-        attempt.queued = False
         self._waiting -= 1
 
     async def _raise_if_restarted(self, attempt: _Attempt, error: TransportError) -> None:

@@ -91,13 +91,18 @@ def hang_up(url: str, prompt: str, after_s: float | None = None, after_chunks: i
 
 
 def serving(
-    logs: Path, extra: Mapping[str, Any], *, model: str | None = None, **app_options: Any
+    logs: Path | None,
+    extra: Mapping[str, Any],
+    *,
+    model: str | None = None,
+    num_cpus: int = 8,
+    **app_options: Any,
 ) -> Iterator[dict[str, Any]]:
-    """A local Ray with Ray Serve LLM's P/D app over the test model (SmolLM2 unless `model`
-    names a model folder; `extra`: both sides' connector settings, each side's digest log in
-    `logs`; `app_options`: more `build_pd_app` arguments, `model_id` among them) and a reference
-    engine without kvray: {"url", "reference", "logs"}. For a
-    module fixture (vLLM must be installed)."""
+    """A local Ray of `num_cpus` logical CPUs with Ray Serve LLM's P/D app over the test model
+    (SmolLM2 unless `model` names a model folder; `extra`: both sides' connector settings, each
+    side's digest log in `logs` unless None; `app_options`: more `build_pd_app` arguments,
+    `model_id` among them) and a reference engine without kvray: {"url", "reference", "logs"}.
+    For a module fixture (vLLM must be installed)."""
     from ray import serve
 
     from kvray.integrations.vllm.model import smollm2
@@ -108,7 +113,7 @@ def serving(
     # Logical CPUs: each engine takes a bundle of one, plus the replicas and the ingress.
     # Metrics each second: tests read the engines' KV cache usage from them.
     ray.init(
-        num_cpus=8,
+        num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         _system_config={"metrics_report_interval_ms": 1000},
@@ -122,8 +127,8 @@ def serving(
         build_pd_app(
             model,
             model_id=app_options.pop("model_id", MODEL_ID),
-            prefill_extra={**extra, "digest_log": str(logs / "p.jsonl")},
-            decode_extra={**extra, "digest_log": str(logs / "d.jsonl")},
+            prefill_extra={**extra, **({"digest_log": str(logs / "p.jsonl")} if logs else {})},
+            decode_extra={**extra, **({"digest_log": str(logs / "d.jsonl")} if logs else {})},
             **app_options,
         ),
         blocking=False,

@@ -8,13 +8,13 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from serve_llm_clients import serving
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -24,10 +24,7 @@ import httpx  # noqa: E402 - after the check that they are installed
 import ray  # noqa: E402 - after the check that they are installed
 from ray import serve  # noqa: E402 - after the check that they are installed
 
-from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.pd import Engine  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
@@ -42,21 +39,8 @@ NEVER_HANG_S = 240.0
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[dict[str, Any]]:
-    model = str(smollm2())
-    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False)
-    reference = ray.remote(num_cpus=0)(Engine).remote(model, None, join_ray=False)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 30.0}
-    serve.run(build_pd_app(model, prefill_extra=extra, decode_extra=extra, decode_replicas=2), blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_serving(url)
-    ray.get(reference.processes.remote())
-    yield {"url": url, "reference": reference}
-    serve.shutdown()
-    ray.shutdown()
+    yield from serving(None, extra, num_cpus=12, decode_replicas=2)
 
 
 def replicas(deployment: str) -> list[str]:
