@@ -80,6 +80,8 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_BLOCKS)]
 GroupBlockId = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_BLOCKS)]
 #: Most tensor-parallel ranks of one engine kvray accepts from a peer.
 MAX_TP_RANKS = 64
+#: The longest proof a push request or withdrawal carries (an HMAC-SHA256 is 32 bytes).
+MAX_PROOF_NBYTES = 64
 #: A tensor-parallel rank, and a number of them, as messages carry them.
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_RANKS)]
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)]
@@ -352,6 +354,10 @@ class PushRequest(msgspec.Struct, frozen=True, kw_only=True, tag="push_request")
     #: where it reads none of that rank's KV), so a prefill rank knows when all have answered.
     decode_rank: TPRank = 0
     decode_ranks: TPSize = 1
+    #: That the message comes from an engine of the prefill engine's deployment: an HMAC over
+    #: the prefill engine and hand-off id under the deployment's key
+    #: (`kvray.agent.handoff.AskProof`); empty where the engines share no key.
+    proof: Annotated[bytes, msgspec.Meta(max_length=MAX_PROOF_NBYTES)] = b""
 
 
 class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdrawn"):
@@ -363,9 +369,10 @@ class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdra
     request_id: str
     src_engine: str
     src_incarnation: ByteCount
-    #: As in `PushRequest`: the decode rank that will not ask, of how many.
+    #: As in `PushRequest`: the decode rank that will not ask, of how many, and the proof.
     decode_rank: TPRank = 0
     decode_ranks: TPSize = 1
+    proof: Annotated[bytes, msgspec.Meta(max_length=MAX_PROOF_NBYTES)] = b""
 
 
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -54,6 +55,7 @@ from kvray.errors import (
     TransportError,
 )
 from kvray.memory import Backing, source_ready
+from kvray.metrics import DropReason
 from kvray.notice.local import CompletionInbox, CompletionOutbox
 from kvray.tensor_parallel import source_ranks
 from kvray.wire import (
@@ -139,6 +141,9 @@ class SendSpec:
     key: str = ""
     #: The request did not finish well: end (abort) any push of it, send nothing.
     failed: bool = False
+    #: The decode engine the request is for, where its ticket named one: only that engine's
+    #: ranks' reservations are pushed into ("": any decode engine that asks).
+    decode_engine: str = ""
 
     @property
     def handoff(self) -> str:
@@ -153,6 +158,8 @@ class LayerwiseSpec:
     request_id: str
     key: str
     block_ids: BlockTable
+    #: As `SendSpec.decode_engine`.
+    decode_engine: str = ""
 
 
 def rank_engine_id(engine_id: str, rank: int) -> str:
@@ -183,6 +190,21 @@ class HandoffReports(Protocol):
 
     def loaded(self, spec: LoadSpec, *, failed: bool) -> None:
         """No write of a load can land any more; `failed`: its blocks hold no KV to use."""
+
+
+class AskProof(Protocol):
+    """What proves a decode engine's push request or withdrawal comes from an engine of the
+    prefill engine's deployment (`kvray.integrations.vllm.tickets.HandoffKey`): without it,
+    anyone who learnt a hand-off id could free another request's hold, or pin it with asks."""
+
+    def ask_proof(self, prefill_engine: str, handoff: str) -> bytes: ...
+
+
+def bound_to(decode_engine: str, request: PushRequest) -> bool:
+    """Whether `request`'s reservation is one of `decode_engine`'s ranks' ("": any engine's)."""
+    if not decode_engine:
+        return True
+    return request.reservation.engine_id == rank_engine_id(decode_engine, request.decode_rank)
 
 
 class HandoffEvent(enum.Enum):
@@ -361,7 +383,9 @@ class _Layered:
 
 class Handoff:
     """Both halves of one engine's hand-offs over its agent (see the module docstring).
-    `joined`: the engine joined Ray, so the coordinator knows its peers and their host actors."""
+    `joined`: the engine joined Ray, so the coordinator knows its peers and their host actors.
+    `proof`: the deployment's key; with it, every push request and withdrawal this engine sends
+    carries a proof, and one that comes without a valid proof is dropped unread."""
 
     def __init__(
         self,
@@ -372,8 +396,10 @@ class Handoff:
         lease_s: float,
         joined: bool = False,
         observer: HandoffObserver | None = None,
+        proof: AskProof | None = None,
     ) -> None:
         self.agent = agent
+        self._proof = proof
         self.settings = agent.settings
         self.lease_s = lease_s
         self.joined = joined
@@ -551,6 +577,13 @@ class Handoff:
         except KvrayError as error:
             log.warning("kvray: dropped a malformed push request: %s", error)
             return
+        if self._proof is not None and not hmac.compare_digest(
+            request.proof, self._proof.ask_proof(self.agent.engine_id, request.request_id)
+        ):
+            # Nothing is told to the reservation it names: it may be another request's.
+            log.warning("kvray: dropped a push request or withdrawal without a valid proof")
+            self.agent.metrics.dropped(DropReason.FORGED)
+            return
         if (request.src_engine, request.src_incarnation) != (self.agent.engine_id, self.agent.incarnation):
             if isinstance(request, PushRequest):
                 self._spawn(self._refuse(request, "it names another incarnation of this prefill engine"))
@@ -561,6 +594,9 @@ class Handoff:
         key = request.request_id
         layered = self._layered.get(key)
         if layered is not None and layered.request is None and self._one_to_one(request):
+            if not bound_to(layered.spec.decode_engine, request):
+                self._spawn(self._refuse(request, _OTHER_ENGINE))
+                return
             self._start_layered(layered, request)
         elif key in self._held:
             self._spawn(self._push(request))
@@ -636,6 +672,9 @@ class Handoff:
         held = self._held.get(key)
         if held is None or not held.admits(request):
             await self._refuse(request, "the request is not held here, or is already being pushed")
+            return
+        if not bound_to(held.spec.decode_engine, request):
+            await self._refuse(request, _OTHER_ENGINE)
             return
         rank = request.decode_rank
         held.ranks = request.decode_ranks
@@ -714,7 +753,12 @@ class Handoff:
             layered = self._layered[spec.key] = _Layered(spec)
             self._this_step.append(layered)
             parked = self._parked.get(spec.key, [])
-            if len(parked) == 1 and isinstance(parked[0][0], PushRequest) and self._one_to_one(parked[0][0]):
+            if (
+                len(parked) == 1
+                and isinstance(parked[0][0], PushRequest)
+                and self._one_to_one(parked[0][0])
+                and bound_to(spec.decode_engine, parked[0][0])
+            ):
                 del self._parked[spec.key]
                 self._start_layered(layered, parked[0][0])
 
@@ -729,10 +773,14 @@ class Handoff:
             if layered.request is not None:
                 self._push_layer(layered, layer_name, ready)
 
-    async def preempt(self, keys: Collection[str]) -> None:
+    async def preempt(self, keys: Collection[str], wait_s: float) -> None:
         """The engine preempted these layer-wise requests: return once no layer copy reads
-        their blocks. The decode engine's ask is parked again; the request is pushed whole
-        once it runs again and finishes."""
+        their blocks, or after `wait_s` (the engine's thread waits for this, and a step must not
+        stall). A request whose copies ended is parked again, to be pushed whole once it runs
+        again and finishes; one whose copies still run when `wait_s` passes may have read its
+        blocks after the engine gave them to another request, so its push is aborted once they
+        end (the decode side's load fails, and it never decodes from those bytes)."""
+        preempted: list[tuple[str, _Layered]] = []
         for key in keys:
             layered = self._layered.pop(key, None)
             if layered is None:
@@ -740,11 +788,30 @@ class Handoff:
             self._note(HandoffEvent.PREEMPTED, layered.spec.request_id, key)
             if layered in self._this_step:
                 self._this_step.remove(layered)
-            await asyncio.gather(*layered.pushes, return_exceptions=True)
+            preempted.append((key, layered))
+        copies = [push for _, layered in preempted for push in layered.pushes if not push.done()]
+        if copies:
+            await asyncio.wait(copies, timeout=wait_s)
+        for key, layered in preempted:
             if layered.request is None:
                 continue
-            await self.agent.forget_layers(layered.request.reservation.request_id)
-            self._parked[key] = [(layered.request, time.monotonic())]
+            if all(push.done() for push in layered.pushes):
+                await self.agent.forget_layers(layered.request.reservation.request_id)
+                self._parked[key] = [(layered.request, time.monotonic())]
+            else:
+                self._spend(key)
+                self._spawn(self._abort_preempted(layered))
+
+    async def _abort_preempted(self, layered: _Layered) -> None:
+        """A preempted request's layer copies outlasted the engine's wait: once they end, its
+        push is aborted (its blocks may have been rewritten under the copies)."""
+        assert layered.request is not None
+        await asyncio.gather(*layered.pushes, return_exceptions=True)
+        why = "the prefill engine preempted the request while its layers were being copied"
+        log.warning("kvray: layer-wise push of %s aborted: %s", layered.spec.key, why)
+        self._note(HandoffEvent.PUSH_FAILED, layered.spec.request_id, layered.spec.key, why)
+        with contextlib.suppress(Exception):
+            await self.agent.abort(layered.request.reservation, why)
 
     def _start_layered(self, layered: _Layered, request: PushRequest) -> None:
         """The decode engine asked while the forward runs: push the layers saved so far now,
@@ -886,6 +953,7 @@ class Handoff:
                     groups=spec.block_ids if len(spec.block_ids) > 1 else (),
                     decode_rank=own.rank,
                     decode_ranks=own.size,
+                    proof=self._prove(prefill.engine_id, spec.prefill_request_id),
                 )
                 asks.append((prefill, part, request))
             for rank, prefill in enumerate(prefills):
@@ -948,6 +1016,9 @@ class Handoff:
         if prefill_ranks == 1 and own.size == 1:
             return (0,)
         return source_ranks(own, prefill_ranks, own.kv_heads)
+
+    def _prove(self, prefill_engine: str, handoff: str) -> bytes:
+        return b"" if self._proof is None else self._proof.ask_proof(prefill_engine, handoff)
 
     def _encoded_info(self) -> bytes:
         """The agent's published info as push requests carry it, encoded once per incarnation."""
@@ -1047,6 +1118,7 @@ class Handoff:
                     src_incarnation=prefill.incarnation,
                     decode_rank=own.rank,
                     decode_ranks=own.size,
+                    proof=self._prove(prefill.engine_id, spec.prefill_request_id),
                 )
                 await self._mail.send(self.agent, prefill, encode(withdrawn), joined=self.joined)
         except Exception as error:
@@ -1137,3 +1209,4 @@ def _why(error: BaseException) -> str:
 
 #: Why a push request for a dropped hand-off is refused.
 _ENDED_WITHOUT_KV = "the prefill request ended without its KV"
+_OTHER_ENGINE = "its ticket names another decode engine"

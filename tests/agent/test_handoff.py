@@ -18,6 +18,7 @@ import pytest
 from kvray.agent.handoff import (
     NO_BLOCK,
     PUSH_ENDPOINT,
+    AskProof,
     BlockTable,
     Handoff,
     HandoffEvent,
@@ -31,7 +32,8 @@ from kvray.agent.kvagent import KVAgent
 from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
 from kvray.layout import Geometry, KVLayout, LayerSpec
-from kvray.wire import PushRequest, Role, encode
+from kvray.integrations.vllm.tickets import HandoffKey, new_key_hex
+from kvray.wire import PushRequest, PushWithdrawn, Role, encode
 
 GEOMETRY = Geometry(block_size=4, entry_shape=(8,), dtype="float32")
 LAYOUT = KVLayout(
@@ -80,10 +82,11 @@ async def engines(
     max_parked: int = 4096,
     observe: bool = False,
     heartbeat_s: float = 2.0,
+    proof: AskProof | None = None,
 ) -> AsyncIterator[tuple[Engine, Engine]]:
     """A prefill and a decode side; `max_parked` bounds the prefill side's parked asks (its
     `max_expected_requests`; the decode side keeps the default); every `heartbeat_s` a waiting
-    load asks whether its prefill engine is still there."""
+    load asks whether its prefill engine is still there; `proof`: both sides' deployment key."""
     settings = Settings(
         shm_dir=str(tmp_path),
         transport="shm",
@@ -103,7 +106,7 @@ async def engines(
             mail = PushRequestMail(settings.shm_dir)
             recorder = Recorder()
             observer = DigestLog(str(tmp_path / f"{name}.jsonl")) if observe else None
-            handoff = Handoff(agent, mail, recorder, lease_s=lease_s, observer=observer)
+            handoff = Handoff(agent, mail, recorder, lease_s=lease_s, observer=observer, proof=proof)
             built.append(Engine(agent, handoff, mail, recorder))
             await agent.start(endpoints=mail.endpoints)
         yield built[0], built[1]
@@ -347,7 +350,7 @@ async def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks
         prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, ((0, 1),))})
         assert prefill.handoff.parked() == 0  # the ask is taken by the forward
         prefill.handoff.save_layer(layers[0])
-        await prefill.handoff.preempt({KEY})
+        await prefill.handoff.preempt({KEY}, wait_s=5.0)
         assert prefill.handoff.parked() == 1  # parked again, for the request's next run
         prefill.fill({0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
         assert decode.reports.loads == {}
@@ -435,3 +438,98 @@ async def test_a_prefill_engine_on_another_node_is_gone_once_the_coordinator_dro
         assert await mail.gone(silent, there, joined=True) == ""
     finally:
         mail.close()
+
+
+DEPLOYMENT = HandoffKey.from_hex(new_key_hex())
+
+
+async def test_with_a_key_messages_without_its_proof_neither_free_nor_pin_a_hold(tmp_path: Path) -> None:
+    """Anyone who learnt a hand-off id could send a withdrawal (freeing another request's hold)
+    or asks (filling the parked asks, so real decode-first asks fail): with the deployment's
+    key, a message without its proof is dropped unread, and the engines' own still work."""
+    other = "0" * 31 + "2"
+    async with engines(tmp_path, max_parked=4, proof=DEPLOYMENT) as (prefill, decode):
+        info = prefill.agent.info
+        prefill.fill({1: 1.0, 2: 2.0})
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
+        forger = HandoffKey.from_hex(new_key_hex())
+        for proof in (b"", forger.ask_proof(info.engine_id, KEY), DEPLOYMENT.ask_proof("vllm-x", KEY)):
+            withdrawn = PushWithdrawn(
+                request_id=KEY, src_engine=info.engine_id, src_incarnation=info.incarnation, proof=proof
+            )
+            prefill.handoff.take(encode(withdrawn))
+        victim = decode.agent.expect("victim", [5])
+        for index in range(64):
+            forged = PushRequest(
+                request_id=other if index == 0 else f"{index + 16:032x}",
+                src_engine=info.engine_id,
+                src_incarnation=info.incarnation,
+                reservation=victim,
+                decode_info=encode(decode.agent.info),
+            )
+            prefill.handoff.take(encode(forged))
+        await asyncio.sleep(0.2)
+        assert prefill.reports.freed == [] and prefill.handoff.parked() == 0
+        # The decode engine's own ask, before its request is held, parks and is pushed.
+        decode.handoff.load(load_from(prefill, "d-1", other, (3,)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        prefill.handoff.hold(SendSpec("r-2", ((2,),), key=other))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": False} and decode.block(3) == prefill.block(2)
+        # The forged asks told the reservation they named nothing: it still waits, unwritten.
+        with pytest.raises(TimeoutError):
+            await decode.agent.wait_for_kv("victim", timeout=0.2)
+        assert decode.block(5) == [{0.0}] * 3
+        await decode.agent.release("victim")
+        # The decode engine's own withdrawal frees the first hold.
+        await decode.handoff.withdraw(load_from(prefill, "d-2", KEY, ()))
+        await until(lambda: sorted(prefill.reports.freed) == ["r-1", "r-2"])
+
+
+async def test_a_request_bound_to_a_decode_engine_is_pushed_only_into_that_engines_reservations(
+    tmp_path: Path,
+) -> None:
+    other = "0" * 31 + "2"
+    async with engines(tmp_path, proof=DEPLOYMENT) as (prefill, decode):
+        prefill.fill({1: 1.0, 2: 2.0})
+        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY, decode_engine="vllm-elsewhere"))
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (3,)))
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": True} and decode.block(3) == [{0.0}] * 3
+        prefill.handoff.hold(SendSpec("r-2", ((2,),), key=other, decode_engine=decode.agent.engine_id))
+        decode.handoff.load(load_from(prefill, "d-2", other, (4,)))
+        await until(lambda: "d-2" in decode.reports.loads)
+        assert decode.reports.loads["d-2"] is False and decode.block(4) == prefill.block(2)
+
+
+async def test_a_preemption_waits_at_most_its_budget_and_a_copy_outlasting_it_fails_the_load(
+    tmp_path: Path,
+) -> None:
+    """vLLM's thread waits in `handle_preemptions`: at most `wait_s`. A layer copy still running
+    then may read blocks vLLM has given to another request, so the push is aborted once the copy
+    ends: the decode side's load fails (it never decodes from those bytes), nothing outside its
+    blocks is written, and the request's later finish is not pushed again."""
+    async with engines(tmp_path) as (prefill, decode):
+        prefill.fill({0: 1.0, 1: 2.0})
+        layers = prefill.agent.layout.layer_names
+        push_layer = prefill.agent.push_layer
+
+        async def slow_push_layer(*args: Any, **kwargs: Any) -> int:
+            await asyncio.sleep(1.0)
+            return await push_layer(*args, **kwargs)
+
+        prefill.agent.push_layer = slow_push_layer  # type: ignore[method-assign]
+        decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
+        await until(lambda: prefill.handoff.parked() == 1)
+        prefill.handoff.layerwise({"r-1": LayerwiseSpec("r-1", KEY, ((0, 1),))})
+        prefill.handoff.save_layer(layers[0])
+        started = time.monotonic()
+        await prefill.handoff.preempt({KEY}, wait_s=0.05)
+        assert time.monotonic() - started < 0.5
+        assert prefill.handoff.parked() == 0
+        await until(lambda: "d-1" in decode.reports.loads)
+        assert decode.reports.loads == {"d-1": True}
+        for canary in (0, 1, 4, 5, 6, 7):
+            assert decode.block(canary) == [{0.0}] * 3
+        prefill.handoff.hold(SendSpec("r-1", ((4, 5),), key=KEY))
+        assert prefill.reports.freed == ["r-1"]  # spent: its blocks go back at once

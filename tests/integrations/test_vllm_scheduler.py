@@ -6,6 +6,8 @@ started (vLLM's request statuses are imported)."""
 
 from __future__ import annotations
 
+import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +24,7 @@ from kvray.agent.handoff import NO_BLOCK  # noqa: E402 - after the check that vL
 from kvray.errors import ConfigError  # noqa: E402 - after the check that vLLM is installed
 from kvray.integrations.vllm import tickets  # noqa: E402 - after the check that vLLM is installed
 from kvray.integrations.vllm.connector import (  # noqa: E402 - after the check
+    KvrayConnector,
     KvrayHandshake,
     _Scheduler,
     block_size_of,
@@ -39,7 +42,9 @@ HELD_FIELDS = frozenset(
         tickets.PREFILL_REQUEST,
         tickets.PREFILL_NODE,
         tickets.PREFILL_INBOX,
+        tickets.EXPIRES,
         tickets.TAG,
+        tickets.RELEASE_TAG,
     }
 )
 
@@ -230,3 +235,117 @@ def test_kv_cache_groups_of_different_block_sizes_are_refused_at_start_up() -> N
     assert block_size_of(None, 16) == 16
     with pytest.raises(ConfigError, match="one block size"):
         block_size_of(config(16, 128), 16)
+
+
+def test_a_held_ticket_expires_with_the_lease_and_a_decode_first_hold_binds_its_decode_engine() -> None:
+    sched = _Scheduler("vllm-p", BLOCK_SIZE, KEY, lease_s=5.0)
+    sched.handshake = KvrayHandshake("vllm-p", 5, "node-1", "/dev/shm/kvray-inbox")
+    req = request("p-1", {"do_remote_decode": True})
+    sched.allocated(req, Blocks([1]), 0)
+    _, params = sched.finished(req, ([1],))
+    assert time.time() + 5 <= params[tickets.EXPIRES] <= time.time() + 7
+    handoff = tickets.mint_handoff()
+    bound = request("p-2", tickets.hold_params(KEY, handoff, decode_engine="vllm-d"))
+    sched.allocated(bound, Blocks([2]), 0)
+    sched.finished(bound, ([2],))
+    sends = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends
+    assert {spec.key: spec.decode_engine for spec in sends.values()}[handoff] == "vllm-d"
+
+
+def test_a_decode_engine_refuses_a_ticket_for_another_decode_engine() -> None:
+    handoff = tickets.mint_handoff()
+    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    _, _, meta = run_decode(
+        decode, request("d-1", tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-x"))
+    )
+    assert "vllm-x" in meta.loads["d-1"].refusal
+    _, _, meta = run_decode(
+        decode, request("d-2", tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-d"))
+    )
+    assert not meta.loads["d-2"].refusal
+
+
+#: Any JSON value, text of any code point (lone surrogates and non-ASCII included).
+json_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False),
+        st.text(st.characters(codec=None), max_size=70),
+        st.sampled_from(["é" * 64, "\ud800" * 64, "0" * 64, "a" * 32, ""]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=5,
+)
+_HELD = tickets.Held(
+    engine="vllm-p", incarnation=5, request=tickets.mint_handoff(), node="node-1", inbox="/x", expires=2**40
+)
+genuine = [
+    tickets.hold_params(KEY, tickets.mint_handoff()),
+    tickets.hold_params(KEY, tickets.mint_handoff(), decode_engine="vllm-d"),
+    tickets.load_params(KEY, "vllm-p", tickets.mint_handoff()),
+    tickets.held_params(KEY, _HELD),
+    tickets.release_params(tickets.held_params(KEY, _HELD)),
+]
+kvray_fields = sorted(
+    HELD_FIELDS | {tickets.HANDOFF, tickets.RELEASE, tickets.PREFILL_RANKS, tickets.DECODE_ENGINE}
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.sampled_from(genuine),
+    st.dictionaries(st.sampled_from(kvray_fields), json_values, min_size=1, max_size=3),
+)
+def test_every_kvray_field_of_a_genuine_ticket_set_to_any_json_value_raises_nothing(
+    params: dict[str, Any], changes: dict[str, Any]
+) -> None:
+    """A genuine ticket of each kind with any of kvray's fields set to any JSON value (what a
+    client can send), through every scheduler hook, on a prefill and a decode engine: nothing
+    raises, and a load vLLM waits for is issued (refused, or by a ticket that verified)."""
+    altered = json.loads(json.dumps({**params, **changes}))
+    for sched in (scheduler(), _Scheduler("vllm-d", BLOCK_SIZE, KEY)):
+        req = request("r-1", altered)
+        count, asynchronous = sched.matched(req, 0)
+        sched.allocated(req, Blocks([1, 2, 3]), count)
+        meta = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+        assert not asynchronous or "r-1" in meta.loads
+        sched.finished(req, ([1, 2, 3],))
+        sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+
+
+class _Broken:
+    """A scheduler side whose every reader fails unexpectedly."""
+
+    def __init__(self) -> None:
+        self.inner = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self.inner.matched(request, num_computed_tokens)
+        raise RuntimeError("unexpected")
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        raise RuntimeError("unexpected")
+
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        raise RuntimeError("unexpected")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_an_unexpected_error_in_a_hook_ends_as_that_requests_failure_not_the_engines() -> None:
+    connector = KvrayConnector.__new__(KvrayConnector)
+    broken = _Broken()
+    connector._scheduler = broken  # type: ignore[assignment]
+    req = request("d-1", tickets.load_params(KEY, "vllm-p", tickets.mint_handoff()))
+    assert connector.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here instead
+    # A load vLLM was promised (the match ran before the error): it fails at once.
+    broken.inner.matched(req, 0)
+    connector.update_state_after_alloc(req, Blocks([3, 4, 5]), 40)
+    spec = broken.inner.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).loads["d-1"]
+    assert spec.refusal and spec.block_ids == ((3, 4, 5),)
+    assert connector.request_finished(req, [3, 4, 5]) == (False, None)

@@ -98,14 +98,15 @@ from kvray.integrations.vllm.tickets import (
     HandoffKey,
     Held,
     Load,
+    expiry,
     held_params,
     key_from,
     mint_handoff,
-    read_held,
     read_hold,
     read_load,
+    read_release,
 )
-from kvray.integrations.vllm.worker import CONNECTOR_KEYS, ConnectorWorker, settings_from
+from kvray.integrations.vllm.worker import CONNECTOR_KEYS, PREEMPT_WAIT_S, ConnectorWorker, settings_from
 from kvray.layout import TensorParallel, ceil_div
 from kvray.wire import Role
 
@@ -183,14 +184,15 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.engine_id = f"vllm-{transfer.engine_id}"
         self.block_size = block_size_of(kv_cache_config, int(vllm_config.cache_config.block_size))
         lease_s = float(extra.get("lease_s", 60.0))
+        # Both sides read the key: the scheduler reads and writes the tickets (and refuses to
+        # start without it), the workers prove their push requests and withdrawals with it.
+        key = key_from(extra, handoff_key_from_env())
         self._scheduler: _Scheduler | None = None
         self._worker: ConnectorWorker | None = None
         #: Blocks that failed to load since vLLM last asked (worker side).
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            # The scheduler reads and writes the tickets: it refuses to start without the key.
-            key = key_from(extra, handoff_key_from_env())
-            self._scheduler = _Scheduler(self.engine_id, self.block_size, key)
+            self._scheduler = _Scheduler(self.engine_id, self.block_size, key, lease_s=lease_s)
         else:
             settings = settings_from({k: v for k, v in extra.items() if k not in CONNECTOR_KEYS})
             # A pure producer exposes nothing writable (least privilege); otherwise the engine
@@ -205,6 +207,8 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 ray_address=extra.get("ray_address"),
                 node_id=extra.get("node_id"),
                 tp=tp,
+                proof=key,
+                preempt_wait_s=float(extra.get("preempt_wait_s", PREEMPT_WAIT_S)),
             )
             _instrument(self._worker, extra)
             self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
@@ -317,27 +321,47 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._scheduler.handshake = handshakes[0]
             self._scheduler.rank_handshakes = tuple(handshakes[1:])
 
+    # The hooks below read a request's kv_transfer_params, which a client wrote: an exception
+    # from one would end vLLM's engine core, so each ends as that request's own failure (the
+    # readers are meant to be total; this is the net under them).
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched(request, num_computed_tokens)
+        try:
+            return self._scheduler.matched(request, num_computed_tokens)
+        except Exception:
+            log.exception("kvray: request %s: its kv_transfer_params were not read", _id(request))
+            self._scheduler.forget(request)
+            return 0, False  # the engine computes the prompt itself
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.allocated(request, blocks, num_external_tokens)
+        except Exception as error:
+            log.exception("kvray: request %s: its load was not set up", _id(request))
+            self._scheduler.refuse_load(request, blocks, num_external_tokens, error)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrayMetadata:
         assert self._scheduler is not None
         return self._scheduler.step(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids)
+        return self._finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, block_ids)
+
+    def _finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids)
+        try:
+            return self._scheduler.finished(request, block_ids)
+        except Exception:
+            log.exception("kvray: request %s: not held for a decode engine", _id(request))
+            self._scheduler.forget(request)
+            return False, None  # its blocks go back at once
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
@@ -371,10 +395,12 @@ class _Scheduler:
     finished requests are held for a decode engine (prefill). Nothing here raises on a
     request's `kv_transfer_params` (client input): vLLM's scheduler would end the engine."""
 
-    def __init__(self, engine_id: str, block_size: int, key: HandoffKey) -> None:
+    def __init__(self, engine_id: str, block_size: int, key: HandoffKey, *, lease_s: float = 60.0) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.key = key
+        #: How long the workers hold a finished request: its `held` ticket expires with it.
+        self.lease_s = lease_s
         self.handshake: KvrayHandshake | None = None
         #: Tensor parallelism: the handshakes of ranks 1, 2, ... (rank 0's is `handshake`).
         self.rank_handshakes: tuple[KvrayHandshake, ...] = ()
@@ -393,6 +419,8 @@ class _Scheduler:
         self._keys: dict[str, str | None] = {}
         #: Prefill: decode-first requests not yet scheduled, by vLLM's id (layer-wise candidates).
         self._producing: dict[str, str] = {}
+        #: Prefill: the decode engine a decode-first request's hold ticket names, by vLLM's id.
+        self._bound: dict[str, str] = {}
         #: Prefill: requests whose layers the workers push during the forward.
         self._layered: set[str] = set()
         #: This step's `KvrayMetadata.dropped`, `cancelled`, `released` and `preempted`.
@@ -414,7 +442,13 @@ class _Scheduler:
         if count <= 0:
             return 0, False
         try:
-            ticket: Load | str = read_load(self.key, params)
+            load = read_load(self.key, params)
+            if load.decode_engine not in ("", self.engine_id):
+                raise TicketError(
+                    f"the request's kvray ticket is for decode engine {load.decode_engine!r}, not "
+                    f"{self.engine_id!r}: route it to the engine its orchestrator chose"
+                )
+            ticket: Load | str = load
         except TicketError as error:
             # The request waits for KV that will never come: the workers report its load
             # failed at once, and vLLM's kv_load_failure_policy decides (fail: an error).
@@ -427,7 +461,7 @@ class _Scheduler:
     def _release(self, params: Mapping[str, Any]) -> None:
         """A proxy hands back this engine's own ticket: the decode leg will not take it."""
         try:
-            held = read_held(self.key, params)
+            held = read_release(self.key, params)
         except TicketError as error:
             log.warning("kvray: a release was refused: %s", error)
             return
@@ -478,14 +512,15 @@ class _Scheduler:
         """The hand-off id a request held for a decode engine goes by: the orchestrator's
         (signed: the decode engine was given it first) or a fresh one."""
         try:
-            handoff = read_hold(self.key, params)
+            hold = read_hold(self.key, params)
         except TicketError as error:
             log.warning("kvray: request %s is not held for a decode engine: %s", request.request_id, error)
             return None
-        if handoff is None:
+        if hold is None:
             return mint_handoff()
-        self._producing[request.request_id] = handoff
-        return handoff
+        self._producing[request.request_id] = hold.request
+        self._bound[request.request_id] = hold.decode_engine
+        return hold.request
 
     def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -510,6 +545,7 @@ class _Scheduler:
             # Ended before it was scheduled: a decode engine given it first is refused at once.
             key = self._hold_key(request, params)
             self._producing.pop(request.request_id, None)
+        decode_engine = self._bound.pop(request.request_id, "")
         if key is None:
             return False, None
         blocks = _groups(block_ids)
@@ -520,7 +556,7 @@ class _Scheduler:
             # it, if the request did not finish well) before vLLM may free them.
             self._layered.discard(request.request_id)
             self._sends[request.request_id] = SendSpec(
-                request.request_id, blocks, key=key, failed=not succeeded
+                request.request_id, blocks, key=key, failed=not succeeded, decode_engine=decode_engine
             )
             self._held.add(request.request_id)
             if not succeeded or handshake is None:
@@ -529,7 +565,9 @@ class _Scheduler:
             self._dropped.add(key)
             return False, None
         else:
-            self._sends[request.request_id] = SendSpec(request.request_id, blocks, key=key)
+            self._sends[request.request_id] = SendSpec(
+                request.request_id, blocks, key=key, decode_engine=decode_engine
+            )
             self._held.add(request.request_id)
         held = Held(
             engine=handshake.engine_id,
@@ -538,8 +576,33 @@ class _Scheduler:
             node=handshake.node,
             inbox=handshake.inbox,
             ranks=tuple((rank.incarnation, rank.inbox) for rank in self.rank_handshakes),
+            expires=expiry(self.lease_s),
         )
         return True, held_params(self.key, held)
+
+    def forget(self, request: Any) -> None:
+        """What a request's failed hook may have left here: nothing of it is handed over."""
+        request_id = getattr(request, "request_id", None)
+        if not isinstance(request_id, str):
+            return
+        for table in (self._tickets, self._local_tokens, self._keys, self._producing, self._bound):
+            table.pop(request_id, None)
+
+    def refuse_load(self, request: Any, blocks: Any, num_external_tokens: int, error: BaseException) -> None:
+        """`allocated` failed for `request`: if vLLM waits for its KV, its load fails at once
+        (never a request left waiting for KV that no one sends)."""
+        request_id = request.request_id
+        promised = request_id in self._tickets
+        self.forget(request)
+        if not promised or num_external_tokens <= 0 or request_id in self._loads:
+            return
+        try:
+            table = _groups(blocks.get_block_ids())
+        except Exception:
+            table = ((),)
+        why = f"kvray could not set up the load: {error}"
+        self._loads[request_id] = LoadSpec.refused(request_id, table, why)
+        self._loading.add(request_id)
 
     def step(self, scheduler_output: Any) -> KvrayMetadata:
         meta = KvrayMetadata(
@@ -579,7 +642,9 @@ class _Scheduler:
                 continue
             if new.num_computed_tokens + scheduled.get(new.req_id, 0) < len(new.prompt_token_ids):
                 continue
-            layerwise[new.req_id] = LayerwiseSpec(new.req_id, key, _groups(new.block_ids))
+            layerwise[new.req_id] = LayerwiseSpec(
+                new.req_id, key, _groups(new.block_ids), decode_engine=self._bound.get(new.req_id, "")
+            )
             self._layered.add(new.req_id)
         return layerwise
 
@@ -698,6 +763,10 @@ def _instrument(worker: ConnectorWorker, extra: Mapping[str, Any]) -> None:
         from kvray.faults import inject_seed_bug
 
         inject_seed_bug(worker)
+
+
+def _id(request: Any) -> str:
+    return str(getattr(request, "request_id", "?"))[:200]
 
 
 def _params(request: Any) -> Mapping[str, Any] | None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from kvray.agent.handoff import (
+    AskProof,
     Handoff,
     HandoffObserver,
     LayerwiseSpec,
@@ -320,6 +321,12 @@ class _Results:
         return taken
 
 
+#: How long vLLM's thread waits, by default, for a preempted request's layer copies (seconds).
+PREEMPT_WAIT_S = 0.1
+#: How much longer it waits for the agent's loop to answer at all.
+PREEMPT_LOOP_SLACK_S = 0.5
+
+
 class ConnectorWorker:
     """One vLLM worker's kvray side. `role`: PREFILL takes no writes (a pure producer);
     DECODE takes writes and may push too (`kv_both`)."""
@@ -334,8 +341,14 @@ class ConnectorWorker:
         ray_address: str | None = None,
         node_id: str | None = None,
         tp: TensorParallel | None = None,
+        proof: AskProof | None = None,
+        preempt_wait_s: float = PREEMPT_WAIT_S,
     ) -> None:
         self.engine_id = engine_id
+        #: The deployment's key: the proof on every push request and withdrawal (`Handoff`).
+        self.proof = proof
+        #: How long vLLM's thread waits for a preempted request's layer copies (`preempt`).
+        self.preempt_wait_s = preempt_wait_s
         #: This worker's tensor-parallel rank of its engine (its cache holds that rank's heads).
         self.tp = tp or TensorParallel()
         self.role = role
@@ -524,6 +537,7 @@ class ConnectorWorker:
             lease_s=self.lease_s,
             joined=coordinator is not None,
             observer=self.observer,
+            proof=self.proof,
         )
         return agent
 
@@ -609,13 +623,20 @@ class ConnectorWorker:
 
     def preempt(self, keys: Collection[str]) -> None:
         """vLLM preempted these layer-wise requests (before the step's forward): return once no
-        layer copy reads their blocks (`Handoff.preempt`)."""
+        layer copy reads their blocks, or after `preempt_wait_s`, a step's budget: a request
+        whose copies still run then has its push aborted (`Handoff.preempt`), so vLLM's thread
+        never waits on a slow copy."""
         if self._loop is None or self._handoff is None or not keys:
             return
         try:
-            self._loop.run(self._handoff.preempt(set(keys)), timeout=self.settings.transfer_timeout_s + 5.0)
+            self._loop.run(
+                self._handoff.preempt(set(keys), self.preempt_wait_s),
+                timeout=self.preempt_wait_s + PREEMPT_LOOP_SLACK_S,
+            )
         except TimeoutError:
-            log.error("kvray: layer copies of preempted requests %s did not end in time", sorted(keys))
+            # The agent's loop is busy: the hand-off still aborts any push whose copies outlast
+            # the wait, so the step may go on.
+            log.warning("kvray: preempted requests %s: the agent's loop did not answer in time", sorted(keys))
 
     def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
         """This step's forward computes these requests' whole prompts (before the first layer
@@ -657,7 +678,17 @@ class ConnectorWorker:
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
 CONNECTOR_KEYS = frozenset(
-    {"lease_s", "digest_log", "digest_every", "seed_bug", "ray_address", "node_id", "handoff_key"}
+    {
+        "lease_s",
+        "digest_log",
+        "digest_every",
+        "seed_bug",
+        "ray_address",
+        "node_id",
+        "handoff_key",
+        "handoff_key_file",
+        "preempt_wait_s",
+    }
 )
 
 
