@@ -31,8 +31,8 @@ from kvray.agent.handoff import (
 from kvray.agent.kvagent import KVAgent
 from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
-from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.integrations.vllm.tickets import HandoffKey, new_key_hex
+from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.wire import PushRequest, PushWithdrawn, Role, encode
 
 GEOMETRY = Geometry(block_size=4, entry_shape=(8,), dtype="float32")
