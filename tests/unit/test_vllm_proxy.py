@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,8 +24,12 @@ from kvray.integrations.vllm.proxy import Leg, build_app
 PREFILL, DECODE = "http://prefill", "http://decode"
 KEY = tickets.HandoffKey.from_hex(tickets.new_key_hex())
 HELD = tickets.held_params(
-    KEY, tickets.Held(engine="vllm-p", incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x")
-)
+    KEY,
+    tickets.Held(
+        engine="vllm-p", incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x",
+        expires=int(time.time()) + 3600,
+    ),
+)  # fmt: skip
 
 
 class BreaksOff(httpx.AsyncByteStream):
@@ -159,7 +164,7 @@ async def test_a_decode_leg_that_answers_keeps_the_ticket(stream: bool) -> None:
     assert answer.status_code == 200
     assert upstreams.releases() == []
     decode_calls = [body for url, body in upstreams.calls if url.startswith(DECODE)]
-    assert decode_calls[0]["kv_transfer_params"] == HELD
+    assert decode_calls[0]["kv_transfer_params"] == tickets.decode_leg_params(HELD)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -5,21 +5,29 @@
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
 Every engine of one P/D deployment (and the proxy or orchestrator in front of them) shares a
-hand-off key: `KVRAY_HANDOFF_KEY` in the environment (64 hex digits), or `handoff_key` in
-`kv_connector_extra_config` (which vLLM prints in its start-up log). Without one the
-connector does not start. `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g.
+hand-off key, read in this order: `handoff_key` in `kv_connector_extra_config` (vLLM prints that
+config in its start-up log: prefer the others), `handoff_key_file` (a regular file of mode 0600
+holding the 64 hex digits), `KVRAY_HANDOFF_KEY` in the environment. kvray's own helpers
+(`pd.transfer_config`, `serve_llm.kv_transfer_config`) put no key in any config; without one
+the connector does not start. `kv_connector_extra_config` keys are `kvray.Settings` fields (e.g.
 `transfer_timeout_s`, or `transport`: auto, shm or ray, the transport this engine's pushes
-take), plus `handoff_key`, `lease_s` (how long a prefill engine holds a finished request's
-blocks for a decode engine), `ray_address` (a Ray cluster's GCS address: the worker joins it
-and registers with kvray's coordinator, so engines on other nodes reach it) and `node_id` (the
-Ray node the engine runs on, when its launcher knows it). For measurements and demonstrations:
-`digest_log` (a file to append per-layer digests of the KV each side sent and received, to
+take), plus `handoff_key`, `handoff_key_file`, `preempt_wait_s` (the longest
+`handle_preemptions` holds vLLM's step for a preempted request's layer copies: 0.1 s; one still
+running then aborts that request's push), `lease_s` (how long a prefill engine holds a finished
+request's blocks for a decode engine), `ray_address` (a Ray cluster's GCS address: the worker
+joins it and registers with kvray's coordinator, so engines on other nodes reach it) and
+`node_id` (the Ray node the engine runs on, when its launcher knows it). For measurements and
+demonstrations: `digest_log` (a file to append per-layer digests of the KV each side sent and received, to
 compare them, and each side's time: `kvray.bench.handoff_log`), `digest_every` (hash one
 request in this many) and `seed_bug` (plan with offsets cached by geometry alone: the bug
 kvray exists to stop, injected from `kvray.faults`).
 
 The hand-off is kvray's push: the decode side reserves, the prefill side writes into it.
-kv_transfer_params are client input: kvray reads only tickets it signed (`tickets`).
+kv_transfer_params are client input: kvray reads only tickets it signed (`tickets`), each with
+an expiry (a held ticket's is its lease; an orchestrator's `TICKET_TTL_S`) and, from an
+orchestrator, the decode engine it chose; a release needs its own tag, which the decode leg's
+copy of the ticket lacks (`decode_leg_params`). Push requests and withdrawals between the
+workers carry a proof (an HMAC under the key over the hand-off), and one without it is dropped.
 
     proxy -> P    request with kv_transfer_params {"do_remote_decode": true}, max_tokens 1
     P scheduler   request_finished: holds the blocks under a hand-off id it mints, returns a
@@ -433,7 +441,7 @@ class _Scheduler:
         params = _params(request)
         if params is None:
             return 0, False
-        if params.get(RELEASE):
+        if params.get(RELEASE) is True:
             self._release(params)
             return 0, False
         if not params.get("do_remote_prefill") or not _KVRAY_LOAD_KEYS & params.keys():

