@@ -1,7 +1,8 @@
 """The coordinator as a directory: engines register and are looked up, a dead engine's actor
-drops it, a closed agent deregisters, and after a coordinator restart every agent registers
-again on its own. An entry belongs to its registrant: no other caller replaces or removes it
-while the registrant lives, and an incarnation's contents never change."""
+drops it, a closed agent deregisters, one registered outside any actor leaves once it stops
+heartbeating, and after a coordinator restart every agent registers again on its own. An entry
+belongs to its registrant: no other caller replaces or removes it while the registrant lives,
+and an incarnation's contents never change."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from process_probes import wait_until
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.coordinator import Coordinator, get_or_create_coordinator
+from kvray.coordinator import LAPSED_HEARTBEATS, Coordinator, get_or_create_coordinator
 from kvray.errors import RegistrationRefusedError, UnknownEngineError
 from kvray.layout import llama_gqa
 from kvray.wire import EngineInfo, Role, decode_engine_info, encode
@@ -213,3 +214,31 @@ def test_only_the_registrant_or_its_successor_after_death_replaces_an_actors_ent
     with pytest.raises(UnknownEngineError):
         ray.get(coordinator.lookup.remote("own-d0", 0.1))
     ray.kill(successor)
+
+
+async def test_on_ray_a_driver_stays_listed_while_it_heartbeats_and_leaves_once_it_stops(
+    local_ray: None, driver_info: EngineInfo
+) -> None:
+    """On the coordinator actor, entries registered outside any actor: a driver's agent stays
+    listed across many leases by its own heartbeat; a registrant that stops heartbeating (a
+    driver that died without deregistering) leaves once the lease (`LAPSED_HEARTBEATS`
+    heartbeat periods) has run out, counted as expired, and a lookup naming its incarnation
+    then fails at once instead of waiting."""
+    coordinator = get_or_create_coordinator(SETTINGS)
+    lease_s = SETTINGS.heartbeat_s * LAPSED_HEARTBEATS
+    agent = KVAgent("lease-p0", Role.PREFILL, llama_gqa(8, num_layers=2), settings=SETTINGS)
+    await agent.start()
+    try:
+        await coordinator.register.remote(encode(driver_info), None, secrets.token_bytes(32))
+        expired = (await coordinator.stats.remote())["expired"]
+        await asyncio.sleep(lease_s * 3)
+        listed = decode_engine_info((await coordinator.lookup.remote("lease-p0", 0.5))[0])
+        assert listed.engine_id == "lease-p0"
+        assert agent.stats.get("directory_events_reregistered", 0) == 0
+        assert (await coordinator.stats.remote())["expired"] == expired + 1  # the silent one only
+        started = time.monotonic()
+        with pytest.raises(UnknownEngineError, match="has left"):
+            await coordinator.lookup.remote(driver_info.engine_id, 30.0, driver_info.incarnation)
+        assert time.monotonic() - started < 10.0
+    finally:
+        await agent.close()
