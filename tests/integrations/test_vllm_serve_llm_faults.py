@@ -8,6 +8,7 @@ Skipped where vLLM, the model's package or pyarrow (which `ray.serve.llm` import
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -146,8 +147,16 @@ def test_a_killed_prefill_replica_fails_its_requests_within_the_deadline(app: di
             # ran (a wait for the replacement, not for a deadline).
             assert text == expected, text[:200]
         else:
-            # A failure comes once the request's deadline has passed, never much later.
+            # A failure comes once the request's deadline has passed, never much later, as a
+            # JSON error; one whose KV did not load is a 502 naming the decode leg and the cause
+            # (never a 200 with finish_reason "error").
             assert status >= 400 and seconds < DEADLINE_S + 60, (status, seconds, text[:200])
+            if status != 599:
+                error = json.loads(text)["error"]
+                assert error["message"], text[:200]
+                if status == 502:
+                    assert (error.get("leg"), error.get("cause")) == ("decode", "kv_load_failed"), error
+    print("answers with the prefill replica killed:", sorted(status for status, _, _ in answers))
     running("Prefill", 1, gone=victim)
     status, text, _ = complete(app["url"], prompts[0])
     assert (status, text) == (200, alone[0])

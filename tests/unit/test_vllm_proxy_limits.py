@@ -478,6 +478,20 @@ async def test_the_next_request_on_a_kept_alive_connection_has_its_own_head_dead
         assert await until_closed(sock) == b""
 
 
+async def test_an_idle_connection_stays_open_for_keep_alive_s_and_then_closes() -> None:
+    """Longer than a client's own keep-alive (httpx: 5 s): at uvicorn's 5 s a client's next
+    request raced the proxy's close and met a ReadError."""
+    assert proxy.uvicorn_config(FastAPI(), proxy.ProxyLimits()).timeout_keep_alive == 30.0
+    app = proxy_app(Recorded(), keep_alive_s=1.5)
+    loop = asyncio.get_running_loop()
+    async with served_proxy(app) as port, raw_connection(port) as sock:
+        await loop.sock_sendall(sock, b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        assert (await read_answer(sock)).startswith(b"HTTP/1.1 200 ")
+        opened = time.monotonic()
+        assert await until_closed(sock, within=10) == b""
+        assert time.monotonic() - opened >= 1.0  # kept for keep_alive_s, not closed at once
+
+
 @pytest.mark.parametrize("pieces", [1, 2], ids=["whole", "in-two-pieces"])
 async def test_a_head_over_max_head_bytes_is_a_400(pieces: int) -> None:
     """A head over the limit is refused whether it arrives whole in one read or in pieces."""
