@@ -138,8 +138,9 @@ def complete(url: str, model: str, prompt: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_completions_through_the_proxy_equal_the_decode_servers_own(servers: dict[str, str]) -> None:
-    prompts = load_prompts() + LONG_PROMPTS
-    assert len(prompts) >= 32
+    # Half the prompt set (the storm below answers 1,000 more through the proxy, exactly).
+    prompts = load_prompts()[::2] + LONG_PROMPTS
+    assert len(prompts) >= 16
     for prompt in prompts:
         through = complete(servers["proxy"], servers["model"], prompt)
         alone = complete(servers["decode"], servers["model"], prompt)
