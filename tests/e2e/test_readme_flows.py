@@ -213,6 +213,8 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     ),
     "PYTHONPATH=. python benchmarks/bench_completion_floor.py --runs 100": Skip(BENCHMARK),
     "python benchmarks/bench_plan.py --repeat 30": Skip(BENCHMARK),
+    "python benchmarks/bench_coordinator_waiters.py --before 413a796 "
+    "--out docs/results/coordinator-waiters.txt": Skip(BENCHMARK),
     "python benchmarks/bench_serve_llm.py --requests 16": Skip(BENCHMARK),
     "python benchmarks/bench_ttft.py --json docs/results/ttft.json": Skip(BENCHMARK),
     "python benchmarks/bench_vllm_pd.py --runs 5 --integrity": Skip(BENCHMARK),

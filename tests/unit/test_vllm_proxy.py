@@ -27,7 +27,7 @@ HELD = tickets.held_params(
     KEY,
     tickets.Held(
         engine="vllm-p", incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x",
-        expires=int(time.time()) + 3600,
+        expires=int(time.time()) + 7 * 24 * 3600,
     ),
 )  # fmt: skip
 

@@ -150,7 +150,7 @@ def held_ticket(engine: str) -> dict[str, Any]:
         KEY,
         tickets.Held(
             engine=engine, incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x",
-            expires=int(time.time()) + 3600,
+            expires=int(time.time()) + 7 * 24 * 3600,
         ),
     )  # fmt: skip
 
