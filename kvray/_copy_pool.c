@@ -1,13 +1,14 @@
 /* Batched memcpy for kvray's CPU transports: one call copies every op of a plan.
  *
- * scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes) -> None
+ * scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes[, salt]) -> int
  *   copies nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i]
  *   for every i, on the calling thread with the GIL released. The three arrays are native
  *   int64 buffers of one length. Bounds are the caller's job (kvray checks every op before it
- *   gets here).
+ *   gets here). Returns the placement digest (`kvray.placement`, region mixed in as `salt`)
+ *   of the destination ranges it stored to, taken from the addresses it used.
  *
- * start_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, piece[, notice])
- *   -> CopyJob
+ * start_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, piece[, notice
+ *   [, salt[, base]]]) -> CopyJob
  *   the same copy on `threads` threads of a pool of plain pthreads, returning at once. The
  *   ops (split into pieces of at most `piece` bytes) are copied into the job, so the arrays
  *   may go; the memory they point into may not until the job is over. Each thread claims
@@ -15,8 +16,10 @@
  *   parks does not hold back the others' share, which a fixed split would. `notice`, a tuple
  *   (socket fd, peer path, message), is one datagram sent by the thread that completes the
  *   last op, the moment every byte is in place (the completion notice of a push, without a
- *   trip through Python). When every thread has left the job, its `fileno()` (an eventfd)
- *   becomes readable: that is what an event loop waits on.
+ *   trip through Python); a fourth element, true, has that thread write the job's placement
+ *   digest (`base` plus the digest of what the job stored) big-endian into the message's last
+ *   8 bytes first. When every thread has left the job, its `fileno()` (an eventfd) becomes
+ *   readable: that is what an event loop waits on; `placement` is then the job's digest.
  *
  * The pool's threads never take the GIL: a pthread woken on a condition variable starts copying
  * sooner than a Python pool worker, which must wake and then get the GIL.
@@ -91,6 +94,23 @@ static void stream_sse2(char *dst, const char *src, size_t body, const char *nex
 }
 #endif
 
+/* Placement digests (kvray/placement.py has the definition and why): a range is worth
+ * F(end) - F(start), F SplitMix64's finalizer of the address mixed with the region's salt. */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t range_worth(uint64_t salt, uint64_t start, uint64_t n) {
+    return mix64(salt ^ (start + n)) - mix64(salt ^ start);
+}
+
+/* Faults only (kvray.faults.ExecutorOffsetBug, through set_executor_fault): an executor bug
+ * under a correct plan. The last op of a batch of two or more is stored over the one before
+ * it (clipped to the shorter), as a wrong offset would; the digest reports where it went. */
+static int executor_fault = 0;
+
 /* Copy one op; `next`/`next_n` is the source of the op copied after it (NULL: none). */
 static void copy_block(char *dst, const char *src, size_t n, const char *next, size_t next_n) {
 #ifdef KVRAY_STREAMING
@@ -134,9 +154,10 @@ static int check_columns(Py_buffer *dst_offsets, Py_buffer *src_offsets, Py_buff
 }
 
 static PyObject *scatter_copy(PyObject *self, PyObject *args) {
-    unsigned long long dst_base, src_base;
+    unsigned long long dst_base, src_base, salt = 0;
     Py_buffer dst_offsets, src_offsets, nbytes;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes)) {
+    if (!PyArg_ParseTuple(args, "KKy*y*y*|K", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
+                          &salt)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -145,20 +166,27 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
         const int64_t *dst_off = (const int64_t *)dst_offsets.buf;
         const int64_t *src_off = (const int64_t *)src_offsets.buf;
         const int64_t *lengths = (const int64_t *)nbytes.buf;
+        uint64_t placement = 0;
+        int faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && count >= 2;
         Py_BEGIN_ALLOW_THREADS
         char *dst = (char *)(uintptr_t)dst_base;
         const char *src = (const char *)(uintptr_t)src_base;
         for (Py_ssize_t i = 0; i < count; i++) {
             int more = i + 1 < count;
-            copy_block(dst + dst_off[i], src + src_off[i], (size_t)lengths[i],
-                       more ? src + src_off[i + 1] : NULL, more ? (size_t)lengths[i + 1] : 0);
+            int64_t to = dst_off[i], n = lengths[i];
+            if (faulty && i == count - 1) {
+                to = dst_off[i - 1];
+                n = n < lengths[i - 1] ? n : lengths[i - 1];
+            }
+            copy_block(dst + to, src + src_off[i], (size_t)n, more ? src + src_off[i + 1] : NULL,
+                       more ? (size_t)lengths[i + 1] : 0);
+            placement += range_worth(salt, (uint64_t)to, (uint64_t)n);
         }
 #ifdef KVRAY_STREAMING
         _mm_sfence(); /* streamed stores are visible before anyone is told the copy is done */
 #endif
         Py_END_ALLOW_THREADS
-        Py_INCREF(Py_None);
-        result = Py_None;
+        result = PyLong_FromUnsignedLongLong(placement);
     }
     PyBuffer_Release(&dst_offsets);
     PyBuffer_Release(&src_offsets);
@@ -186,6 +214,9 @@ typedef struct job {
     copy_op *ops;
     int64_t count;
     int64_t next_op;  /* atomic: the claim cursor */
+    uint64_t salt;    /* the destination region's, for the placement digest */
+    uint64_t placement; /* atomic: the digest of what was stored, added before ops_done */
+    int faulty;       /* executor_fault when the job started */
     int64_t ops_done; /* atomic */
     int tasks_unstarted; /* under pool_lock: threads yet to take the job from the queue */
     int active;       /* atomic: threads not yet out of the job */
@@ -197,6 +228,7 @@ typedef struct job {
     char *notice;
     size_t notice_len;
     int notice_result; /* atomic: -1 not sent (yet), 0 sent, else the errno of sendto */
+    int notice_patch;  /* write the placement digest into the notice's last 8 bytes */
 } job;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -225,6 +257,12 @@ static void job_unref(job *j) {
 static void send_notice(job *j) {
     if (j->notice_fd < 0) {
         return;
+    }
+    if (j->notice_patch && j->notice_len >= 8) {
+        uint64_t placement = __atomic_load_n(&j->placement, __ATOMIC_ACQUIRE);
+        for (int k = 0; k < 8; k++) {
+            j->notice[j->notice_len - 1 - k] = (char)(placement >> (8 * k));
+        }
     }
     ssize_t sent = sendto(j->notice_fd, j->notice, j->notice_len, MSG_DONTWAIT | MSG_NOSIGNAL,
                           (struct sockaddr *)&j->notice_addr, j->notice_addr_len);
@@ -270,14 +308,23 @@ static void run_task(job *j) {
         if (__atomic_load_n(&worker_hook, __ATOMIC_ACQUIRE) != NULL && !hook_allows(j, first, last)) {
             continue; /* a test's hook refused these ops: the job ends incomplete */
         }
+        uint64_t placement = 0;
         for (int64_t i = first; i < last; i++) {
             int more = i + 1 < count;
-            copy_block(j->dst + ops[i].dst, j->src + ops[i].src, (size_t)ops[i].nbytes,
-                       more ? j->src + ops[i + 1].src : NULL, more ? (size_t)ops[i + 1].nbytes : 0);
+            int64_t to = ops[i].dst, n = ops[i].nbytes;
+            if (j->faulty && i == count - 1) {
+                to = ops[i - 1].dst;
+                n = n < ops[i - 1].nbytes ? n : ops[i - 1].nbytes;
+            }
+            copy_block(j->dst + to, j->src + ops[i].src, (size_t)n, more ? j->src + ops[i + 1].src : NULL,
+                       more ? (size_t)ops[i + 1].nbytes : 0);
+            placement += range_worth(j->salt, (uint64_t)to, (uint64_t)n);
         }
 #ifdef KVRAY_STREAMING
         _mm_sfence(); /* this thread's streamed stores are visible before they count as done */
 #endif
+        /* Added before the ops count as done: whoever sees the last op done sees every sum. */
+        __atomic_add_fetch(&j->placement, placement, __ATOMIC_RELEASE);
         if (__atomic_add_fetch(&j->ops_done, last - first, __ATOMIC_ACQ_REL) == count) {
             send_notice(j);
         }
@@ -370,6 +417,11 @@ static PyObject *CopyJob_complete(CopyJob *self, void *unused) {
     return PyBool_FromLong(__atomic_load_n(&self->job->ops_done, __ATOMIC_ACQUIRE) == self->job->count);
 }
 
+static PyObject *CopyJob_placement(CopyJob *self, void *unused) {
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->job->placement, __ATOMIC_ACQUIRE));
+}
+
 static PyObject *CopyJob_notice_sent(CopyJob *self, void *unused) {
     (void)unused;
     return PyBool_FromLong(__atomic_load_n(&self->job->notice_result, __ATOMIC_ACQUIRE) == 0);
@@ -384,6 +436,8 @@ static PyGetSetDef CopyJob_getset[] = {
     {"over", (getter)CopyJob_over, NULL, "True once no thread copies for the job any more.", NULL},
     {"complete", (getter)CopyJob_complete, NULL, "True once every op was copied.", NULL},
     {"notice_sent", (getter)CopyJob_notice_sent, NULL, "True if the notice datagram was queued.", NULL},
+    {"placement", (getter)CopyJob_placement, NULL, "The placement digest of what the job stored (with base).",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -398,11 +452,12 @@ static PyTypeObject CopyJobType = {
 };
 
 static int take_notice(job *j, PyObject *notice) {
-    int fd;
+    int fd, patch = 0;
     Py_buffer path, message;
-    if (!PyArg_ParseTuple(notice, "iy*y*", &fd, &path, &message)) {
+    if (!PyArg_ParseTuple(notice, "iy*y*|p", &fd, &path, &message, &patch)) {
         return -1;
     }
+    j->notice_patch = patch;
     int status = -1;
     if (path.len <= 0 || (size_t)path.len >= sizeof j->notice_addr.sun_path) {
         PyErr_Format(PyExc_ValueError, "a notice path must have 1 to %zu bytes",
@@ -434,13 +489,13 @@ done:
 }
 
 static PyObject *start_copy(PyObject *self, PyObject *args) {
-    unsigned long long dst_base, src_base;
+    unsigned long long dst_base, src_base, salt = 0, base = 0;
     Py_buffer dst_offsets, src_offsets, nbytes;
     int threads;
     long long piece;
     PyObject *notice = Py_None;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*iL|O", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
-                          &threads, &piece, &notice)) {
+    if (!PyArg_ParseTuple(args, "KKy*y*y*iL|OKK", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
+                          &threads, &piece, &notice, &salt, &base)) {
         return NULL;
     }
     job *j = NULL;
@@ -486,6 +541,9 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
         }
     }
     j->count = count;
+    j->salt = salt;
+    j->placement = base;
+    j->faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && count >= 2;
     j->dst = (char *)(uintptr_t)dst_base;
     j->src = (const char *)(uintptr_t)src_base;
     if (notice != Py_None && take_notice(j, notice) != 0) {
@@ -566,12 +624,23 @@ static PyObject *set_worker_hook(PyObject *self, PyObject *hook) {
     Py_RETURN_NONE;
 }
 
+static PyObject *set_executor_fault(PyObject *self, PyObject *on) {
+    int value = PyObject_IsTrue(on);
+    if (value < 0) {
+        return NULL;
+    }
+    __atomic_store_n(&executor_fault, value, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scatter_copy", scatter_copy, METH_VARARGS, "Copy many (dst, src, nbytes) ops with the GIL released."},
     {"start_copy", start_copy, METH_VARARGS, "Start a copy on the pool's threads; returns a CopyJob."},
     {"set_worker_hook", set_worker_hook, METH_O,
      "Tests only: hook(low, high, nbytes) -> bool runs (with the GIL) before a pool thread copies the ops "
      "it claimed (destination span [low, high), nbytes in all); False skips them."},
+    {"set_executor_fault", set_executor_fault, METH_O,
+     "Faults only: True stores the last op of each later batch over the op before it (kvray.faults)."},
     {NULL, NULL, 0, NULL},
 };
 

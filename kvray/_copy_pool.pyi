@@ -12,6 +12,8 @@ class CopyJob:
     def complete(self) -> bool: ...
     @property
     def notice_sent(self) -> bool: ...
+    @property
+    def placement(self) -> int: ...
     def fileno(self) -> int: ...
 
 def scatter_copy(
@@ -20,7 +22,8 @@ def scatter_copy(
     dst_offsets: object,
     src_offsets: object,
     nbytes: object,
-) -> None: ...
+    salt: int = 0,
+) -> int: ...
 def start_copy(
     dst_base: int,
     src_base: int,
@@ -29,6 +32,9 @@ def start_copy(
     nbytes: object,
     threads: int,
     piece: int,
-    notice: tuple[int, bytes, bytes] | None = None,
+    notice: tuple[int, bytes, bytes] | tuple[int, bytes, bytes, bool] | None = None,
+    salt: int = 0,
+    base: int = 0,
 ) -> CopyJob: ...
+def set_executor_fault(on: bool) -> None: ...
 def set_worker_hook(hook: Callable[[int, int, int], bool] | None) -> None: ...

@@ -1,8 +1,8 @@
 """Deliberate faults, for demonstrations and for tests that prove kvray's checks can fail.
 
 Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`, `seed_bug` in
-the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`, or a
-`ByteFlipper` given to an agent as its `transport_hook`).
+the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`, a
+`ByteFlipper` given to an agent as its `transport_hook`, or `executor_offset_bug`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,22 @@ from typing import Any, Protocol
 from kvray.memory import Backing
 from kvray.plan import OffsetCache, OffsetKey, TransferPlan
 from kvray.transport.base import Peer, Transport
+from kvray.transport.cpu_copy import set_executor_fault
 from kvray.wire import EngineInfo
+
+
+@contextlib.contextmanager
+def executor_offset_bug() -> Iterator[None]:
+    """While inside: every CPU copy executor of this process (the C copy pool, its Python
+    fallback; the shm, loopback and ray transports' copies) stores the last op of each batch of
+    two or more over the op before it, under a correct plan, as an executor that computed a
+    wrong destination would. The placement digests report where the bytes went, so the decode
+    side refuses every such transfer (`kvray.integrity.PlacementTable`)."""
+    set_executor_fault(True)
+    try:
+        yield
+    finally:
+        set_executor_fault(False)
 
 
 class SeedBugOffsetCache(OffsetCache):
@@ -59,15 +74,15 @@ class ByteFlipper:
     def __call__(self, transport: Transport) -> None:
         write, write_then = transport.write, transport.write_then
 
-        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
+        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> int:
             with self._flipped(plan, local):
-                await write(plan, local, peer)
+                return await write(plan, local, peer)
 
         async def flipped_write_then(
-            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None]
-        ) -> None:
+            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None]
+        ) -> int:
             with self._flipped(plan, local):
-                await write_then(plan, local, peer, then)
+                return await write_then(plan, local, peer, then)
 
         # Deliberately on the instance: only this agent's transport corrupts.
         patched: Any = transport

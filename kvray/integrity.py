@@ -13,6 +13,13 @@ side finds the places from its own layout and reservation, never from the writer
 plan that writes a layer over another (the seed bug), a byte flipped on the way, or a write
 that never landed all fail the check alike.
 
+Placement, on every transfer: the notice also carries the placement digest of the ranges the
+writer's executor stored to (`kvray.placement`), and the decode side compares it with the digest
+of where its own layout puts the named layers' parts of the reservation's blocks
+(`PlacementTable`): O(ops), no byte read, so it is never sampled. It catches a layer written over
+another, a block written twice or not at all, and an executor that stored elsewhere than its plan
+said; the checksums below are what catch wrong bytes in the right places.
+
 Two algorithms, named in the notice; the writer picks the one its memory hashes fastest and
 the decode side computes the same, wherever its own memory is:
 - `xxh3_64` for host memory: XXH3-64 (the xxHash library, `xxhash` on PyPI) over the bytes as one
@@ -40,6 +47,7 @@ import torch
 from kvray.errors import KVIntegrityError, MetadataError
 from kvray.layout import Int64Array, KVLayout, LayerPlacement, TensorParallel
 from kvray.memory import Backing
+from kvray.placement import ranges_digest
 from kvray.plan import TransferPlan
 from kvray.tensor_parallel import head_runs, shared_heads
 
@@ -116,6 +124,63 @@ def writer_checksums(plan: TransferPlan, regions: RegionBytes, dst_layout: KVLay
 # ---- the decode side -------------------------------------------------------------------------
 
 
+class PlacementTable:
+    """Where a transfer of some layers (with some heads) lands in one block of the decode
+    engine: per run of bytes its region, start in block 0 and length, and the stride from one
+    block to the next; `digest(blocks)` is the placement digest a transfer of those layers into
+    `blocks` must report. Built once per (layers, heads) and kept by the receiving side."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        placements: Mapping[str, LayerPlacement],
+        layers: Sequence[int],
+        heads: tuple[int, int] | None,
+    ) -> None:
+        names = layout.layer_names
+        region: list[int] = []
+        start: list[int] = []
+        nbytes: list[int] = []
+        stride: list[int] = []
+        for index in layers:
+            name = names[index]
+            placement = placements[name]
+            for part, at, length in _runs(layout, placement, name, heads):
+                region.append(placement.region)
+                start.append(placement.offset + part * placement.part_stride + at)
+                nbytes.append(length)
+                stride.append(placement.block_stride)
+        self.region = np.array(region, dtype=np.int64)
+        self.start = np.array(start, dtype=np.int64)
+        self.nbytes = np.array(nbytes, dtype=np.int64)
+        self.stride = np.array(stride, dtype=np.int64)
+
+    def digest(self, blocks: Int64Array) -> int:
+        starts = self.start[None, :] + blocks[:, None] * self.stride[None, :]
+        count = blocks.size
+        return ranges_digest(np.tile(self.region, count), starts.ravel(), np.tile(self.nbytes, count))
+
+
+def _runs(
+    layout: KVLayout, placement: LayerPlacement, layer: str, heads: tuple[int, int] | None
+) -> list[tuple[int, int, int]]:
+    """(part, offset in the part, nbytes) of what a transfer fills in one block of `layer`:
+    every part whole, or the head runs of `heads` (see `landed_pieces`)."""
+    if heads is None:
+        return [(part, 0, placement.part_nbytes) for part in range(placement.parts)]
+    first, count = heads
+    geometry = layout.layer(layer).geometry
+    return [
+        (run.part, run.offset, run.nbytes) for run in head_runs(geometry, first - layout.tp.first_head, count)
+    ]
+
+
+def writer_heads(layout: KVLayout, writer_tp: TensorParallel | None) -> tuple[int, int] | None:
+    """The model-wide (first, count) of this engine's KV heads a writer of rank `writer_tp`
+    holds, where it holds only some (None: all)."""
+    return None if writer_tp is None else shared_heads(writer_tp, layout.tp, "the writer", "this engine")
+
+
 def landed_pieces(
     layout: KVLayout,
     placement: LayerPlacement,
@@ -126,13 +191,7 @@ def landed_pieces(
     """The ranges of `layer` (at `placement` in the decode engine's own layout) that a transfer
     fills in the reservation's `blocks`; `heads`: the model-wide (first, count) of the KV heads
     the writer holds where it holds only some of this rank's (`shared_heads`)."""
-    if heads is None:
-        runs = [(part, 0, placement.part_nbytes) for part in range(placement.parts)]
-    else:
-        first, count = heads
-        geometry = layout.layer(layer).geometry
-        shared = head_runs(geometry, first - layout.tp.first_head, count)
-        runs = [(run.part, run.offset, run.nbytes) for run in shared]
+    runs = _runs(layout, placement, layer, heads)
     run_start = np.array(
         [placement.offset + part * placement.part_stride + at for part, at, _ in runs], dtype=np.int64
     )
@@ -155,7 +214,7 @@ def landed_checksums(
 ) -> tuple[int, ...]:
     """The `algorithm` values of `layers` (indices into the decode engine's `layout`) over the
     bytes as they sit in its `blocks` (see `landed_pieces`)."""
-    heads = None if writer_tp is None else shared_heads(writer_tp, layout.tp, "the writer", "this engine")
+    heads = writer_heads(layout, writer_tp)
     names = layout.layer_names
     pieces = (
         landed_pieces(layout, placements[names[index]], blocks, names[index], heads) for index in layers

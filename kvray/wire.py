@@ -281,6 +281,14 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: The writer's tensor-parallel rank (None: it holds every head this engine holds), which
     #: says what part of each block it wrote.
     src_tp: TensorParallel | None = None
+    #: The layers the transfer moved (indices into the decode engine's layout), and the
+    #: placement digest of the ranges the writer's executor stored to (`kvray.placement`; a
+    #: receiving executor's own adds to it). The decode side takes the request only when the
+    #: sum equals the digest of where its own layout puts those layers' parts of the
+    #: reservation's blocks. `placement` stays last: the C copy pool writes it into the
+    #: encoded notice's final 8 bytes.
+    layers: Annotated[tuple[LayerIndex, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
+    placement: Uint64 = 0
 
 
 class TransferFailed(TransferNotice, frozen=True, kw_only=True, tag="failed"):

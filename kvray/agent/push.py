@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -43,6 +44,7 @@ from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, wr
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
+from kvray.placement import MASK64, PLACEHOLDER
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
@@ -82,6 +84,10 @@ class _Layerwise:
     layers: set[str] = field(default_factory=set)
     #: The layers' checksums so far (`kvray.integrity`), when the request is checked.
     checksums: Checksums | None = None
+    #: The layers pushed so far (indices into the decode engine's layout), and the placement
+    #: digest of what their writes stored (`kvray.placement`).
+    layer_indices: tuple[int, ...] = ()
+    placement: int = 0
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
     #: Layer writes in progress, and an event set whenever there are none.
@@ -139,6 +145,8 @@ class Pusher:
         #: Layer-wise requests that failed (why), until `finish` or `abort`: later layers are refused.
         self._failed_layerwise: dict[str, str] = {}
         self._transfer_count = 0
+        #: Per decode engine incarnation: its layers' indices by name (what notices name).
+        self._layer_indices: dict[tuple[str, int], dict[str, int]] = {}
 
     @property
     def layerwise_requests(self) -> set[str]:
@@ -159,15 +167,24 @@ class Pusher:
             peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             checksums = await self._checksums(reservation, plan, peer)
+            # The executor fills the placement in: the C copy pool's thread writes it into the
+            # early notice it sends (`kvray.placement.PLACEHOLDER`).
             notice = self._done(
-                reservation, transfer_id, plan.nbytes, transport.arrival_proofs, checksums, peer
+                reservation,
+                transfer_id,
+                plan.nbytes,
+                transport.arrival_proofs,
+                checksums,
+                peer,
+                self._indices(peer, plan.layers),
+                PLACEHOLDER,
             )
             try:
                 async with self._claim(peer, reservation, transport):
                     early = self.notices.early(peer, notice)
-                    await self._write(reservation, peer, transport, plan, then=early)
+                    placement = await self._write(reservation, peer, transport, plan, then=early)
                     if early is None or not early.sent:
-                        await self.notices.send(peer, notice)
+                        await self.notices.send(peer, msgspec.structs.replace(notice, placement=placement))
             finally:
                 self.notices.claims.end(reservation)
             self._count_bytes(transport.kind, peer, plan.nbytes)
@@ -221,12 +238,14 @@ class Pusher:
             state.idle.clear()
             try:
                 async with self._claim(peer, reservation, transport):
-                    await self._write(reservation, peer, transport, plan)
+                    placement = await self._write(reservation, peer, transport, plan)
             finally:
                 state.writing -= 1
                 if state.writing == 0:
                     state.idle.set()
             state.layers.add(layer)
+            state.layer_indices += self._indices(peer, plan.layers)
+            state.placement = (state.placement + placement) & MASK64
             if checksums is not None:
                 known = state.checksums or Checksums((), ())
                 state.checksums = Checksums(
@@ -238,7 +257,14 @@ class Pusher:
             state.unmerged_ops += plan.unmerged_count
             state.busy_s += time.perf_counter() - started
             state.notice = self._done(
-                reservation, state.transfer_id, state.nbytes, state.arrival_proofs, state.checksums, peer
+                reservation,
+                state.transfer_id,
+                state.nbytes,
+                state.arrival_proofs,
+                state.checksums,
+                peer,
+                state.layer_indices,
+                state.placement,
             )
             state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
@@ -311,7 +337,14 @@ class Pusher:
             attempt.peer = peer
             await self._take_slot(attempt)
             notice = self._done(
-                reservation, state.transfer_id, state.nbytes, state.arrival_proofs, state.checksums, peer
+                reservation,
+                state.transfer_id,
+                state.nbytes,
+                state.arrival_proofs,
+                state.checksums,
+                peer,
+                state.layer_indices,
+                state.placement,
             )
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
@@ -440,7 +473,10 @@ class Pusher:
         proofs: int,
         checksums: Checksums | None = None,
         peer: Peer | None = None,
+        layers: tuple[int, ...] = (),
+        placement: int = 0,
     ) -> TransferDone:
+        """The completion notice; `layers` and `placement`: see `TransferDone`."""
         info = self.engine.info
         if checksums is not None and peer is not None:
             tp = info.layout.tp
@@ -453,6 +489,17 @@ class Pusher:
                 checksum_values=checksums.values,
                 # Which part of each block this writer wrote, where it is not the whole.
                 src_tp=tp if shared_heads(tp, peer.info.layout.tp) is not None else None,
+                layers=layers,
+                placement=placement,
+            )
+        if peer is not None and shared_heads(info.layout.tp, peer.info.layout.tp) is not None:
+            return TransferDone(
+                **self._header(reservation, transfer_id),
+                nbytes=nbytes,
+                arrival_proofs=proofs,
+                src_tp=info.layout.tp,
+                layers=layers,
+                placement=placement,
             )
         # `_header`'s fields, spelled out: this is on the path of every completion.
         return TransferDone(
@@ -465,7 +512,20 @@ class Pusher:
             token=reservation.token,
             nbytes=nbytes,
             arrival_proofs=proofs,
+            layers=layers,
+            placement=placement,
         )
+
+    def _indices(self, peer: Peer, layers: Sequence[str]) -> tuple[int, ...]:
+        """`layers`' indices in the decode engine's layout."""
+        info = peer.info
+        key = (info.engine_id, info.incarnation)
+        index = self._layer_indices.get(key)
+        if index is None:
+            if len(self._layer_indices) >= 1024:
+                self._layer_indices.clear()
+            index = self._layer_indices[key] = {name: at for at, name in enumerate(info.layout.layer_names)}
+        return tuple(index[name] for name in layers)
 
     async def _checksums(self, reservation: Reservation, plan: TransferPlan, peer: Peer) -> Checksums | None:
         """The checksums of the bytes `plan` reads (`kvray.integrity`), when the request is
@@ -678,12 +738,12 @@ class Pusher:
         peer: Peer,
         transport: Transport,
         plan: TransferPlan,
-        then: Callable[[], None] | None = None,
-    ) -> None:
+        then: Callable[[int], None] | None = None,
+    ) -> int:
+        """Write `plan`; the placement digest its executor reports (`Transport.write`)."""
         if then is None:
-            await transport.write(plan, self.engine.backing, peer)
-        else:
-            await transport.write_then(plan, self.engine.backing, peer, then)
+            return await transport.write(plan, self.engine.backing, peer)
+        return await transport.write_then(plan, self.engine.backing, peer, then)
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1

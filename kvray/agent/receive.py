@@ -8,6 +8,11 @@ sent its notice or left, and no write delivered as a message is still being scat
 and notices for a request the engine does not expect under that token are refused, counted and
 dropped. A writer still holding a request past `transfer_timeout_s` leaves it quarantined: its
 blocks must stay out of the pool until the writer is done.
+
+Every completion is checked for placement before the request completes (`kvray.integrity`'s
+`PlacementTable`): the digest of the ranges the executors stored to (the writer's, in the notice,
+plus this engine's own scatters, `landed`) must equal the digest of where this engine's layout
+puts the named layers in the request's blocks; else the request fails with `KVIntegrityError`.
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
-from kvray.integrity import THREAD_MIN_BYTES, Checksums, check, regions_of
+from kvray.integrity import THREAD_MIN_BYTES, Checksums, PlacementTable, check, regions_of, writer_heads
 from kvray.layout import Int64Array
 from kvray.memory import Backing
 from kvray.metrics import DropReason, IntegrityCheck, Outcome
 from kvray.notice import NoticeSet
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.notice.claims import ClaimBoard
+from kvray.placement import MASK64
 from kvray.plan import OffsetCache, block_ids, check_ops_within, request_spans
 from kvray.transport.base import OpsCheck
 from kvray.wire import (
@@ -92,6 +98,9 @@ class _Expectation:
     #: writes may still land.
     writer: tuple[str, int] | None = None
     writer_done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The placement digest of the request's writes this engine's own executor stored
+    #: (`Receiver.landed`: the ray transport's scatter), added to the writer's.
+    landed: int = 0
 
 
 class Receiving:
@@ -127,6 +136,8 @@ class Receiving:
         #: Completions taken on the usual path, not yet in the metrics (`record_completions`):
         #: counted after the waiter resumes, not between the notice and it.
         self._unrecorded: list[TransferDone] = []
+        #: Where transfers of some layers (with some heads) land: per (layers, heads).
+        self._placements: dict[tuple[tuple[int, ...], tuple[int, int] | None], PlacementTable] = {}
 
     async def start(self) -> dict[str, str]:
         """Start taking writers' claims and notices (a decode engine, once, at its start): the
@@ -195,6 +206,11 @@ class Receiving:
                 del self._writing[request_id]
                 async with self._writes_done:
                     self._writes_done.notify_all()
+
+    def landed(self, request_id: str, placement: int) -> None:
+        expectation = self._pending.get(request_id)
+        if expectation is not None:
+            expectation.landed = (expectation.landed + placement) & MASK64
 
     async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
         peer = await self.directory.current(engine_id, incarnation, wait_s=0)
@@ -470,7 +486,7 @@ class Receiving:
                 and expectation.token == message.token
                 and not expectation.future.done()
             ):
-                self._complete(message, expectation.future)
+                self._complete_if_placed(message, expectation)
                 return None
         return self._checked(message_bytes, message, strict)
 
@@ -534,8 +550,59 @@ class Receiving:
             # complete once both hold (wait_for_kv's deadline bounds the wait).
             engine.spawn(self._complete_when_landed(message, expectation))
         else:
-            self._complete(message, future)
+            self._complete_if_placed(message, expectation)
         return None
+
+    def _complete_if_placed(self, message: TransferDone, expectation: _Expectation) -> None:
+        """Complete the request if its writes stored where they must (`_misplaced`), else fail it."""
+        error = self._misplaced(message, expectation)
+        if error is None:
+            self._complete(message, expectation.future)
+        else:
+            expectation.future.set_exception(error)
+            expectation.future.exception()  # retrieved here; wait_for_kv re-raises it
+
+    def _misplaced(self, message: TransferDone, expectation: _Expectation) -> KvrayError | None:
+        """Why the writes of `message`'s transfer cannot be taken (None: they can): the placement
+        digest of where the executors stored (the notice's plus this engine's own scatters)
+        differs from where this engine's layout puts the named layers in the request's blocks."""
+        engine = self.engine
+        layout = engine.backing.layout
+        layers = message.layers
+        if len(set(layers)) != len(layers) or any(not 0 <= index < len(layout.layers) for index in layers):
+            return MetadataError(
+                f"the notice for {message.request_id!r} from {message.src_engine!r} names a layer "
+                f"twice or one engine {engine.engine_id!r} lacks",
+                request_id=message.request_id,
+                engine_id=engine.engine_id,
+            )
+        try:
+            heads = writer_heads(layout, message.src_tp)
+        except KvrayError as error:
+            return error
+        key = (layers, heads)
+        table = self._placements.get(key)
+        if table is None:
+            if len(self._placements) >= 256:
+                self._placements.clear()
+            table = self._placements[key] = PlacementTable(layout, engine.backing.placements, layers, heads)
+        stored = (message.placement + expectation.landed) & MASK64
+        if stored == table.digest(expectation.blocks):
+            return None
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
+        names = [layout.layer_names[index] for index in layers]
+        return KVIntegrityError(
+            f"the KV of request {message.request_id!r} from {message.src_engine!r} was not stored where "
+            f"engine {engine.engine_id!r} keeps it: the placement digest of its writes differs from "
+            f"that of the request's blocks in {len(layers)} layer(s) ({', '.join(names[:8])}"
+            f"{', ...' if len(names) > 8 else ''}); a layer written over another, a block written "
+            "twice or not at all, or an executor that stored elsewhere than planned; the request is "
+            "not decoded from it",
+            request_id=message.request_id,
+            engine_id=engine.engine_id,
+            src_engine=message.src_engine,
+            layers=names,
+        )
 
     def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
         future.set_result(
@@ -552,6 +619,10 @@ class Receiving:
                 await self._arrived(message)
                 # Every write posted before the last immediate has landed: the writer is done here.
                 expectation.writer_done.set()
+            if not future.done():
+                misplaced = self._misplaced(message, expectation)
+                if misplaced is not None:
+                    raise misplaced
             if message.checksum and not future.done():
                 await self._check_integrity(message, expectation)
         except asyncio.CancelledError:

@@ -78,12 +78,13 @@ class NoticeReceiver(Protocol):
 
 class ThreadNotice(Protocol):
     """A notice a transport may send from whichever thread writes a transfer's last byte
-    (`Transport.write_then`): callable from any thread, quick, never raising; `sent` says
-    whether it went (if not, the writer sends it the usual way)."""
+    (`Transport.write_then`): callable from any thread, quick, never raising, with the
+    placement digest of the transfer's writes (`kvray.placement`), which it puts in the
+    notice; `sent` says whether it went (if not, the writer sends it the usual way)."""
 
     sent: bool
 
-    def __call__(self) -> None: ...
+    def __call__(self, placement: int) -> None: ...
 
 
 def refusal(reason: DropReason | None, engine_id: str, request_id: str) -> KvrayError | None:

@@ -3,7 +3,8 @@
 A transport is small, and each half is a handful of methods:
 
     writer    `register` turns a backing's regions into descriptors a peer can write through;
-              `write` (or `write_then`) issues a plan's ops into a peer's regions; `forget`
+              `write` (or `write_then`) issues a plan's ops into a peer's regions and returns
+              the placement digest of the ranges it stored to (`kvray.placement`); `forget`
               drops what was opened for a peer; `close` releases everything.
     receiver  a decode engine's side: `publish` adds what writers need to reach it (an RDMA
               port) to the info it publishes; `expect` and `release` bracket one request;
@@ -43,6 +44,7 @@ from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
+from kvray.placement import ranges_digest
 from kvray.plan import TransferPlan, check_op_table, check_rows
 from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
@@ -83,6 +85,11 @@ class Receiver(Protocol):
         """Enter before a write of `request_id` moves a byte: refuses (`NotExpectedError`) a
         request the engine does not expect under `token`; yields the check that the write's ops
         stay inside the request's blocks; a failed wait for the request outlasts the block."""
+        ...
+
+    def landed(self, request_id: str, placement: int) -> None:
+        """Inside `admit`: a write of `request_id` whose executor ran here stored to the ranges
+        `placement` sums (`kvray.placement`); the engine adds it to the writer's own."""
         ...
 
     async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
@@ -149,20 +156,23 @@ class Transport(abc.ABC):
         return backing.region_descriptors(engine_id, incarnation, self.kind, remote_writable=remote_writable)
 
     @abc.abstractmethod
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
-        """Issue every op of `plan`; return once the bytes are in the peer's memory."""
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+        """Issue every op of `plan`; return once the bytes are in the peer's memory, with the
+        placement digest (`kvray.placement`) of the ranges the executor stored to, taken where
+        it stores (0 where the receiving side's executor reports it: `Receiver.landed`)."""
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[], None]
-    ) -> None:
-        """`write`, calling `then()` once, as soon as every byte is in the peer's memory: a
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None]
+    ) -> int:
+        """`write`, calling `then(placement)` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this
         coroutine resumes (the agent sends the completion notice from it, sparing the decode
         side a trip through this event loop; a `DatagramNotice` may even be sent without
         Python, by the C copy pool's thread). `then` must be quick, thread-safe and must not
         raise. Here: after `write` returns, on the loop."""
-        await self.write(plan, local, peer)
-        then()
+        placement = await self.write(plan, local, peer)
+        then(placement)
+        return placement
 
     def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """Drop whatever is cached for a peer (it restarted, left or failed). A write still
@@ -338,6 +348,13 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
                 engine_id=info.engine_id,
                 region=index,
             )
+
+
+def planned_placement(plan: TransferPlan) -> int:
+    """The placement digest of the plan's op table: what an executor that takes the table
+    whole (a device's copy kernel, a NIC's work requests) reports for it."""
+    ops = plan.ops
+    return ranges_digest(ops.remote_region, ops.remote_offset, ops.nbytes)
 
 
 def region_pairs(

@@ -1,6 +1,7 @@
 """A plan's ops copied between two CPU buffers, for the CPU transports (shm, ray, loopback): by
 the C copy pool (`kvray._copy_pool`) when it is built, else by a per-op ctypes loop on Python
-threads; every op of a plan in a few calls either way."""
+threads; every op of a plan in a few calls either way. Each copy returns the placement digest
+(`kvray.placement`) of the destination ranges it stored to, taken from the addresses it used."""
 
 from __future__ import annotations
 
@@ -18,15 +19,30 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.layout import Int64Array, ceil_div
+from kvray.placement import MASK64, PLACEHOLDER_BYTES, ranges_digest
 from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
+_set_executor_fault: Callable[[bool], None] | None
 try:
     from kvray._copy_pool import scatter_copy as _scatter_copy
+    from kvray._copy_pool import set_executor_fault as _set_executor_fault
     from kvray._copy_pool import start_copy as _start_copy
 except ImportError:  # built by `pip install`; a source checkout without a build falls back
-    _scatter_copy = _start_copy = None
+    _scatter_copy = _start_copy = _set_executor_fault = None
+
+#: Faults only (`kvray.faults.ExecutorOffsetBug`): the Python fallback's copy of the C flag.
+_executor_fault = False
+
+
+def set_executor_fault(on: bool) -> None:
+    """Faults only: make every CPU copy executor store the last op of a batch of two or more
+    over the op before it, as an executor with a wrong offset would under a correct plan."""
+    global _executor_fault
+    _executor_fault = on
+    if _set_executor_fault is not None:
+        _set_executor_fault(on)
 
 
 @runtime_checkable
@@ -39,7 +55,7 @@ class Datagram(Protocol):
 
     def datagram(self) -> tuple[int, bytes, bytes]: ...
 
-    def __call__(self) -> None: ...
+    def __call__(self, placement: int) -> None: ...
 
 
 def resolve_once(future: asyncio.Future[None]) -> None:
@@ -79,21 +95,33 @@ def scatter_copy(
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
-) -> None:
+    salt: int = 0,
+) -> int:
     """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i], on
-    the calling thread (with the GIL released)."""
+    the calling thread (with the GIL released); the placement digest of what it stored
+    (`salt`: the destination region's, `kvray.placement.region_salt`)."""
     dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
     src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if _scatter_copy is not None:
-        _scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
-        return
+        return int(_scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt))
     if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
         raise ValueError("scatter_copy got a negative offset or length")
+    if _executor_fault and nbytes.size >= 2:  # as the C executor does (`set_executor_fault`)
+        dst_offsets, nbytes = dst_offsets.copy(), nbytes.copy()
+        dst_offsets[-1] = dst_offsets[-2]
+        nbytes[-1] = min(nbytes[-1], nbytes[-2])
     for dst, src, count in zip(
         (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
     ):
         ctypes.memmove(dst, src, count)
+    return _digest(salt, dst_offsets, nbytes)
+
+
+def _digest(salt: int, dst_offsets: Int64Array, nbytes: Int64Array) -> int:
+    """`kvray.placement.ranges_digest` of ranges of the region whose salt is `salt`."""
+    region = np.full(dst_offsets.size, (salt >> 48) - 1, dtype=np.int64)
+    return ranges_digest(region, dst_offsets, nbytes)
 
 
 async def scatter_copy_async(
@@ -103,11 +131,15 @@ async def scatter_copy_async(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     threads: int = 0,
-    then: Callable[[], None] | None = None,
-) -> None:
+    then: Callable[[int], None] | None = None,
+    salt: int = 0,
+    base: int = 0,
+) -> int:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
-    `then()`, if given, is called once every byte is copied (see `Transport.write_then`); a
-    `Datagram` is sent by the C pool's thread that copied the last byte.
+    Returns `base` plus the placement digest of what it stored (see `scatter_copy`).
+    `then(digest)`, if given, is called with that sum once every byte is copied (see
+    `Transport.write_then`); a `Datagram` is sent by the C pool's thread that copied the last
+    byte, the sum written into the message's placeholder.
 
     With the C copy, the threads of its pool share the op list and each claims the next ops as
     it goes (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks
@@ -120,13 +152,14 @@ async def scatter_copy_async(
     total = int(nbytes.sum())
     threads = min(threads or copy_threads(), _MAX_THREADS)
     if total < _PARALLEL_THRESHOLD:
-        scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        placement = (base + scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)) & MASK64
         if then is not None:
-            then()
-        return
+            then(placement)
+        return placement
     if native():
-        await _pool_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then)
-        return
+        return await _pool_copy(
+            dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then, salt, base
+        )
     global _executor
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=_MAX_THREADS, thread_name_prefix="kvray-copy")
@@ -148,14 +181,17 @@ async def scatter_copy_async(
                 dst_offsets[start:stop],
                 src_offsets[start:stop],
                 nbytes[start:stop],
+                salt,
             )
             for start, stop in itertools.pairwise(bounds)
             if stop > start
         )
     )
     await _until_over(shares, shares.done)
+    placement = (base + sum(shares.result())) & MASK64
     if then is not None:  # equal shares: no thread knows it copied the last byte
-        then()
+        then(placement)
+    return placement
 
 
 async def _pool_copy(
@@ -165,10 +201,16 @@ async def _pool_copy(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     threads: int,
-    then: Callable[[], None] | None,
-) -> None:
+    then: Callable[[int], None] | None,
+    salt: int,
+    base: int,
+) -> int:
     assert _start_copy is not None
     notice = then if isinstance(then, Datagram) else None
+    datagram = None
+    if notice is not None:
+        fd, path, message = notice.datagram()
+        datagram = (fd, path, message, message.endswith(PLACEHOLDER_BYTES))
     job = _start_copy(
         dst_base,
         src_base,
@@ -177,7 +219,9 @@ async def _pool_copy(
         np.ascontiguousarray(nbytes, dtype=np.int64),
         threads,
         _CLAIM_NBYTES,
-        None if notice is None else notice.datagram(),
+        datagram,
+        salt,
+        base,
     )
     loop = asyncio.get_running_loop()
     over: asyncio.Future[None] = loop.create_future()
@@ -195,10 +239,12 @@ async def _pool_copy(
         loop.remove_reader(fileno)
     if not job.complete:
         raise RuntimeError("a copy thread left ops of the batch uncopied")
+    placement = int(job.placement)
     if notice is not None:
         notice.sent = bool(job.notice_sent)
     elif then is not None:
-        then()
+        then(placement)
+    return placement
 
 
 async def _until_over(copies: asyncio.Future[Any], over: Callable[[], bool]) -> None:

@@ -13,6 +13,7 @@ each other. Completion notices still travel the usual way (the decode engine's i
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvray.config import Settings
@@ -20,6 +21,7 @@ from kvray.errors import StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
+from kvray.placement import MASK64, ranges_digest, region_salt
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, Reach, Receiver, Transport, check_write, region_pairs
 from kvray.transport.cpu_copy import scatter_copy_async
@@ -103,15 +105,17 @@ class LoopbackTransport(Transport):
         self._joined.append((info.engine_id, info.incarnation))
         return info
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
         receiver = self.network.receiver(peer.info)
         check_write(plan, local, peer)
         ops = plan.ops
         async with receiver.admit(plan.request_id, plan.token) as within:
             within(ops.remote_region, ops.remote_offset, ops.nbytes)
             destination = receiver.backing
+            placement = 0
             for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
-                await _copy(
+                placement += await _copy(
+                    remote_index,
                     destination.regions[remote_index].tensor,
                     local.regions[local_index].tensor,
                     ops.remote_offset[select],
@@ -120,6 +124,7 @@ class LoopbackTransport(Transport):
                 )
         self.network.writes += 1
         self.network.nbytes += ops.total_nbytes
+        return placement & MASK64
 
     async def close(self) -> None:
         for engine_id, incarnation in self._joined:
@@ -128,20 +133,28 @@ class LoopbackTransport(Transport):
 
 
 async def _copy(
+    region: int,
     target: torch.Tensor,
     source: torch.Tensor,
     target_offsets: Int64Array,
     source_offsets: Int64Array,
     sizes: Int64Array,
-) -> None:
+) -> int:
     """Copy each op's bytes: through the copy pool between CPU tensors, by tensor slices where
-    a GPU is involved."""
+    a GPU is involved; the placement digest of what was stored into `target` (region `region`)."""
     if not target.is_cuda and not source.is_cuda:
-        await scatter_copy_async(target.data_ptr(), source.data_ptr(), target_offsets, source_offsets, sizes)
-        return
+        return await scatter_copy_async(
+            target.data_ptr(),
+            source.data_ptr(),
+            target_offsets,
+            source_offsets,
+            sizes,
+            salt=region_salt(region),
+        )
     for target_offset, source_offset, nbytes in zip(
         target_offsets.tolist(), source_offsets.tolist(), sizes.tolist(), strict=True
     ):
         target[target_offset : target_offset + nbytes].copy_(source[source_offset : source_offset + nbytes])
     if target.is_cuda:
         torch.cuda.synchronize(target.device)
+    return ranges_digest(np.full(sizes.size, region, dtype=np.int64), target_offsets, sizes)

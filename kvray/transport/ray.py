@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from kvray.errors import (
 )
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
+from kvray.placement import ranges_digest, region_salt
 from kvray.plan import OpTable, TransferPlan, check_ops
 from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
 from kvray.transport.cpu_copy import StagingBuffers, scatter_copy_async
@@ -106,7 +108,7 @@ class RayTransport(Transport):
         # local Ray or joins a cluster wherever it runs engines, so Ray importing is enough.
         return _ray_missing()
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
         if peer.host is None:
             raise TransportError(
                 f"engine {peer.info.engine_id!r} has no Ray actor to deliver to; the ray transport "
@@ -116,7 +118,7 @@ class RayTransport(Transport):
         check_write(plan, local, peer)
         if local.kind is MemoryKind.CUDA:
             await self._write_from_device(plan, local, peer)
-            return
+            return 0  # the receiver's scatter reports where it stored (`Receiver.landed`)
         ops = plan.ops
         payload = self._staging.take(ops.total_nbytes)
         payload_offset = packed_offsets(ops.nbytes)
@@ -148,6 +150,7 @@ class RayTransport(Transport):
             if failure is error:
                 raise
             raise failure from error
+        return 0  # the receiver's scatter reports where it stored (`Receiver.landed`)
 
     async def _write_from_device(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         """A CUDA source: the plan's ops in chunks of about a layer, each gathered on the GPU into
@@ -239,8 +242,18 @@ class RayTransport(Transport):
         info = receiver.info
         message = read_header(header, info.engine_id, info.incarnation)
         async with receiver.admit(message.request_id, message.token) as within:
+
+            def landed(placement: int) -> None:
+                receiver.landed(message.request_id, placement)
+
             return await apply_ops(
-                receiver.backing, info.engine_id, message, payload, within=within, slots=self._pinned
+                receiver.backing,
+                info.engine_id,
+                message,
+                payload,
+                within=within,
+                slots=self._pinned,
+                landed=landed,
             )
 
     async def close(self) -> None:
@@ -306,12 +319,14 @@ async def apply_ops(
     payload: npt.NDArray[np.uint8],
     within: OpsCheck | None = None,
     slots: PinnedSlots | None = None,
+    landed: Callable[[int], None] | None = None,
 ) -> int:
     """`apply_write` after `read_header`: check every op and the payload, then scatter.
     `within(regions, offsets, nbytes)`, when given, raises for ops outside what the write's
     request may change (its blocks), after the region checks and before any byte moves. Into a
     CUDA backing the bytes go through a pinned buffer of `slots` (a fresh one if None) and the
-    GPU; either way this returns once they are all in place."""
+    GPU; either way this returns once they are all in place, after `landed(placement)` is
+    told the placement digest of the ranges the scatter stored to (`kvray.placement`)."""
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)
@@ -341,15 +356,22 @@ async def apply_ops(
     if backing.kind is MemoryKind.CUDA:
         targets = [region.tensor for region in backing.regions]
         await receive_payload(targets, regions, offsets, nbytes, payload, slots or PinnedSlots())
+        if landed is not None:
+            landed(ranges_digest(regions, offsets, nbytes))  # the device's copies took the table whole
         return int(payload.size)
     payload_offset = packed_offsets(nbytes)
+    placement = 0
     for index in np.unique(regions).tolist():
         select = regions == index
-        await scatter_copy_async(
+        placement = await scatter_copy_async(
             backing.regions[index].tensor.data_ptr(),
             int(payload.ctypes.data),
             offsets[select],
             payload_offset[select],
             nbytes[select],
+            salt=region_salt(index),
+            base=placement,
         )
+    if landed is not None:
+        landed(placement)
     return int(payload.size)

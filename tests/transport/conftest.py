@@ -496,8 +496,8 @@ class CopyGuard:
         self.refused: list[str] = []
 
     async def __call__(
-        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any
-    ) -> None:
+        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, **copy: Any
+    ) -> int:
         writable, readable = _mapped_ranges(writable=True), _mapped_ranges(writable=False)
         for dst, src, count in zip(
             np.asarray(dst_offsets).tolist(),
@@ -516,7 +516,7 @@ class CopyGuard:
             if problem is not None:
                 self.refused.append(problem)
                 raise RuntimeError(f"test copy guard refused a copy: {problem}")
-        await self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        return int(await self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, **copy))
 
 
 @pytest.fixture
@@ -537,7 +537,7 @@ class GatedCopies:
     destination is no longer the memory it was when the copy was issued (`where` names what
     holds an address range, e.g. which file is mapped there), is recorded and skipped, not run."""
 
-    def __init__(self, original: Callable[..., None]) -> None:
+    def __init__(self, original: Callable[..., int]) -> None:
         self.original = original
         self.gate = threading.Event()
         self.entered = threading.Event()
@@ -548,12 +548,15 @@ class GatedCopies:
         self.write_task: asyncio.Task[Any] | None = None
         self.where: Callable[[int, int], object] | None = None
 
-    def __call__(self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any) -> None:
+    def __call__(
+        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, salt: int = 0
+    ) -> int:
         """The fallback's copy threads (Python) call this."""
         low = dst_base + int(np.min(dst_offsets))
         high = dst_base + int(np.max(np.asarray(dst_offsets) + np.asarray(nbytes)))
         if self.admit(low, high, int(np.asarray(nbytes).sum())):
-            self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+            return self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)
+        return 0
 
     def admit(self, low: int, high: int, total: int) -> bool:
         """Wait at the gate, then say whether the copy of [low, high) may run. The C pool's

@@ -139,10 +139,15 @@ async def test_large_ops_are_split_into_balanced_shares(
     original = cpu_copy.scatter_copy
 
     def counting(
-        dst_base: int, src_base: int, dst_offsets: np.ndarray, src_offsets: np.ndarray, nbytes: np.ndarray
-    ) -> None:
+        dst_base: int,
+        src_base: int,
+        dst_offsets: np.ndarray,
+        src_offsets: np.ndarray,
+        nbytes: np.ndarray,
+        salt: int = 0,
+    ) -> int:
         calls.append(int(np.asarray(nbytes).sum()))
-        original(dst_base, src_base, dst_offsets, src_offsets, nbytes)
+        return original(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)
 
     monkeypatch.setattr(cpu_copy, "scatter_copy", counting)
     ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]

@@ -27,7 +27,7 @@ from test_verbs_agents import AgentActorStandIn, _Method
 from kvray.agent import KVAgent
 from kvray.config import Settings
 from kvray.errors import KVIntegrityError
-from kvray.faults import ByteFlipper, SeedBugOffsetCache
+from kvray.faults import ByteFlipper, SeedBugOffsetCache, executor_offset_bug
 from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.metrics import MemorySink
 from kvray.transport.ray import RayTransport
@@ -245,3 +245,52 @@ async def test_unsampled_requests_are_taken_unchecked_and_counted(make_pair: Any
     await asyncio.sleep(0)  # the completion is counted once the waiter has resumed
     assert pair.sink.value("kvray_integrity_checks", result="unchecked") == 1
     assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 0
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+async def test_the_seed_bug_is_refused_on_every_request_with_no_request_sampled(
+    make_pair: Any, kind: str, layerwise: bool
+) -> None:
+    """The placement check runs on every transfer: with no request's bytes hashed, a plan that
+    writes layers over each other still never completes a request."""
+    pair: Pair = await make_pair(kind, SAME_GEOMETRY, seed_bug=True, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    for number in range(3):
+        request = f"r{number}"
+        reservation = decode.expect(request, DST)
+        if layerwise:
+            for layer in prefill.layout.layer_names:
+                await prefill.push_layer(reservation, layer, SRC)
+            await prefill.finish(request)
+        else:
+            await prefill.push(reservation, SRC)
+        with pytest.raises(KVIntegrityError, match="placement digest") as raised:
+            await decode.wait_for_kv(request, timeout=10)
+        assert raised.value.facts["layers"] == list(SAME_GEOMETRY.layer_names)
+        await decode.release(request)
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 3
+
+
+@pytest.mark.parametrize("kind", ["shm", "ray"])
+async def test_an_executor_that_stores_elsewhere_than_its_correct_plan_is_refused(
+    make_pair: Any, kind: str
+) -> None:
+    """`kvray.faults.executor_offset_bug`: the plan is right, the copy executor (the writer's C
+    copy for shm, the decode engine's scatter for ray) puts one op's bytes over another's. The
+    digest it reports is of where it stored, so the request fails; the same push without the
+    fault lands exactly."""
+    pair: Pair = await make_pair(kind, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    reservation = decode.expect("bad", DST)
+    with executor_offset_bug():
+        await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError, match="stored elsewhere than planned"):
+        await decode.wait_for_kv("bad", timeout=10)
+    await decode.release("bad")
+    reservation = decode.expect("good", DST)
+    await prefill.push(reservation, SRC)
+    await decode.wait_for_kv("good", timeout=10)
+    for layer in prefill.layout.layer_names:
+        assert torch.equal(_blocks(prefill, layer, SRC), _blocks(decode, layer, DST)), layer
+    await decode.release("good")

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvray"
 TIERS: list[tuple[str, ...]] = [
     # foundations: errors, settings, counters, the C extensions
     ("kvray.errors", "kvray.config", "kvray.metrics", "kvray._copy_pool", "kvray._plan"),
-    ("kvray.layout",),
+    # layouts, and placement digests (which ranges an executor stored to: pure arithmetic)
+    ("kvray.layout", "kvray.placement"),
     # which KV heads TP ranks exchange (arithmetic on layouts)
     ("kvray.tensor_parallel",),
     # what engines publish (descriptors, engine info and its checks) and the shm folder's entries

@@ -23,7 +23,15 @@ from kvray.errors import (
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
 from kvray.plan import PartRows, RequestRows, TransferPlan
-from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
+from kvray.transport.base import (
+    Peer,
+    PeerCache,
+    Reach,
+    Transport,
+    check_write,
+    planned_placement,
+    region_pairs,
+)
 from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_allocation_range
 from kvray.transport.cuda_ipc.graphs import RowTable, copy_rows, row_table
 from kvray.transport.cuda_ipc.kernels import MAX_GRID_YZ
@@ -128,7 +136,7 @@ class CudaIpcTransport(Transport):
             )
         return tuple(descriptors)
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
         check_write(plan, local, peer)
         rows = plan.rows
         if rows is not None:
@@ -144,7 +152,7 @@ class CudaIpcTransport(Transport):
                     ) from error
                 # `opened` (what the copy writes into) stays open until the copy has finished.
                 await wait_for_events([done], plan.nbytes)
-                return
+                return planned_placement(plan)
         ops = plan.ops
         events = []
         # What the copies write into stays open until they have finished, even if the peer is
@@ -173,6 +181,7 @@ class CudaIpcTransport(Transport):
                 ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
         await wait_for_events(events, ops.total_nbytes)
+        return planned_placement(plan)
 
     def _direct_rows(
         self, rows: RequestRows, local: Backing, peer: Peer

@@ -14,7 +14,7 @@ from kvray.errors import TransportError
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
 from kvray.plan import TransferPlan
-from kvray.transport.base import Peer, PeerCache, Reach, Receiver, Transport, check_write
+from kvray.transport.base import Peer, PeerCache, Reach, Receiver, Transport, check_write, planned_placement
 from kvray.transport.verbs.connections import (
     Accepted,
     Connection,
@@ -182,7 +182,7 @@ class VerbsTransport(Transport):
             for descriptor, mr in zip(descriptors, registration.mrs, strict=True)
         )
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
         check_write(plan, local, peer)
         in_flight = self._start_poller()
         connection = await self._connect(peer, (plan.src_engine, plan.src_incarnation))
@@ -198,6 +198,7 @@ class VerbsTransport(Transport):
         )
         await in_flight.post(connection, requests)
         self.metrics.rdma_write(len(requests))
+        return planned_placement(plan)
 
     async def _connect(self, peer: Peer, writer: Writer) -> Connection:
         """The connection from `writer` to the peer's incarnation, made now unless one is open.

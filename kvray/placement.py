@@ -1,0 +1,67 @@
+"""Placement digests: which destination bytes a transfer's executor stored to, as one number.
+
+Every executor (the C copy pool, the ray receiver's scatter, the loopback copy, the cuda_ipc
+and verbs writers' op tables) adds up, for each range it stored to, a value of the range's
+region and ends. The decode side computes the same sum over the ranges its own layout and
+reservation say the transfer must fill (`kvray.integrity.landed_pieces`), without the writer's
+plan, and takes the request only when the two agree: a layer written over another (the seed
+bug), a block written twice or never, or an executor that stored to other addresses than its
+plan named all change the sum. It costs O(ops), never a read of the bytes.
+
+A range [start, start + nbytes) of region r is worth F(r, start + nbytes) - F(r, start)
+(mod 2**64), F a 64-bit mixing function of the region and the address: the values of ranges
+laid end to end telescope, so however an executor splits or merges its ops (pieces for its
+threads, runs of adjacent blocks) the sum is the sum over the bytes it covered, each counted
+as often as it was stored to.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvray.layout import Int64Array
+
+MASK64: Final = (1 << 64) - 1
+#: Region r's addresses are mixed with (r + 1) << 48: regions are shorter than 2**48 bytes.
+REGION_SHIFT: Final = 48
+#: What a notice carries before its executor has filled it in: the C copy pool's thread writes
+#: the sum into the notice's last 8 bytes (msgpack's uint64 form, which this value forces).
+PLACEHOLDER: Final = MASK64
+PLACEHOLDER_BYTES: Final = b"\xcf" + b"\xff" * 8
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def region_salt(region: int) -> int:
+    """What region `region`'s addresses are mixed with (the C executor takes it as is)."""
+    return (region + 1) << REGION_SHIFT
+
+
+def _mix(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """SplitMix64's finalizer, elementwise (uint64 arithmetic wraps mod 2**64)."""
+    z = values
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def ranges_digest(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> int:
+    """The placement digest of the ranges [start, start + nbytes) of `region` (arrays of one
+    length): what an executor that stored to exactly these ranges reports."""
+    if start.size == 0:
+        return 0
+    salt = (region.astype(np.uint64) + np.uint64(1)) << np.uint64(REGION_SHIFT)
+    begin = start.astype(np.uint64)
+    end = begin + nbytes.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        worth = _mix(salt ^ end) - _mix(salt ^ begin)
+    return int(worth.sum(dtype=np.uint64))
+
+
+def combine(*digests: int) -> int:
+    """The digest of several executors' ranges together (sums mod 2**64)."""
+    return sum(digests) & MASK64
