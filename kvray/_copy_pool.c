@@ -111,6 +111,132 @@ static inline uint64_t range_worth(uint64_t salt, uint64_t start, uint64_t n) {
  * it (clipped to the shorter), as a wrong offset would; the digest reports where it went. */
 static int executor_fault = 0;
 
+/* Content digests (kvray/content.py has the definition and why): a source byte at offset o
+ * of its region adds byte << 8 * (o % 4) times the weight of word o / 4, a 32-bit odd value
+ * mixed from the word's index and the region's seed; a piece's sum is multiplied by the odd
+ * 64-bit factor of where it goes (see kvray/content.py). Sums wrap mod 2**64. */
+static inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6BU;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35U;
+    h ^= h >> 16;
+    return h;
+}
+
+static inline uint32_t word_weight(uint32_t high_seed, uint64_t word) {
+    return fmix32((uint32_t)word ^ high_seed) | 1U;
+}
+
+static inline uint32_t high_seed_of(uint32_t seed, uint64_t word) {
+    return fmix32(seed ^ (uint32_t)(word >> 32) ^ 0x9E3779B9U);
+}
+
+/* Bytes [start, end) of a region's offsets, scalar: for heads, tails and machines without AVX2. */
+static uint64_t hash_scalar(const unsigned char *p, uint64_t start, uint64_t end, uint32_t seed) {
+    uint64_t sum = 0;
+    for (uint64_t o = start; o < end; o++) {
+        uint64_t word = o >> 2;
+        sum += ((uint64_t)p[o - start] << (8 * (o & 3))) * word_weight(high_seed_of(seed, word), word);
+    }
+    return sum;
+}
+
+#ifdef KVRAY_STREAMING
+/* 32 bytes at word index `word` (a multiple of 8 words within one 2**32-word stretch). */
+__attribute__((target("avx2"))) static inline void hash32(__m256i data, __m256i index, __m256i high,
+                                                          __m256i *even, __m256i *odd) {
+    __m256i h = _mm256_xor_si256(index, high);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85EBCA6BU));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xC2B2AE35U));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_or_si256(h, _mm256_set1_epi32(1));
+    *even = _mm256_add_epi64(*even, _mm256_mul_epu32(data, h));
+    *odd = _mm256_add_epi64(*odd, _mm256_mul_epu32(_mm256_srli_epi64(data, 32), _mm256_srli_epi64(h, 32)));
+}
+
+__attribute__((target("avx2"))) static inline uint64_t lanes_sum(__m256i even, __m256i odd) {
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(even, odd));
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+/* Hash (and, when dst is not NULL, copy with streaming stores) `words8` runs of 32 bytes that
+ * start at word index `word`, inside one 2**32-word stretch. */
+__attribute__((target("avx2"))) static uint64_t hash_copy_avx2(char *dst, const char *src, uint64_t word,
+                                                               uint64_t runs, uint32_t seed) {
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    __m256i high = _mm256_set1_epi32((int)high_seed_of(seed, word));
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)word), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i step = _mm256_set1_epi32(8);
+    for (uint64_t r = 0; r < runs; r++) {
+        __m256i data = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
+        if (dst != NULL) {
+            _mm256_stream_si256((__m256i *)(dst + 32 * r), data);
+        }
+        hash32(data, index, high, &even, &odd);
+        index = _mm256_add_epi32(index, step);
+    }
+    return lanes_sum(even, odd);
+}
+#endif
+
+/* The content sum of source bytes [offset, offset + n) of a region at `src` (`src` points at
+ * the byte of that offset), copying them to `dst` as well unless it is NULL. */
+static uint64_t hash_copy(char *dst, const char *src, uint64_t offset, uint64_t n, uint32_t seed) {
+    const unsigned char *p = (const unsigned char *)src;
+#ifdef KVRAY_STREAMING
+    if (have_avx2 && n >= 256) {
+        /* Head to a 32-byte boundary of the destination (or of the source when only hashing),
+         * whole 32-byte runs, tail. Source offset and address agree mod 4 (regions start on
+         * pages), so every run starts on a word. */
+        uintptr_t anchor = dst != NULL ? (uintptr_t)dst : (uintptr_t)src;
+        uint64_t head = (32 - (anchor & 31)) & 31;
+        uint64_t sum = hash_scalar(p, offset, offset + head, seed);
+        if (dst != NULL) {
+            memcpy(dst, src, head);
+        }
+        uint64_t at = head;
+        if (((offset + at) & 3) == 0) {
+            while (n - at >= 32) {
+                uint64_t word = (offset + at) >> 2;
+                uint64_t stretch_end = ((word >> 32) + 1) << 32; /* words until the high part changes */
+                uint64_t runs = (n - at) / 32;
+                if ((stretch_end - word) / 8 < runs) {
+                    runs = (stretch_end - word) / 8;
+                }
+                if (runs == 0) {
+                    break;
+                }
+                if (dst != NULL && n >= 4096) {
+                    sum += hash_copy_avx2(dst + at, src + at, word, runs, seed);
+                } else {
+                    sum += hash_copy_avx2(NULL, src + at, word, runs, seed);
+                    if (dst != NULL) {
+                        memcpy(dst + at, src + at, 32 * runs);
+                    }
+                }
+                at += 32 * runs;
+            }
+        }
+        if (dst != NULL) {
+            memcpy(dst + at, src + at, n - at);
+        }
+        return sum + hash_scalar(p + at, offset + at, offset + n, seed);
+    }
+#endif
+    if (dst != NULL) {
+        memcpy(dst, src, n);
+    }
+    return hash_scalar(p, offset, offset + n, seed);
+}
+
+static inline uint64_t destination_factor(uint64_t pair_salt, int64_t delta) {
+    return mix64(pair_salt ^ (uint64_t)delta) | 1ULL;
+}
+
 /* Copy one op; `next`/`next_n` is the source of the op copied after it (NULL: none). */
 static void copy_block(char *dst, const char *src, size_t n, const char *next, size_t next_n) {
 #ifdef KVRAY_STREAMING
@@ -154,19 +280,24 @@ static int check_columns(Py_buffer *dst_offsets, Py_buffer *src_offsets, Py_buff
 }
 
 static PyObject *scatter_copy(PyObject *self, PyObject *args) {
-    unsigned long long dst_base, src_base, salt = 0;
-    Py_buffer dst_offsets, src_offsets, nbytes;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*|K", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
-                          &salt)) {
+    unsigned long long dst_base, src_base, salt = 0, pair_salt = 0;
+    unsigned int seed = 0;
+    int content = 0;
+    Py_buffer dst_offsets, src_offsets, nbytes, logical = {0};
+    if (!PyArg_ParseTuple(args, "KKy*y*y*|KIKpy*", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
+                          &salt, &seed, &pair_salt, &content, &logical)) {
         return NULL;
     }
     PyObject *result = NULL;
-    if (check_columns(&dst_offsets, &src_offsets, &nbytes) == 0) {
+    if (logical.buf != NULL && logical.len != nbytes.len) {
+        PyErr_SetString(PyExc_ValueError, "scatter_copy's hash offsets must be as many as its ops");
+    } else if (check_columns(&dst_offsets, &src_offsets, &nbytes) == 0) {
+        const int64_t *hash_off = logical.buf != NULL ? (const int64_t *)logical.buf : NULL;
         Py_ssize_t count = nbytes.len / 8;
         const int64_t *dst_off = (const int64_t *)dst_offsets.buf;
         const int64_t *src_off = (const int64_t *)src_offsets.buf;
         const int64_t *lengths = (const int64_t *)nbytes.buf;
-        uint64_t placement = 0;
+        uint64_t placement = 0, sum = 0;
         int faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && count >= 2;
         Py_BEGIN_ALLOW_THREADS
         char *dst = (char *)(uintptr_t)dst_base;
@@ -178,19 +309,30 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
                 to = dst_off[i - 1];
                 n = n < lengths[i - 1] ? n : lengths[i - 1];
             }
-            copy_block(dst + to, src + src_off[i], (size_t)n, more ? src + src_off[i + 1] : NULL,
-                       more ? (size_t)lengths[i + 1] : 0);
+            if (content) {
+                /* Hashed as the bytes at their source offset (a staged copy names it apart). */
+                int64_t at = hash_off != NULL ? hash_off[i] : src_off[i];
+                sum += destination_factor(pair_salt, to - at) *
+                       hash_copy(dst + to, src + src_off[i], (uint64_t)at, (uint64_t)n, seed);
+            } else {
+                copy_block(dst + to, src + src_off[i], (size_t)n, more ? src + src_off[i + 1] : NULL,
+                           more ? (size_t)lengths[i + 1] : 0);
+            }
             placement += range_worth(salt, (uint64_t)to, (uint64_t)n);
         }
 #ifdef KVRAY_STREAMING
         _mm_sfence(); /* streamed stores are visible before anyone is told the copy is done */
 #endif
         Py_END_ALLOW_THREADS
-        result = PyLong_FromUnsignedLongLong(placement);
+        result = content ? Py_BuildValue("(KK)", (unsigned long long)placement, (unsigned long long)sum)
+                         : PyLong_FromUnsignedLongLong(placement);
     }
     PyBuffer_Release(&dst_offsets);
     PyBuffer_Release(&src_offsets);
     PyBuffer_Release(&nbytes);
+    if (logical.buf != NULL) {
+        PyBuffer_Release(&logical);
+    }
     return result;
 }
 
@@ -205,6 +347,7 @@ typedef struct {
     int64_t dst;
     int64_t src;
     int64_t nbytes;
+    int64_t hsrc; /* the source offset its bytes are hashed at (src unless staged) */
 } copy_op;
 
 typedef struct job {
@@ -217,6 +360,10 @@ typedef struct job {
     uint64_t salt;    /* the destination region's, for the placement digest */
     uint64_t placement; /* atomic: the digest of what was stored, added before ops_done */
     int faulty;       /* executor_fault when the job started */
+    int content_on;   /* also hash what is copied (content digest) */
+    uint32_t seed;    /* the source region's content seed */
+    uint64_t pair_salt; /* the (source, destination) regions' salt for destination factors */
+    uint64_t content; /* atomic: the content digest of what was copied, added before ops_done */
     int64_t ops_done; /* atomic */
     int tasks_unstarted; /* under pool_lock: threads yet to take the job from the queue */
     int active;       /* atomic: threads not yet out of the job */
@@ -264,6 +411,13 @@ static void send_notice(job *j) {
             j->notice[j->notice_len - 1 - k] = (char)(placement >> (8 * k));
         }
     }
+    /* The content value sits before the placement: its 8 bytes, then 0xa9 "placement" 0xcf. */
+    if (j->notice_patch == 2 && j->notice_len >= 27) {
+        uint64_t content = __atomic_load_n(&j->content, __ATOMIC_ACQUIRE);
+        for (int k = 0; k < 8; k++) {
+            j->notice[j->notice_len - 20 - k] = (char)(content >> (8 * k));
+        }
+    }
     ssize_t sent = sendto(j->notice_fd, j->notice, j->notice_len, MSG_DONTWAIT | MSG_NOSIGNAL,
                           (struct sockaddr *)&j->notice_addr, j->notice_addr_len);
     __atomic_store_n(&j->notice_result, sent == (ssize_t)j->notice_len ? 0 : (sent < 0 ? errno : EMSGSIZE),
@@ -308,7 +462,7 @@ static void run_task(job *j) {
         if (__atomic_load_n(&worker_hook, __ATOMIC_ACQUIRE) != NULL && !hook_allows(j, first, last)) {
             continue; /* a test's hook refused these ops: the job ends incomplete */
         }
-        uint64_t placement = 0;
+        uint64_t placement = 0, sum = 0;
         for (int64_t i = first; i < last; i++) {
             int more = i + 1 < count;
             int64_t to = ops[i].dst, n = ops[i].nbytes;
@@ -316,8 +470,13 @@ static void run_task(job *j) {
                 to = ops[i - 1].dst;
                 n = n < ops[i - 1].nbytes ? n : ops[i - 1].nbytes;
             }
-            copy_block(j->dst + to, j->src + ops[i].src, (size_t)n, more ? j->src + ops[i + 1].src : NULL,
-                       more ? (size_t)ops[i + 1].nbytes : 0);
+            if (j->content_on) {
+                sum += destination_factor(j->pair_salt, to - ops[i].hsrc) *
+                       hash_copy(j->dst + to, j->src + ops[i].src, (uint64_t)ops[i].hsrc, (uint64_t)n, j->seed);
+            } else {
+                copy_block(j->dst + to, j->src + ops[i].src, (size_t)n, more ? j->src + ops[i + 1].src : NULL,
+                           more ? (size_t)ops[i + 1].nbytes : 0);
+            }
             placement += range_worth(j->salt, (uint64_t)to, (uint64_t)n);
         }
 #ifdef KVRAY_STREAMING
@@ -325,6 +484,7 @@ static void run_task(job *j) {
 #endif
         /* Added before the ops count as done: whoever sees the last op done sees every sum. */
         __atomic_add_fetch(&j->placement, placement, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&j->content, sum, __ATOMIC_RELEASE);
         if (__atomic_add_fetch(&j->ops_done, last - first, __ATOMIC_ACQ_REL) == count) {
             send_notice(j);
         }
@@ -422,6 +582,11 @@ static PyObject *CopyJob_placement(CopyJob *self, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->job->placement, __ATOMIC_ACQUIRE));
 }
 
+static PyObject *CopyJob_content(CopyJob *self, void *unused) {
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->job->content, __ATOMIC_ACQUIRE));
+}
+
 static PyObject *CopyJob_notice_sent(CopyJob *self, void *unused) {
     (void)unused;
     return PyBool_FromLong(__atomic_load_n(&self->job->notice_result, __ATOMIC_ACQUIRE) == 0);
@@ -437,6 +602,8 @@ static PyGetSetDef CopyJob_getset[] = {
     {"complete", (getter)CopyJob_complete, NULL, "True once every op was copied.", NULL},
     {"notice_sent", (getter)CopyJob_notice_sent, NULL, "True if the notice datagram was queued.", NULL},
     {"placement", (getter)CopyJob_placement, NULL, "The placement digest of what the job stored (with base).",
+     NULL},
+    {"content", (getter)CopyJob_content, NULL, "The content digest of what the job copied (with its base).",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -454,7 +621,7 @@ static PyTypeObject CopyJobType = {
 static int take_notice(job *j, PyObject *notice) {
     int fd, patch = 0;
     Py_buffer path, message;
-    if (!PyArg_ParseTuple(notice, "iy*y*|p", &fd, &path, &message, &patch)) {
+    if (!PyArg_ParseTuple(notice, "iy*y*|i", &fd, &path, &message, &patch)) {
         return -1;
     }
     j->notice_patch = patch;
@@ -489,20 +656,28 @@ done:
 }
 
 static PyObject *start_copy(PyObject *self, PyObject *args) {
-    unsigned long long dst_base, src_base, salt = 0, base = 0;
-    Py_buffer dst_offsets, src_offsets, nbytes;
+    unsigned long long dst_base, src_base, salt = 0, base = 0, pair_salt = 0, content_base = 0;
+    unsigned int seed = 0;
+    int content = 0;
+    Py_buffer dst_offsets, src_offsets, nbytes, logical = {0};
     int threads;
     long long piece;
     PyObject *notice = Py_None;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*iL|OKK", &dst_base, &src_base, &dst_offsets, &src_offsets, &nbytes,
-                          &threads, &piece, &notice, &salt, &base)) {
+    if (!PyArg_ParseTuple(args, "KKy*y*y*iL|OKKpIKKy*", &dst_base, &src_base, &dst_offsets, &src_offsets,
+                          &nbytes, &threads, &piece, &notice, &salt, &base, &content, &seed, &pair_salt,
+                          &content_base, &logical)) {
         return NULL;
     }
     job *j = NULL;
     CopyJob *handle = NULL;
+    if (logical.buf != NULL && logical.len != nbytes.len) {
+        PyErr_SetString(PyExc_ValueError, "start_copy's hash offsets must be as many as its ops");
+        goto fail;
+    }
     if (check_columns(&dst_offsets, &src_offsets, &nbytes) != 0) {
         goto fail;
     }
+    const int64_t *hash_off = logical.buf != NULL ? (const int64_t *)logical.buf : NULL;
     if (threads < 1 || threads > MAX_POOL_THREADS || piece < 1) {
         PyErr_Format(PyExc_ValueError, "start_copy needs 1 to %d threads and pieces of at least one byte",
                      MAX_POOL_THREADS);
@@ -536,6 +711,7 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
             int64_t n = lengths[i] - done < piece ? lengths[i] - done : piece;
             j->ops[op].dst = dst_off[i] + done;
             j->ops[op].src = src_off[i] + done;
+            j->ops[op].hsrc = (hash_off != NULL ? hash_off[i] : src_off[i]) + done;
             j->ops[op].nbytes = n;
             op++;
         }
@@ -543,6 +719,10 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     j->count = count;
     j->salt = salt;
     j->placement = base;
+    j->content_on = content;
+    j->seed = seed;
+    j->pair_salt = pair_salt;
+    j->content = content_base;
     j->faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && count >= 2;
     j->dst = (char *)(uintptr_t)dst_base;
     j->src = (const char *)(uintptr_t)src_base;
@@ -609,6 +789,9 @@ done:
     PyBuffer_Release(&dst_offsets);
     PyBuffer_Release(&src_offsets);
     PyBuffer_Release(&nbytes);
+    if (logical.buf != NULL) {
+        PyBuffer_Release(&logical);
+    }
     return (PyObject *)handle;
 }
 
@@ -622,6 +805,52 @@ static PyObject *set_worker_hook(PyObject *self, PyObject *hook) {
     }
     Py_XDECREF(old);
     Py_RETURN_NONE;
+}
+
+/* hash_ranges(base, offsets, nbytes, seed[, logical]) -> bytes: for each range [offsets[i],
+ * +nbytes[i]) of the region at `base`, its content sum (kvray/content.py) as native uint64s,
+ * GIL released; with `logical`, the bytes read there are hashed as at offset logical[i] (a
+ * staged copy of them). */
+static PyObject *hash_ranges(PyObject *self, PyObject *args) {
+    unsigned long long base;
+    unsigned int seed;
+    Py_buffer offsets, nbytes, logical = {0};
+    if (!PyArg_ParseTuple(args, "Ky*y*I|y*", &base, &offsets, &nbytes, &seed, &logical)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (offsets.len != nbytes.len || nbytes.len % 8 != 0 || (logical.buf != NULL && logical.len != nbytes.len)) {
+        PyErr_SetString(PyExc_ValueError, "hash_ranges needs two int64 arrays of one length");
+        goto done;
+    }
+    Py_ssize_t count = nbytes.len / 8;
+    const int64_t *off = (const int64_t *)offsets.buf;
+    const int64_t *lengths = (const int64_t *)nbytes.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (off[i] < 0 || lengths[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "hash_ranges got a negative offset or length");
+            goto done;
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, count * 8);
+    if (result == NULL) {
+        goto done;
+    }
+    uint64_t *sums = (uint64_t *)PyBytes_AS_STRING(result);
+    const int64_t *at = logical.buf != NULL ? (const int64_t *)logical.buf : off;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        sums[i] = hash_copy(NULL, (const char *)(uintptr_t)base + off[i], (uint64_t)at[i], (uint64_t)lengths[i],
+                            seed);
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&nbytes);
+    if (logical.buf != NULL) {
+        PyBuffer_Release(&logical);
+    }
+    return result;
 }
 
 static PyObject *set_executor_fault(PyObject *self, PyObject *on) {
@@ -639,6 +868,7 @@ static PyMethodDef methods[] = {
     {"set_worker_hook", set_worker_hook, METH_O,
      "Tests only: hook(low, high, nbytes) -> bool runs (with the GIL) before a pool thread copies the ops "
      "it claimed (destination span [low, high), nbytes in all); False skips them."},
+    {"hash_ranges", hash_ranges, METH_VARARGS, "Content sums of ranges of one region (kvray/content.py)."},
     {"set_executor_fault", set_executor_fault, METH_O,
      "Faults only: True stores the last op of each later batch over the op before it (kvray.faults)."},
     {NULL, NULL, 0, NULL},

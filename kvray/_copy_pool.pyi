@@ -2,6 +2,7 @@
 C-contiguous native int64."""
 
 from collections.abc import Callable
+from typing import Any
 
 class CopyJob:
     """A copy running on the pool's threads."""
@@ -14,6 +15,8 @@ class CopyJob:
     def notice_sent(self) -> bool: ...
     @property
     def placement(self) -> int: ...
+    @property
+    def content(self) -> int: ...
     def fileno(self) -> int: ...
 
 def scatter_copy(
@@ -23,7 +26,10 @@ def scatter_copy(
     src_offsets: object,
     nbytes: object,
     salt: int = 0,
-) -> int: ...
+    seed: int = 0,
+    pair_salt: int = 0,
+    content: bool = False,
+) -> Any: ...
 def start_copy(
     dst_base: int,
     src_base: int,
@@ -32,9 +38,14 @@ def start_copy(
     nbytes: object,
     threads: int,
     piece: int,
-    notice: tuple[int, bytes, bytes] | tuple[int, bytes, bytes, bool] | None = None,
+    notice: tuple[int, bytes, bytes] | tuple[int, bytes, bytes, int] | None = None,
     salt: int = 0,
     base: int = 0,
+    content: bool = False,
+    seed: int = 0,
+    pair_salt: int = 0,
+    content_base: int = 0,
 ) -> CopyJob: ...
+def hash_ranges(base: int, offsets: object, nbytes: object, seed: int, logical: object = ...) -> bytes: ...
 def set_executor_fault(on: bool) -> None: ...
 def set_worker_hook(hook: Callable[[int, int, int], bool] | None) -> None: ...

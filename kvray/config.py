@@ -122,13 +122,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: Ports from `notice_port` on that the listener may take, the first free one (several
     #: decode engines on one node each need one): a range a firewall can allow.
     notice_ports: int = 1
-    #: Share of requests whose KV a writer hashes as it pushes (`kvray.integrity`; 1.0: every
-    #: request, 0.0: none). The decode side checks every transfer that carries checksums
-    #: before the request may decode; a request is picked by its id, so every layer and every
-    #: TP rank of it is checked alike. The default checks one request in a hundred: checking
-    #: all costs more than a transfer on the fastest paths (docs/benchmarks.md), while a fault
-    #: that corrupts every request (the seed bug's kind) is still caught within about a
-    #: hundred requests.
+    #: Check every request's KV before it may decode (`kvray.content`): the copy that moves the
+    #: bytes hashes them as it goes (shm, loopback, ray), against a digest the writer takes from
+    #: its own blocks; transports whose copy does not hash (cuda_ipc, verbs) send every request's
+    #: checksums instead (`integrity_sample_rate` 1.0 for them). Where placement is concerned
+    #: every transfer is checked regardless (`kvray.placement`). A decode engine with it on
+    #: asks its writers for the check (`Reservation.integrity`) and refuses KV that comes
+    #: unchecked; off on both sides, only placement and the sampled backstop are checked.
+    integrity: bool = True
+    #: Share of requests whose KV is also checked the slow way, the backstop (`kvray.integrity`:
+    #: the writer hashes each layer's bytes, the decode side hashes them again as landed; 1.0:
+    #: every request, 0.0: none). A request is picked by its id (a hash that does not tie
+    #: related ids together), so every layer and every TP part of it is picked alike. Every
+    #: request's KV is checked anyway while `integrity` is on; this adds a second, independent
+    #: check of some, at the cost of reading every byte twice more.
     integrity_sample_rate: float = 0.01
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvray.memory import Backing
+from kvray.placement import Stored
 from kvray.plan import OffsetCache, OffsetKey, TransferPlan
 from kvray.transport.base import Peer, Transport
 from kvray.transport.cpu_copy import set_executor_fault
@@ -74,13 +75,13 @@ class ByteFlipper:
     def __call__(self, transport: Transport) -> None:
         write, write_then = transport.write, transport.write_then
 
-        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> int:
+        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
             with self._flipped(plan, local):
                 return await write(plan, local, peer)
 
         async def flipped_write_then(
-            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None]
-        ) -> int:
+            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        ) -> Stored:
             with self._flipped(plan, local):
                 return await write_then(plan, local, peer, then)
 

@@ -34,8 +34,8 @@ the decode side computes the same, wherever its own memory is:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
@@ -81,14 +81,21 @@ class Checksums:
     algorithm: Algorithm = XXH3_64
 
 
+#: How the hand-off names the part of a request one tensor-parallel rank pushes.
+_TP_PART = "#tp"
+
+
 def sampled(request_id: str, rate: float) -> bool:
     """Whether the request is checked at sampling `rate` (0 to 1): decided by its id alone, so
-    every layer and every rank of a request decide alike."""
+    every layer of a request, and every tensor-parallel part of it (`<id>#tp<rank>`), decide
+    alike. BLAKE2b of the id: a linear hash (CRC) would tie related ids' decisions together."""
     if rate >= 1.0:
         return True
     if rate <= 0.0:
         return False
-    return zlib.crc32(request_id.encode()) < rate * 2**32
+    request = request_id.split(_TP_PART, 1)[0]
+    drawn = int.from_bytes(hashlib.blake2b(request.encode(), digest_size=8).digest(), "big")
+    return drawn < rate * 2**64
 
 
 # ---- the writer's side ---------------------------------------------------------------------

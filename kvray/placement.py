@@ -17,7 +17,7 @@ as often as it was stored to.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +28,8 @@ MASK64: Final = (1 << 64) - 1
 #: Region r's addresses are mixed with (r + 1) << 48: regions are shorter than 2**48 bytes.
 REGION_SHIFT: Final = 48
 #: What a notice carries before its executor has filled it in: the C copy pool's thread writes
-#: the sum into the notice's last 8 bytes (msgpack's uint64 form, which this value forces).
+#: the sums into the notice's last bytes (msgpack's uint64 form, which this value forces): the
+#: placement in the final 8, the content digest (`TransferDone.content`) just before its name.
 PLACEHOLDER: Final = MASK64
 PLACEHOLDER_BYTES: Final = b"\xcf" + b"\xff" * 8
 
@@ -65,3 +66,39 @@ def ranges_digest(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> 
 def combine(*digests: int) -> int:
     """The digest of several executors' ranges together (sums mod 2**64)."""
     return sum(digests) & MASK64
+
+
+class Stored(NamedTuple):
+    """What an executor reports of a write: the placement digest of the ranges it stored to
+    and, where it hashed the bytes as it copied them, their content digest (`kvray.content`;
+    None where it did not)."""
+
+    placement: int
+    content: int | None = None
+
+    def plus(self, other: Stored) -> Stored:
+        """Both writes' digests together (a content digest only if both have one)."""
+        content = (
+            None if self.content is None or other.content is None else (self.content + other.content) & MASK64
+        )
+        return Stored((self.placement + other.placement) & MASK64, content)
+
+
+#: A write with nothing stored yet (the start of a sum).
+NOTHING: Final = Stored(0, 0)
+
+
+#: How a notice's content digest placeholder ends: then the placement's field name and value.
+_CONTENT_TAIL: Final = PLACEHOLDER_BYTES + b"\xa9placement" + PLACEHOLDER_BYTES
+
+
+def filled(message: bytes, stored: Stored) -> bytes:
+    """An encoded notice with its placeholders (`PLACEHOLDER`) replaced by `stored`'s values, as
+    the C copy pool's thread fills them: the placement in the last 8 bytes, the content digest
+    in the 8 before the placement's name, where the notice has placeholders there."""
+    if not message.endswith(PLACEHOLDER_BYTES):
+        return message
+    if stored.content is not None and message.endswith(_CONTENT_TAIL):
+        content = stored.content.to_bytes(8, "big")
+        message = message[:-27] + content + message[-19:]
+    return message[:-8] + stored.placement.to_bytes(8, "big")

@@ -246,6 +246,9 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     blocks: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_REQUEST_BLOCKS)]
     token: ByteCount
     slot: ByteCount = 0
+    #: The decode engine checks this request's KV and refuses it unchecked (`Settings.integrity`):
+    #: the writer checks it whatever its own setting.
+    integrity: bool = False
 
 
 class TransferNotice(msgspec.Struct, frozen=True, kw_only=True):
@@ -288,6 +291,13 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: reservation's blocks. `placement` stays last: the C copy pool writes it into the
     #: encoded notice's final 8 bytes.
     layers: Annotated[tuple[LayerIndex, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
+    #: The content digest of the transfer the writer computed from its own blocks and both
+    #: engines' layouts (`kvray.content.reference`; None: not computed, then `checksum` is set
+    #: when the transfer is checked), and the one its executor computed while copying (None:
+    #: its copy does not hash; a receiving executor's own adds to it). The decode side takes
+    #: the request only when the two agree.
+    reference: Uint64 | None = None
+    content: Uint64 | None = None
     placement: Uint64 = 0
 
 
@@ -318,6 +328,10 @@ class WriteOps(msgspec.Struct, frozen=True, kw_only=True, tag="write_ops"):
     request_id: str = ""
     #: The secret of the decode engine's `Reservation`: a write without it is refused.
     token: ByteCount = 0
+    #: Each op's region and offset in the writer's memory: the receiver hashes the bytes it
+    #: scatters as the bytes there (`kvray.content`). Empty: not hashed.
+    src_regions: OpColumn = msgspec.field(default_factory=list)
+    src_offsets: OpColumn = msgspec.field(default_factory=list)
 
 
 class WriteClaim(msgspec.Struct, frozen=True, kw_only=True, tag="claim"):

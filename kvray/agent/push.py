@@ -29,6 +29,7 @@ import numpy.typing as npt
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
+from kvray.content import reference
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -44,7 +45,7 @@ from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, wr
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
-from kvray.placement import MASK64, PLACEHOLDER
+from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
@@ -84,10 +85,12 @@ class _Layerwise:
     layers: set[str] = field(default_factory=set)
     #: The layers' checksums so far (`kvray.integrity`), when the request is checked.
     checksums: Checksums | None = None
-    #: The layers pushed so far (indices into the decode engine's layout), and the placement
-    #: digest of what their writes stored (`kvray.placement`).
+    #: The layers pushed so far (indices into the decode engine's layout), what their writes'
+    #: executors reported (`kvray.placement.Stored`) and, when the request's content is
+    #: checked, the writer's own digest of them (`kvray.content.reference`).
     layer_indices: tuple[int, ...] = ()
-    placement: int = 0
+    stored: Stored = NOTHING
+    reference: int | None = None
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
     #: Layer writes in progress, and an event set whenever there are none.
@@ -164,10 +167,15 @@ class Pusher:
         request_id = reservation.request_id
         async with self._transfer(reservation, timeout, call=PushCall.WHOLE) as attempt:
             started = time.perf_counter()
-            peer, transport, plan = await self._plan(attempt, local_blocks, _ids(reservation), layers)
+            remote_ids = _ids(reservation)
+            peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
-            checksums = await self._checksums(reservation, plan, peer)
-            # The executor fills the placement in: the C copy pool's thread writes it into the
+            fused = self._fused(reservation, transport, peer)
+            reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
+            checksums = await self._checksums(
+                reservation, plan, peer, every=not fused and self._checked(reservation)
+            )
+            # The executor fills its digests in: the C copy pool's thread writes them into the
             # early notice it sends (`kvray.placement.PLACEHOLDER`).
             notice = self._done(
                 reservation,
@@ -177,14 +185,17 @@ class Pusher:
                 checksums,
                 peer,
                 self._indices(peer, plan.layers),
-                PLACEHOLDER,
+                Stored(PLACEHOLDER, PLACEHOLDER if fused else None),
+                reference,
             )
             try:
                 async with self._claim(peer, reservation, transport):
                     early = self.notices.early(peer, notice)
-                    placement = await self._write(reservation, peer, transport, plan, then=early)
+                    stored = await self._write(reservation, peer, transport, plan, then=early)
                     if early is None or not early.sent:
-                        await self.notices.send(peer, msgspec.structs.replace(notice, placement=placement))
+                        content = stored.content if fused else None
+                        sent = msgspec.structs.replace(notice, placement=stored.placement, content=content)
+                        await self.notices.send(peer, sent)
             finally:
                 self.notices.claims.end(reservation)
             self._count_bytes(transport.kind, peer, plan.nbytes)
@@ -231,21 +242,28 @@ class Pusher:
             if layer in state.layers:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
             self._check_not_failed(reservation)  # again: it may have failed while this planned
-            checksums = await self._checksums(reservation, plan, peer)
+            fused = self._fused(reservation, transport, peer) and (
+                state.reference is not None or not state.layers
+            )
+            reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
+            checksums = await self._checksums(
+                reservation, plan, peer, every=not fused and self._checked(reservation)
+            )
             # From here to the write's start nothing awaits but the claim: a failure recorded
             # meanwhile is seen by the failure notice, which waits for this write to end.
             state.writing += 1
             state.idle.clear()
             try:
                 async with self._claim(peer, reservation, transport):
-                    placement = await self._write(reservation, peer, transport, plan)
+                    stored = await self._write(reservation, peer, transport, plan)
             finally:
                 state.writing -= 1
                 if state.writing == 0:
                     state.idle.set()
             state.layers.add(layer)
             state.layer_indices += self._indices(peer, plan.layers)
-            state.placement = (state.placement + placement) & MASK64
+            state.stored = state.stored.plus(stored if fused else Stored(stored.placement))
+            state.reference = None if reference is None else ((state.reference or 0) + reference) & MASK64
             if checksums is not None:
                 known = state.checksums or Checksums((), ())
                 state.checksums = Checksums(
@@ -264,7 +282,8 @@ class Pusher:
                 state.checksums,
                 peer,
                 state.layer_indices,
-                state.placement,
+                state.stored,
+                state.reference,
             )
             state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
@@ -344,7 +363,8 @@ class Pusher:
                 state.checksums,
                 peer,
                 state.layer_indices,
-                state.placement,
+                state.stored,
+                state.reference,
             )
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
@@ -474,7 +494,8 @@ class Pusher:
         checksums: Checksums | None = None,
         peer: Peer | None = None,
         layers: tuple[int, ...] = (),
-        placement: int = 0,
+        stored: Stored = NOTHING,
+        reference: int | None = None,
     ) -> TransferDone:
         """The completion notice; `layers` and `placement`: see `TransferDone`."""
         info = self.engine.info
@@ -490,7 +511,9 @@ class Pusher:
                 # Which part of each block this writer wrote, where it is not the whole.
                 src_tp=tp if shared_heads(tp, peer.info.layout.tp) is not None else None,
                 layers=layers,
-                placement=placement,
+                reference=reference,
+                content=stored.content if reference is not None else None,
+                placement=stored.placement,
             )
         if peer is not None and shared_heads(info.layout.tp, peer.info.layout.tp) is not None:
             return TransferDone(
@@ -499,7 +522,9 @@ class Pusher:
                 arrival_proofs=proofs,
                 src_tp=info.layout.tp,
                 layers=layers,
-                placement=placement,
+                reference=reference,
+                content=stored.content if reference is not None else None,
+                placement=stored.placement,
             )
         # `_header`'s fields, spelled out: this is on the path of every completion.
         return TransferDone(
@@ -513,7 +538,9 @@ class Pusher:
             nbytes=nbytes,
             arrival_proofs=proofs,
             layers=layers,
-            placement=placement,
+            reference=reference,
+            content=stored.content if reference is not None else None,
+            placement=stored.placement,
         )
 
     def _indices(self, peer: Peer, layers: Sequence[str]) -> tuple[int, ...]:
@@ -527,10 +554,48 @@ class Pusher:
             index = self._layer_indices[key] = {name: at for at, name in enumerate(info.layout.layer_names)}
         return tuple(index[name] for name in layers)
 
-    async def _checksums(self, reservation: Reservation, plan: TransferPlan, peer: Peer) -> Checksums | None:
+    def _checked(self, reservation: Reservation) -> bool:
+        """Whether the request's content is checked: this engine's setting, or its decode
+        engine asks (`Reservation.integrity`)."""
+        return self.engine.settings.integrity or reservation.integrity
+
+    def _fused(self, reservation: Reservation, transport: Transport, peer: Peer) -> bool:
+        """Whether the request is checked through its copy's content digest (`kvray.content`)."""
+        return self._checked(reservation) and transport.hashes(self.engine.backing, peer)
+
+    async def _reference(
+        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+    ) -> int:
+        """The content digest of `plan`'s transfer from this engine's own blocks and both
+        layouts (`kvray.content.reference`): on a worker thread when large (it releases the GIL)."""
+        backing = self.engine.backing
+        regions = [region.tensor.numpy() for region in backing.regions]
+        local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+        info = peer.info
+
+        def digest() -> int:
+            return reference(
+                regions,
+                backing.layout,
+                backing.placements,
+                info.layout,
+                info.placement,
+                plan.layers,
+                local,
+                remote_ids,
+            )
+
+        if plan.nbytes < THREAD_MIN_BYTES:
+            return digest()
+        return await asyncio.to_thread(digest)
+
+    async def _checksums(
+        self, reservation: Reservation, plan: TransferPlan, peer: Peer, *, every: bool = False
+    ) -> Checksums | None:
         """The checksums of the bytes `plan` reads (`kvray.integrity`), when the request is
-        sampled: hashed on a worker thread when large (the hash releases the GIL)."""
-        if not sampled(reservation.request_id, self.engine.settings.integrity_sample_rate):
+        sampled (or `every`: its content is checked and its copy does not hash): hashed on a
+        worker thread when large (the hash releases the GIL)."""
+        if not every and not sampled(reservation.request_id, self.engine.settings.integrity_sample_rate):
             return None
         regions, layout = regions_of(self.engine.backing), peer.info.layout
         if plan.nbytes < THREAD_MIN_BYTES:
@@ -738,9 +803,9 @@ class Pusher:
         peer: Peer,
         transport: Transport,
         plan: TransferPlan,
-        then: Callable[[int], None] | None = None,
-    ) -> int:
-        """Write `plan`; the placement digest its executor reports (`Transport.write`)."""
+        then: Callable[[Stored], None] | None = None,
+    ) -> Stored:
+        """Write `plan`; what its executor reports (`Transport.write`)."""
         if then is None:
             return await transport.write(plan, self.engine.backing, peer)
         return await transport.write_then(plan, self.engine.backing, peer, then)

@@ -52,7 +52,7 @@ from kvray.metrics import DropReason, IntegrityCheck, Outcome
 from kvray.notice import NoticeSet
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.notice.claims import ClaimBoard
-from kvray.placement import MASK64
+from kvray.placement import MASK64, NOTHING, Stored
 from kvray.plan import OffsetCache, block_ids, check_ops_within, request_spans
 from kvray.transport.base import OpsCheck
 from kvray.wire import (
@@ -98,9 +98,9 @@ class _Expectation:
     #: writes may still land.
     writer: tuple[str, int] | None = None
     writer_done: asyncio.Event = field(default_factory=asyncio.Event)
-    #: The placement digest of the request's writes this engine's own executor stored
-    #: (`Receiver.landed`: the ray transport's scatter), added to the writer's.
-    landed: int = 0
+    #: What this engine's own executor reported of the request's writes (`Receiver.landed`: the
+    #: ray transport's scatter), added to what the writer's reported.
+    landed: Stored = NOTHING
 
 
 class Receiving:
@@ -207,10 +207,10 @@ class Receiving:
                 async with self._writes_done:
                     self._writes_done.notify_all()
 
-    def landed(self, request_id: str, placement: int) -> None:
+    def landed(self, request_id: str, stored: Stored) -> None:
         expectation = self._pending.get(request_id)
         if expectation is not None:
-            expectation.landed = (expectation.landed + placement) & MASK64
+            expectation.landed = expectation.landed.plus(stored)
 
     async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
         peer = await self.directory.current(engine_id, incarnation, wait_s=0)
@@ -257,6 +257,7 @@ class Receiving:
             blocks=tuple(ids.tolist()),
             token=token,
             slot=max(slot, 0),
+            integrity=engine.settings.integrity,
         )
 
     async def release(self, request_id: str) -> None:
@@ -410,7 +411,7 @@ class Receiving:
         metrics = self.engine.metrics
         for message in unrecorded:
             metrics.received(message.src_engine, message.nbytes)
-            if not message.checksum:
+            if not message.checksum and message.reference is None:
                 metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED)
 
     def close(self) -> None:
@@ -586,11 +587,11 @@ class Receiving:
             if len(self._placements) >= 256:
                 self._placements.clear()
             table = self._placements[key] = PlacementTable(layout, engine.backing.placements, layers, heads)
-        stored = (message.placement + expectation.landed) & MASK64
-        if stored == table.digest(expectation.blocks):
-            return None
-        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
         names = [layout.layer_names[index] for index in layers]
+        stored = (message.placement + expectation.landed.placement) & MASK64
+        if stored == table.digest(expectation.blocks):
+            return self._unchecked_content(message, expectation, names)
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
         return KVIntegrityError(
             f"the KV of request {message.request_id!r} from {message.src_engine!r} was not stored where "
             f"engine {engine.engine_id!r} keeps it: the placement digest of its writes differs from "
@@ -611,6 +612,46 @@ class Receiving:
         self._unrecorded.append(message)
         if len(self._unrecorded) > _MAX_UNRECORDED:  # nobody waits: count them now
             self.record_completions()
+
+    def _unchecked_content(
+        self, message: TransferDone, expectation: _Expectation, names: list[str]
+    ) -> KvrayError | None:
+        """Why the transfer's bytes cannot be taken (None: they can, or the slower checksums
+        in the notice decide): its copy's content digest (`kvray.content`: the writer's
+        executor's plus this engine's own) differs from the one the writer took from its blocks,
+        or, where this engine checks every request, the transfer came with neither."""
+        engine = self.engine
+        if message.reference is None:
+            if engine.settings.integrity and not message.checksum:
+                return MetadataError(
+                    f"the KV of request {message.request_id!r} from {message.src_engine!r} came "
+                    f"unchecked, and engine {engine.engine_id!r} checks every request's KV; the "
+                    "request is not decoded from it",
+                    request_id=message.request_id,
+                    engine_id=engine.engine_id,
+                )
+            return None
+        landed = expectation.landed.content
+        content = None if message.content is None or landed is None else (message.content + landed) & MASK64
+        if content == message.reference:
+            if not message.checksum:  # else counted once the checksums are checked too
+                engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, 0.0)
+            return None
+        if message.checksum:
+            return None  # the checksums name the layers that differ (`_check_integrity`)
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), 0.0)
+        why = (
+            "its copy did not hash it" if content is None else "its content digest differs from the writer's"
+        )
+        return KVIntegrityError(
+            f"the KV of request {message.request_id!r} from {message.src_engine!r} did not arrive as "
+            f"the writer holds it: {why} ({len(names)} layer(s): {', '.join(names[:8])}"
+            f"{', ...' if len(names) > 8 else ''}); the request is not decoded from it",
+            request_id=message.request_id,
+            engine_id=engine.engine_id,
+            src_engine=message.src_engine,
+            layers=names,
+        )
 
     async def _complete_when_landed(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future

@@ -31,6 +31,7 @@ from typing import ClassVar, Protocol
 from kvray.config import Settings
 from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
 from kvray.metrics import DropReason, EngineMetrics
+from kvray.placement import Stored
 from kvray.transport.base import Peer
 from kvray.wire import Notice
 
@@ -78,13 +79,13 @@ class NoticeReceiver(Protocol):
 
 class ThreadNotice(Protocol):
     """A notice a transport may send from whichever thread writes a transfer's last byte
-    (`Transport.write_then`): callable from any thread, quick, never raising, with the
-    placement digest of the transfer's writes (`kvray.placement`), which it puts in the
-    notice; `sent` says whether it went (if not, the writer sends it the usual way)."""
+    (`Transport.write_then`): callable from any thread, quick, never raising, with what the
+    transfer's executor reported (`kvray.placement.Stored`), which it puts in the notice;
+    `sent` says whether it went (if not, the writer sends it the usual way)."""
 
     sent: bool
 
-    def __call__(self, placement: int) -> None: ...
+    def __call__(self, stored: Stored) -> None: ...
 
 
 def refusal(reason: DropReason | None, engine_id: str, request_id: str) -> KvrayError | None:

@@ -22,7 +22,7 @@ from kvray.errors import MetadataError, TransportError
 from kvray.metrics import EngineMetrics
 from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt
 from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
-from kvray.placement import PLACEHOLDER_BYTES
+from kvray.placement import Stored, filled
 from kvray.transport.base import Peer
 from kvray.transport.cpu_copy import resolve_once
 from kvray.wire import Notice
@@ -263,8 +263,8 @@ class DatagramNotice:
     """A completion notice for whichever thread writes a transfer's last byte (see
     `Transport.write_then`): callable from any Python thread, and also handed whole (socket,
     path, bytes) to the C copy pool, whose thread sends it without the GIL. A message that ends
-    in the placement placeholder (`kvray.placement.PLACEHOLDER_BYTES`) gets the transfer's
-    digest there, from either sender. `sent` says whether it went; if not, the caller sends it
+    in the placeholders (`kvray.placement.PLACEHOLDER`) gets the executor's digests there, from
+    either sender (`kvray.placement.filled`). `sent` says whether it went; if not, the caller sends it
     the usual way."""
 
     def __init__(self, outbox: CompletionOutbox, path: str, message: bytes) -> None:
@@ -278,11 +278,8 @@ class DatagramNotice:
         self.message = message
         self.sent = False
 
-    def __call__(self, placement: int) -> None:
-        message = self.message
-        if message.endswith(PLACEHOLDER_BYTES):
-            message = message[:-8] + placement.to_bytes(8, "big")
-        self.sent = self._outbox.try_send(self.path, message)
+    def __call__(self, stored: Stored) -> None:
+        self.sent = self._outbox.try_send(self.path, filled(self.message, stored))
 
     def datagram(self) -> tuple[int, bytes, bytes]:
         """(socket, peer path, message) for a sender outside Python."""

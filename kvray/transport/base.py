@@ -44,7 +44,7 @@ from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
-from kvray.placement import ranges_digest
+from kvray.placement import Stored, ranges_digest
 from kvray.plan import TransferPlan, check_op_table, check_rows
 from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
@@ -87,9 +87,9 @@ class Receiver(Protocol):
         stay inside the request's blocks; a failed wait for the request outlasts the block."""
         ...
 
-    def landed(self, request_id: str, placement: int) -> None:
-        """Inside `admit`: a write of `request_id` whose executor ran here stored to the ranges
-        `placement` sums (`kvray.placement`); the engine adds it to the writer's own."""
+    def landed(self, request_id: str, stored: Stored) -> None:
+        """Inside `admit`: what the executor of a write of `request_id` that ran here reports
+        (`kvray.placement.Stored`); the engine adds it to the writer's own."""
         ...
 
     async def writer(self, engine_id: str, incarnation: int) -> EngineInfo:
@@ -156,23 +156,31 @@ class Transport(abc.ABC):
         return backing.region_descriptors(engine_id, incarnation, self.kind, remote_writable=remote_writable)
 
     @abc.abstractmethod
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
-        """Issue every op of `plan`; return once the bytes are in the peer's memory, with the
-        placement digest (`kvray.placement`) of the ranges the executor stored to, taken where
-        it stores (0 where the receiving side's executor reports it: `Receiver.landed`)."""
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+        """Issue every op of `plan`; return once the bytes are in the peer's memory, with what
+        its executor reports of the ranges it stored to (`kvray.placement.Stored`), taken where
+        it stores: their placement digest and, where it hashed the bytes as it copied them, their
+        content digest (`Stored(0, 0)` where the receiving side's executor reports instead:
+        `Receiver.landed`)."""
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None]
-    ) -> int:
-        """`write`, calling `then(placement)` once, as soon as every byte is in the peer's memory: a
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+    ) -> Stored:
+        """`write`, calling `then(stored)` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this
         coroutine resumes (the agent sends the completion notice from it, sparing the decode
         side a trip through this event loop; a `DatagramNotice` may even be sent without
         Python, by the C copy pool's thread). `then` must be quick, thread-safe and must not
         raise. Here: after `write` returns, on the loop."""
-        placement = await self.write(plan, local, peer)
-        then(placement)
-        return placement
+        stored = await self.write(plan, local, peer)
+        then(stored)
+        return stored
+
+    def hashes(self, local: Backing, peer: Peer) -> bool:
+        """Whether a write from `local` to `peer` reports a content digest (`Stored.content`):
+        its copy hashes the bytes as it moves them (`kvray.content`). Where not, a checked
+        request's writer sends every layer's checksums instead."""
+        return False
 
     def forget(self, engine_id: str) -> None:  # noqa: B027 - optional hook
         """Drop whatever is cached for a peer (it restarted, left or failed). A write still
@@ -350,11 +358,11 @@ def check_write(plan: TransferPlan, local: Backing, peer: Peer) -> None:
             )
 
 
-def planned_placement(plan: TransferPlan) -> int:
+def planned_placement(plan: TransferPlan) -> Stored:
     """The placement digest of the plan's op table: what an executor that takes the table
-    whole (a device's copy kernel, a NIC's work requests) reports for it."""
+    whole (a device's copy kernel, a NIC's work requests) reports for it; no content digest."""
     ops = plan.ops
-    return ranges_digest(ops.remote_region, ops.remote_offset, ops.nbytes)
+    return Stored(ranges_digest(ops.remote_region, ops.remote_offset, ops.nbytes))
 
 
 def region_pairs(

@@ -1,7 +1,8 @@
 """A plan's ops copied between two CPU buffers, for the CPU transports (shm, ray, loopback): by
 the C copy pool (`kvray._copy_pool`) when it is built, else by a per-op ctypes loop on Python
 threads; every op of a plan in a few calls either way. Each copy returns the placement digest
-(`kvray.placement`) of the destination ranges it stored to, taken from the addresses it used."""
+(`kvray.placement`) of the destination ranges it stored to, taken from the addresses it used,
+and, when asked, the content digest of what it copied (`kvray.content`), taken in the same pass."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from kvray.content import destination_factor, hash_bytes, pair_salt, region_seed
 from kvray.layout import Int64Array, ceil_div
-from kvray.placement import MASK64, PLACEHOLDER_BYTES, ranges_digest
+from kvray.placement import MASK64, NOTHING, PLACEHOLDER_BYTES, REGION_SHIFT, Stored, ranges_digest
 from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
@@ -55,7 +58,7 @@ class Datagram(Protocol):
 
     def datagram(self) -> tuple[int, bytes, bytes]: ...
 
-    def __call__(self, placement: int) -> None: ...
+    def __call__(self, stored: Stored) -> None: ...
 
 
 def resolve_once(future: asyncio.Future[None]) -> None:
@@ -89,6 +92,21 @@ def native() -> bool:
     return _scatter_copy is not None and _start_copy is not None
 
 
+@dataclass(frozen=True)
+class Hashing:
+    """What a copy needs to hash what it copies (`kvray.content`): the source region's seed, the
+    (source, destination) regions' salt and, for bytes copied from a staging buffer, each op's
+    offset in its source region (None: the copy's source offsets are those)."""
+
+    seed: int
+    pair_salt: int
+    offsets: Int64Array | None = None
+
+    @classmethod
+    def between(cls, src_region: int, dst_region: int, offsets: Int64Array | None = None) -> Hashing:
+        return cls(region_seed(src_region), pair_salt(src_region, dst_region), offsets)
+
+
 def scatter_copy(
     dst_base: int,
     src_base: int,
@@ -96,32 +114,58 @@ def scatter_copy(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     salt: int = 0,
-) -> int:
+    hashing: Hashing | None = None,
+) -> Stored:
     """Copy nbytes[i] bytes from src_base + src_offsets[i] to dst_base + dst_offsets[i], on
     the calling thread (with the GIL released); the placement digest of what it stored
-    (`salt`: the destination region's, `kvray.placement.region_salt`)."""
+    (`salt`: the destination region's, `kvray.placement.region_salt`) and, with `hashing`, the
+    content digest of what it copied (source offsets are offsets in the source region)."""
     dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
     src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if _scatter_copy is not None:
-        return int(_scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt))
+        if hashing is None:
+            return Stored(int(_scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)))
+        named = _hash_offsets(hashing)
+        placement, content = _scatter_copy(
+            dst_base,
+            src_base,
+            dst_offsets,
+            src_offsets,
+            nbytes,
+            salt,
+            hashing.seed,
+            hashing.pair_salt,
+            True,
+            *named,
+        )
+        return Stored(int(placement), int(content))
     if (dst_offsets < 0).any() or (src_offsets < 0).any() or (nbytes < 0).any():
         raise ValueError("scatter_copy got a negative offset or length")
     if _executor_fault and nbytes.size >= 2:  # as the C executor does (`set_executor_fault`)
         dst_offsets, nbytes = dst_offsets.copy(), nbytes.copy()
         dst_offsets[-1] = dst_offsets[-2]
         nbytes[-1] = min(nbytes[-1], nbytes[-2])
-    for dst, src, count in zip(
-        (dst_base + dst_offsets).tolist(), (src_base + src_offsets).tolist(), nbytes.tolist(), strict=True
+    content = 0
+    logical = src_offsets if hashing is None or hashing.offsets is None else hashing.offsets
+    for dst, src, at, count in zip(
+        dst_offsets.tolist(), src_offsets.tolist(), logical.tolist(), nbytes.tolist(), strict=True
     ):
-        ctypes.memmove(dst, src, count)
-    return _digest(salt, dst_offsets, nbytes)
+        ctypes.memmove(dst_base + dst, src_base + src, count)
+        if hashing is not None and count:
+            copied = np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(dst_base + dst))
+            factor = destination_factor(hashing.pair_salt, dst - at)
+            content += factor * hash_bytes(copied, at, hashing.seed)
+    region = np.full(dst_offsets.size, (salt >> REGION_SHIFT) - 1, dtype=np.int64)
+    placement = ranges_digest(region, dst_offsets, nbytes)
+    return Stored(placement, None if hashing is None else content & MASK64)
 
 
-def _digest(salt: int, dst_offsets: Int64Array, nbytes: Int64Array) -> int:
-    """`kvray.placement.ranges_digest` of ranges of the region whose salt is `salt`."""
-    region = np.full(dst_offsets.size, (salt >> 48) - 1, dtype=np.int64)
-    return ranges_digest(region, dst_offsets, nbytes)
+def _hash_offsets(hashing: Hashing | None) -> tuple[Int64Array, ...]:
+    """The C copy's optional last argument: the ops' source offsets, for a staged copy."""
+    if hashing is None or hashing.offsets is None:
+        return ()
+    return (np.ascontiguousarray(hashing.offsets, dtype=np.int64),)
 
 
 async def scatter_copy_async(
@@ -131,15 +175,16 @@ async def scatter_copy_async(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     threads: int = 0,
-    then: Callable[[int], None] | None = None,
+    then: Callable[[Stored], None] | None = None,
     salt: int = 0,
-    base: int = 0,
-) -> int:
+    base: Stored = NOTHING,
+    hashing: Hashing | None = None,
+) -> Stored:
     """`scatter_copy` off the event loop; a large batch is copied by a few threads at once.
-    Returns `base` plus the placement digest of what it stored (see `scatter_copy`).
-    `then(digest)`, if given, is called with that sum once every byte is copied (see
-    `Transport.write_then`); a `Datagram` is sent by the C pool's thread that copied the last
-    byte, the sum written into the message's placeholder.
+    Returns `base` plus the digests of what it stored (see `scatter_copy`). `then(stored)`, if
+    given, is called with that sum once every byte is copied (see `Transport.write_then`); a
+    `Datagram` is sent by the C pool's thread that copied the last byte, the sums written into
+    the message's placeholders.
 
     With the C copy, the threads of its pool share the op list and each claims the next ops as
     it goes (ops longer than `_CLAIM_NBYTES` are split first), so a thread the scheduler parks
@@ -151,14 +196,15 @@ async def scatter_copy_async(
     """
     total = int(nbytes.sum())
     threads = min(threads or copy_threads(), _MAX_THREADS)
-    if total < _PARALLEL_THRESHOLD:
-        placement = (base + scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)) & MASK64
+    staged = hashing is not None and hashing.offsets is not None
+    if total < _PARALLEL_THRESHOLD or (staged and not native()):
+        stored = base.plus(scatter_copy(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt, hashing))
         if then is not None:
-            then(placement)
-        return placement
+            then(stored)
+        return stored
     if native():
         return await _pool_copy(
-            dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then, salt, base
+            dst_base, src_base, dst_offsets, src_offsets, nbytes, threads, then, salt, base, hashing
         )
     global _executor
     if _executor is None:
@@ -182,16 +228,19 @@ async def scatter_copy_async(
                 src_offsets[start:stop],
                 nbytes[start:stop],
                 salt,
+                hashing,
             )
             for start, stop in itertools.pairwise(bounds)
             if stop > start
         )
     )
     await _until_over(shares, shares.done)
-    placement = (base + sum(shares.result())) & MASK64
+    stored = base
+    for share in shares.result():
+        stored = stored.plus(share)
     if then is not None:  # equal shares: no thread knows it copied the last byte
-        then(placement)
-    return placement
+        then(stored)
+    return stored
 
 
 async def _pool_copy(
@@ -201,16 +250,19 @@ async def _pool_copy(
     src_offsets: Int64Array,
     nbytes: Int64Array,
     threads: int,
-    then: Callable[[int], None] | None,
+    then: Callable[[Stored], None] | None,
     salt: int,
-    base: int,
-) -> int:
+    base: Stored,
+    hashing: Hashing | None,
+) -> Stored:
     assert _start_copy is not None
     notice = then if isinstance(then, Datagram) else None
     datagram = None
     if notice is not None:
         fd, path, message = notice.datagram()
-        datagram = (fd, path, message, message.endswith(PLACEHOLDER_BYTES))
+        # 1: the placement goes into the message's last 8 bytes; 2: the content digest too.
+        patch = 0 if not message.endswith(PLACEHOLDER_BYTES) else 1 if hashing is None else 2
+        datagram = (fd, path, message, patch)
     job = _start_copy(
         dst_base,
         src_base,
@@ -221,7 +273,12 @@ async def _pool_copy(
         _CLAIM_NBYTES,
         datagram,
         salt,
-        base,
+        base.placement,
+        hashing is not None,
+        0 if hashing is None else hashing.seed,
+        0 if hashing is None else hashing.pair_salt,
+        base.content or 0,
+        *_hash_offsets(hashing),
     )
     loop = asyncio.get_running_loop()
     over: asyncio.Future[None] = loop.create_future()
@@ -239,12 +296,13 @@ async def _pool_copy(
         loop.remove_reader(fileno)
     if not job.complete:
         raise RuntimeError("a copy thread left ops of the batch uncopied")
-    placement = int(job.placement)
+    content = None if hashing is None or base.content is None else int(job.content)
+    stored = Stored(int(job.placement), content)
     if notice is not None:
         notice.sent = bool(job.notice_sent)
     elif then is not None:
-        then(placement)
-    return placement
+        then(stored)
+    return stored
 
 
 async def _until_over(copies: asyncio.Future[Any], over: Callable[[], bool]) -> None:

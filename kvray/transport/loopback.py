@@ -21,10 +21,10 @@ from kvray.errors import StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
-from kvray.placement import MASK64, ranges_digest, region_salt
+from kvray.placement import NOTHING, Stored, ranges_digest, region_salt
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, Reach, Receiver, Transport, check_write, region_pairs
-from kvray.transport.cpu_copy import scatter_copy_async
+from kvray.transport.cpu_copy import Hashing, scatter_copy_async
 from kvray.wire import EngineInfo, TransportKind
 
 _EVERY_KIND = frozenset(MemoryKind)
@@ -105,26 +105,33 @@ class LoopbackTransport(Transport):
         self._joined.append((info.engine_id, info.incarnation))
         return info
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+    def hashes(self, local: Backing, peer: Peer) -> bool:
+        destination = self.network.receiver(peer.info).backing
+        return MemoryKind.CUDA not in (local.kind, destination.kind)
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         receiver = self.network.receiver(peer.info)
         check_write(plan, local, peer)
         ops = plan.ops
         async with receiver.admit(plan.request_id, plan.token) as within:
             within(ops.remote_region, ops.remote_offset, ops.nbytes)
             destination = receiver.backing
-            placement = 0
+            stored = NOTHING
             for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
-                placement += await _copy(
-                    remote_index,
-                    destination.regions[remote_index].tensor,
-                    local.regions[local_index].tensor,
-                    ops.remote_offset[select],
-                    ops.local_offset[select],
-                    ops.nbytes[select],
+                stored = stored.plus(
+                    await _copy(
+                        local_index,
+                        remote_index,
+                        destination.regions[remote_index].tensor,
+                        local.regions[local_index].tensor,
+                        ops.remote_offset[select],
+                        ops.local_offset[select],
+                        ops.nbytes[select],
+                    )
                 )
         self.network.writes += 1
         self.network.nbytes += ops.total_nbytes
-        return placement & MASK64
+        return stored
 
     async def close(self) -> None:
         for engine_id, incarnation in self._joined:
@@ -133,15 +140,16 @@ class LoopbackTransport(Transport):
 
 
 async def _copy(
+    source_region: int,
     region: int,
     target: torch.Tensor,
     source: torch.Tensor,
     target_offsets: Int64Array,
     source_offsets: Int64Array,
     sizes: Int64Array,
-) -> int:
-    """Copy each op's bytes: through the copy pool between CPU tensors, by tensor slices where
-    a GPU is involved; the placement digest of what was stored into `target` (region `region`)."""
+) -> Stored:
+    """Copy each op's bytes: through the copy pool between CPU tensors (hashing them as it goes),
+    by tensor slices where a GPU is involved; what was stored into `target` (region `region`)."""
     if not target.is_cuda and not source.is_cuda:
         return await scatter_copy_async(
             target.data_ptr(),
@@ -150,6 +158,7 @@ async def _copy(
             source_offsets,
             sizes,
             salt=region_salt(region),
+            hashing=Hashing.between(source_region, region),
         )
     for target_offset, source_offset, nbytes in zip(
         target_offsets.tolist(), source_offsets.tolist(), sizes.tolist(), strict=True
@@ -157,4 +166,4 @@ async def _copy(
         target[target_offset : target_offset + nbytes].copy_(source[source_offset : source_offset + nbytes])
     if target.is_cuda:
         torch.cuda.synchronize(target.device)
-    return ranges_digest(np.full(sizes.size, region, dtype=np.int64), target_offsets, sizes)
+    return Stored(ranges_digest(np.full(sizes.size, region, dtype=np.int64), target_offsets, sizes))

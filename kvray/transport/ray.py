@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.config import Settings
+from kvray.content import staged_content
 from kvray.errors import (
     BoundsError,
     KvrayError,
@@ -29,12 +30,13 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
+from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
-from kvray.placement import ranges_digest, region_salt
+from kvray.placement import NOTHING, Stored, ranges_digest, region_salt
 from kvray.plan import OpTable, TransferPlan, check_ops
 from kvray.transport.base import OpsCheck, Peer, Reach, Receiver, Transport, check_write
-from kvray.transport.cpu_copy import StagingBuffers, scatter_copy_async
+from kvray.transport.cpu_copy import Hashing, StagingBuffers, scatter_copy_async
 from kvray.transport.cuda_staging import (
     PinnedSlots,
     chunk_nbytes,
@@ -108,7 +110,11 @@ class RayTransport(Transport):
         # local Ray or joins a cluster wherever it runs engines, so Ray importing is enough.
         return _ray_missing()
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+    def hashes(self, local: Backing, peer: Peer) -> bool:
+        # The receiver hashes what it scatters (or, into a GPU, the payload it uploads).
+        return local.kind is not MemoryKind.CUDA
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         if peer.host is None:
             raise TransportError(
                 f"engine {peer.info.engine_id!r} has no Ray actor to deliver to; the ray transport "
@@ -118,7 +124,7 @@ class RayTransport(Transport):
         check_write(plan, local, peer)
         if local.kind is MemoryKind.CUDA:
             await self._write_from_device(plan, local, peer)
-            return 0  # the receiver's scatter reports where it stored (`Receiver.landed`)
+            return NOTHING  # the receiver's scatter reports what it stored (`Receiver.landed`)
         ops = plan.ops
         payload = self._staging.take(ops.total_nbytes)
         payload_offset = packed_offsets(ops.nbytes)
@@ -150,7 +156,7 @@ class RayTransport(Transport):
             if failure is error:
                 raise
             raise failure from error
-        return 0  # the receiver's scatter reports where it stored (`Receiver.landed`)
+        return NOTHING  # the receiver's scatter reports what it stored (`Receiver.landed`)
 
     async def _write_from_device(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
         """A CUDA source: the plan's ops in chunks of about a layer, each gathered on the GPU into
@@ -202,6 +208,8 @@ class RayTransport(Transport):
             nbytes=ops.nbytes.tolist(),
             request_id=plan.request_id,
             token=plan.token,
+            src_regions=ops.local_region.tolist(),
+            src_offsets=ops.local_offset.tolist(),
         )
 
     def _abandon(self, delivery: ray.ObjectRef[Any]) -> None:
@@ -243,8 +251,8 @@ class RayTransport(Transport):
         message = read_header(header, info.engine_id, info.incarnation)
         async with receiver.admit(message.request_id, message.token) as within:
 
-            def landed(placement: int) -> None:
-                receiver.landed(message.request_id, placement)
+            def landed(stored: Stored) -> None:
+                receiver.landed(message.request_id, stored)
 
             return await apply_ops(
                 receiver.backing,
@@ -319,14 +327,15 @@ async def apply_ops(
     payload: npt.NDArray[np.uint8],
     within: OpsCheck | None = None,
     slots: PinnedSlots | None = None,
-    landed: Callable[[int], None] | None = None,
+    landed: Callable[[Stored], None] | None = None,
 ) -> int:
     """`apply_write` after `read_header`: check every op and the payload, then scatter.
     `within(regions, offsets, nbytes)`, when given, raises for ops outside what the write's
     request may change (its blocks), after the region checks and before any byte moves. Into a
     CUDA backing the bytes go through a pinned buffer of `slots` (a fresh one if None) and the
-    GPU; either way this returns once they are all in place, after `landed(placement)` is
-    told the placement digest of the ranges the scatter stored to (`kvray.placement`)."""
+    GPU; either way this returns once they are all in place, after `landed(stored)` is told
+    what the scatter stored (`kvray.placement.Stored`: with a content digest where the header
+    names each op's source, `WriteOps.src_regions` and `src_offsets`)."""
     regions = np.asarray(message.regions, dtype=np.int64)
     offsets = np.asarray(message.remote_offsets, dtype=np.int64)
     nbytes = np.asarray(message.nbytes, dtype=np.int64)
@@ -356,22 +365,78 @@ async def apply_ops(
     if backing.kind is MemoryKind.CUDA:
         targets = [region.tensor for region in backing.regions]
         await receive_payload(targets, regions, offsets, nbytes, payload, slots or PinnedSlots())
-        if landed is not None:
-            landed(ranges_digest(regions, offsets, nbytes))  # the device's copies took the table whole
+        if landed is not None:  # the device's copies took the table and the payload whole
+            named = _sources(message, regions.size)
+            content = None
+            if named is not None:
+                staged = packed_offsets(nbytes)
+                content = staged_content(payload, staged, named[0], named[1], regions, offsets, nbytes)
+            landed(Stored(ranges_digest(regions, offsets, nbytes), content))
         return int(payload.size)
     payload_offset = packed_offsets(nbytes)
-    placement = 0
+    sources = _sources(message, regions.size)
+    stored = NOTHING if sources is not None else Stored(0)
     for index in np.unique(regions).tolist():
         select = regions == index
-        placement = await scatter_copy_async(
+        if sources is None:
+            stored = stored.plus(
+                await _scatter(backing, index, payload, offsets, payload_offset, nbytes, select)
+            )
+            continue
+        src_regions, src_offsets = sources
+        for source in np.unique(src_regions[select]).tolist():
+            picked = select & (src_regions == source)
+            stored = stored.plus(
+                await _scatter(
+                    backing, index, payload, offsets, payload_offset, nbytes, picked, source, src_offsets
+                )
+            )
+    if landed is not None:
+        landed(stored)
+    return int(payload.size)
+
+
+def _sources(message: WriteOps, count: int) -> tuple[Int64Array, Int64Array] | None:
+    """Each op's source region and offset in the writer's region, when the header names them
+    (then the scatter hashes what it stores); `WireDecodeError` for lists of the wrong length."""
+    if not message.src_regions and not message.src_offsets:
+        return None
+    src_regions = np.asarray(message.src_regions, dtype=np.int64)
+    src_offsets = np.asarray(message.src_offsets, dtype=np.int64)
+    if src_regions.size != count or src_offsets.size != count:
+        raise WireDecodeError("write_ops names sources for some ops but not all", field="$.src_offsets")
+    return src_regions, src_offsets
+
+
+async def _scatter(
+    backing: Backing,
+    index: int,
+    payload: npt.NDArray[np.uint8],
+    offsets: Int64Array,
+    payload_offset: Int64Array,
+    nbytes: Int64Array,
+    select: npt.NDArray[np.bool_],
+    source: int | None = None,
+    src_offsets: Int64Array | None = None,
+) -> Stored:
+    """The selected ops scattered into region `index`: what they stored, hashed (as the writer's
+    region `source` would, at the ops' source offsets) where a source is named."""
+    if source is None or src_offsets is None:
+        return await scatter_copy_async(
             backing.regions[index].tensor.data_ptr(),
             int(payload.ctypes.data),
             offsets[select],
             payload_offset[select],
             nbytes[select],
             salt=region_salt(index),
-            base=placement,
         )
-    if landed is not None:
-        landed(placement)
-    return int(payload.size)
+    # The payload's bytes are hashed as the bytes at their offsets in the writer's region.
+    return await scatter_copy_async(
+        backing.regions[index].tensor.data_ptr(),
+        int(payload.ctypes.data),
+        offsets[select],
+        payload_offset[select],
+        nbytes[select],
+        salt=region_salt(index),
+        hashing=Hashing.between(source, index, src_offsets[select]),
+    )

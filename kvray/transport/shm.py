@@ -44,10 +44,10 @@ from kvray.errors import (
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
 from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
-from kvray.placement import region_salt
+from kvray.placement import NOTHING, Stored, region_salt
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
-from kvray.transport.cpu_copy import scatter_copy_async
+from kvray.transport.cpu_copy import Hashing, scatter_copy_async
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 
@@ -167,17 +167,20 @@ class ShmTransport(Transport):
                 seal_owned_file(path, seal)
         return descriptors
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+    def hashes(self, local: Backing, peer: Peer) -> bool:
+        return local.kind is not MemoryKind.CUDA
+
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         return await self._copy(plan, local, peer, None)
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None]
-    ) -> int:
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+    ) -> Stored:
         return await self._copy(plan, local, peer, then)
 
     async def _copy(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[int], None] | None
-    ) -> int:
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None] | None
+    ) -> Stored:
         check_write(plan, local, peer)
         ops = plan.ops
         pairs = region_pairs(ops.local_region, ops.remote_region)
@@ -191,7 +194,7 @@ class ShmTransport(Transport):
             self._forget_departed(keep=info.engine_id)
         # Every region is opened and checked before the first byte moves.
         mappings = {remote_index: self._map(peer, remote_index) for (_, remote_index), _ in pairs}
-        placement = 0
+        stored = NOTHING
         for number, ((local_index, remote_index), select) in enumerate(pairs, start=1):
             source = local.regions[local_index].tensor
             if source.is_cuda:
@@ -202,7 +205,7 @@ class ShmTransport(Transport):
             mapping = mappings[remote_index] if number == 1 else self._map(peer, remote_index)
             mapping.users += 1
             try:
-                placement = await scatter_copy_async(
+                stored = await scatter_copy_async(
                     mapping.address,
                     source.data_ptr(),
                     remote_offset,
@@ -212,7 +215,8 @@ class ShmTransport(Transport):
                     # On the copy thread that wrote the plan's last byte.
                     then=then if number == len(pairs) else None,
                     salt=region_salt(remote_index),
-                    base=placement,
+                    base=stored,
+                    hashing=Hashing.between(local_index, remote_index),
                 )
             except (asyncio.CancelledError, KvrayError):
                 raise
@@ -223,7 +227,7 @@ class ShmTransport(Transport):
                 ) from error
             finally:
                 mapping.release()
-        return placement
+        return stored
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info

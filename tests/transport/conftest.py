@@ -34,6 +34,7 @@ from kvray.config import Settings
 from kvray.errors import TransportUnavailableError, UnknownEngineError
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind
+from kvray.placement import Stored
 from kvray.plan import OffsetCache, OpTable, TransferPlan, plan_transfer
 from kvray.transport import Peer, Receiver, Transport, transport_class
 from kvray.transport.base import OpsCheck
@@ -497,7 +498,7 @@ class CopyGuard:
 
     async def __call__(
         self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, **copy: Any
-    ) -> int:
+    ) -> Stored:
         writable, readable = _mapped_ranges(writable=True), _mapped_ranges(writable=False)
         for dst, src, count in zip(
             np.asarray(dst_offsets).tolist(),
@@ -516,7 +517,8 @@ class CopyGuard:
             if problem is not None:
                 self.refused.append(problem)
                 raise RuntimeError(f"test copy guard refused a copy: {problem}")
-        return int(await self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, **copy))
+        stored: Stored = await self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, **copy)
+        return stored
 
 
 @pytest.fixture
@@ -537,7 +539,7 @@ class GatedCopies:
     destination is no longer the memory it was when the copy was issued (`where` names what
     holds an address range, e.g. which file is mapped there), is recorded and skipped, not run."""
 
-    def __init__(self, original: Callable[..., int]) -> None:
+    def __init__(self, original: Callable[..., Stored]) -> None:
         self.original = original
         self.gate = threading.Event()
         self.entered = threading.Event()
@@ -549,14 +551,14 @@ class GatedCopies:
         self.where: Callable[[int, int], object] | None = None
 
     def __call__(
-        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, salt: int = 0
-    ) -> int:
+        self, dst_base: int, src_base: int, dst_offsets: Any, src_offsets: Any, nbytes: Any, *copy: Any
+    ) -> Stored:
         """The fallback's copy threads (Python) call this."""
         low = dst_base + int(np.min(dst_offsets))
         high = dst_base + int(np.max(np.asarray(dst_offsets) + np.asarray(nbytes)))
         if self.admit(low, high, int(np.asarray(nbytes).sum())):
-            return self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)
-        return 0
+            return self.original(dst_base, src_base, dst_offsets, src_offsets, nbytes, *copy)
+        return Stored(0, 0)
 
     def admit(self, low: int, high: int, total: int) -> bool:
         """Wait at the gate, then say whether the copy of [low, high) may run. The C pool's

@@ -21,7 +21,7 @@ import torch
 from kvray.errors import BoundsError, KvrayError, RegionError, StaleIncarnationError, TransportError
 from kvray.layout import READY_LAYOUTS, BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.memory import TORCH_DTYPES, Backing, MemoryKind
-from kvray.placement import ranges_digest
+from kvray.placement import Stored, ranges_digest
 from kvray.plan import OffsetCache, OpTable, TransferPlan
 from kvray.transport import cpu_copy
 from kvray.wire import TransportKind
@@ -502,18 +502,18 @@ async def test_write_then_calls_its_hook_once_after_the_last_byte(tut: Transport
         assert plan.nbytes > cpu_copy._PARALLEL_THRESHOLD
     before = tut.snapshot(destination)
     seen: list[list[np.ndarray]] = []
-    told: list[int] = []
+    told: list[Stored] = []
 
-    def then(placement: int) -> None:
+    def then(stored: Stored) -> None:
         seen.append(tut.snapshot(destination))
-        told.append(placement)
+        told.append(stored)
 
-    placement = await tut.transport.write_then(plan, source.backing, tut.peer(destination), then)
+    stored = await tut.transport.write_then(plan, source.backing, tut.peer(destination), then)
 
     assert len(seen) == 1, f"the hook ran {len(seen)} times"
-    # The hook is told the placement digest the write returns: that of the plan's ranges where
+    # The hook is told what the write returns: the placement digest of the plan's ranges where
     # the writer's executor stores them (the ray transport's receiver reports its own instead).
     planned = ranges_digest(plan.ops.remote_region, plan.ops.remote_offset, plan.ops.nbytes)
-    assert told == [placement] and placement == (0 if tut.kind is TransportKind.RAY else planned)
+    assert told == [stored] and stored.placement == (0 if tut.kind is TransportKind.RAY else planned)
     tut.assert_landed(plan, source, destination, before, local, remote)
     tut.assert_unchanged(destination, seen[0], "destination between the hook and the write's return")

@@ -65,9 +65,21 @@ class Pair:
 
 
 def _agents(
-    kind: str, tmp_path: Path, layout: KVLayout, flip: bool, seed_bug: bool, sample_rate: float
+    kind: str,
+    tmp_path: Path,
+    layout: KVLayout,
+    flip: bool,
+    seed_bug: bool,
+    sample_rate: float,
+    integrity: bool = True,
 ) -> tuple[KVAgent, KVAgent, ByteFlipper, MemorySink]:
-    settings = Settings(shm_dir=str(tmp_path), transport=kind, transfer_timeout_s=10.0, notify_timeout_s=5.0)
+    settings = Settings(
+        shm_dir=str(tmp_path),
+        transport=kind,
+        transfer_timeout_s=10.0,
+        notify_timeout_s=5.0,
+        integrity=integrity,
+    )
     writer_settings = msgspec.structs.replace(settings, integrity_sample_rate=sample_rate)
     flipper = ByteFlipper(every=1 if flip else 1 << 30)
     sink = MemorySink()
@@ -114,9 +126,12 @@ async def make_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIte
         flip: bool = False,
         seed_bug: bool = False,
         sample_rate: float = 1.0,
+        integrity: bool = True,
     ) -> Pair:
         layout = layout or ready_layout("mixed", BlockOrder.LAYER_MAJOR)
-        prefill, decode, flipper, sink = _agents(kind, tmp_path, layout, flip, seed_bug, sample_rate)
+        prefill, decode, flipper, sink = _agents(
+            kind, tmp_path, layout, flip, seed_bug, sample_rate, integrity
+        )
         await decode.start()
         await prefill.start()
         prefill.add_peer(decode.info, StandIn(decode))
@@ -236,8 +251,8 @@ async def test_the_seed_bug_fails_the_request_naming_the_layers_it_wrote_over(
     await decode.release("r")
 
 
-async def test_unsampled_requests_are_taken_unchecked_and_counted(make_pair: Any) -> None:
-    pair: Pair = await make_pair("shm", flip=True, sample_rate=0.0)
+async def test_with_integrity_off_unsampled_requests_are_taken_unchecked_and_counted(make_pair: Any) -> None:
+    pair: Pair = await make_pair("shm", flip=True, sample_rate=0.0, integrity=False)
     prefill, decode = pair.prefill, pair.decode
     reservation = decode.expect("r", DST)
     await prefill.push(reservation, SRC)
@@ -294,3 +309,32 @@ async def test_an_executor_that_stores_elsewhere_than_its_correct_plan_is_refuse
     for layer in prefill.layout.layer_names:
         assert torch.equal(_blocks(prefill, layer, SRC), _blocks(decode, layer, DST)), layer
     await decode.release("good")
+
+
+@pytest.mark.parametrize("kind", ["shm", "ray"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+async def test_a_flipped_byte_is_caught_on_every_request_by_the_copys_own_digest(
+    make_pair: Any, kind: str, layerwise: bool
+) -> None:
+    """At the defaults (no request sampled for the slow check), the copy that moves the bytes
+    hashes them (`kvray.content`): a byte flipped on the way differs from the digest the writer
+    took from its blocks, and the request fails; the next, intact, is taken."""
+    pair: Pair = await make_pair(kind, flip=True, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    reservation = decode.expect("r", DST)
+    if layerwise:
+        pair.flipper.every = len(prefill.layout.layer_names)
+        for layer in prefill.layout.layer_names:
+            await prefill.push_layer(reservation, layer, SRC)
+        await prefill.finish("r")
+    else:
+        await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError, match="content digest"):
+        await decode.wait_for_kv("r", timeout=10)
+    await decode.release("r")
+    pair.flipper.every = 1 << 30
+    reservation = decode.expect("next", DST)
+    await prefill.push(reservation, SRC)
+    await decode.wait_for_kv("next", timeout=10)
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 1
+    assert pair.sink.value("kvray_integrity_checks", result="ok") == 1

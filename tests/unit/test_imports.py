@@ -25,7 +25,7 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.coordinator",),
     ("kvray.plan",),
     # the checksums a writer sends and the decode side checks (hashes over planned bytes)
-    ("kvray.integrity",),
+    ("kvray.integrity", "kvray.content"),
     ("kvray.transport",),
     # completion: notice channels and claims
     ("kvray.notice",),

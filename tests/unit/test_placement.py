@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvray.content import destination_factor, hash_bytes, pair_salt, region_seed
 from kvray.faults import executor_offset_bug
-from kvray.placement import PLACEHOLDER_BYTES, ranges_digest, region_salt
+from kvray.placement import PLACEHOLDER_BYTES, Stored, ranges_digest, region_salt
 from kvray.transport import cpu_copy
 from kvray.wire import TransferDone, encode
 
@@ -71,9 +72,14 @@ OPS = (
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("threads", [1, 3])
-async def test_every_executor_reports_the_digest_of_where_it_stored(
-    native: bool, threads: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+async def test_every_executor_reports_the_digests_of_what_it_stored(
+    native: bool, threads: int, staged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The placement digest of where the bytes went and the content digest of the bytes as at
+    their source offsets (`kvray.content`, checked against numpy's definition), alike from the
+    C copy (one thread or the pool's) and the Python fallback; an executor storing elsewhere
+    (`executor_offset_bug`) reports other values."""
     if native and not cpu_copy.native():
         pytest.skip("the C copy pool is not built")
     if not native:
@@ -81,7 +87,10 @@ async def test_every_executor_reports_the_digest_of_where_it_stored(
         monkeypatch.setattr(cpu_copy, "_start_copy", None)
     src, dst = _buffers(6_000_000)
     dst_offsets, src_offsets, nbytes = OPS
-    placement = await cpu_copy.scatter_copy_async(
+    # Staged: the bytes are read from `src` where they were packed, hashed as at `logical`.
+    logical = src_offsets + 12_345_676 if staged else None
+    hashing = cpu_copy.Hashing.between(2, 3, logical)
+    stored = await cpu_copy.scatter_copy_async(
         dst.ctypes.data,
         src.ctypes.data,
         dst_offsets,
@@ -89,12 +98,17 @@ async def test_every_executor_reports_the_digest_of_where_it_stored(
         nbytes,
         threads,
         salt=region_salt(3),
-        base=5,
+        base=Stored(5, 9),
+        hashing=hashing,
     )
-    assert placement == (5 + ranges_digest(np.full(4, 3, dtype=np.int64), dst_offsets, nbytes)) % 2**64
-    for to, start, size in zip(dst_offsets, src_offsets, nbytes, strict=True):
+    at = src_offsets if logical is None else logical
+    expected = 9
+    for to, start, where, size in zip(dst_offsets, src_offsets, at, nbytes, strict=True):
         assert np.array_equal(dst[to : to + size], src[start : start + size])
-    # The same ops under the executor fault: stored elsewhere, and the digest says so.
+        value = hash_bytes(src[start : start + size], int(where), region_seed(2))
+        expected += destination_factor(pair_salt(2, 3), int(to - where)) * value
+    placement = (5 + ranges_digest(np.full(4, 3, dtype=np.int64), dst_offsets, nbytes)) % 2**64
+    assert stored == Stored(placement, expected % 2**64)
     dst[:] = 0
     with executor_offset_bug():
         faulty = await cpu_copy.scatter_copy_async(
@@ -105,10 +119,37 @@ async def test_every_executor_reports_the_digest_of_where_it_stored(
             nbytes,
             threads,
             salt=region_salt(3),
-            base=5,
+            base=Stored(5, 9),
+            hashing=hashing,
         )
-    assert faulty != placement
+    assert faulty.placement != stored.placement and faulty.content != stored.content
     assert not np.array_equal(dst[1_000_000:4_500_000], src[90_000:3_590_000])
+
+
+def test_the_content_digest_catches_what_plain_sums_miss() -> None:
+    """Structured corruptions with zero sum and zero first moment (+1 -2 +1 on three words,
+    equal-sum blocks swapped, paired word swaps), a zeroed stretch and one flipped bit each
+    change the value; so does the same bytes bound elsewhere."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    seed = region_seed(0)
+    value = hash_bytes(data, 4096, seed)
+    words = data.view("<u4").copy()
+    for corrupt in range(5):
+        changed = words.copy()
+        if corrupt == 0:  # +1 -2 +1
+            changed[100:103] += np.array([1, -2, 1], dtype=np.int64).astype(np.uint32)
+        elif corrupt == 1:  # two blocks of equal sum swapped
+            changed[:16], changed[16:32] = words[16:32], words[:16]
+        elif corrupt == 2:  # paired word swaps
+            changed[[10, 11, 50, 51]] = words[[11, 10, 51, 50]]
+        elif corrupt == 3:  # a zeroed stretch
+            changed[2048:4096] = 0
+        else:  # one flipped bit
+            changed[777] ^= np.uint32(1 << 31)
+        assert not np.array_equal(changed, words)
+        assert hash_bytes(changed.view(np.uint8), 4096, seed) != value, corrupt
+    assert destination_factor(pair_salt(0, 1), 0) != destination_factor(pair_salt(0, 1), 64)
 
 
 async def test_the_pool_thread_writes_the_digest_into_the_notice_it_sends(tmp_path: object) -> None:
@@ -135,19 +176,19 @@ async def test_the_pool_thread_writes_the_digest_into_the_notice_it_sends(tmp_pa
         def datagram(self) -> tuple[int, bytes, bytes]:
             return outbox.fileno(), path.encode(), message
 
-        def __call__(self, placement: int) -> None:
+        def __call__(self, stored: Stored) -> None:
             raise AssertionError("the C thread sends it")
 
     src, dst = _buffers(6_000_000)
     early = Datagram()
     placement = await cpu_copy.scatter_copy_async(
-        dst.ctypes.data, src.ctypes.data, *OPS, 2, then=early, salt=region_salt(0), base=7
+        dst.ctypes.data, src.ctypes.data, *OPS, 2, then=early, salt=region_salt(0), base=Stored(7, 0)
     )
     assert early.sent
     received = inbox.recv(65536)
-    assert received[:-8] == message[:-8] and int.from_bytes(received[-8:], "big") == placement
+    assert received[:-8] == message[:-8] and int.from_bytes(received[-8:], "big") == placement.placement
     from kvray.wire import decode_notice
 
-    assert decode_notice(received).placement == placement
+    assert decode_notice(received).placement == placement.placement
     inbox.close()
     outbox.close()

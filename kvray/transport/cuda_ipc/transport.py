@@ -22,6 +22,7 @@ from kvray.errors import (
 )
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
+from kvray.placement import Stored
 from kvray.plan import PartRows, RequestRows, TransferPlan
 from kvray.transport.base import (
     Peer,
@@ -136,7 +137,7 @@ class CudaIpcTransport(Transport):
             )
         return tuple(descriptors)
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         check_write(plan, local, peer)
         rows = plan.rows
         if rows is not None:

@@ -13,6 +13,7 @@ from kvray.config import Settings
 from kvray.errors import TransportError
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
+from kvray.placement import Stored
 from kvray.plan import TransferPlan
 from kvray.transport.base import Peer, PeerCache, Reach, Receiver, Transport, check_write, planned_placement
 from kvray.transport.verbs.connections import (
@@ -182,7 +183,7 @@ class VerbsTransport(Transport):
             for descriptor, mr in zip(descriptors, registration.mrs, strict=True)
         )
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> int:
+    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         check_write(plan, local, peer)
         in_flight = self._start_poller()
         connection = await self._connect(peer, (plan.src_engine, plan.src_incarnation))
