@@ -14,8 +14,7 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -92,8 +91,7 @@ def native() -> bool:
     return _scatter_copy is not None and _start_copy is not None
 
 
-@dataclass(frozen=True)
-class Hashing:
+class Hashing(NamedTuple):
     """What a copy needs to hash what it copies (`kvray.content`): the source region's seed, the
     (source, destination) regions' salt and, for bytes copied from a staging buffer, each op's
     offset in its source region (None: the copy's source offsets are those)."""
@@ -102,9 +100,9 @@ class Hashing:
     pair_salt: int
     offsets: Int64Array | None = None
 
-    @classmethod
-    def between(cls, src_region: int, dst_region: int, offsets: Int64Array | None = None) -> Hashing:
-        return cls(region_seed(src_region), pair_salt(src_region, dst_region), offsets)
+    @staticmethod
+    def between(src_region: int, dst_region: int, offsets: Int64Array | None = None) -> Hashing:
+        return Hashing(region_seed(src_region), pair_salt(src_region, dst_region), offsets)
 
 
 def scatter_copy(

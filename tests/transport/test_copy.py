@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvray.layout import ceil_div
+from kvray.placement import Stored
 from kvray.transport import cpu_copy
 
 IMPLEMENTATIONS = [
@@ -144,10 +145,10 @@ async def test_large_ops_are_split_into_balanced_shares(
         dst_offsets: np.ndarray,
         src_offsets: np.ndarray,
         nbytes: np.ndarray,
-        salt: int = 0,
-    ) -> int:
+        *copy: Any,
+    ) -> Stored:
         calls.append(int(np.asarray(nbytes).sum()))
-        return original(dst_base, src_base, dst_offsets, src_offsets, nbytes, salt)
+        return original(dst_base, src_base, dst_offsets, src_offsets, nbytes, *copy)
 
     monkeypatch.setattr(cpu_copy, "scatter_copy", counting)
     ops = [(0, 5, 1001), (3000, 0, 777), (1500, 2000, 1333)]
