@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvray.errors import PlanError
 from kvray.layout import Int64Array, KVLayout, LayerPlacement
-from kvray.placement import MASK64
+from kvray.placement import MASK64, mix_array
 from kvray.tensor_parallel import head_runs, shared_heads
 
 _hash_ranges: Callable[..., bytes] | None
@@ -127,18 +127,144 @@ def staged_content(
     """The content digest of ops whose bytes sit staged in `payload` (for a copy that cannot
     hash as it goes, e.g. into a GPU): each op's bytes as at its source offset, bound for its
     destination."""
-    total = 0
+    sums = np.zeros(nbytes.size, dtype=np.uint64)
     for source in np.unique(src_regions).tolist():
         select = src_regions == source
         seed = region_seed(source)
-        sums = hash_ranges(payload, payload_offsets[select], nbytes[select], seed, src_offsets[select])
-        deltas = (dst_offsets[select] - src_offsets[select]).tolist()
-        for target, delta, value in zip(dst_regions[select].tolist(), deltas, sums, strict=True):
-            total += destination_factor(pair_salt(source, target), delta) * value
-    return total & MASK64
+        values = hash_ranges(payload, payload_offsets[select], nbytes[select], seed, src_offsets[select])
+        sums[select] = np.array(values, dtype=np.uint64)
+    return _weighted_total(src_regions, dst_regions, dst_offsets - src_offsets, sums)
 
 
 # ---- the writer's reference -------------------------------------------------------------------
+
+
+def factors(salts: npt.NDArray[np.uint64], deltas: Int64Array) -> npt.NDArray[np.uint64]:
+    """`destination_factor` elementwise."""
+    with np.errstate(over="ignore"):
+        return mix_array(salts ^ deltas.astype(np.uint64)) | np.uint64(1)
+
+
+def _pair_salts(src_regions: Int64Array, dst_regions: Int64Array) -> npt.NDArray[np.uint64]:
+    keys = ((src_regions.astype(np.uint64) + np.uint64(1)) << np.uint64(32)) | (
+        dst_regions.astype(np.uint64) + np.uint64(1)
+    )
+    return mix_array(keys)
+
+
+def _weighted_total(
+    src_region: Int64Array, dst_region: Int64Array, deltas: Int64Array, sums: npt.NDArray[np.uint64]
+) -> int:
+    """Sum of each stretch's content sum times its destination factor, mod 2**64."""
+    with np.errstate(over="ignore"):
+        weighted = factors(_pair_salts(src_region, dst_region), deltas) * sums
+    return int(weighted.sum(dtype=np.uint64))
+
+
+class Stretches:
+    """The stretches a transfer of some layers moves, one per (layer, run, block): where each
+    lies in the writer's memory and where the decode engine's layout puts it, from the two
+    layouts alone (no plan, no offset cache); `units` names each stretch's (layer index, part)
+    in the writer's layout when it is a whole part (None where the engines share only some
+    heads)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        placements: Mapping[str, LayerPlacement],
+        dst_layout: KVLayout,
+        dst_placement: Callable[[str], LayerPlacement],
+        layers: Sequence[str],
+        local_blocks: Int64Array,
+        remote_blocks: Int64Array,
+    ) -> None:
+        heads = shared_heads(layout.tp, dst_layout.tp, "the writer", "the decode engine")
+        index = {name: at for at, name in enumerate(layout.layer_names)}
+        src_region, src_start, dst_region, dst_start, sizes, unit = [], [], [], [], [], []
+        for layer in layers:
+            local = placements[layer]
+            remote = dst_placement(layer)
+            runs = _paired_runs(layout, dst_layout, local, remote, layer, heads)
+            for part, (local_at, remote_at, length) in enumerate(runs):
+                src_region.append(local.region)
+                src_start.append(local.offset + local_at)
+                dst_region.append(remote.region)
+                dst_start.append(remote.offset + remote_at)
+                sizes.append(length)
+                unit.append((index[layer], part, local.block_stride, remote.block_stride))
+        count = local_blocks.size
+        stride_src = np.array([u[2] for u in unit], dtype=np.int64)
+        stride_dst = np.array([u[3] for u in unit], dtype=np.int64)
+        self.src_region = np.repeat(np.array(src_region, dtype=np.int64), count)
+        self.dst_region = np.repeat(np.array(dst_region, dtype=np.int64), count)
+        self.src_start = (
+            np.array(src_start, dtype=np.int64)[:, None] + local_blocks[None, :] * stride_src[:, None]
+        ).ravel()
+        self.dst_start = (
+            np.array(dst_start, dtype=np.int64)[:, None] + remote_blocks[None, :] * stride_dst[:, None]
+        ).ravel()
+        self.nbytes = np.repeat(np.array(sizes, dtype=np.int64), count)
+        self.whole_parts = heads is None
+        self.layer = np.repeat(np.array([u[0] for u in unit], dtype=np.int64), count)
+        self.part = np.repeat(np.array([u[1] for u in unit], dtype=np.int64), count)
+        self.block = np.tile(local_blocks, len(unit))
+
+    def digest(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
+        """The content digest, hashing every stretch's bytes now."""
+        if self.nbytes.size == 0:
+            return 0
+        sums = np.zeros(self.nbytes.size, dtype=np.uint64)
+        for index in np.unique(self.src_region).tolist():
+            select = self.src_region == index
+            values = hash_ranges(
+                regions[index], self.src_start[select], self.nbytes[select], region_seed(index)
+            )
+            sums[select] = np.array(values, dtype=np.uint64)
+        return _weighted_total(self.src_region, self.dst_region, self.dst_start - self.src_start, sums)
+
+
+class HeldDigests:
+    """The content sums of an engine's own blocks, per (layer, part, block), taken when the
+    engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
+    those blocks needs no read of their bytes. A push uses them once and drops them: the
+    engine may write the blocks again after."""
+
+    def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
+        self.layout = layout
+        self.placements = placements
+        parts = max(placements[name].parts for name in layout.layer_names)
+        shape = (len(layout.layers), parts, layout.num_blocks)
+        self.sums = np.zeros(shape, dtype=np.uint64)
+        self.held = np.zeros(shape, dtype=bool)
+
+    def take(self, regions: Sequence[npt.NDArray[np.uint8]], blocks: Int64Array) -> None:
+        """Hash every layer's parts of `blocks` now (C, GIL released)."""
+        for at, name in enumerate(self.layout.layer_names):
+            placement = self.placements[name]
+            seed = region_seed(placement.region)
+            for part in range(placement.parts):
+                starts = placement.offset + part * placement.part_stride + blocks * placement.block_stride
+                nbytes = np.full(blocks.size, placement.part_nbytes, dtype=np.int64)
+                values = hash_ranges(regions[placement.region], starts, nbytes, seed)
+                self.sums[at, part, blocks] = np.array(values, dtype=np.uint64)
+                self.held[at, part, blocks] = True
+
+    def digest(self, stretches: Stretches) -> int | None:
+        """The content digest from held sums, dropping them (None: some are not held)."""
+        if not stretches.whole_parts:
+            return None
+        key = (stretches.layer, stretches.part, stretches.block)
+        if not self.held[key].all():
+            return None
+        sums = self.sums[key]
+        self.held[key] = False
+        return _weighted_total(
+            stretches.src_region, stretches.dst_region, stretches.dst_start - stretches.src_start, sums
+        )
+
+    def drop(self, blocks: Int64Array) -> None:
+        """Forget the sums of `blocks` (the engine writes them again)."""
+        self.held[:, :, blocks] = False
 
 
 def reference(
@@ -150,38 +276,18 @@ def reference(
     layers: Sequence[str],
     local_blocks: Int64Array,
     remote_blocks: Int64Array,
+    held: HeldDigests | None = None,
 ) -> int:
     """The content digest a transfer of `layers` from the writer's `local_blocks` into the
     decode engine's `remote_blocks` must report: from the writer's bytes (`regions`, host
     memory) where its own layout keeps them, each stretch bound for where the decode engine's
-    layout keeps it; no plan, no offset cache."""
-    heads = shared_heads(layout.tp, dst_layout.tp, "the writer", "the decode engine")
-    src_region: list[Int64Array] = []
-    src_start: list[Int64Array] = []
-    dst_region: list[Int64Array] = []
-    dst_start: list[Int64Array] = []
-    sizes: list[Int64Array] = []
-    for layer in layers:
-        local = placements[layer]
-        remote = dst_placement(layer)
-        for local_at, remote_at, length in _paired_runs(layout, dst_layout, local, remote, layer, heads):
-            src_start.append(local.offset + local_at + local_blocks * local.block_stride)
-            dst_start.append(remote.offset + remote_at + remote_blocks * remote.block_stride)
-            src_region.append(np.full(local_blocks.size, local.region, dtype=np.int64))
-            dst_region.append(np.full(local_blocks.size, remote.region, dtype=np.int64))
-            sizes.append(np.full(local_blocks.size, length, dtype=np.int64))
-    if not sizes:
-        return 0
-    source, start = np.concatenate(src_region), np.concatenate(src_start)
-    target, place, nbytes = np.concatenate(dst_region), np.concatenate(dst_start), np.concatenate(sizes)
-    total = 0
-    for index in np.unique(source).tolist():
-        select = source == index
-        sums = hash_ranges(regions[index], start[select], nbytes[select], region_seed(index))
-        deltas = (place[select] - start[select]).tolist()
-        for dst, delta, value in zip(target[select].tolist(), deltas, sums, strict=True):
-            total += destination_factor(pair_salt(index, dst), delta) * value
-    return total & MASK64
+    layout keeps it; no plan, no offset cache. From `held` sums where it has every one."""
+    stretches = Stretches(layout, placements, dst_layout, dst_placement, layers, local_blocks, remote_blocks)
+    if held is not None:
+        value = held.digest(stretches)
+        if value is not None:
+            return value
+    return stretches.digest(regions)
 
 
 def _paired_runs(

@@ -42,7 +42,7 @@ def region_salt(region: int) -> int:
     return (region + 1) << REGION_SHIFT
 
 
-def _mix(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+def mix_array(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """SplitMix64's finalizer, elementwise (uint64 arithmetic wraps mod 2**64)."""
     z = values
     z = (z ^ (z >> np.uint64(30))) * _M1
@@ -59,7 +59,7 @@ def ranges_digest(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> 
     begin = start.astype(np.uint64)
     end = begin + nbytes.astype(np.uint64)
     with np.errstate(over="ignore"):
-        worth = _mix(salt ^ end) - _mix(salt ^ begin)
+        worth = mix_array(salt ^ end) - mix_array(salt ^ begin)
     return int(worth.sum(dtype=np.uint64))
 
 

@@ -282,6 +282,13 @@ class KVAgent:
         (`reservation`, from its `expect`), then tell it they are there."""
         return await self._pusher.push(reservation, local_blocks, layers, timeout=timeout)
 
+    async def hold_digests(self, local_blocks: Blocks) -> None:
+        """Take the content digests of `local_blocks` now (every layer's parts), as their KV is
+        produced or held, so that the next push of them checks its copy against these instead
+        of reading the bytes on its own path (`kvray.content.HeldDigests`). The push uses them
+        once; blocks written again need this again (else the push reads them itself)."""
+        await self._pusher.hold_digests(local_blocks)
+
     async def push_layer(
         self, reservation: Reservation, layer: str, local_blocks: Blocks, *, timeout: float | None = None
     ) -> int:

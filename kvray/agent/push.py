@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
-from kvray.content import reference
+from kvray.content import HeldDigests, Stretches, reference
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -42,11 +42,12 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, writer_checksums
+from kvray.memory import MemoryKind
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
 from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored
-from kvray.plan import OffsetCache, TransferPlan, plan_transfer
+from kvray.plan import OffsetCache, TransferPlan, block_ids, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
@@ -148,6 +149,8 @@ class Pusher:
         #: Layer-wise requests that failed (why), until `finish` or `abort`: later layers are refused.
         self._failed_layerwise: dict[str, str] = {}
         self._transfer_count = 0
+        #: Content digests of this engine's blocks taken as their KV was held (`hold_digests`).
+        self._held: HeldDigests | None = None
         #: Per decode engine incarnation: its layers' indices by name (what notices name).
         self._layer_indices: dict[tuple[str, int], dict[str, int]] = {}
 
@@ -563,15 +566,36 @@ class Pusher:
         """Whether the request is checked through its copy's content digest (`kvray.content`)."""
         return self._checked(reservation) and transport.hashes(self.engine.backing, peer)
 
+    async def hold_digests(self, local_blocks: Blocks) -> None:
+        backing = self.engine.backing
+        if backing.kind is MemoryKind.CUDA:
+            return  # checked through checksums (its copies do not hash)
+        blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
+        if self._held is None:
+            self._held = HeldDigests(backing.layout, backing.placements)
+        held, regions = self._held, [region.tensor.numpy() for region in backing.regions]
+        await asyncio.to_thread(held.take, regions, blocks)
+
     async def _reference(
         self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
-        layouts (`kvray.content.reference`): on a worker thread when large (it releases the GIL)."""
+        layouts (`kvray.content.reference`): from the digests held for them when there are
+        (`hold_digests`), else by reading them, on a worker thread when large (the hash
+        releases the GIL)."""
         backing = self.engine.backing
         regions = [region.tensor.numpy() for region in backing.regions]
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
         info = peer.info
+        held = self._held
+        if held is not None:
+            layers = plan.layers
+            stretches = Stretches(
+                backing.layout, backing.placements, info.layout, info.placement, layers, local, remote_ids
+            )
+            value = held.digest(stretches)
+            if value is not None:
+                return value
 
         def digest() -> int:
             return reference(

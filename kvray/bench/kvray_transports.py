@@ -10,8 +10,9 @@ writer's first step to the moment the reader may use the KV. The request's block
 `push` as the int64 arrays an engine's block table holds, made before the clock starts (as
 NIXL's descriptor lists are).
 
-Each transport runs twice, with the integrity check (the default: the writer hashes what it
-pushes, the decode side what landed, before `wait_for_kv` returns) and without it, so the
+Each transport runs twice, with every request's KV checked (the default, `kvray.content`: the
+copy hashes what it moves, against the digests the writer took from its blocks when their KV was
+held, `KVAgent.hold_digests`, before the clock starts) and without it (placement only), so the
 table shows what the check costs in the same run.
 
 Completion latency is measured on the same actors, without the integrity check: the prefill
@@ -44,9 +45,9 @@ from kvray.wire import Reservation, Role, TransferDone, encode
 
 SHM = "kvray shm"
 RAY = "kvray ray transport"
-#: The same with every request's KV checked (`integrity_sample_rate` 1.0; the rows above check
-#: none): against them, in the same run, what the check costs (the writer's hash and the decode
-#: side's).
+#: The same with every request's KV checked (`Settings.integrity`, the default; the rows above
+#: turn it off): against them, in the same run, what the check costs (the copy's hashing and the
+#: writer's sums; the slow sampled re-hash is off in both).
 SHM_CHECKED = "kvray shm, every request checked"
 RAY_CHECKED = "kvray ray transport, every request checked"
 _TRANSPORT = {SHM: "shm", RAY: "ray", SHM_CHECKED: "shm", RAY_CHECKED: "ray"}
@@ -68,8 +69,13 @@ class KvrayDecode(AgentHost):
 
     async def setup(self, workload: Workload) -> tuple[str, int]:
         self.workload = workload
+        # It asks for no check itself: each writer's setting decides, one row checked, one not.
         self.kvray_agent = KVAgent(
-            f"bench-decode-{workload.key}", Role.DECODE, workload.layout, memory=MemoryKind.SHM
+            f"bench-decode-{workload.key}",
+            Role.DECODE,
+            workload.layout,
+            memory=MemoryKind.SHM,
+            settings=Settings.from_env(integrity=False),
         )
         info = await self.kvray_agent.start()
         self.waits: dict[str, asyncio.Task[float]] = {}
@@ -116,12 +122,12 @@ class KvrayPrefill:
         fill_source(backing.regions[0].tensor.numpy(), workload)
         self.agents: dict[str, KVAgent] = {}
         for name, transport in _TRANSPORT.items():
-            rate = 1.0 if name in _CHECKED else 0.0
+            checked = name in _CHECKED
             agent = KVAgent(
-                f"bench-prefill-{transport}{'-checked' if rate else ''}-{workload.key}",
+                f"bench-prefill-{transport}{'-checked' if checked else ''}-{workload.key}",
                 Role.PREFILL,
                 backing=backing,
-                settings=Settings.from_env(transport=transport, integrity_sample_rate=rate),
+                settings=Settings.from_env(transport=transport, integrity=checked, integrity_sample_rate=0.0),
             )
             await agent.start()
             self.agents[name] = agent
@@ -129,10 +135,15 @@ class KvrayPrefill:
             f"bench-prefill-far-{workload.key}",
             Role.PREFILL,
             backing=backing,
-            settings=Settings.from_env(transport="ray", integrity_sample_rate=0.0),
+            settings=Settings.from_env(transport="ray", integrity=False, integrity_sample_rate=0.0),
         )
         self.far_writer.node_id = OTHER_NODE
         await self.far_writer.start()
+
+    async def hold(self, name: str) -> None:
+        """A checked writer takes its blocks' digests as an engine does when their KV is held."""
+        if name in _CHECKED:
+            await self.agents[name].hold_digests(self.src_ids)
 
     async def push(self, name: str, reservation: Reservation) -> dict[str, Any]:
         agent = self.agents[name]
@@ -215,6 +226,7 @@ class KvrayTransports(Contender):
         checked = "-checked" if name in _CHECKED else ""
         request_id = f"{self.workload.key}-{_TRANSPORT[name]}{checked}-{run}"
         reservation = ray.get(self.decode.prepare.remote(run, request_id))
+        ray.get(self.prefill.hold.remote(name))
         facts = ray.get(self.prefill.push.remote(name, reservation))
         seen_at = ray.get(self.decode.seen.remote(request_id))
         verdict = ray.get(self.decode.verify.remote())

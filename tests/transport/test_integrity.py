@@ -338,3 +338,37 @@ async def test_a_flipped_byte_is_caught_on_every_request_by_the_copys_own_digest
     await decode.wait_for_kv("next", timeout=10)
     assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 1
     assert pair.sink.value("kvray_integrity_checks", result="ok") == 1
+
+
+@pytest.mark.parametrize("kind", ["shm", "ray"])
+async def test_digests_held_before_the_push_check_it_and_a_block_written_after_fails_closed(
+    make_pair: Any, kind: str
+) -> None:
+    """`hold_digests`: the writer takes its blocks' digests when their KV is held, and the push
+    checks its copy against them without reading the blocks on its own path. A push uses them
+    once. A block the engine writes after holding, without holding again, fails the request
+    (its copy hashes the new bytes, the held digest is of the old): never decoded wrong."""
+    pair: Pair = await make_pair(kind, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    await prefill.hold_digests(SRC)
+    reservation = decode.expect("held", DST)
+    await prefill.push(reservation, SRC)
+    await decode.wait_for_kv("held", timeout=10)
+    await decode.release("held")
+    # Held again, then one block rewritten behind kvray's back.
+    await prefill.hold_digests(SRC)
+    layer = prefill.layout.layer_names[0]
+    view = prefill.backing.view(layer)
+    block = view[:, SRC[0]] if prefill.layout.layer(layer).geometry.parts == 2 else view[SRC[0]]
+    block.view(torch.uint8).bitwise_not_()
+    reservation = decode.expect("stale", DST)
+    await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError, match="content digest"):
+        await decode.wait_for_kv("stale", timeout=10)
+    await decode.release("stale")
+    # Used once: the next push reads the blocks itself and is taken.
+    reservation = decode.expect("fresh", DST)
+    await prefill.push(reservation, SRC)
+    await decode.wait_for_kv("fresh", timeout=10)
+    for name in prefill.layout.layer_names:
+        assert torch.equal(_blocks(prefill, name, SRC), _blocks(decode, name, DST)), name
