@@ -89,7 +89,7 @@ NOTHING: Final = Stored(0, 0)
 
 
 #: How a notice's content digest placeholder ends: then the placement's field name and value.
-_CONTENT_TAIL: Final = PLACEHOLDER_BYTES + b"\xa9placement" + PLACEHOLDER_BYTES
+CONTENT_TAIL: Final = PLACEHOLDER_BYTES + b"\xa9placement" + PLACEHOLDER_BYTES
 
 
 def filled(message: bytes, stored: Stored) -> bytes:
@@ -98,7 +98,7 @@ def filled(message: bytes, stored: Stored) -> bytes:
     in the 8 before the placement's name, where the notice has placeholders there."""
     if not message.endswith(PLACEHOLDER_BYTES):
         return message
-    if stored.content is not None and message.endswith(_CONTENT_TAIL):
+    if stored.content is not None and message.endswith(CONTENT_TAIL):
         content = stored.content.to_bytes(8, "big")
         message = message[:-27] + content + message[-19:]
     return message[:-8] + stored.placement.to_bytes(8, "big")

@@ -163,6 +163,9 @@ class TransferPlan:
     token: int = 0
     #: (merged ops, unmerged ops, layer starts) of a plan built from op tables.
     tables: tuple[OpTable, OpTable, tuple[int, ...]] | None = None
+    #: The write's copy hashes what it moves (`kvray.content`), where its transport can
+    #: (`Transport.hashes`): the request's content is checked that way.
+    hashed: bool = False
 
     def __post_init__(self) -> None:
         if (self.rows is None) == (self.tables is None):

@@ -173,7 +173,7 @@ class Pusher:
             remote_ids = _ids(reservation)
             peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
-            fused = self._fused(reservation, transport, peer)
+            fused = plan.hashed
             reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
             checksums = await self._checksums(
                 reservation, plan, peer, every=not fused and self._checked(reservation)
@@ -245,9 +245,7 @@ class Pusher:
             if layer in state.layers:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
             self._check_not_failed(reservation)  # again: it may have failed while this planned
-            fused = self._fused(reservation, transport, peer) and (
-                state.reference is not None or not state.layers
-            )
+            fused = plan.hashed and (state.reference is not None or not state.layers)
             reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
             checksums = await self._checksums(
                 reservation, plan, peer, every=not fused and self._checked(reservation)
@@ -816,8 +814,9 @@ class Pusher:
         # The request id and token travel with the write: a receiver that checks writes itself
         # (`Receiver.admit`) takes them only for requests it still expects, from the holder of
         # their reservation.
-        plan = replace(plan, request_id=reservation.request_id, token=reservation.token)
         transport = self.transports.choose(peer.info, self.engine.node_id)
+        hashed = self._fused(reservation, transport, peer)
+        plan = replace(plan, request_id=reservation.request_id, token=reservation.token, hashed=hashed)
         attempt.transport = transport.kind
         return peer, transport, plan
 

@@ -591,7 +591,8 @@ class Receiving:
         stored = (message.placement + expectation.landed.placement) & MASK64
         if stored == table.digest(expectation.blocks):
             return self._unchecked_content(message, expectation, names)
-        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
+        if not message.checksum:  # else the checksums' check counts it, naming the layers
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
         return KVIntegrityError(
             f"the KV of request {message.request_id!r} from {message.src_engine!r} was not stored where "
             f"engine {engine.engine_id!r} keeps it: the placement digest of its writes differs from "
@@ -660,12 +661,12 @@ class Receiving:
                 await self._arrived(message)
                 # Every write posted before the last immediate has landed: the writer is done here.
                 expectation.writer_done.set()
-            if not future.done():
-                misplaced = self._misplaced(message, expectation)
-                if misplaced is not None:
-                    raise misplaced
+            misplaced = None if future.done() else self._misplaced(message, expectation)
             if message.checksum and not future.done():
+                # The checksums name the layers that differ, where the digests cannot.
                 await self._check_integrity(message, expectation)
+            if misplaced is not None:
+                raise misplaced
         except asyncio.CancelledError:
             return  # the wait ended (deadline, cancel, close): its own path reports it
         except KvrayError as error:

@@ -21,7 +21,15 @@ import numpy.typing as npt
 
 from kvray.content import destination_factor, hash_bytes, pair_salt, region_seed
 from kvray.layout import Int64Array, ceil_div
-from kvray.placement import MASK64, NOTHING, PLACEHOLDER_BYTES, REGION_SHIFT, Stored, ranges_digest
+from kvray.placement import (
+    CONTENT_TAIL,
+    MASK64,
+    NOTHING,
+    PLACEHOLDER_BYTES,
+    REGION_SHIFT,
+    Stored,
+    ranges_digest,
+)
 from kvray.plan import split_ops
 
 _scatter_copy: Callable[..., Any] | None
@@ -258,8 +266,11 @@ async def _pool_copy(
     datagram = None
     if notice is not None:
         fd, path, message = notice.datagram()
-        # 1: the placement goes into the message's last 8 bytes; 2: the content digest too.
-        patch = 0 if not message.endswith(PLACEHOLDER_BYTES) else 1 if hashing is None else 2
+        # 1: the placement goes into the message's last 8 bytes; 2: the content digest too
+        # (where the message has its placeholder and this copy hashes).
+        patch = 0 if not message.endswith(PLACEHOLDER_BYTES) else 1
+        if patch and hashing is not None and message.endswith(CONTENT_TAIL):
+            patch = 2
         datagram = (fd, path, message, patch)
     job = _start_copy(
         dst_base,

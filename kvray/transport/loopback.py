@@ -120,6 +120,7 @@ class LoopbackTransport(Transport):
             for (local_index, remote_index), select in region_pairs(ops.local_region, ops.remote_region):
                 stored = stored.plus(
                     await _copy(
+                        plan.hashed,
                         local_index,
                         remote_index,
                         destination.regions[remote_index].tensor,
@@ -140,6 +141,7 @@ class LoopbackTransport(Transport):
 
 
 async def _copy(
+    hashed: bool,
     source_region: int,
     region: int,
     target: torch.Tensor,
@@ -158,7 +160,7 @@ async def _copy(
             source_offsets,
             sizes,
             salt=region_salt(region),
-            hashing=Hashing.between(source_region, region),
+            hashing=Hashing.between(source_region, region) if hashed else None,
         )
     for target_offset, source_offset, nbytes in zip(
         target_offsets.tolist(), source_offsets.tolist(), sizes.tolist(), strict=True

@@ -208,8 +208,9 @@ class RayTransport(Transport):
             nbytes=ops.nbytes.tolist(),
             request_id=plan.request_id,
             token=plan.token,
-            src_regions=ops.local_region.tolist(),
-            src_offsets=ops.local_offset.tolist(),
+            # Named only where the request is checked: the receiver then hashes what it stores.
+            src_regions=ops.local_region.tolist() if plan.hashed else [],
+            src_offsets=ops.local_offset.tolist() if plan.hashed else [],
         )
 
     def _abandon(self, delivery: ray.ObjectRef[Any]) -> None:

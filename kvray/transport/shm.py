@@ -216,7 +216,7 @@ class ShmTransport(Transport):
                     then=then if number == len(pairs) else None,
                     salt=region_salt(remote_index),
                     base=stored,
-                    hashing=Hashing.between(local_index, remote_index),
+                    hashing=Hashing.between(local_index, remote_index) if plan.hashed else None,
                 )
             except (asyncio.CancelledError, KvrayError):
                 raise

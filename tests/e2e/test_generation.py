@@ -73,9 +73,10 @@ def test_the_injected_seed_bug_is_refused_before_decoding(local_ray: None) -> No
     assert "model.layers.0.self_attn.kv" not in named
 
 
-def test_without_the_check_the_seed_bug_decodes_wrong_tokens(local_ray: None) -> None:
-    """The same with integrity off: the wrong KV is decoded, and only the comparison with
-    colocated generation and the test-only digests show it."""
+def test_with_the_content_check_off_placement_still_refuses_the_seed_bug(local_ray: None) -> None:
+    """The same with the content check and the checksums off (`--no-integrity`): the placement
+    digests (`kvray.placement`, on every transfer) still refuse every request whose layers the
+    bug wrote over; none is decoded from wrong KV."""
     args = parse(
         [
             "--model",
@@ -89,9 +90,9 @@ def test_without_the_check_the_seed_bug_decodes_wrong_tokens(local_ray: None) ->
         ]
     )
     outcomes = asyncio.run(run_demo(args))
-    assert not [o for o in outcomes if o.refused_layers]
-    wrong = [o for o in outcomes if not o.exact]
-    assert len(wrong) >= len(outcomes) // 2, "the seed bug should break most outputs"
-    damaged = {layer for o in outcomes for layer in o.bad_layers}
-    assert {"model.layers.2.self_attn.kv", "model.layers.3.self_attn.mla"} <= damaged
-    assert "model.layers.0.self_attn.kv" not in damaged
+    refused = [o for o in outcomes if o.refused_layers]
+    assert len(refused) >= len(outcomes) // 2, "the seed bug should damage most requests"
+    assert all(o.exact for o in outcomes if not o.refused_layers), "a request was decoded from wrong KV"
+    # The digests say the transfer's layers were misplaced, not which: it names them all.
+    named = {layer for o in refused for layer in o.refused_layers}
+    assert {"model.layers.2.self_attn.kv", "model.layers.3.self_attn.mla"} <= named

@@ -264,12 +264,13 @@ async def test_with_integrity_off_unsampled_requests_are_taken_unchecked_and_cou
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-async def test_the_seed_bug_is_refused_on_every_request_with_no_request_sampled(
+async def test_the_seed_bug_is_refused_on_every_request_with_no_byte_checked(
     make_pair: Any, kind: str, layerwise: bool
 ) -> None:
-    """The placement check runs on every transfer: with no request's bytes hashed, a plan that
-    writes layers over each other still never completes a request."""
-    pair: Pair = await make_pair(kind, SAME_GEOMETRY, seed_bug=True, sample_rate=0.0)
+    """The placement check runs on every transfer: with no request's bytes hashed (no content
+    check, no sampled checksums), a plan that writes layers over each other still never
+    completes a request."""
+    pair: Pair = await make_pair(kind, SAME_GEOMETRY, seed_bug=True, sample_rate=0.0, integrity=False)
     prefill, decode = pair.prefill, pair.decode
     for number in range(3):
         request = f"r{number}"
@@ -372,3 +373,28 @@ async def test_digests_held_before_the_push_check_it_and_a_block_written_after_f
     await decode.wait_for_kv("fresh", timeout=10)
     for name in prefill.layout.layer_names:
         assert torch.equal(_blocks(prefill, name, SRC), _blocks(decode, name, DST)), name
+
+
+#: One layer of 64 KiB blocks: a push of 80 of them (5 MiB) is copied by the C pool's threads,
+#: whose last thread sends the completion notice itself, its digests filled in.
+POOLED = KVLayout(
+    layers=(LayerSpec(name="kv", geometry=Geometry(block_size=16, entry_shape=(1024,), dtype="float32")),),
+    num_blocks=96,
+)
+
+
+@pytest.mark.parametrize("kind", ["shm", "ray"])
+@pytest.mark.parametrize("integrity", [True, False], ids=["checked", "unchecked"])
+async def test_a_pooled_copy_completes_checked_or_not(make_pair: Any, kind: str, integrity: bool) -> None:
+    """The notice the C pool's thread sends carries exactly the digests the request is checked
+    by (an unchecked push once sent a notice whose content field the thread overwrote: dropped
+    as malformed, the request hung to its deadline)."""
+    pair: Pair = await make_pair(kind, POOLED, sample_rate=0.0, integrity=integrity)
+    prefill, decode = pair.prefill, pair.decode
+    src, dst = np.arange(80), np.arange(95, 15, -1)
+    reservation = decode.expect("big", dst)
+    result = await prefill.push(reservation, src)
+    assert result.nbytes > 4 * 2**20
+    await decode.wait_for_kv("big", timeout=10)
+    assert torch.equal(_blocks(prefill, "kv", src), _blocks(decode, "kv", dst))
+    assert pair.sink.value("kvray_integrity_checks", result="ok") == (1 if integrity else 0)
