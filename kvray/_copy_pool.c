@@ -112,9 +112,14 @@ static inline uint64_t range_worth(uint64_t salt, uint64_t start, uint64_t n) {
 static int executor_fault = 0;
 
 /* Content digests (kvray/content.py has the definition and why): a source byte at offset o
- * of its region adds byte << 8 * (o % 4) times the weight of word o / 4, a 32-bit odd value
- * mixed from the word's index and the region's seed; a piece's sum is multiplied by the odd
- * 64-bit factor of where it goes (see kvray/content.py). Sums wrap mod 2**64. */
+ * of its region adds byte << 8 * (o % 4) times the weight of word w = o / 4, which is
+ * TABLE[w % 1024] (odd 32-bit values) times the odd 64-bit factor of its 4 KiB page w / 1024
+ * and the region's seed; a stretch's sum is multiplied by the odd 64-bit factor of where it
+ * goes. Sums wrap mod 2**64. Within a page the inner loop is a table load, a 32x32->64
+ * multiply and an add per word; the page factor is applied once per page. */
+#define CONTENT_TABLE_WORDS 1024
+static uint32_t content_table[CONTENT_TABLE_WORDS];
+
 static inline uint32_t fmix32(uint32_t h) {
     h ^= h >> 16;
     h *= 0x85EBCA6BU;
@@ -124,12 +129,14 @@ static inline uint32_t fmix32(uint32_t h) {
     return h;
 }
 
-static inline uint32_t word_weight(uint32_t high_seed, uint64_t word) {
-    return fmix32((uint32_t)word ^ high_seed) | 1U;
+static void fill_content_table(void) {
+    for (uint32_t j = 0; j < CONTENT_TABLE_WORDS; j++) {
+        content_table[j] = fmix32(j * 0x9E3779B9U + 0x7F4A7C15U) | 1U;
+    }
 }
 
-static inline uint32_t high_seed_of(uint32_t seed, uint64_t word) {
-    return fmix32(seed ^ (uint32_t)(word >> 32) ^ 0x9E3779B9U);
+static inline uint64_t page_factor(uint32_t seed, uint64_t page) {
+    return mix64((uint64_t)seed * 0x9E3779B97F4A7C15ULL + page) | 1ULL;
 }
 
 /* Bytes [start, end) of a region's offsets, scalar: for heads, tails and machines without AVX2. */
@@ -137,89 +144,96 @@ static uint64_t hash_scalar(const unsigned char *p, uint64_t start, uint64_t end
     uint64_t sum = 0;
     for (uint64_t o = start; o < end; o++) {
         uint64_t word = o >> 2;
-        sum += ((uint64_t)p[o - start] << (8 * (o & 3))) * word_weight(high_seed_of(seed, word), word);
+        uint64_t weight = (uint64_t)content_table[word % CONTENT_TABLE_WORDS] * page_factor(seed, word / CONTENT_TABLE_WORDS);
+        sum += ((uint64_t)p[o - start] << (8 * (o & 3))) * weight;
     }
     return sum;
 }
 
 #ifdef KVRAY_STREAMING
-/* 32 bytes at word index `word` (a multiple of 8 words within one 2**32-word stretch). */
-__attribute__((target("avx2"))) static inline void hash32(__m256i data, __m256i index, __m256i high,
-                                                          __m256i *even, __m256i *odd) {
-    __m256i h = _mm256_xor_si256(index, high);
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85EBCA6BU));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xC2B2AE35U));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_or_si256(h, _mm256_set1_epi32(1));
-    *even = _mm256_add_epi64(*even, _mm256_mul_epu32(data, h));
-    *odd = _mm256_add_epi64(*odd, _mm256_mul_epu32(_mm256_srli_epi64(data, 32), _mm256_srli_epi64(h, 32)));
-}
-
 __attribute__((target("avx2"))) static inline uint64_t lanes_sum(__m256i even, __m256i odd) {
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(even, odd));
     return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
-/* Hash (and, when dst is not NULL, copy with streaming stores) `words8` runs of 32 bytes that
- * start at word index `word`, inside one 2**32-word stretch. */
-__attribute__((target("avx2"))) static uint64_t hash_copy_avx2(char *dst, const char *src, uint64_t word,
-                                                               uint64_t runs, uint32_t seed) {
-    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-    __m256i high = _mm256_set1_epi32((int)high_seed_of(seed, word));
-    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)word), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i step = _mm256_set1_epi32(8);
-    for (uint64_t r = 0; r < runs; r++) {
+/* `runs` runs of 32 bytes starting at word index `word` (a multiple of 8), all inside one
+ * page; copied to `dst` with streaming stores too unless it is NULL. The page's plain sum. */
+__attribute__((target("avx2"))) static inline void hash_run(__m256i data, const uint32_t *weights, __m256i *even,
+                                                            __m256i *odd) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)weights);
+    *even = _mm256_add_epi64(*even, _mm256_mul_epu32(data, w));
+    *odd = _mm256_add_epi64(*odd, _mm256_mul_epu32(_mm256_srli_epi64(data, 32), _mm256_srli_epi64(w, 32)));
+}
+
+__attribute__((target("avx2"))) static uint64_t hash_copy_page(char *dst, const char *src, uint64_t word,
+                                                               uint64_t runs, const char *next, size_t next_n,
+                                                               size_t done) {
+    __m256i even0 = _mm256_setzero_si256(), odd0 = _mm256_setzero_si256();
+    __m256i even1 = _mm256_setzero_si256(), odd1 = _mm256_setzero_si256();
+    const uint32_t *weights = content_table + word % CONTENT_TABLE_WORDS;
+    uint64_t r = 0;
+    /* Four runs (128 bytes) a step, as the plain streaming copy does, two pairs of sums. */
+    for (; r + 4 <= runs; r += 4) {
+        prefetch_ahead(next, next_n, done + 32 * r);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32 * r + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 32 * r + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 32 * r + 96));
+        if (dst != NULL) {
+            _mm256_stream_si256((__m256i *)(dst + 32 * r), a);
+            _mm256_stream_si256((__m256i *)(dst + 32 * r + 32), b);
+            _mm256_stream_si256((__m256i *)(dst + 32 * r + 64), c);
+            _mm256_stream_si256((__m256i *)(dst + 32 * r + 96), d);
+        }
+        hash_run(a, weights + 8 * r, &even0, &odd0);
+        hash_run(b, weights + 8 * r + 8, &even1, &odd1);
+        hash_run(c, weights + 8 * r + 16, &even0, &odd0);
+        hash_run(d, weights + 8 * r + 24, &even1, &odd1);
+    }
+    for (; r < runs; r++) {
         __m256i data = _mm256_loadu_si256((const __m256i *)(src + 32 * r));
         if (dst != NULL) {
             _mm256_stream_si256((__m256i *)(dst + 32 * r), data);
         }
-        hash32(data, index, high, &even, &odd);
-        index = _mm256_add_epi32(index, step);
+        hash_run(data, weights + 8 * r, &even0, &odd0);
     }
-    return lanes_sum(even, odd);
+    return lanes_sum(_mm256_add_epi64(even0, even1), _mm256_add_epi64(odd0, odd1));
 }
 #endif
 
 /* The content sum of source bytes [offset, offset + n) of a region at `src` (`src` points at
  * the byte of that offset), copying them to `dst` as well unless it is NULL. */
-static uint64_t hash_copy(char *dst, const char *src, uint64_t offset, uint64_t n, uint32_t seed) {
+static uint64_t hash_copy(char *dst, const char *src, uint64_t offset, uint64_t n, uint32_t seed,
+                          const char *next, size_t next_n) {
     const unsigned char *p = (const unsigned char *)src;
 #ifdef KVRAY_STREAMING
     if (have_avx2 && n >= 256) {
-        /* Head to a 32-byte boundary of the destination (or of the source when only hashing),
-         * whole 32-byte runs, tail. Source offset and address agree mod 4 (regions start on
-         * pages), so every run starts on a word. */
-        uintptr_t anchor = dst != NULL ? (uintptr_t)dst : (uintptr_t)src;
-        uint64_t head = (32 - (anchor & 31)) & 31;
+        /* Head to a 32-byte boundary of the bytes' offsets (so each run starts on 8 words of
+         * the table), then whole 32-byte runs page by page, then the tail. The runs are stored
+         * with streaming stores where the destination lines up too, else copied after hashing
+         * (the page is still in cache). */
+        uint64_t head = (32 - (offset & 31)) & 31;
         uint64_t sum = hash_scalar(p, offset, offset + head, seed);
         if (dst != NULL) {
             memcpy(dst, src, head);
         }
         uint64_t at = head;
-        if (((offset + at) & 3) == 0) {
-            while (n - at >= 32) {
-                uint64_t word = (offset + at) >> 2;
-                uint64_t stretch_end = ((word >> 32) + 1) << 32; /* words until the high part changes */
-                uint64_t runs = (n - at) / 32;
-                if ((stretch_end - word) / 8 < runs) {
-                    runs = (stretch_end - word) / 8;
-                }
-                if (runs == 0) {
-                    break;
-                }
-                if (dst != NULL && n >= 4096) {
-                    sum += hash_copy_avx2(dst + at, src + at, word, runs, seed);
-                } else {
-                    sum += hash_copy_avx2(NULL, src + at, word, runs, seed);
-                    if (dst != NULL) {
-                        memcpy(dst + at, src + at, 32 * runs);
-                    }
-                }
-                at += 32 * runs;
+        int streams = dst != NULL && n >= 4096 && (((uintptr_t)dst + head) & 31) == 0;
+        while (n - at >= 32) {
+            uint64_t word = (offset + at) >> 2;
+            uint64_t page = word / CONTENT_TABLE_WORDS;
+            uint64_t runs = (n - at) / 32;
+            uint64_t room = ((page + 1) * CONTENT_TABLE_WORDS - word) / 8; /* runs left in the page */
+            if (room < runs) {
+                runs = room;
             }
+            uint64_t plain = hash_copy_page(streams ? dst + at : NULL, src + at, word, runs, next, next_n, at);
+            if (dst != NULL && !streams) {
+                memcpy(dst + at, src + at, 32 * runs);
+            }
+            sum += plain * page_factor(seed, page);
+            at += 32 * runs;
         }
         if (dst != NULL) {
             memcpy(dst + at, src + at, n - at);
@@ -227,6 +241,8 @@ static uint64_t hash_copy(char *dst, const char *src, uint64_t offset, uint64_t 
         return sum + hash_scalar(p + at, offset + at, offset + n, seed);
     }
 #endif
+    (void)next;
+    (void)next_n;
     if (dst != NULL) {
         memcpy(dst, src, n);
     }
@@ -313,7 +329,8 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
                 /* Hashed as the bytes at their source offset (a staged copy names it apart). */
                 int64_t at = hash_off != NULL ? hash_off[i] : src_off[i];
                 sum += destination_factor(pair_salt, to - at) *
-                       hash_copy(dst + to, src + src_off[i], (uint64_t)at, (uint64_t)n, seed);
+                       hash_copy(dst + to, src + src_off[i], (uint64_t)at, (uint64_t)n, seed,
+                                 more ? src + src_off[i + 1] : NULL, more ? (size_t)lengths[i + 1] : 0);
             } else {
                 copy_block(dst + to, src + src_off[i], (size_t)n, more ? src + src_off[i + 1] : NULL,
                            more ? (size_t)lengths[i + 1] : 0);
@@ -472,7 +489,8 @@ static void run_task(job *j) {
             }
             if (j->content_on) {
                 sum += destination_factor(j->pair_salt, to - ops[i].hsrc) *
-                       hash_copy(j->dst + to, j->src + ops[i].src, (uint64_t)ops[i].hsrc, (uint64_t)n, j->seed);
+                       hash_copy(j->dst + to, j->src + ops[i].src, (uint64_t)ops[i].hsrc, (uint64_t)n, j->seed,
+                                 more ? j->src + ops[i + 1].src : NULL, more ? (size_t)ops[i + 1].nbytes : 0);
             } else {
                 copy_block(j->dst + to, j->src + ops[i].src, (size_t)n, more ? j->src + ops[i + 1].src : NULL,
                            more ? (size_t)ops[i + 1].nbytes : 0);
@@ -840,8 +858,10 @@ static PyObject *hash_ranges(PyObject *self, PyObject *args) {
     const int64_t *at = logical.buf != NULL ? (const int64_t *)logical.buf : off;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
+        int more = i + 1 < count;
         sums[i] = hash_copy(NULL, (const char *)(uintptr_t)base + off[i], (uint64_t)at[i], (uint64_t)lengths[i],
-                            seed);
+                            seed, more ? (const char *)(uintptr_t)base + off[i + 1] : NULL,
+                            more ? (size_t)lengths[i + 1] : 0);
     }
     Py_END_ALLOW_THREADS
 done:
@@ -881,6 +901,7 @@ PyMODINIT_FUNC PyInit__copy_pool(void) {
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
+    fill_content_table();
     if (PyType_Ready(&CopyJobType) < 0) {
         return NULL;
     }

@@ -5,10 +5,12 @@ scatter) and, independently, by the writer from its own blocks and the two engin
 the two agree (and its placement digest, `kvray.placement`, does too).
 
 The definition, over 32-bit little-endian words of a source region:
-- a source byte at offset o of region s adds `byte << 8 * (o % 4)` times `weight(s, o // 4)`,
-  an odd 32-bit value mixed from the word's index and the region's seed: so a bit flipped,
-  a byte zeroed or two words swapped changes the sum (a flipped bit by an odd multiple of a
-  power of two below 2**64, never zero);
+- a source byte at offset o of region s adds `byte << 8 * (o % 4)` times the weight of its word
+  w = o // 4: an odd 32-bit value from a fixed table of 1024 (w % 1024) times an odd 64-bit
+  factor mixed from the region's seed and the word's 4 KiB page (w // 1024). So a bit flipped
+  changes the sum by an odd multiple of a power of two below 2**64, never zero, and a byte
+  zeroed, two words swapped or a page's bytes moved change it but by chance (2**-64-ish); the
+  C copy's inner loop is a table load, a multiply and an add per word;
 - the sum of a stretch of bytes bound for one place is multiplied by an odd 64-bit factor of
   (source region, destination region, destination offset - source offset): bytes that went to
   another place than the layouts say (a block moved, two blocks swapped) count differently;
@@ -66,7 +68,10 @@ def destination_factor(salt: int, delta: int) -> int:
     return mix64(salt ^ (delta & MASK64)) | 1
 
 
-# ---- word weights, numpy (the C executor's `word_weight`) -------------------------------------
+# ---- word weights, numpy (the C executor's `content_table` and `page_factor`) ----------------
+
+#: Words of a 4 KiB page: each word's 32-bit table weight, then its page's 64-bit factor.
+TABLE_WORDS: Final = 1024
 
 
 def _fmix32(h: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
@@ -77,10 +82,19 @@ def _fmix32(h: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
     return h ^ (h >> np.uint32(16))
 
 
+_TABLE: Final = (
+    _fmix32(np.arange(TABLE_WORDS, dtype=np.uint32) * np.uint32(0x9E3779B9) + np.uint32(0x7F4A7C15))
+    | np.uint32(1)
+).astype(np.uint64)
+
+
 def _weights(seed: int, words: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    high = _fmix32((np.uint32(seed) ^ (words >> np.uint64(32)).astype(np.uint32)) ^ np.uint32(0x9E3779B9))
-    low = words.astype(np.uint32)
-    return (_fmix32(low ^ high) | np.uint32(1)).astype(np.uint64)
+    """Each word's weight: its table weight times its page's factor (mod 2**64)."""
+    pages = words // np.uint64(TABLE_WORDS)
+    with np.errstate(over="ignore"):
+        factor = mix_array(np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + pages) | np.uint64(1)
+        weights: npt.NDArray[np.uint64] = _TABLE[words % np.uint64(TABLE_WORDS)] * factor
+        return weights
 
 
 def hash_bytes(data: npt.NDArray[np.uint8], offset: int, seed: int) -> int:
