@@ -11,10 +11,12 @@ cache helps either side). Per length, medians with min and max over the runs:
   decode engine the request, once it has asked, to its first token) and the tail: from the
   last layer's KV in the prefill's cache to the decode side told it may decode.
 
-With `--integrity`, also what the integrity check costs (`kvray.integrity`): a second prefill
-engine that sends no checksums (`integrity_sample_rate` 0) hands fresh prompts of each length to
-the same decode engine, interleaved with the checked pair's, and the push, the decode side's
-wait (which includes its check) and the TTFT are set side by side. No run digests the KV (the
+With `--integrity`, also what the integrity check costs (`Settings.integrity`, `kvray.content`):
+a second prefill engine that checks nothing but placement (`integrity` off, no sampled
+checksums) hands fresh prompts of each length to the same decode engine (which asks for no
+check itself), interleaved with the checked pair's (every request checked, the default; no
+sampled checksums either), and the push, the decode side's wait (which includes its check) and
+the TTFT are set side by side. No run digests the KV (the
 connector's digest log only times the hand-offs here): a digest would be timed with kvray.
 
     python benchmarks/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--integrity] [--json PATH]
@@ -97,17 +99,28 @@ def main() -> int:
     # The log gives each hand-off's times; no request's KV is digested (the digest runs on the
     # decode side's path to its first token, and would be timed with kvray).
     digests = {"digest_every": 10**9}
+    checked = {"integrity_sample_rate": 0.0}
     prefill = actor.remote(
-        model, transfer_config({**digests, "digest_log": str(logs / "p.jsonl")}), max_model_len=max_model_len
+        model,
+        transfer_config({**digests, **checked, "digest_log": str(logs / "p.jsonl")}),
+        max_model_len=max_model_len,
     )
+    # Each writer's setting decides whether its requests are checked: the decode engine asks none.
     decode = actor.remote(
-        model, transfer_config({**digests, "digest_log": str(logs / "d.jsonl")}), max_model_len=max_model_len
+        model,
+        transfer_config({**digests, **checked, "integrity": False, "digest_log": str(logs / "d.jsonl")}),
+        max_model_len=max_model_len,
     )
     single = actor.remote(model, None, max_model_len=max_model_len)
     engines = [prefill, decode, single]
     unchecked = None
     if args.integrity:
-        config = {**digests, "digest_log": str(logs / "p-unchecked.jsonl"), "integrity_sample_rate": 0.0}
+        config = {
+            **digests,
+            "digest_log": str(logs / "p-unchecked.jsonl"),
+            "integrity": False,
+            "integrity_sample_rate": 0.0,
+        }
         unchecked = actor.remote(model, transfer_config(config), max_model_len=max_model_len)
         engines.append(unchecked)
     ray.get([engine.processes.remote() for engine in engines])

@@ -286,7 +286,9 @@ class KVAgent:
         """Take the content digests of `local_blocks` now (every layer's parts), as their KV is
         produced or held, so that the next push of them checks its copy against these instead
         of reading the bytes on its own path (`kvray.content.HeldDigests`). The push uses them
-        once; blocks written again need this again (else the push reads them itself)."""
+        once. Call it only once the blocks hold the KV that push will send: a block written
+        again between the two fails that push's check (the request is refused, never decoded
+        from the new bytes under the old digest)."""
         await self._pusher.hold_digests(local_blocks)
 
     async def push_layer(

@@ -191,7 +191,7 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
         replace=(("--repeat 20", "--quick --json {tmp}/bench.json"),),
         why="--quick (smaller blocks, 2 runs) instead of 20 runs; its JSON out of the checkout",
     ),
-    "kvray bench --only memcpy kvray --cases a --repeat 10": Skip(
+    "kvray bench --only memcpy kvray --cases a --repeat 15": Skip(
         "a timing benchmark (integrity on and off); the --only memcpy kvray nixl line runs its --quick form"
     ),
     "kvray bench": Skip("the whole benchmark, many minutes; tests/e2e/test_bench_quick.py runs --quick"),
