@@ -1,8 +1,9 @@
 """Content digests: one number for the bytes a transfer moved and where each went, computed by
 the executor as it copies them (the C copy pool for shm and loopback, the ray receiver's
 scatter) and, independently, by the writer from its own blocks and the two engines' layouts
-(`reference`), never from its plan or offset cache. The decode side takes a request only when
-the two agree (and its placement digest, `kvray.placement`, does too).
+(`Stretches`, or `HeldDigests` taken earlier), never from its plan or offset cache. The decode
+side takes a request only when the two agree (and its placement digest, `kvray.placement`,
+does too).
 
 The definition, over 32-bit little-endian words of a source region:
 - a source byte at offset o of region s adds `byte << 8 * (o % 4)` times the weight of its word
@@ -275,33 +276,6 @@ class HeldDigests:
         return _weighted_total(
             stretches.src_region, stretches.dst_region, stretches.dst_start - stretches.src_start, sums
         )
-
-    def drop(self, blocks: Int64Array) -> None:
-        """Forget the sums of `blocks` (the engine writes them again)."""
-        self.held[:, :, blocks] = False
-
-
-def reference(
-    regions: Sequence[npt.NDArray[np.uint8]],
-    layout: KVLayout,
-    placements: Mapping[str, LayerPlacement],
-    dst_layout: KVLayout,
-    dst_placement: Callable[[str], LayerPlacement],
-    layers: Sequence[str],
-    local_blocks: Int64Array,
-    remote_blocks: Int64Array,
-    held: HeldDigests | None = None,
-) -> int:
-    """The content digest a transfer of `layers` from the writer's `local_blocks` into the
-    decode engine's `remote_blocks` must report: from the writer's bytes (`regions`, host
-    memory) where its own layout keeps them, each stretch bound for where the decode engine's
-    layout keeps it; no plan, no offset cache. From `held` sums where it has every one."""
-    stretches = Stretches(layout, placements, dst_layout, dst_placement, layers, local_blocks, remote_blocks)
-    if held is not None:
-        value = held.digest(stretches)
-        if value is not None:
-            return value
-    return stretches.digest(regions)
 
 
 def _paired_runs(

@@ -292,7 +292,7 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: encoded notice's final 8 bytes.
     layers: Annotated[tuple[LayerIndex, ...], msgspec.Meta(max_length=MAX_LAYERS)] = ()
     #: The content digest of the transfer the writer computed from its own blocks and both
-    #: engines' layouts (`kvray.content.reference`; None: not computed, then `checksum` is set
+    #: engines' layouts (`kvray.content.Stretches`; None: not computed, then `checksum` is set
     #: when the transfer is checked), and the one its executor computed while copying (None:
     #: its copy does not hash; a receiving executor's own adds to it). The decode side takes
     #: the request only when the two agree.

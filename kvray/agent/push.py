@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
-from kvray.content import HeldDigests, Stretches, reference
+from kvray.content import HeldDigests, Stretches
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -88,7 +88,7 @@ class _Layerwise:
     checksums: Checksums | None = None
     #: The layers pushed so far (indices into the decode engine's layout), what their writes'
     #: executors reported (`kvray.placement.Stored`) and, when the request's content is
-    #: checked, the writer's own digest of them (`kvray.content.reference`).
+    #: checked, the writer's own digest of them (`kvray.content.Stretches`).
     layer_indices: tuple[int, ...] = ()
     stored: Stored = NOTHING
     reference: int | None = None
@@ -275,17 +275,7 @@ class Pusher:
             state.ops += len(plan.ops)
             state.unmerged_ops += plan.unmerged_count
             state.busy_s += time.perf_counter() - started
-            state.notice = self._done(
-                reservation,
-                state.transfer_id,
-                state.nbytes,
-                state.arrival_proofs,
-                state.checksums,
-                peer,
-                state.layer_indices,
-                state.stored,
-                state.reference,
-            )
+            state.notice = self._layerwise_done(state, peer)
             state.message = encode(state.notice)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
@@ -356,17 +346,7 @@ class Pusher:
                 )
             attempt.peer = peer
             await self._take_slot(attempt)
-            notice = self._done(
-                reservation,
-                state.transfer_id,
-                state.nbytes,
-                state.arrival_proofs,
-                state.checksums,
-                peer,
-                state.layer_indices,
-                state.stored,
-                state.reference,
-            )
+            notice = self._layerwise_done(state, peer)
             # Under the claim: a request its decode engine stopped expecting is not reported done.
             try:
                 async with self._claim(peer, reservation):
@@ -544,6 +524,20 @@ class Pusher:
             placement=stored.placement,
         )
 
+    def _layerwise_done(self, state: _Layerwise, peer: Peer) -> TransferDone:
+        """The notice of a layer-wise push's layers so far."""
+        return self._done(
+            state.reservation,
+            state.transfer_id,
+            state.nbytes,
+            state.arrival_proofs,
+            state.checksums,
+            peer,
+            state.layer_indices,
+            state.stored,
+            state.reference,
+        )
+
     def _indices(self, peer: Peer, layers: Sequence[str]) -> tuple[int, ...]:
         """`layers`' indices in the decode engine's layout."""
         info = peer.info
@@ -578,38 +572,22 @@ class Pusher:
         self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
-        layouts (`kvray.content.reference`): from the digests held for them when there are
+        layouts (`kvray.content.Stretches`): from the digests held for them when there are
         (`hold_digests`), else by reading them, on a worker thread when large (the hash
         releases the GIL)."""
         backing = self.engine.backing
         regions = [region.tensor.numpy() for region in backing.regions]
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
         info = peer.info
-        held = self._held
-        if held is not None:
-            layers = plan.layers
-            stretches = Stretches(
-                backing.layout, backing.placements, info.layout, info.placement, layers, local, remote_ids
-            )
-            value = held.digest(stretches)
-            if value is not None:
-                return value
-
-        def digest() -> int:
-            return reference(
-                regions,
-                backing.layout,
-                backing.placements,
-                info.layout,
-                info.placement,
-                plan.layers,
-                local,
-                remote_ids,
-            )
-
+        stretches = Stretches(
+            backing.layout, backing.placements, info.layout, info.placement, plan.layers, local, remote_ids
+        )
+        value = None if self._held is None else self._held.digest(stretches)
+        if value is not None:
+            return value
         if plan.nbytes < THREAD_MIN_BYTES:
-            return digest()
-        return await asyncio.to_thread(digest)
+            return stretches.digest(regions)
+        return await asyncio.to_thread(stretches.digest, regions)
 
     async def _checksums(
         self, reservation: Reservation, plan: TransferPlan, peer: Peer, *, every: bool = False

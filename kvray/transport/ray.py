@@ -422,16 +422,10 @@ async def _scatter(
 ) -> Stored:
     """The selected ops scattered into region `index`: what they stored, hashed (as the writer's
     region `source` would, at the ops' source offsets) where a source is named."""
-    if source is None or src_offsets is None:
-        return await scatter_copy_async(
-            backing.regions[index].tensor.data_ptr(),
-            int(payload.ctypes.data),
-            offsets[select],
-            payload_offset[select],
-            nbytes[select],
-            salt=region_salt(index),
-        )
     # The payload's bytes are hashed as the bytes at their offsets in the writer's region.
+    hashing = None
+    if source is not None and src_offsets is not None:
+        hashing = Hashing.between(source, index, src_offsets[select])
     return await scatter_copy_async(
         backing.regions[index].tensor.data_ptr(),
         int(payload.ctypes.data),
@@ -439,5 +433,5 @@ async def _scatter(
         payload_offset[select],
         nbytes[select],
         salt=region_salt(index),
-        hashing=Hashing.between(source, index, src_offsets[select]),
+        hashing=hashing,
     )

@@ -168,6 +168,30 @@ def _memory(agent: KVAgent) -> list[np.ndarray]:
 SRC, DST = np.array([3, 1, 4, 15, 9]), np.array([10, 11, 5, 20, 2])
 
 
+async def _push_one_flipped(pair: Pair, request: str, layerwise: bool) -> None:
+    """Push SRC into DST with the pair's flipper on: whole, or layer by layer with one layer in
+    the middle corrupted and the others intact."""
+    prefill = pair.prefill
+    reservation = pair.decode.expect(request, DST)
+    if layerwise:
+        pair.flipper.every = len(prefill.layout.layer_names)
+        for layer in prefill.layout.layer_names:
+            await prefill.push_layer(reservation, layer, SRC)
+        await prefill.finish(request)
+    else:
+        await prefill.push(reservation, SRC)
+
+
+async def _lands_exactly(pair: Pair, request: str) -> None:
+    """A push of SRC into DST is taken and every layer's bytes landed as sent."""
+    reservation = pair.decode.expect(request, DST)
+    await pair.prefill.push(reservation, SRC)
+    await pair.decode.wait_for_kv(request, timeout=10)
+    for layer in pair.prefill.layout.layer_names:
+        assert torch.equal(_blocks(pair.prefill, layer, SRC), _blocks(pair.decode, layer, DST)), layer
+    await pair.decode.release(request)
+
+
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 async def test_kv_that_lands_intact_is_checked_and_taken(make_pair: Any, kind: str, layerwise: bool) -> None:
@@ -202,15 +226,7 @@ async def test_a_byte_flipped_on_the_way_fails_the_request_naming_its_layer(
     pair: Pair = await make_pair(kind, flip=True)
     prefill, decode = pair.prefill, pair.decode
     sent = _memory(prefill)
-    reservation = decode.expect("r", DST)
-    if layerwise:
-        # One layer in the middle corrupted, the others intact.
-        pair.flipper.every = len(prefill.layout.layer_names)
-        for layer in prefill.layout.layer_names:
-            await prefill.push_layer(reservation, layer, SRC)
-        await prefill.finish("r")
-    else:
-        await prefill.push(reservation, SRC)
+    await _push_one_flipped(pair, "r", layerwise)
     with pytest.raises(KVIntegrityError) as raised:
         await decode.wait_for_kv("r", timeout=10)
     flipped_layers = [layer for request, layer in pair.flipper.flipped if request == "r"]
@@ -304,12 +320,7 @@ async def test_an_executor_that_stores_elsewhere_than_its_correct_plan_is_refuse
     with pytest.raises(KVIntegrityError, match="stored elsewhere than planned"):
         await decode.wait_for_kv("bad", timeout=10)
     await decode.release("bad")
-    reservation = decode.expect("good", DST)
-    await prefill.push(reservation, SRC)
-    await decode.wait_for_kv("good", timeout=10)
-    for layer in prefill.layout.layer_names:
-        assert torch.equal(_blocks(prefill, layer, SRC), _blocks(decode, layer, DST)), layer
-    await decode.release("good")
+    await _lands_exactly(pair, "good")
 
 
 @pytest.mark.parametrize("kind", ["shm", "ray"])
@@ -322,14 +333,7 @@ async def test_a_flipped_byte_is_caught_on_every_request_by_the_copys_own_digest
     took from its blocks, and the request fails; the next, intact, is taken."""
     pair: Pair = await make_pair(kind, flip=True, sample_rate=0.0)
     prefill, decode = pair.prefill, pair.decode
-    reservation = decode.expect("r", DST)
-    if layerwise:
-        pair.flipper.every = len(prefill.layout.layer_names)
-        for layer in prefill.layout.layer_names:
-            await prefill.push_layer(reservation, layer, SRC)
-        await prefill.finish("r")
-    else:
-        await prefill.push(reservation, SRC)
+    await _push_one_flipped(pair, "r", layerwise)
     with pytest.raises(KVIntegrityError, match="content digest"):
         await decode.wait_for_kv("r", timeout=10)
     await decode.release("r")
@@ -368,11 +372,7 @@ async def test_digests_held_before_the_push_check_it_and_a_block_written_after_f
         await decode.wait_for_kv("stale", timeout=10)
     await decode.release("stale")
     # Used once: the next push reads the blocks itself and is taken.
-    reservation = decode.expect("fresh", DST)
-    await prefill.push(reservation, SRC)
-    await decode.wait_for_kv("fresh", timeout=10)
-    for name in prefill.layout.layer_names:
-        assert torch.equal(_blocks(prefill, name, SRC), _blocks(decode, name, DST)), name
+    await _lands_exactly(pair, "fresh")
 
 
 #: One layer of 64 KiB blocks: a push of 80 of them (5 MiB) is copied by the C pool's threads,

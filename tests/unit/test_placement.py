@@ -90,28 +90,9 @@ async def test_every_executor_reports_the_digests_of_what_it_stored(
     # Staged: the bytes are read from `src` where they were packed, hashed as at `logical`.
     logical = src_offsets + 12_345_676 if staged else None
     hashing = cpu_copy.Hashing.between(2, 3, logical)
-    stored = await cpu_copy.scatter_copy_async(
-        dst.ctypes.data,
-        src.ctypes.data,
-        dst_offsets,
-        src_offsets,
-        nbytes,
-        threads,
-        salt=region_salt(3),
-        base=Stored(5, 9),
-        hashing=hashing,
-    )
-    at = src_offsets if logical is None else logical
-    expected = 9
-    for to, start, where, size in zip(dst_offsets, src_offsets, at, nbytes, strict=True):
-        assert np.array_equal(dst[to : to + size], src[start : start + size])
-        value = hash_bytes(src[start : start + size], int(where), region_seed(2))
-        expected += destination_factor(pair_salt(2, 3), int(to - where)) * value
-    placement = (5 + ranges_digest(np.full(4, 3, dtype=np.int64), dst_offsets, nbytes)) % 2**64
-    assert stored == Stored(placement, expected % 2**64)
-    dst[:] = 0
-    with executor_offset_bug():
-        faulty = await cpu_copy.scatter_copy_async(
+
+    async def copy() -> Stored:
+        return await cpu_copy.scatter_copy_async(
             dst.ctypes.data,
             src.ctypes.data,
             dst_offsets,
@@ -122,6 +103,19 @@ async def test_every_executor_reports_the_digests_of_what_it_stored(
             base=Stored(5, 9),
             hashing=hashing,
         )
+
+    stored = await copy()
+    at = src_offsets if logical is None else logical
+    expected = 9
+    for to, start, where, size in zip(dst_offsets, src_offsets, at, nbytes, strict=True):
+        assert np.array_equal(dst[to : to + size], src[start : start + size])
+        value = hash_bytes(src[start : start + size], int(where), region_seed(2))
+        expected += destination_factor(pair_salt(2, 3), int(to - where)) * value
+    placement = (5 + ranges_digest(np.full(4, 3, dtype=np.int64), dst_offsets, nbytes)) % 2**64
+    assert stored == Stored(placement, expected % 2**64)
+    dst[:] = 0
+    with executor_offset_bug():
+        faulty = await copy()
     assert faulty.placement != stored.placement and faulty.content != stored.content
     assert not np.array_equal(dst[1_000_000:4_500_000], src[90_000:3_590_000])
 
