@@ -176,7 +176,7 @@ class Pusher:
             fused = plan.hashed
             reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
             checksums = await self._checksums(
-                reservation, plan, peer, every=not fused and self._checked(reservation)
+                reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
             )
             # The executor fills its digests in: the C copy pool's thread writes them into the
             # early notice it sends (`kvray.placement.PLACEHOLDER`).
@@ -248,7 +248,7 @@ class Pusher:
             fused = plan.hashed and (state.reference is not None or not state.layers)
             reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
             checksums = await self._checksums(
-                reservation, plan, peer, every=not fused and self._checked(reservation)
+                reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
             )
             # From here to the write's start nothing awaits but the claim: a failure recorded
             # meanwhile is seen by the failure notice, which waits for this write to end.
@@ -553,6 +553,11 @@ class Pusher:
         """Whether the request's content is checked: this engine's setting, or its decode
         engine asks (`Reservation.integrity`)."""
         return self.engine.settings.integrity or reservation.integrity
+
+    def _unhashed_checked(self, reservation: Reservation) -> bool:
+        """Whether a request whose copy does not hash is checked by hashing every layer
+        (`Settings.integrity_unhashed`)."""
+        return self._checked(reservation) and self.engine.settings.integrity_unhashed
 
     def _fused(self, reservation: Reservation, transport: Transport, peer: Peer) -> bool:
         """Whether the request is checked through its copy's content digest (`kvray.content`)."""

@@ -620,14 +620,15 @@ class Receiving:
         """Why the transfer's bytes cannot be taken (None: they can, or the slower checksums
         in the notice decide): its copy's content digest (`kvray.content`: the writer's
         executor's plus this engine's own) differs from the one the writer took from its blocks,
-        or, where this engine checks every request, the transfer came with neither."""
+        or, where this engine checks every request even where copies do not hash
+        (`integrity_unhashed`), the transfer came with neither."""
         engine = self.engine
         if message.reference is None:
-            if engine.settings.integrity and not message.checksum:
+            if engine.settings.integrity_unhashed and not message.checksum:
                 return MetadataError(
                     f"the KV of request {message.request_id!r} from {message.src_engine!r} came "
-                    f"unchecked, and engine {engine.engine_id!r} checks every request's KV; the "
-                    "request is not decoded from it",
+                    f"unchecked, and engine {engine.engine_id!r} checks every request's KV "
+                    "(integrity_unhashed); the request is not decoded from it",
                     request_id=message.request_id,
                     engine_id=engine.engine_id,
                 )
