@@ -179,9 +179,9 @@ def _weighted_total(
 class Stretches:
     """The stretches a transfer of some layers moves, one per (layer, run, block): where each
     lies in the writer's memory and where the decode engine's layout puts it, from the two
-    layouts alone (no plan, no offset cache); `units` names each stretch's (layer index, part)
-    in the writer's layout when it is a whole part (None where the engines share only some
-    heads)."""
+    layouts alone (no plan, no offset cache); `layer`, `part` and `block` name each stretch's
+    place in the writer's layout, a whole part where `whole_parts` (not where the engines share
+    only some heads)."""
 
     def __init__(
         self,

@@ -63,11 +63,6 @@ def ranges_digest(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> 
     return int(worth.sum(dtype=np.uint64))
 
 
-def combine(*digests: int) -> int:
-    """The digest of several executors' ranges together (sums mod 2**64)."""
-    return sum(digests) & MASK64
-
-
 class Stored(NamedTuple):
     """What an executor reports of a write: the placement digest of the ranges it stored to
     and, where it hashed the bytes as it copied them, their content digest (`kvray.content`;

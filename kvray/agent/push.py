@@ -480,28 +480,18 @@ class Pusher:
     ) -> TransferDone:
         """The completion notice; `layers` and `placement`: see `TransferDone`."""
         info = self.engine.info
-        if checksums is not None and peer is not None:
-            tp = info.layout.tp
+        tp = info.layout.tp
+        # Which part of each block this writer wrote, where it is not the whole.
+        partial = peer is not None and shared_heads(tp, peer.info.layout.tp) is not None
+        if partial or (checksums is not None and peer is not None):
             return TransferDone(
                 **self._header(reservation, transfer_id),
                 nbytes=nbytes,
                 arrival_proofs=proofs,
-                checksum=checksums.algorithm,
-                checksum_layers=checksums.layers,
-                checksum_values=checksums.values,
-                # Which part of each block this writer wrote, where it is not the whole.
-                src_tp=tp if shared_heads(tp, peer.info.layout.tp) is not None else None,
-                layers=layers,
-                reference=reference,
-                content=stored.content if reference is not None else None,
-                placement=stored.placement,
-            )
-        if peer is not None and shared_heads(info.layout.tp, peer.info.layout.tp) is not None:
-            return TransferDone(
-                **self._header(reservation, transfer_id),
-                nbytes=nbytes,
-                arrival_proofs=proofs,
-                src_tp=info.layout.tp,
+                checksum=checksums.algorithm if checksums is not None else "",
+                checksum_layers=checksums.layers if checksums is not None else (),
+                checksum_values=checksums.values if checksums is not None else (),
+                src_tp=tp if partial else None,
                 layers=layers,
                 reference=reference,
                 content=stored.content if reference is not None else None,
