@@ -23,6 +23,10 @@ Contenders, each timed from a synchronized start to its bytes being in the decod
   request, what a serving node sustains), the copy kernel queued 10 times back to back (the
   GPU-side rate), and the staged path used without peer access (gather kernel, one copy,
   scatter kernel);
+- `kvray cuda_ipc, checked`: the same write with the copy hashing what it moves (`kvray.content`,
+  placement and content digests, at the defaults), compared with the writer's reference taken
+  once before (as `hold_digests` takes it when the KV is produced), one request and the stream;
+  and with the reference hashed from the source on the GPU before every write;
 - `naive`: one `copy_` per op of the same plan;
 - `nccl`: gather into one buffer, `send`, `recv` on the decode process, scatter, ack.
 The decode buffer is scrubbed before every run; after each contender's runs the decode process
@@ -44,6 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,8 +56,10 @@ import numpy as np
 import torch
 
 from kvray.config import Settings
+from kvray.content import Stretches
 from kvray.layout import Geometry, KVLayout, LayerSpec, deepseek_v3
 from kvray.memory import Backing, MemoryKind
+from kvray.placement import Stored
 from kvray.plan import OffsetCache, TransferPlan, plan_transfer
 from kvray.transport import Peer
 from kvray.transport.cuda_ipc import CudaIpcTransport, copy_ops, launch_copy
@@ -344,6 +351,58 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         def kvray_transport() -> None:
             loop.run_until_complete(transport.write(plan, source, peer))
 
+        # Checked: the copy hashes what it moves (`kvray.content`); the writer's reference is
+        # taken apart (as `hold_digests` takes it, when the KV is produced), or, in the last
+        # row, by hashing the source on the GPU before each write (`Transport.reference`).
+        stretches = Stretches(
+            layout,
+            source.placements,
+            remote.layout,
+            remote.placement,
+            plan.layers,
+            local_blocks,
+            remote_blocks,
+        )
+        reference = loop.run_until_complete(transport.reference(stretches, source))
+        digest_mismatches = [0]
+
+        def compare(stored: Stored, expected: int) -> None:
+            if stored.content != expected:
+                digest_mismatches[0] += 1
+
+        def checked_plan() -> TransferPlan:
+            return replace(
+                plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache), hashed=True
+            )
+
+        def checked_write() -> None:
+            fresh = checked_plan()
+            compare(loop.run_until_complete(transport.write(fresh, source, peer)), reference)
+
+        async def one_checked_request() -> None:
+            fresh = checked_plan()
+            compare(await transport.write(fresh, source, peer), reference)
+
+        async def checked_stream() -> None:
+            gate = asyncio.Semaphore(IN_FLIGHT)
+
+            async def admitted() -> None:
+                async with gate:
+                    await one_checked_request()
+
+            await asyncio.gather(*(admitted() for _ in range(STREAM)))
+
+        def kvray_checked_stream() -> None:
+            loop.run_until_complete(checked_stream())
+
+        async def referenced_request() -> None:
+            expected = await transport.reference(stretches, source)
+            fresh = checked_plan()
+            compare(await transport.write(fresh, source, peer), expected)
+
+        def kvray_referenced_write() -> None:
+            loop.run_until_complete(referenced_request())
+
         async def one_request() -> None:
             fresh = plan_transfer(local, remote, local_blocks, remote_blocks, cache=cache)
             await transport.write(fresh, source, peer)
@@ -402,6 +461,9 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
             (f"before: rows, launched: stream of {STREAM}", launched_streamed, STREAM),
             ("kvray cuda_ipc: plan + write", kvray_write, 1),
             ("kvray cuda_ipc: write (planned)", kvray_transport, 1),
+            ("kvray cuda_ipc, checked: plan + write", checked_write, 1),
+            (f"kvray cuda_ipc, checked: stream of {STREAM}", kvray_checked_stream, STREAM),
+            ("kvray cuda_ipc, checked, reference hashed per write", kvray_referenced_write, 1),
             (f"kvray cuda_ipc: {IN_FLIGHT} requests in flight", kvray_steady, IN_FLIGHT),
             (f"kvray cuda_ipc: stream of {STREAM}, {IN_FLIGHT} in flight", kvray_stream, STREAM),
             (f"kvray copy kernel, {BACK_TO_BACK} queued", kvray_back_to_back, BACK_TO_BACK),
@@ -410,8 +472,11 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         for label, run, per_run in contenders:
             if args.kvray_only and not label.startswith("kvray cuda_ipc"):
                 continue
+            digest_mismatches[0] = 0
             samples = [sample / per_run for sample in timed(run, scrub, args.repeat)]
-            results[label] = (samples, verify(label))
+            results[label] = (samples, verify(label) + digest_mismatches[0])
+            if digest_mismatches[0]:
+                print(f"DIGEST MISMATCH: {name} / {label}: {digest_mismatches[0]} writes", file=sys.stderr)
         if not args.kvray_only:
             naive_repeat = max(2, args.repeat // 4)
             results["naive: one copy per op"] = (timed(naive, scrub, naive_repeat, warmup=1), verify("naive"))

@@ -26,7 +26,7 @@ blocks swapped) are caught because every word has its own pseudo-random weight.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -176,6 +176,22 @@ def _weighted_total(
     return int(weighted.sum(dtype=np.uint64))
 
 
+class StretchRows(NamedTuple):
+    """`Stretches` by row: row r's stretch of block pair i lies at src_start[r] + local[i] *
+    src_stride[r] in the writer's region src_region[r], bound for dst_start[r] + remote[i] *
+    dst_stride[r] in the decode engine's region dst_region[r], nbytes[r] long."""
+
+    src_region: Int64Array
+    src_start: Int64Array
+    src_stride: Int64Array
+    dst_region: Int64Array
+    dst_start: Int64Array
+    dst_stride: Int64Array
+    nbytes: Int64Array
+    local: Int64Array
+    remote: Int64Array
+
+
 class Stretches:
     """The stretches a transfer of some layers moves, one per (layer, run, block): where each
     lies in the writer's memory and where the decode engine's layout puts it, from the two
@@ -210,6 +226,19 @@ class Stretches:
         count = local_blocks.size
         stride_src = np.array([u[2] for u in unit], dtype=np.int64)
         stride_dst = np.array([u[3] for u in unit], dtype=np.int64)
+        #: The same stretches before expansion by block: one row per (layer, run), block b's
+        #: bytes at start + b * stride on either side (what a GPU kernel expands itself).
+        self.rows = StretchRows(
+            np.array(src_region, dtype=np.int64),
+            np.array(src_start, dtype=np.int64),
+            stride_src,
+            np.array(dst_region, dtype=np.int64),
+            np.array(dst_start, dtype=np.int64),
+            stride_dst,
+            np.array(sizes, dtype=np.int64),
+            local_blocks,
+            remote_blocks,
+        )
         self.src_region = np.repeat(np.array(src_region, dtype=np.int64), count)
         self.dst_region = np.repeat(np.array(dst_region, dtype=np.int64), count)
         self.src_start = (

@@ -22,16 +22,21 @@ from kvray.wire import EngineInfo
 
 @contextlib.contextmanager
 def executor_offset_bug() -> Iterator[None]:
-    """While inside: every CPU copy executor of this process (the C copy pool, its Python
-    fallback; the shm, loopback and ray transports' copies) stores the last op of each batch of
-    two or more over the op before it, under a correct plan, as an executor that computed a
-    wrong destination would. The placement digests report where the bytes went, so the decode
-    side refuses every such transfer (`kvray.integrity.PlacementTable`)."""
+    """While inside: every copy executor of this process (the C copy pool, its Python fallback;
+    the shm, loopback and ray transports' copies; the `cuda_ipc` kernels) stores the last op of
+    each batch of two or more over the op before it (on the GPU: the last block pair's), under
+    a correct plan, as an executor that computed a wrong destination would. The placement
+    digests report where the bytes went, so the decode side refuses every such transfer
+    (`kvray.integrity.PlacementTable`)."""
+    from kvray.transport.cuda_ipc.ops import set_executor_fault as set_gpu_executor_fault
+
     set_executor_fault(True)
+    set_gpu_executor_fault(True)
     try:
         yield
     finally:
         set_executor_fault(False)
+        set_gpu_executor_fault(False)
 
 
 class SeedBugOffsetCache(OffsetCache):

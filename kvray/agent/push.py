@@ -174,7 +174,9 @@ class Pusher:
             peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             fused = plan.hashed
-            reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
+            reference = None
+            if fused:
+                reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
             checksums = await self._checksums(
                 reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
             )
@@ -246,7 +248,9 @@ class Pusher:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
             self._check_not_failed(reservation)  # again: it may have failed while this planned
             fused = plan.hashed and (state.reference is not None or not state.layers)
-            reference = await self._reference(plan, local_blocks, remote_ids, peer) if fused else None
+            reference = None
+            if fused:
+                reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
             checksums = await self._checksums(
                 reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
             )
@@ -556,7 +560,7 @@ class Pusher:
     async def hold_digests(self, local_blocks: Blocks) -> None:
         backing = self.engine.backing
         if backing.kind is MemoryKind.CUDA:
-            return  # checked through checksums (its copies do not hash)
+            return  # hashed on the device at push time (`Transport.reference`)
         blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
         if self._held is None:
             self._held = HeldDigests(backing.layout, backing.placements)
@@ -564,14 +568,17 @@ class Pusher:
         await asyncio.to_thread(held.take, regions, blocks)
 
     async def _reference(
-        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+        self,
+        plan: TransferPlan,
+        local_blocks: Blocks,
+        remote_ids: npt.NDArray[np.int64],
+        peer: Peer,
+        transport: Transport,
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
         layouts (`kvray.content.Stretches`): from the digests held for them when there are
-        (`hold_digests`), else by reading them, on a worker thread when large (the hash
-        releases the GIL)."""
+        (`hold_digests`), else by hashing them where they are (`Transport.reference`)."""
         backing = self.engine.backing
-        regions = [region.tensor.numpy() for region in backing.regions]
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
         info = peer.info
         stretches = Stretches(
@@ -580,9 +587,7 @@ class Pusher:
         value = None if self._held is None else self._held.digest(stretches)
         if value is not None:
             return value
-        if plan.nbytes < THREAD_MIN_BYTES:
-            return stretches.digest(regions)
-        return await asyncio.to_thread(stretches.digest, regions)
+        return await transport.reference(stretches, backing)
 
     async def _checksums(
         self, reservation: Reservation, plan: TransferPlan, peer: Peer, *, every: bool = False

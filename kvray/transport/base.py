@@ -29,6 +29,7 @@ ways: `unavailable_reason`, whether an agent in this process can open the transp
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -40,7 +41,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.config import Settings
+from kvray.content import Stretches
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
+from kvray.integrity import THREAD_MIN_BYTES
 from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
@@ -175,6 +178,16 @@ class Transport(abc.ABC):
         stored = await self.write(plan, local, peer)
         then(stored)
         return stored
+
+    async def reference(self, stretches: Stretches, local: Backing) -> int:
+        """The writer's own content digest of `stretches` (`kvray.content`), hashing them in
+        `local`'s memory now: what the decode side compares with the digest the copy reports.
+        Here: host memory, on a worker thread when large (the hash releases the GIL); a
+        transport whose sources are on a device hashes them there."""
+        regions = [region.tensor.numpy() for region in local.regions]
+        if int(stretches.nbytes.sum()) < THREAD_MIN_BYTES:
+            return stretches.digest(regions)
+        return await asyncio.to_thread(stretches.digest, regions)
 
     def hashes(self, local: Backing, peer: Peer) -> bool:
         """Whether a write from `local` to `peer` reports a content digest (`Stored.content`):

@@ -39,6 +39,31 @@ def _pattern(nbytes: int, seed: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=generator)
 
 
+def _expected_stored(plan: TransferPlan, src: np.ndarray) -> Any:
+    """What a copy of `plan` from a source region holding `src` reports, by numpy: the placement
+    digest of its ops and, for a hashed plan, the content digest (`kvray.content`)."""
+    from kvray.content import destination_factor, hash_ranges, pair_salt, region_seed
+    from kvray.placement import MASK64, Stored, ranges_digest
+
+    ops = plan.ops
+    placement = ranges_digest(ops.remote_region, ops.remote_offset, ops.nbytes)
+    if not plan.hashed:
+        return Stored(placement)
+    content = 0
+    sums = hash_ranges(src, ops.local_offset, ops.nbytes, region_seed(0))
+    for value, lo, ro, lr, rr in zip(
+        sums,
+        ops.local_offset.tolist(),
+        ops.remote_offset.tolist(),
+        ops.local_region.tolist(),
+        ops.remote_region.tolist(),
+        strict=True,
+    ):
+        assert lr == 0
+        content += value * destination_factor(pair_salt(lr, rr), ro - lo)
+    return Stored(placement, content & MASK64)
+
+
 def _decode_process(conn: Connection, layout: KVLayout, device: int, use_agent: bool) -> None:
     """The decode side: allocate, fill canaries, publish, wait, send back the allocation's bytes."""
     torch.cuda.set_device(device)
@@ -151,6 +176,21 @@ def test_bytes_land_and_canaries_hold(
     plan = plan_transfer(local, info, rng.permutation(32)[:11], rng.permutation(32)[:11])
     transport = CudaIpcTransport(Settings())
     asyncio.run(transport.write(plan, source, Peer(info)))
+    # The same ops as an op table, hashed (the op kernel's digests; staged or direct), land the
+    # same bytes again.
+    tables = TransferPlan.from_ops(
+        plan.src_engine,
+        plan.src_incarnation,
+        plan.dst_engine,
+        plan.dst_incarnation,
+        plan.layers,
+        plan.ops,
+        plan.unmerged,
+        plan.layer_starts,
+    )
+    tables = replace(tables, hashed=True)
+    stored = asyncio.run(transport.write(tables, source, Peer(info)))
+    assert stored == _expected_stored(tables, source.regions[0].tensor.cpu().numpy())
 
     conn.send("snapshot")
     region_offset, after = conn.recv()
@@ -216,7 +256,8 @@ def test_requests_of_every_size_land_through_one_transport(decode_process: Any, 
     """Many requests through one transport: sizes below, at and past a captured copy's capacity
     (ids left from a larger request in its pinned buffer must not be copied again), one after
     the other over the same blocks, then more at once than the copies captured per size (the
-    rest launched); every byte lands and nothing outside the written blocks changes."""
+    rest launched); every byte lands and nothing outside the written blocks changes. Every other
+    plan is hashed: the kernel's placement and content digests equal numpy's over the plan."""
     from kvray.config import Settings
     from kvray.transport import Peer
     from kvray.transport.cuda_ipc import CudaIpcTransport
@@ -237,13 +278,20 @@ def test_requests_of_every_size_land_through_one_transport(decode_process: Any, 
         for index in range(6)
     ]
 
+    hashed = [replace(plan, hashed=index % 2 == 0) for index, plan in enumerate(one_by_one + at_once)]
+    one_by_one, at_once = hashed[: len(one_by_one)], hashed[len(one_by_one) :]
+    reported = []
+
     async def write_all() -> None:
         for plan in one_by_one:
-            await transport.write(plan, source, peer)
-        await asyncio.gather(*(transport.write(plan, source, peer) for plan in at_once))
+            reported.append(await transport.write(plan, source, peer))
+        reported.extend(await asyncio.gather(*(transport.write(plan, source, peer) for plan in at_once)))
         await transport.close()
 
     asyncio.run(write_all())
+    src_bytes = source.regions[0].tensor.cpu().numpy()
+    for plan, stored in zip(one_by_one + at_once, reported, strict=True):
+        assert stored == _expected_stored(plan, src_bytes), plan.hashed
     conn.send("snapshot")
     region_offset, after = conn.recv()
     before = _pattern(after.size, CANARY_SEED, torch.device("cuda:0")).cpu().numpy()

@@ -1,8 +1,10 @@
 """KV integrity on GPU backings over `cuda_ipc`, prefill and decode agents in two processes (no
-Ray): the writer hashes the layers it pushes from GPU memory, the decode side the bytes as they
-landed in its GPU blocks, and a request whose bytes were corrupted on the way (`ByteFlipper`)
-fails with `KVIntegrityError` naming the layer. Also what the check costs here (printed, not
-asserted: timings belong in benchmarks)."""
+Ray): at the defaults every request is checked, the copy kernel hashing what it moves against the
+digest the writer's GPU took of its blocks (`kvray.content`), and a request whose bytes were
+corrupted on the way (`ByteFlipper`) or stored elsewhere by the kernel under a correct plan
+(`executor_offset_bug`) fails with `KVIntegrityError`; the next, intact, is taken. The sampled
+backstop (`wsum64` on the device) equals the host's. Also what the slow check costs here
+(printed, not asserted: timings belong in benchmarks)."""
 
 from __future__ import annotations
 
@@ -58,11 +60,12 @@ async def _decode_agent(conn: Connection, layout: KVLayout, requests: int) -> No
 
 
 @pytest.fixture
-def decode_process() -> Any:
+def decode_process(request: pytest.FixtureRequest) -> Any:
     context = mp.get_context("spawn")
     parent, child = context.Pipe()
     layout = mixed(32)
-    process = context.Process(target=_decode, args=(child, layout, 3))
+    requests = getattr(request, "param", 3)
+    process = context.Process(target=_decode, args=(child, layout, requests))
     process.start()
     assert parent.poll(120), "the decode process did not publish its engine info"
     yield parent, decode_engine_info(parent.recv())
@@ -105,7 +108,8 @@ def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process
     assert conn.recv() == ("ok", [])
     asyncio.run(push(True))
     verdict, layers = conn.recv()
-    assert verdict == "refused" and layers == [layer for _, layer in flipper.flipped], (verdict, layers)
+    # The copy's digest covers the whole push: the error names every layer it wrote.
+    assert verdict == "refused" and {layer for _, layer in flipper.flipped} <= set(layers), (verdict, layers)
     again, seconds = asyncio.run(push(False))
     assert conn.recv() == ("ok", [])
     stats = conn.recv()
@@ -115,6 +119,40 @@ def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process
     print(
         f"\ncuda_ipc push of {again.nbytes / 2**20:.2f} MiB with the integrity check: {seconds * 1e3:.2f} ms"
     )
+
+
+@pytest.mark.parametrize("decode_process", [4], indirect=True)
+def test_a_kernel_storing_elsewhere_than_its_correct_plan_is_refused(decode_process: Any) -> None:
+    """`kvray.faults.executor_offset_bug` on the GPU: the plan is right, the row kernel stores
+    the last block pair over the one before it; the placement digest it reports says so and
+    the decode side refuses the request, replayed graph or launched kernel alike."""
+    from kvray.agent import KVAgent
+    from kvray.faults import executor_offset_bug
+
+    conn, info = decode_process
+    source = Backing.allocate(info.layout, MemoryKind.CUDA, device="cuda:0")
+    region = source.regions[0].tensor
+    region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8, device="cuda:0"))
+
+    async def push(faulty: bool) -> None:
+        agent = KVAgent("prefill", Role.PREFILL, backing=source, use_coordinator=False)
+        await agent.start()
+        agent.add_peer(info)
+        reservation = msgspec.msgpack.decode(conn.recv(), type=Reservation)
+        if faulty:
+            with executor_offset_bug():
+                await agent.push(reservation, LOCAL_BLOCKS)
+        else:
+            await agent.push(reservation, LOCAL_BLOCKS)
+        await agent.close()
+
+    verdicts = []
+    for faulty in (False, True, True, False):
+        asyncio.run(push(faulty))
+        verdicts.append(conn.recv()[0])
+    assert verdicts == ["ok", "refused", "refused", "ok"]
+    stats = conn.recv()
+    assert stats["integrity_checks_ok"] == 2
 
 
 @pytest.mark.parametrize("length", [1, 4099, 1 << 20, (64 << 20) + 3])

@@ -6,14 +6,20 @@ then the row kernel), replayed for every request with two driver calls.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvray.content import StretchRows, pair_salt, region_seed
 from kvray.memory import source_ready
+from kvray.placement import Stored, region_salt
 from kvray.plan import RequestRows
+from kvray.transport.cuda_ipc import ops
+from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
 from kvray.transport.cuda_ipc.driver import (
     EVENT_RECORD_EXTERNAL,
     EVENT_WAIT_EXTERNAL,
@@ -22,6 +28,8 @@ from kvray.transport.cuda_ipc.driver import (
 )
 from kvray.transport.cuda_ipc.kernels import (
     FETCH_BLOCK,
+    HASH_MAX_UNIT,
+    HASH_STEP_NBYTES,
     MAX_PIECE_NBYTES,
     UNIT_DTYPES,
     fetch_kernel,
@@ -64,13 +72,19 @@ class RowGraph:
     #: The driver's handles of the instantiated graph and of `produced` (`_replay_rows`).
     exec_handle: int = 0
     produced_handle: int = 0
+    #: Where a hashing graph's fold writes the content digest (`DigestCell`).
+    cell: DigestCell | None = None
+    #: A replay's digest not read yet: the graph is not replayed again until it is.
+    held: bool = False
 
 
 @dataclass(frozen=True)
 class RowTable:
     """A pair of `PartRows` (local and remote) as the row kernel reads them, on one GPU: built
     once per pair of engine incarnations and layer list, then reused by every request, with the
-    row copies captured for it."""
+    row copies captured for it. Its eight columns: `rows_kernel`'s five, then each row's source
+    region seed and pair salt (`kvray.content`) and destination region salt
+    (`kvray.placement`), read by a hashing copy only."""
 
     table: torch.Tensor
     num_rows: int
@@ -81,8 +95,8 @@ class RowTable:
     #: The one local and one remote region every row lies in; None when the rows span several.
     regions: tuple[int, int] | None = None
     #: Captured row copies by (source address, source bytes, target address, target bytes,
-    #: capacity).
-    graphs: dict[tuple[int, int, int, int, int], list[RowGraph]] = field(default_factory=dict)
+    #: capacity, hashing).
+    graphs: dict[tuple[int, int, int, int, int, bool], list[RowGraph]] = field(default_factory=dict)
 
 
 def row_table(rows: RequestRows, device: torch.device) -> RowTable:
@@ -92,7 +106,8 @@ def row_table(rows: RequestRows, device: torch.device) -> RowTable:
     for column in columns:
         if column.size:
             combined |= int(np.bitwise_or.reduce(column))
-    table = torch.from_numpy(np.concatenate(columns)).to(device)
+    hashing = hash_columns(local.region, remote.region)
+    table = torch.from_numpy(np.concatenate((*columns, *hashing))).to(device)
     pieces = -(-int(local.nbytes.max()) // MAX_PIECE_NBYTES)
     regions = None
     if local.region.size:
@@ -102,36 +117,110 @@ def row_table(rows: RequestRows, device: torch.device) -> RowTable:
     return RowTable(table, int(local.base.size), combined, pieces, regions)
 
 
+def hash_columns(
+    local_region: npt.NDArray[np.int64], remote_region: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Each row's source region seed and pair salt (`kvray.content`) and its destination region's
+    salt (`kvray.placement`), as int64 bit patterns."""
+    local, remote = local_region.tolist(), remote_region.tolist()
+    seeds = np.array([region_seed(int(region)) for region in local], dtype=np.uint64)
+    salts = np.array([pair_salt(int(a), int(b)) for a, b in zip(local, remote, strict=True)], dtype=np.uint64)
+    places = np.array([region_salt(int(region)) for region in remote], dtype=np.uint64)
+    return seeds.view(np.int64), salts.view(np.int64), places.view(np.int64)
+
+
 def launch_rows_kernel(
-    dst: torch.Tensor, src: torch.Tensor, table: RowTable, ids: torch.Tensor, capacity: int
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    table: RowTable,
+    ids: torch.Tensor,
+    capacity: int,
+    cell: DigestCell | None = None,
+    *,
+    store: bool = True,
 ) -> None:
     """The row kernel on the current stream over `capacity` block pairs of `ids` (laid out as
-    `rows_kernel` reads them)."""
+    `rows_kernel` reads them); with a `cell`, hashing what it copies into the cell's slots
+    (`cell.fold` adds them up); without `store`, hashing only."""
     unit = pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
-    vector = 2 if unit == 16 else 1
-    unit = min(8, unit)
+    if cell is None:
+        vector = 2 if unit == 16 else 1
+        unit = min(8, unit)
+        block, warps = 4096, 16
+    else:
+        vector = max(1, unit // HASH_MAX_UNIT)
+        unit = min(HASH_MAX_UNIT, unit)
+        block, warps = HASH_STEP_NBYTES // unit, 8
     rows_kernel()[(capacity, table.num_rows, table.pieces)](
         src.view(UNIT_DTYPES[unit]),
         dst.view(UNIT_DTYPES[unit]),
         table.table,
         ids,
+        table.table if cell is None else cell.slots,
         table.num_rows,
         capacity,
         SHIFT=unit.bit_length() - 1,
         PIECE=MAX_PIECE_NBYTES,
-        BLOCK=4096,
+        BLOCK=block,
         VEC=vector,
-        num_warps=16,
+        HASH=cell is not None,
+        STORE=store,
+        num_warps=warps,
     )
 
 
-def launch_rows(dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable) -> None:
+def hash_stretches(
+    rows: StretchRows, regions: Sequence[torch.Tensor]
+) -> tuple[list[DigestCell], list[torch.cuda.Event]]:
+    """The writer's reference (`kvray.content.Stretches`) hashed on the GPU by the row kernel
+    without storing, one launch per source region, on kvray's copy stream after the work that
+    wrote the KV: each launch's digest is in its cell once its event has completed."""
+    cells, events = [], []
+    count = int(rows.local.size)
+    for source in np.unique(rows.src_region).tolist():
+        select = rows.src_region == source
+        columns = (
+            rows.src_start[select],
+            rows.dst_start[select],
+            rows.src_stride[select],
+            rows.dst_stride[select],
+            rows.nbytes[select],
+        )
+        if count == 0 or not columns[4].size:
+            continue
+        region = regions[source]
+        device = region.device
+        combined = int(np.bitwise_or.reduce(np.concatenate(columns)))
+        hashing = hash_columns(np.full(columns[4].size, source, dtype=np.int64), rows.dst_region[select])
+        stream = copy_stream(device.index or 0)
+        follow_current(device.index or 0, stream)
+        cell = take_cell(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            table = upload_table(device, *columns, *hashing)
+            ids = upload_table(device, np.array([count], dtype=np.int64), rows.local, rows.remote)
+            pieces = -(-int(columns[4].max()) // MAX_PIECE_NBYTES)
+            shape = RowTable(table, int(columns[4].size), combined, pieces)
+            launch_rows_kernel(region, region, shape, ids, count, cell, store=False)
+            cell.fold()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        cells.append(cell)
+        events.append(done)
+    return cells, events
+
+
+def launch_rows(
+    dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable, cell: DigestCell | None = None
+) -> None:
     """One kernel launch on `dst`'s GPU, on its current stream, copying every op of `rows`
     between two uint8 tensors (`src` on the same GPU or one `dst`'s GPU reads), its block ids
-    uploaded first. Bounds are the caller's job (kvray checks every row before it gets here)."""
+    uploaded first; with a `cell`, hashing them and folding the digest into it. Bounds are the
+    caller's job (kvray checks every row before it gets here)."""
     count = int(rows.local_ids.size)
     ids = upload_table(dst.device, np.array([count], dtype=np.int64), rows.local_ids, rows.remote_ids)
-    launch_rows_kernel(dst, src, table, ids, count)
+    launch_rows_kernel(dst, src, table, ids, count, cell)
+    if cell is not None:
+        cell.fold()
 
 
 def _fetch_ids(ids: torch.Tensor, pinned: torch.Tensor) -> None:
@@ -140,17 +229,23 @@ def _fetch_ids(ids: torch.Tensor, pinned: torch.Tensor) -> None:
     fetch_kernel()[(-(-count // FETCH_BLOCK),)](pinned, ids, count, BLOCK=FETCH_BLOCK, num_warps=4)
 
 
-def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph:
+def capture_rows(
+    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, *, hashing: bool = False
+) -> RowGraph:
     """Capture the ids' fetch and the row kernel for requests of up to `capacity` block pairs
-    into `dst` from `src`, between a wait for a `produced` event of the source GPU and a record
+    into `dst` from `src` (hashing what it copies, then the fold into the graph's own cell,
+    when `hashing`), between a wait for a `produced` event of the source GPU and a record
     of `done` (both external nodes of the graph, so a replay is two driver calls: record
     `produced`, launch). The capture records from this thread only (`thread_local`), so an
     engine's other threads keep using the GPU meanwhile."""
     pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
     ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
-    # Compiles and loads both kernels outside the capture; a count of 0 copies nothing.
+    cell = DigestCell(dst.device) if hashing else None
+    # Compiles and loads the kernels outside the capture; a count of 0 copies nothing.
     _fetch_ids(ids, pinned)
-    launch_rows_kernel(dst, src, table, ids, capacity)
+    launch_rows_kernel(dst, src, table, ids, capacity, cell)
+    if cell is not None:
+        cell.fold()
     capturing = capture_stream(dst.device.index or 0)
     # Each event recorded once on an idle stream, so that the driver's event exists (and reads
     # as completed) before the capture names it.
@@ -175,7 +270,9 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
                     calls.stream_wait_event(capturing.cuda_stream, produced.cuda_event, EVENT_WAIT_EXTERNAL),
                 )
                 _fetch_ids(ids, pinned)
-                launch_rows_kernel(dst, src, table, ids, capacity)
+                launch_rows_kernel(dst, src, table, ids, capacity, cell)
+                if cell is not None:
+                    cell.fold()
                 driver_check(
                     "cuEventRecordWithFlags",
                     calls.event_record_with_flags(
@@ -188,40 +285,84 @@ def capture_rows(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity
         if collecting:
             gc.enable()
     return RowGraph(
-        graph, pinned.numpy(), pinned, ids, produced, done, graph.raw_cuda_graph_exec(), produced.cuda_event
+        graph,
+        pinned.numpy(),
+        pinned,
+        ids,
+        produced,
+        done,
+        graph.raw_cuda_graph_exec(),
+        produced.cuda_event,
+        cell,
     )
 
 
-def idle_graph(dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int) -> RowGraph | None:
+def idle_graph(
+    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, *, hashing: bool = False
+) -> RowGraph | None:
     """A captured row copy for this shape whose last replay has finished, captured now if fewer
     than `_GRAPHS_PER_SHAPE` exist; None when all of them are busy."""
-    key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity)
+    key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity, hashing)
     graphs = table.graphs.setdefault(key, [])
     for graph in graphs:
         # A graph not replayed yet has an event never recorded, which reads as completed.
-        if graph.done.query():  # type: ignore[no-untyped-call]
+        if not graph.held and graph.done.query():  # type: ignore[no-untyped-call]
             return graph
     if len(graphs) >= _GRAPHS_PER_SHAPE:
         return None
     with torch.cuda.device(dst.device):
-        graphs.append(capture_rows(dst, src, table, capacity))
+        graphs.append(capture_rows(dst, src, table, capacity, hashing=hashing))
     return graphs[-1]
 
 
+class RowCopy(NamedTuple):
+    """A started row copy: `done` completes when every byte is in place; then, for a hashing
+    copy, `cell` holds the content digest of what it copied, until `release`."""
+
+    done: torch.cuda.Event
+    cell: DigestCell | None = None
+    #: The replayed graph whose cell it is (held until `release`); None: a cell of its own.
+    graph: RowGraph | None = None
+
+    def digest(self) -> Stored | None:
+        """The placement and content digests, once `done` has completed (None: the copy did not
+        hash)."""
+        return None if self.cell is None else self.cell.value()
+
+    def release(self, *, completed: bool = True) -> None:
+        """Let the cell go: its graph may be replayed again, or the cell serves another copy
+        (only a `completed` copy's, whose fold has zeroed its slots)."""
+        if self.graph is not None:
+            self.graph.held = False
+        elif self.cell is not None and completed:
+            give_back(self.cell)
+
+
 def copy_rows(
-    dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable, *, replay: bool = True
-) -> torch.cuda.Event:
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    rows: RequestRows,
+    table: RowTable,
+    *,
+    replay: bool = True,
+    hashing: bool = False,
+) -> RowCopy:
     """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
-    copy waits for the work queued on the source GPU's current stream, and the returned event
+    copy waits for the work queued on the source GPU's current stream, and the returned `done`
     completes when every byte is in `dst`. With `replay`, the ids go into an idle captured row
     copy's pinned buffer and that graph is replayed (no allocation, no upload, no
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
-    the ids are uploaded and the kernel launched."""
+    the ids are uploaded and the kernel launched. `hashing`: the copy also takes the content
+    digest of what it moves (`kvray.content`), read from the returned cell once done."""
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
     target_stream = copy_stream(target_device)
     count = int(rows.local_ids.size)
-    graph = idle_graph(dst, src, table, capacity_for(count)) if replay else None
+    if ops.executor_fault and count >= 2:
+        remote_ids = rows.remote_ids.copy()
+        remote_ids[-1] = remote_ids[-2]
+        rows = replace(rows, remote_ids=remote_ids)
+    graph = idle_graph(dst, src, table, capacity_for(count), hashing=hashing) if replay else None
     if graph is not None:
         capacity = (graph.staging.size - 1) // 2
         graph.staging[0] = count
@@ -235,13 +376,15 @@ def copy_rows(
                 record_after_source(graph.produced, source_device)
             with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
                 graph.graph.replay()
-        return graph.done
+        graph.held = hashing
+        return RowCopy(graph.done, graph.cell, graph if hashing else None)
     follow_current(source_device, target_stream)
+    cell = take_cell(dst.device) if hashing else None
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        launch_rows(dst, src, rows, table)
+        launch_rows(dst, src, rows, table, cell)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(target_stream)
-    return done
+    return RowCopy(done, cell)
 
 
 def _replay_rows(graph: RowGraph, device: int, stream: torch.cuda.Stream) -> None:

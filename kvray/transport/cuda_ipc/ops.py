@@ -5,14 +5,37 @@ between two GPUs without peer access.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
+from kvray.content import pair_salt, region_seed
 from kvray.errors import TransportError
 from kvray.layout import Int64Array
+from kvray.placement import region_salt
 from kvray.plan import split_ops
-from kvray.transport.cuda_ipc.kernels import MAX_PIECE_NBYTES, UNIT_DTYPES, copy_kernel, pick_unit
+from kvray.transport.cuda_ipc.digests import DigestCell
+from kvray.transport.cuda_ipc.kernels import (
+    HASH_MAX_UNIT,
+    HASH_STEP_NBYTES,
+    MAX_PIECE_NBYTES,
+    UNIT_DTYPES,
+    copy_kernel,
+    pick_unit,
+)
 from kvray.transport.cuda_ipc.streams import copy_stream, follow_current, peer_reads
+
+#: Faults only (`kvray.faults.executor_offset_bug`): the copies store the last op (block pair)
+#: of a write of two or more over the one before it, under a correct plan.
+executor_fault = False
+
+
+def set_executor_fault(on: bool) -> None:
+    """Faults only: make every `cuda_ipc` copy store its last op over the one before it."""
+    global executor_fault
+    executor_fault = on
+
 
 #: Pinned host buffers kept per device for op tables (each reused once its upload is done).
 _KEPT_TABLE_BUFFERS = 8
@@ -44,17 +67,48 @@ def upload_table(device: torch.device, *columns: Int64Array) -> torch.Tensor:
     return table
 
 
+class Hashing(NamedTuple):
+    """What a hashing copy needs beyond its ops: where its programs add their sums, the source
+    and destination regions' indices (for the seed and salt), and where each op's bytes count
+    as bound when the copy only stages them (default: its targets)."""
+
+    cell: DigestCell
+    src_region: int
+    dst_region: int
+    #: Where each op's bytes count as bound and stored (`kvray.placement`) when the copy only
+    #: stages them (default: its targets).
+    bound: Int64Array | None = None
+
+    def parameters(self) -> Int64Array:
+        """The source seed, the pair salt and the destination region's salt (`kvray.placement`)
+        as int64 bit patterns (the op table's last three entries)."""
+        values = np.array(
+            [
+                region_seed(self.src_region),
+                pair_salt(self.src_region, self.dst_region),
+                region_salt(self.dst_region),
+            ],
+            dtype=np.uint64,
+        )
+        return values.view(np.int64)
+
+
 def launch_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
     dst_offsets: Int64Array,
     src_offsets: Int64Array,
     nbytes: Int64Array,
+    hashing: Hashing | None = None,
+    *,
+    store: bool = True,
 ) -> None:
     """One kernel launch on `dst`'s GPU, on that GPU's current stream, copying every
     (dst_offset, src_offset, nbytes) op between two uint8 tensors. `src` is on the same GPU or
-    on one whose memory `dst`'s GPU can read (`peer_reads`). Bounds are the caller's job
-    (kvray checks every op before it gets here)."""
+    on one whose memory `dst`'s GPU can read (`peer_reads`). With `hashing`, the programs add
+    the content digest of what they copy into its cell's slots (the caller folds them);
+    without `store`, they only hash. Bounds are the caller's job (kvray checks every op before
+    it gets here)."""
     if nbytes.size == 0:
         return
     reader, owner = dst.device.index or 0, src.device.index or 0
@@ -65,25 +119,46 @@ def launch_copy(
             owner=owner,
         )
     unit = pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr()))
-    vector = 2 if unit == 16 else 1
-    unit = min(8, unit)
+    bound = dst_offsets if hashing is None or hashing.bound is None else hashing.bound
+    if hashing is None:
+        vector = 2 if unit == 16 else 1
+        unit = min(8, unit)
+        # Remote loads need more bytes in flight per program than local ones.
+        block, warps = (4096, 16) if reader != owner else (2048, 8)
+    else:
+        vector = max(1, unit // HASH_MAX_UNIT)
+        unit = min(HASH_MAX_UNIT, unit)
+        block, warps = HASH_STEP_NBYTES // unit, 8
     if int(nbytes.max()) > MAX_PIECE_NBYTES:
         # Long ops are cut so that no program copies much more than the others.
+        if hashing is not None:
+            bound, _, _ = split_ops(bound, src_offsets, nbytes, MAX_PIECE_NBYTES)
         dst_offsets, src_offsets, nbytes = split_ops(dst_offsets, src_offsets, nbytes, MAX_PIECE_NBYTES)
-    # Remote loads need more bytes in flight per program than local ones.
-    block, warps = (4096, 16) if reader != owner else (2048, 8)
     with torch.cuda.device(dst.device):
-        table = upload_table(dst.device, src_offsets, dst_offsets, nbytes)
+        if hashing is None:
+            table = upload_table(dst.device, src_offsets, dst_offsets, nbytes)
+        else:
+            table = upload_table(dst.device, src_offsets, dst_offsets, nbytes, bound, hashing.parameters())
         copy_kernel()[(nbytes.size,)](
             src.view(UNIT_DTYPES[unit]),
             dst.view(UNIT_DTYPES[unit]),
             table,
+            table if hashing is None else hashing.cell.slots,
             nbytes.size,
             SHIFT=unit.bit_length() - 1,
             BLOCK=block,
             VEC=vector,
+            HASH=hashing is not None,
+            STORE=store,
             num_warps=warps,
         )
+
+
+def reading_device(dst: torch.Tensor, src: torch.Tensor, *, direct: bool = True) -> torch.device:
+    """The GPU whose kernel reads the source in `copy_ops` (where a hashing copy's cell lives)."""
+    if direct and peer_reads(dst.device.index or 0, src.device.index or 0):
+        return dst.device
+    return src.device
 
 
 def copy_ops(
@@ -94,6 +169,7 @@ def copy_ops(
     nbytes: Int64Array,
     *,
     direct: bool = True,
+    hashing: Hashing | None = None,
 ) -> torch.cuda.Event:
     """Copy the ops from `src` into `dst`, on one GPU or across two, and return an event that
     completes when every byte is in `dst`. The copies wait for the work already queued on the
@@ -103,15 +179,23 @@ def copy_ops(
     GPU, loading the source over the link. That is a pull by the writer's own process into
     memory it opened through IPC; the decode process takes no part. Otherwise: a kernel gathers
     the ops into one staging buffer on the source GPU, one device-to-device copy moves it, and a
-    kernel on the destination GPU scatters it into place.
+    kernel on the destination GPU scatters it into place. With `hashing`, the kernel that reads
+    the source adds the content digest of the ops into its cell (on `reading_device`'s GPU)
+    and folds it there: the cell holds the digest once the returned event has completed.
     """
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
     target_stream = copy_stream(target_device)
     follow_current(source_device, target_stream)
+    if executor_fault and dst_offsets.size >= 2:
+        dst_offsets = dst_offsets.copy()
+        dst_offsets[-1] = dst_offsets[-2]
     if direct and peer_reads(target_device, source_device):
         with torch.cuda.stream(target_stream):
-            launch_copy(dst, src, dst_offsets, src_offsets, nbytes)
+            launch_copy(dst, src, dst_offsets, src_offsets, nbytes, hashing)
+            if hashing is not None:
+                with torch.cuda.device(dst.device):
+                    hashing.cell.fold()
     else:
         total = int(nbytes.sum())
         staged = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
@@ -119,7 +203,11 @@ def copy_ops(
         follow_current(source_device, source_stream)
         with torch.cuda.stream(source_stream):
             outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
-            launch_copy(outgoing, src, staged, src_offsets, nbytes)
+            gathering = None if hashing is None else hashing._replace(bound=dst_offsets)
+            launch_copy(outgoing, src, staged, src_offsets, nbytes, gathering)
+            if hashing is not None:
+                with torch.cuda.device(src.device):
+                    hashing.cell.fold()
         with torch.cuda.stream(source_stream), torch.cuda.stream(target_stream):
             incoming = torch.empty(total, dtype=torch.uint8, device=dst.device)
             # torch copies on the source GPU's current stream and orders the target's after it.

@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from kvray.config import Settings
+from kvray.content import Stretches
 from kvray.errors import (
     RegionError,
     TransportError,
@@ -22,7 +23,7 @@ from kvray.errors import (
 )
 from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
-from kvray.placement import Stored
+from kvray.placement import MASK64, NOTHING, Stored
 from kvray.plan import PartRows, RequestRows, TransferPlan
 from kvray.transport.base import (
     Peer,
@@ -34,9 +35,10 @@ from kvray.transport.base import (
     region_pairs,
 )
 from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_allocation_range
-from kvray.transport.cuda_ipc.graphs import RowTable, copy_rows, row_table
+from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
+from kvray.transport.cuda_ipc.graphs import RowTable, copy_rows, hash_stretches, row_table
 from kvray.transport.cuda_ipc.kernels import MAX_GRID_YZ
-from kvray.transport.cuda_ipc.ops import copy_ops
+from kvray.transport.cuda_ipc.ops import Hashing, copy_ops, reading_device
 from kvray.transport.cuda_ipc.streams import device_of_uuid, device_uuid, peer_reads, wait_for_events
 from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
 
@@ -137,6 +139,22 @@ class CudaIpcTransport(Transport):
             )
         return tuple(descriptors)
 
+    def hashes(self, local: Backing, peer: Peer) -> bool:
+        # Every copy is a kernel of kvray's, which hashes as it moves the bytes.
+        return True
+
+    async def reference(self, stretches: Stretches, local: Backing) -> int:
+        if local.kind is not MemoryKind.CUDA:
+            return await super().reference(stretches, local)
+        cells, events = hash_stretches(stretches.rows, [region.tensor for region in local.regions])
+        # A cell whose hash did not complete is not given back (its slots may hold a sum).
+        await wait_for_events(events, int(stretches.nbytes.sum()))
+        digest = 0
+        for cell in cells:
+            digest += cell.value().content or 0
+            give_back(cell)
+        return digest & MASK64
+
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
         check_write(plan, local, peer)
         rows = plan.rows
@@ -145,17 +163,23 @@ class CudaIpcTransport(Transport):
             if direct is not None:
                 source, opened, table = direct
                 try:
-                    done = copy_rows(opened.region, source, rows, table, replay=self._replay)
+                    copy = copy_rows(
+                        opened.region, source, rows, table, replay=self._replay, hashing=plan.hashed
+                    )
                 except Exception as error:
                     raise WriteFailedError(
                         f"copy into engine {peer.info.engine_id!r} failed: {error}",
                         engine_id=peer.info.engine_id,
                     ) from error
                 # `opened` (what the copy writes into) stays open until the copy has finished.
-                await wait_for_events([done], plan.nbytes)
-                return planned_placement(plan)
+                try:
+                    await wait_for_events([copy.done], plan.nbytes)
+                    return copy.digest() or planned_placement(plan)
+                finally:
+                    copy.release(completed=copy.done.query())  # type: ignore[no-untyped-call]
         ops = plan.ops
         events = []
+        cells: list[DigestCell] = []
         # What the copies write into stays open until they have finished, even if the peer is
         # forgotten (it left, or fell out of the cache) meanwhile.
         in_use: list[_Opened] = []
@@ -165,6 +189,10 @@ class CudaIpcTransport(Transport):
             source = local.regions[local_index].tensor
             if not source.is_cuda:
                 raise TransportError("the cuda_ipc transport copies from CUDA memory")
+            hashing = None
+            if plan.hashed:
+                cells.append(take_cell(reading_device(target, source)))
+                hashing = Hashing(cells[-1], local_index, remote_index)
             try:
                 events.append(
                     copy_ops(
@@ -173,6 +201,7 @@ class CudaIpcTransport(Transport):
                         ops.remote_offset[select],
                         ops.local_offset[select],
                         ops.nbytes[select],
+                        hashing=hashing,
                     )
                 )
             except Exception as error:
@@ -182,7 +211,13 @@ class CudaIpcTransport(Transport):
                 ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
         await wait_for_events(events, ops.total_nbytes)
-        return planned_placement(plan)
+        if not plan.hashed:
+            return planned_placement(plan)
+        stored = NOTHING
+        for cell in cells:
+            stored = stored.plus(cell.value())
+            give_back(cell)
+        return stored
 
     def _direct_rows(
         self, rows: RequestRows, local: Backing, peer: Peer
