@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from kvray.config import Settings
-from kvray.content import Stretches
+from kvray.content import Stretches, stretch_rows
 from kvray.layout import Geometry, KVLayout, LayerSpec, deepseek_v3
 from kvray.memory import Backing, MemoryKind
 from kvray.placement import Stored
@@ -355,11 +355,7 @@ def bench(args: argparse.Namespace, decode_device: int) -> list[dict[str, Any]]:
         # taken apart (as `hold_digests` takes it, when the KV is produced), or, in the last
         # row, by hashing the source on the GPU before each write (`Transport.reference`).
         stretches = Stretches(
-            layout,
-            source.placements,
-            remote.layout,
-            remote.placement,
-            plan.layers,
+            stretch_rows(layout, source.placements, remote.layout, remote.placement, plan.layers),
             local_blocks,
             remote_blocks,
         )

@@ -183,7 +183,9 @@ def main() -> int:
             ("gpu: row kernel", rows_jit),
             (
                 "gpu: copy_rows, graph replay",
-                lambda: torch.cuda.current_stream().wait_event(cuda_ipc.copy_rows(dst, src, rows, table)),
+                lambda: torch.cuda.current_stream().wait_event(
+                    cuda_ipc.copy_rows(dst, src, rows, table).done
+                ),
             ),
             ("gpu: op-table kernel", ops_jit),
             ("gpu: one plain copy of the bytes", torch_copy),

@@ -1,7 +1,8 @@
 """Content digests: one number for the bytes a transfer moved and where each went, computed by
 the executor as it copies them (the C copy pool for shm and loopback, the ray receiver's
 scatter) and, independently, by the writer from its own blocks and the two engines' layouts
-(`Stretches`, or `HeldDigests` taken earlier), never from its plan or offset cache. The decode
+(`stretch_rows`, `Stretches`, or `HeldDigests` taken earlier), never from its plan or offset
+cache. The decode
 side takes a request only when the two agree (and its placement digest, `kvray.placement`,
 does too).
 
@@ -25,6 +26,7 @@ blocks swapped) are caught because every word has its own pseudo-random weight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, NamedTuple
 
@@ -62,6 +64,20 @@ def region_seed(region: int) -> int:
 def pair_salt(src_region: int, dst_region: int) -> int:
     """The salt of destination factors between two regions."""
     return mix64(((src_region + 1) << 32) | (dst_region + 1))
+
+
+def region_seeds(regions: Int64Array) -> npt.NDArray[np.uint64]:
+    """`region_seed` elementwise."""
+    with np.errstate(over="ignore"):
+        return mix_array(regions.astype(np.uint64) + np.uint64(0xC0FFEE)) & np.uint64(0xFFFFFFFF)
+
+
+def pair_salts(src_regions: Int64Array, dst_regions: Int64Array) -> npt.NDArray[np.uint64]:
+    """`pair_salt` elementwise."""
+    keys = ((src_regions.astype(np.uint64) + np.uint64(1)) << np.uint64(32)) | (
+        dst_regions.astype(np.uint64) + np.uint64(1)
+    )
+    return mix_array(keys)
 
 
 def destination_factor(salt: int, delta: int) -> int:
@@ -160,26 +176,22 @@ def factors(salts: npt.NDArray[np.uint64], deltas: Int64Array) -> npt.NDArray[np
         return mix_array(salts ^ deltas.astype(np.uint64)) | np.uint64(1)
 
 
-def _pair_salts(src_regions: Int64Array, dst_regions: Int64Array) -> npt.NDArray[np.uint64]:
-    keys = ((src_regions.astype(np.uint64) + np.uint64(1)) << np.uint64(32)) | (
-        dst_regions.astype(np.uint64) + np.uint64(1)
-    )
-    return mix_array(keys)
-
-
 def _weighted_total(
     src_region: Int64Array, dst_region: Int64Array, deltas: Int64Array, sums: npt.NDArray[np.uint64]
 ) -> int:
     """Sum of each stretch's content sum times its destination factor, mod 2**64."""
     with np.errstate(over="ignore"):
-        weighted = factors(_pair_salts(src_region, dst_region), deltas) * sums
+        weighted = factors(pair_salts(src_region, dst_region), deltas) * sums
     return int(weighted.sum(dtype=np.uint64))
 
 
 class StretchRows(NamedTuple):
-    """`Stretches` by row: row r's stretch of block pair i lies at src_start[r] + local[i] *
-    src_stride[r] in the writer's region src_region[r], bound for dst_start[r] + remote[i] *
-    dst_stride[r] in the decode engine's region dst_region[r], nbytes[r] long."""
+    """The stretches a transfer of some layers moves, by row, one row per (layer, run): block b
+    of row r lies at src_start[r] + b * src_stride[r] in the writer's region src_region[r] and
+    is bound for dst_start[r] + b' * dst_stride[r] in the decode engine's region dst_region[r]
+    (b' the block it goes to), nbytes[r] long; `layer` and `part` name each row's place in the
+    writer's layout, a whole part where `whole_parts` (not where the engines share only some
+    heads). From the two layouts alone (no plan, no offset cache): `stretch_rows`."""
 
     src_region: Int64Array
     src_start: Int64Array
@@ -188,82 +200,115 @@ class StretchRows(NamedTuple):
     dst_start: Int64Array
     dst_stride: Int64Array
     nbytes: Int64Array
-    local: Int64Array
-    remote: Int64Array
+    layer: Int64Array
+    part: Int64Array
+    whole_parts: bool
+
+
+def stretch_rows(
+    layout: KVLayout,
+    placements: Mapping[str, LayerPlacement],
+    dst_layout: KVLayout,
+    dst_placement: Callable[[str], LayerPlacement],
+    layers: Sequence[str],
+) -> StretchRows:
+    """The rows of a transfer of `layers` from an engine of `layout` to one of `dst_layout`
+    (the same for every request between the two: callers keep them)."""
+    heads = shared_heads(layout.tp, dst_layout.tp, "the writer", "the decode engine")
+    index = {name: at for at, name in enumerate(layout.layer_names)}
+    columns: list[list[int]] = [[] for _ in range(9)]
+    for layer in layers:
+        local = placements[layer]
+        remote = dst_placement(layer)
+        runs = _paired_runs(layout, dst_layout, local, remote, layer, heads)
+        for part, (local_at, remote_at, length) in enumerate(runs):
+            values = (
+                local.region,
+                local.offset + local_at,
+                local.block_stride,
+                remote.region,
+                remote.offset + remote_at,
+                remote.block_stride,
+                length,
+                index[layer],
+                part,
+            )
+            for column, value in zip(columns, values, strict=True):
+                column.append(value)
+    src_region, src_start, src_stride, dst_region, dst_start, dst_stride, nbytes, layer_index, run = (
+        np.array(column, dtype=np.int64) for column in columns
+    )
+    return StretchRows(
+        src_region,
+        src_start,
+        src_stride,
+        dst_region,
+        dst_start,
+        dst_stride,
+        nbytes,
+        layer_index,
+        run,
+        whole_parts=heads is None,
+    )
 
 
 class Stretches:
-    """The stretches a transfer of some layers moves, one per (layer, run, block): where each
-    lies in the writer's memory and where the decode engine's layout puts it, from the two
-    layouts alone (no plan, no offset cache); `layer`, `part` and `block` name each stretch's
-    place in the writer's layout, a whole part where `whole_parts` (not where the engines share
-    only some heads)."""
+    """A request's stretches: `rows` (`stretch_rows`) for its block pairs, `local[i]` of the
+    writer going to `remote[i]` of the decode engine; expanded into one stretch per (row,
+    block pair) only where hashed on the host."""
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        placements: Mapping[str, LayerPlacement],
-        dst_layout: KVLayout,
-        dst_placement: Callable[[str], LayerPlacement],
-        layers: Sequence[str],
-        local_blocks: Int64Array,
-        remote_blocks: Int64Array,
-    ) -> None:
-        heads = shared_heads(layout.tp, dst_layout.tp, "the writer", "the decode engine")
-        index = {name: at for at, name in enumerate(layout.layer_names)}
-        src_region, src_start, dst_region, dst_start, sizes, unit = [], [], [], [], [], []
-        for layer in layers:
-            local = placements[layer]
-            remote = dst_placement(layer)
-            runs = _paired_runs(layout, dst_layout, local, remote, layer, heads)
-            for part, (local_at, remote_at, length) in enumerate(runs):
-                src_region.append(local.region)
-                src_start.append(local.offset + local_at)
-                dst_region.append(remote.region)
-                dst_start.append(remote.offset + remote_at)
-                sizes.append(length)
-                unit.append((index[layer], part, local.block_stride, remote.block_stride))
-        count = local_blocks.size
-        stride_src = np.array([u[2] for u in unit], dtype=np.int64)
-        stride_dst = np.array([u[3] for u in unit], dtype=np.int64)
-        #: The same stretches before expansion by block: one row per (layer, run), block b's
-        #: bytes at start + b * stride on either side (what a GPU kernel expands itself).
-        self.rows = StretchRows(
-            np.array(src_region, dtype=np.int64),
-            np.array(src_start, dtype=np.int64),
-            stride_src,
-            np.array(dst_region, dtype=np.int64),
-            np.array(dst_start, dtype=np.int64),
-            stride_dst,
-            np.array(sizes, dtype=np.int64),
-            local_blocks,
-            remote_blocks,
+    def __init__(self, rows: StretchRows, local: Int64Array, remote: Int64Array) -> None:
+        self.rows = rows
+        self.local = local
+        self.remote = remote
+
+    @property
+    def nbytes_total(self) -> int:
+        return int(self.rows.nbytes.sum()) * int(self.local.size)
+
+    @functools.cached_property
+    def expanded(self) -> ExpandedStretches:
+        rows, count = self.rows, self.local.size
+        return ExpandedStretches(
+            src_region=np.repeat(rows.src_region, count),
+            src_start=(rows.src_start[:, None] + self.local[None, :] * rows.src_stride[:, None]).ravel(),
+            dst_region=np.repeat(rows.dst_region, count),
+            dst_start=(rows.dst_start[:, None] + self.remote[None, :] * rows.dst_stride[:, None]).ravel(),
+            nbytes=np.repeat(rows.nbytes, count),
+            layer=np.repeat(rows.layer, count),
+            part=np.repeat(rows.part, count),
+            block=np.tile(self.local, rows.layer.size),
         )
-        self.src_region = np.repeat(np.array(src_region, dtype=np.int64), count)
-        self.dst_region = np.repeat(np.array(dst_region, dtype=np.int64), count)
-        self.src_start = (
-            np.array(src_start, dtype=np.int64)[:, None] + local_blocks[None, :] * stride_src[:, None]
-        ).ravel()
-        self.dst_start = (
-            np.array(dst_start, dtype=np.int64)[:, None] + remote_blocks[None, :] * stride_dst[:, None]
-        ).ravel()
-        self.nbytes = np.repeat(np.array(sizes, dtype=np.int64), count)
-        self.whole_parts = heads is None
-        self.layer = np.repeat(np.array([u[0] for u in unit], dtype=np.int64), count)
-        self.part = np.repeat(np.array([u[1] for u in unit], dtype=np.int64), count)
-        self.block = np.tile(local_blocks, len(unit))
 
     def digest(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
         """The content digest, hashing every stretch's bytes now."""
-        if self.nbytes.size == 0:
+        stretches = self.expanded
+        if stretches.nbytes.size == 0:
             return 0
-        sums = np.zeros(self.nbytes.size, dtype=np.uint64)
-        for index in np.unique(self.src_region).tolist():
-            select = self.src_region == index
+        sums = np.zeros(stretches.nbytes.size, dtype=np.uint64)
+        for index in np.unique(stretches.src_region).tolist():
+            select = stretches.src_region == index
             values = hash_ranges(
-                regions[index], self.src_start[select], self.nbytes[select], region_seed(index)
+                regions[index], stretches.src_start[select], stretches.nbytes[select], region_seed(index)
             )
             sums[select] = np.array(values, dtype=np.uint64)
+        return stretches.total(sums)
+
+
+class ExpandedStretches(NamedTuple):
+    """One stretch per (row, block pair) of `Stretches`, as parallel arrays."""
+
+    src_region: Int64Array
+    src_start: Int64Array
+    dst_region: Int64Array
+    dst_start: Int64Array
+    nbytes: Int64Array
+    layer: Int64Array
+    part: Int64Array
+    block: Int64Array
+
+    def total(self, sums: npt.NDArray[np.uint64]) -> int:
+        """The content digest of stretches whose content sums are `sums`."""
         return _weighted_total(self.src_region, self.dst_region, self.dst_start - self.src_start, sums)
 
 
@@ -295,16 +340,15 @@ class HeldDigests:
 
     def digest(self, stretches: Stretches) -> int | None:
         """The content digest from held sums, dropping them (None: some are not held)."""
-        if not stretches.whole_parts:
+        if not stretches.rows.whole_parts:
             return None
-        key = (stretches.layer, stretches.part, stretches.block)
+        expanded = stretches.expanded
+        key = (expanded.layer, expanded.part, expanded.block)
         if not self.held[key].all():
             return None
         sums = self.sums[key]
         self.held[key] = False
-        return _weighted_total(
-            stretches.src_region, stretches.dst_region, stretches.dst_start - stretches.src_start, sums
-        )
+        return expanded.total(sums)
 
 
 def _paired_runs(

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine
 from kvray.agent.transports import TransportSet
-from kvray.content import HeldDigests, Stretches
+from kvray.content import HeldDigests, Stretches, StretchRows, stretch_rows
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -51,6 +51,9 @@ from kvray.plan import OffsetCache, TransferPlan, block_ids, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
+
+#: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
+_KEPT_STRETCH_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,8 @@ class Pusher:
         self._transfer_count = 0
         #: Content digests of this engine's blocks taken as their KV was held (`hold_digests`).
         self._held: HeldDigests | None = None
+        #: Per (decode engine, incarnation, layers): the stretches' rows (`kvray.content`).
+        self._stretch_rows: dict[tuple[str, int, tuple[str, ...]], StretchRows] = {}
         #: Per decode engine incarnation: its layers' indices by name (what notices name).
         self._layer_indices: dict[tuple[str, int], dict[str, int]] = {}
 
@@ -581,9 +586,14 @@ class Pusher:
         backing = self.engine.backing
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
         info = peer.info
-        stretches = Stretches(
-            backing.layout, backing.placements, info.layout, info.placement, plan.layers, local, remote_ids
-        )
+        key = (info.engine_id, info.incarnation, plan.layers)
+        rows = self._stretch_rows.get(key)
+        if rows is None:
+            if len(self._stretch_rows) >= _KEPT_STRETCH_ROWS:
+                self._stretch_rows.clear()
+            rows = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, plan.layers)
+            self._stretch_rows[key] = rows
+        stretches = Stretches(rows, local, remote_ids)
         value = None if self._held is None else self._held.digest(stretches)
         if value is not None:
             return value

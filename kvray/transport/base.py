@@ -185,7 +185,7 @@ class Transport(abc.ABC):
         Here: host memory, on a worker thread when large (the hash releases the GIL); a
         transport whose sources are on a device hashes them there."""
         regions = [region.tensor.numpy() for region in local.regions]
-        if int(stretches.nbytes.sum()) < THREAD_MIN_BYTES:
+        if stretches.nbytes_total < THREAD_MIN_BYTES:
             return stretches.digest(regions)
         return await asyncio.to_thread(stretches.digest, regions)
 

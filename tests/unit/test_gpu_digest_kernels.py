@@ -119,7 +119,8 @@ def test_row_kernel_copies_and_digests(kernels: ModuleType, shift: int) -> None:
         PIECE=256 * 1024,
         BLOCK=4096 >> shift,
         VEC=1,
-        HASH=True,
+        DIGESTS=True,
+        CONTENT=True,
         STORE=True,
     )
     ops = [
@@ -138,7 +139,12 @@ def test_op_kernel_copies_and_digests(kernels: ModuleType, shift: int) -> None:
     src = rng.integers(0, 256, 48 * 1024, dtype=np.uint8)
     ops = [(0, 20000, 4096), (4100, 100, 4096), (9000, 30000, 5000), (12288, 5000, 8000)]
     src_region, dst_region = 2, 0
-    for store, staged in ((True, False), (False, False), (True, True)):
+    for store, staged, content in (
+        (True, False, True),
+        (False, False, True),
+        (True, True, True),
+        (True, False, False),
+    ):
         dst = np.full(48 * 1024, CANARY, dtype=np.uint8)
         # Staged: the bytes go to a staging buffer packed from 0, but count as bound for (and
         # stored to) their final targets.
@@ -155,14 +161,16 @@ def test_op_kernel_copies_and_digests(kernels: ModuleType, shift: int) -> None:
             SHIFT=shift,
             BLOCK=4096 >> shift,
             VEC=1,
-            HASH=True,
+            DIGESTS=True,
+            CONTENT=content,
             STORE=store,
         )
         if store and not staged:
             _check_landed(dst, src, ops)
         elif not store:
             assert (dst == CANARY).all(), "a copy that only hashes stores nothing"
-        assert _fold(kernels, slots) == _expected(src, ops, src_region, dst_region)
+        expected = _expected(src, ops, src_region, dst_region)
+        assert _fold(kernels, slots) == (expected if content else (0, expected[1]))
 
 
 @interpreted
@@ -188,7 +196,8 @@ def test_row_kernel_digests_see_a_moved_block(kernels: ModuleType) -> None:
             PIECE=256 * 1024,
             BLOCK=1024,
             VEC=1,
-            HASH=True,
+            DIGESTS=True,
+            CONTENT=True,
             STORE=True,
         )
         return _fold(kernels, slots)

@@ -27,9 +27,10 @@ class DigestCell:
         """Queue the fold on the current stream: after the copies that add into the slots."""
         fold_kernel()[(1,)](self.slots, self.host, SLOTS=SLOTS, num_warps=4)
 
-    def value(self) -> Stored:
-        """The digests; read them only once the fold's stream has passed it."""
-        return Stored(int(self._view[1]) & MASK64, int(self._view[0]) & MASK64)
+    def value(self, *, content: bool = True) -> Stored:
+        """The digests (the content's only where the copy hashed it); read them only once the
+        fold's stream has passed it."""
+        return Stored(int(self._view[1]) & MASK64, int(self._view[0]) & MASK64 if content else None)
 
 
 _free: dict[int, list[DigestCell]] = {}

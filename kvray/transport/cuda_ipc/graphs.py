@@ -6,6 +6,7 @@ then the row kernel), replayed for every request with two driver calls.
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -14,9 +15,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvray.content import StretchRows, pair_salt, region_seed
+from kvray.content import Stretches, StretchRows, pair_salts, region_seeds
 from kvray.memory import source_ready
-from kvray.placement import Stored, region_salt
+from kvray.placement import REGION_SHIFT, Stored
 from kvray.plan import RequestRows
 from kvray.transport.cuda_ipc import ops
 from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
@@ -32,6 +33,7 @@ from kvray.transport.cuda_ipc.kernels import (
     HASH_STEP_NBYTES,
     MAX_PIECE_NBYTES,
     UNIT_DTYPES,
+    Digests,
     fetch_kernel,
     pick_unit,
     rows_kernel,
@@ -41,6 +43,8 @@ from kvray.transport.cuda_ipc.streams import capture_stream, copy_stream, follow
 
 #: Fewest block pairs a captured row copy is sized for; sizes go up in powers of two from here.
 _MIN_CAPACITY = 16
+#: The writer's reference's row tables kept per transport (`StretchTables`).
+_KEPT_STRETCH_TABLES = 64
 #: Captured row copies kept per (row table, source, target, size): one per write in flight.
 _GRAPHS_PER_SHAPE = 4
 
@@ -72,7 +76,7 @@ class RowGraph:
     #: The driver's handles of the instantiated graph and of `produced` (`_replay_rows`).
     exec_handle: int = 0
     produced_handle: int = 0
-    #: Where a hashing graph's fold writes the content digest (`DigestCell`).
+    #: Where the graph's fold writes its digests (`DigestCell`; None: it reports none).
     cell: DigestCell | None = None
     #: A replay's digest not read yet: the graph is not replayed again until it is.
     held: bool = False
@@ -84,7 +88,7 @@ class RowTable:
     once per pair of engine incarnations and layer list, then reused by every request, with the
     row copies captured for it. Its eight columns: `rows_kernel`'s five, then each row's source
     region seed and pair salt (`kvray.content`) and destination region salt
-    (`kvray.placement`), read by a hashing copy only."""
+    (`kvray.placement`), read by a copy that reports digests."""
 
     table: torch.Tensor
     num_rows: int
@@ -95,8 +99,8 @@ class RowTable:
     #: The one local and one remote region every row lies in; None when the rows span several.
     regions: tuple[int, int] | None = None
     #: Captured row copies by (source address, source bytes, target address, target bytes,
-    #: capacity, hashing).
-    graphs: dict[tuple[int, int, int, int, int, bool], list[RowGraph]] = field(default_factory=dict)
+    #: capacity, digests).
+    graphs: dict[tuple[int, int, int, int, int, Digests], list[RowGraph]] = field(default_factory=dict)
 
 
 def row_table(rows: RequestRows, device: torch.device) -> RowTable:
@@ -122,11 +126,12 @@ def hash_columns(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Each row's source region seed and pair salt (`kvray.content`) and its destination region's
     salt (`kvray.placement`), as int64 bit patterns."""
-    local, remote = local_region.tolist(), remote_region.tolist()
-    seeds = np.array([region_seed(int(region)) for region in local], dtype=np.uint64)
-    salts = np.array([pair_salt(int(a), int(b)) for a, b in zip(local, remote, strict=True)], dtype=np.uint64)
-    places = np.array([region_salt(int(region)) for region in remote], dtype=np.uint64)
-    return seeds.view(np.int64), salts.view(np.int64), places.view(np.int64)
+    places = (remote_region.astype(np.uint64) + np.uint64(1)) << np.uint64(REGION_SHIFT)
+    return (
+        region_seeds(local_region).view(np.int64),
+        pair_salts(local_region, remote_region).view(np.int64),
+        places.view(np.int64),
+    )
 
 
 def launch_rows_kernel(
@@ -138,19 +143,18 @@ def launch_rows_kernel(
     cell: DigestCell | None = None,
     *,
     store: bool = True,
+    content: bool = True,
 ) -> None:
     """The row kernel on the current stream over `capacity` block pairs of `ids` (laid out as
-    `rows_kernel` reads them); with a `cell`, hashing what it copies into the cell's slots
+    `rows_kernel` reads them); with a `cell`, adding the placement digest of where it stores
+    and, with `content`, the content digest of what it copies into the cell's slots
     (`cell.fold` adds them up); without `store`, hashing only."""
+    # One shape whether the copy hashes or not (words of at most 4 bytes, loaded 16 bytes at a
+    # time where aligned, 4 KiB a step), so that a checked copy differs only by its arithmetic.
     unit = pick_unit(bases=(table.combined, dst.data_ptr(), src.data_ptr()))
-    if cell is None:
-        vector = 2 if unit == 16 else 1
-        unit = min(8, unit)
-        block, warps = 4096, 16
-    else:
-        vector = max(1, unit // HASH_MAX_UNIT)
-        unit = min(HASH_MAX_UNIT, unit)
-        block, warps = HASH_STEP_NBYTES // unit, 8
+    vector = max(1, unit // HASH_MAX_UNIT)
+    unit = min(HASH_MAX_UNIT, unit)
+    block, warps = HASH_STEP_NBYTES // unit, 8
     rows_kernel()[(capacity, table.num_rows, table.pieces)](
         src.view(UNIT_DTYPES[unit]),
         dst.view(UNIT_DTYPES[unit]),
@@ -163,21 +167,25 @@ def launch_rows_kernel(
         PIECE=MAX_PIECE_NBYTES,
         BLOCK=block,
         VEC=vector,
-        HASH=cell is not None,
+        DIGESTS=cell is not None,
+        CONTENT=cell is not None and content,
         STORE=store,
         num_warps=warps,
     )
 
 
-def hash_stretches(
-    rows: StretchRows, regions: Sequence[torch.Tensor]
-) -> tuple[list[DigestCell], list[torch.cuda.Event]]:
-    """The writer's reference (`kvray.content.Stretches`) hashed on the GPU by the row kernel
-    without storing, one launch per source region, on kvray's copy stream after the work that
-    wrote the KV: each launch's digest is in its cell once its event has completed."""
-    cells, events = [], []
-    count = int(rows.local.size)
-    for source in np.unique(rows.src_region).tolist():
+class StretchTables:
+    """The writer's reference's row tables on the GPU, by the (kept) stretch rows and source
+    region they were built from (`hash_stretches`)."""
+
+    def __init__(self) -> None:
+        self._tables: OrderedDict[tuple[int, int], tuple[StretchRows, RowTable]] = OrderedDict()
+
+    def table(self, rows: StretchRows, source: int, device: torch.device) -> RowTable:
+        key = (id(rows), source)
+        kept = self._tables.get(key)
+        if kept is not None and kept[0] is rows and kept[1].table.device == device:
+            return kept[1]
         select = rows.src_region == source
         columns = (
             rows.src_start[select],
@@ -186,21 +194,42 @@ def hash_stretches(
             rows.dst_stride[select],
             rows.nbytes[select],
         )
-        if count == 0 or not columns[4].size:
-            continue
+        combined = int(np.bitwise_or.reduce(np.concatenate(columns)))
+        hashing = hash_columns(rows.src_region[select], rows.dst_region[select])
+        tensor = torch.from_numpy(np.concatenate((*columns, *hashing))).to(device)
+        pieces = -(-int(columns[4].max()) // MAX_PIECE_NBYTES)
+        table = RowTable(tensor, int(columns[4].size), combined, pieces)
+        # The rows are kept with their table, so their id stays theirs while it is kept.
+        self._tables[key] = (rows, table)
+        while len(self._tables) > _KEPT_STRETCH_TABLES:
+            self._tables.popitem(last=False)
+        return table
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+
+def hash_stretches(
+    stretches: Stretches, regions: Sequence[torch.Tensor], tables: StretchTables
+) -> tuple[list[DigestCell], list[torch.cuda.Event]]:
+    """The writer's reference (`kvray.content.Stretches`) hashed on the GPU by the row kernel
+    without storing, one launch per source region, on kvray's copy stream after the work that
+    wrote the KV: each launch's digest is in its cell once its event has completed."""
+    cells: list[DigestCell] = []
+    events: list[torch.cuda.Event] = []
+    rows, count = stretches.rows, int(stretches.local.size)
+    if count == 0:
+        return cells, events
+    for source in np.unique(rows.src_region).tolist():
         region = regions[source]
         device = region.device
-        combined = int(np.bitwise_or.reduce(np.concatenate(columns)))
-        hashing = hash_columns(np.full(columns[4].size, source, dtype=np.int64), rows.dst_region[select])
+        table = tables.table(rows, source, device)
         stream = copy_stream(device.index or 0)
         follow_current(device.index or 0, stream)
         cell = take_cell(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            table = upload_table(device, *columns, *hashing)
-            ids = upload_table(device, np.array([count], dtype=np.int64), rows.local, rows.remote)
-            pieces = -(-int(columns[4].max()) // MAX_PIECE_NBYTES)
-            shape = RowTable(table, int(columns[4].size), combined, pieces)
-            launch_rows_kernel(region, region, shape, ids, count, cell, store=False)
+            ids = upload_table(device, np.array([count], dtype=np.int64), stretches.local, stretches.remote)
+            launch_rows_kernel(region, region, table, ids, count, cell, store=False)
             cell.fold()
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(stream)
@@ -210,15 +239,21 @@ def hash_stretches(
 
 
 def launch_rows(
-    dst: torch.Tensor, src: torch.Tensor, rows: RequestRows, table: RowTable, cell: DigestCell | None = None
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    rows: RequestRows,
+    table: RowTable,
+    cell: DigestCell | None = None,
+    *,
+    content: bool = True,
 ) -> None:
     """One kernel launch on `dst`'s GPU, on its current stream, copying every op of `rows`
     between two uint8 tensors (`src` on the same GPU or one `dst`'s GPU reads), its block ids
-    uploaded first; with a `cell`, hashing them and folding the digest into it. Bounds are the
-    caller's job (kvray checks every row before it gets here)."""
+    uploaded first; with a `cell`, folding its digests into it (`launch_rows_kernel`). Bounds
+    are the caller's job (kvray checks every row before it gets here)."""
     count = int(rows.local_ids.size)
     ids = upload_table(dst.device, np.array([count], dtype=np.int64), rows.local_ids, rows.remote_ids)
-    launch_rows_kernel(dst, src, table, ids, count, cell)
+    launch_rows_kernel(dst, src, table, ids, count, cell, content=content)
     if cell is not None:
         cell.fold()
 
@@ -230,20 +265,21 @@ def _fetch_ids(ids: torch.Tensor, pinned: torch.Tensor) -> None:
 
 
 def capture_rows(
-    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, *, hashing: bool = False
+    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, digests: Digests = Digests.NONE
 ) -> RowGraph:
     """Capture the ids' fetch and the row kernel for requests of up to `capacity` block pairs
-    into `dst` from `src` (hashing what it copies, then the fold into the graph's own cell,
-    when `hashing`), between a wait for a `produced` event of the source GPU and a record
+    into `dst` from `src` (reporting `digests`, folded into the graph's own cell), between a
+    wait for a `produced` event of the source GPU and a record
     of `done` (both external nodes of the graph, so a replay is two driver calls: record
     `produced`, launch). The capture records from this thread only (`thread_local`), so an
     engine's other threads keep using the GPU meanwhile."""
     pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
     ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
-    cell = DigestCell(dst.device) if hashing else None
+    cell = None if digests is Digests.NONE else DigestCell(dst.device)
+    content = digests is Digests.CONTENT
     # Compiles and loads the kernels outside the capture; a count of 0 copies nothing.
     _fetch_ids(ids, pinned)
-    launch_rows_kernel(dst, src, table, ids, capacity, cell)
+    launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content)
     if cell is not None:
         cell.fold()
     capturing = capture_stream(dst.device.index or 0)
@@ -270,7 +306,7 @@ def capture_rows(
                     calls.stream_wait_event(capturing.cuda_stream, produced.cuda_event, EVENT_WAIT_EXTERNAL),
                 )
                 _fetch_ids(ids, pinned)
-                launch_rows_kernel(dst, src, table, ids, capacity, cell)
+                launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content)
                 if cell is not None:
                     cell.fold()
                 driver_check(
@@ -298,11 +334,11 @@ def capture_rows(
 
 
 def idle_graph(
-    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, *, hashing: bool = False
+    dst: torch.Tensor, src: torch.Tensor, table: RowTable, capacity: int, digests: Digests = Digests.NONE
 ) -> RowGraph | None:
     """A captured row copy for this shape whose last replay has finished, captured now if fewer
     than `_GRAPHS_PER_SHAPE` exist; None when all of them are busy."""
-    key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity, hashing)
+    key = (src.data_ptr(), src.numel(), dst.data_ptr(), dst.numel(), capacity, digests)
     graphs = table.graphs.setdefault(key, [])
     for graph in graphs:
         # A graph not replayed yet has an event never recorded, which reads as completed.
@@ -311,23 +347,25 @@ def idle_graph(
     if len(graphs) >= _GRAPHS_PER_SHAPE:
         return None
     with torch.cuda.device(dst.device):
-        graphs.append(capture_rows(dst, src, table, capacity, hashing=hashing))
+        graphs.append(capture_rows(dst, src, table, capacity, digests))
     return graphs[-1]
 
 
 class RowCopy(NamedTuple):
-    """A started row copy: `done` completes when every byte is in place; then, for a hashing
-    copy, `cell` holds the content digest of what it copied, until `release`."""
+    """A started row copy: `done` completes when every byte is in place; then `cell` holds the
+    digests it reports (`Digests`), until `release`."""
 
     done: torch.cuda.Event
     cell: DigestCell | None = None
     #: The replayed graph whose cell it is (held until `release`); None: a cell of its own.
     graph: RowGraph | None = None
+    digests: Digests = Digests.NONE
 
     def digest(self) -> Stored | None:
-        """The placement and content digests, once `done` has completed (None: the copy did not
-        hash)."""
-        return None if self.cell is None else self.cell.value()
+        """The digests, once `done` has completed (None: the copy reports none)."""
+        if self.cell is None:
+            return None
+        return self.cell.value(content=self.digests is Digests.CONTENT)
 
     def release(self, *, completed: bool = True) -> None:
         """Let the cell go: its graph may be replayed again, or the cell serves another copy
@@ -345,15 +383,15 @@ def copy_rows(
     table: RowTable,
     *,
     replay: bool = True,
-    hashing: bool = False,
+    digests: Digests = Digests.NONE,
 ) -> RowCopy:
     """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
     copy waits for the work queued on the source GPU's current stream, and the returned `done`
     completes when every byte is in `dst`. With `replay`, the ids go into an idle captured row
     copy's pinned buffer and that graph is replayed (no allocation, no upload, no
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
-    the ids are uploaded and the kernel launched. `hashing`: the copy also takes the content
-    digest of what it moves (`kvray.content`), read from the returned cell once done."""
+    the ids are uploaded and the kernel launched. `digests`: what the copy reports of what it
+    stores, read from the returned copy once done (`RowCopy.digest`, then `release`)."""
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
     target_stream = copy_stream(target_device)
@@ -362,7 +400,7 @@ def copy_rows(
         remote_ids = rows.remote_ids.copy()
         remote_ids[-1] = remote_ids[-2]
         rows = replace(rows, remote_ids=remote_ids)
-    graph = idle_graph(dst, src, table, capacity_for(count), hashing=hashing) if replay else None
+    graph = idle_graph(dst, src, table, capacity_for(count), digests) if replay else None
     if graph is not None:
         capacity = (graph.staging.size - 1) // 2
         graph.staging[0] = count
@@ -376,15 +414,16 @@ def copy_rows(
                 record_after_source(graph.produced, source_device)
             with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
                 graph.graph.replay()
-        graph.held = hashing
-        return RowCopy(graph.done, graph.cell, graph if hashing else None)
+        reporting = digests is not Digests.NONE
+        graph.held = reporting
+        return RowCopy(graph.done, graph.cell, graph if reporting else None, digests)
     follow_current(source_device, target_stream)
-    cell = take_cell(dst.device) if hashing else None
+    cell = None if digests is Digests.NONE else take_cell(dst.device)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        launch_rows(dst, src, rows, table, cell)
+        launch_rows(dst, src, rows, table, cell, content=digests is Digests.CONTENT)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(target_stream)
-    return RowCopy(done, cell)
+    return RowCopy(done, cell, None, digests)
 
 
 def _replay_rows(graph: RowGraph, device: int, stream: torch.cuda.Stream) -> None:

@@ -4,6 +4,7 @@ use) and the element width they copy at: the arithmetic on the GPU of step six.
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import Any
 
@@ -41,10 +42,11 @@ def copy_kernel() -> Any:
     """The copy kernel, compiled on first use. It runs on the destination's GPU; the source may
     sit on another GPU, read over NVLink through peer access. Program i copies op i of `table`
     (source offsets, then target offsets, then sizes, in bytes; each a multiple of the element
-    width 2**SHIFT). With HASH, it also adds the content digest (`kvray.content`) of what it
-    copies into `slots`: the table then has a fourth column, where each op's bytes count as
-    bound (the final target where this copy stages them), and ends with the source region's
-    seed and the pair's salt; without STORE it only hashes."""
+    width 2**SHIFT). With DIGESTS, it also adds the placement digest (`kvray.placement`) of
+    where each op's bytes are bound, and with CONTENT their content digest (`kvray.content`),
+    into `slots`: the table then has a fourth column, where each op's bytes are bound (the
+    final target where this copy stages them), and ends with the source region's seed, the
+    pair's salt and the destination region's salt; without STORE it only hashes."""
     return _kernels().copy_pieces
 
 
@@ -56,9 +58,10 @@ def rows_kernel() -> Any:
     number of block pairs, then `capacity` local ids, then `capacity` remote ids. The grid may
     have up to `capacity` pairs (one captured launch serves every request up to that size):
     programs past the count copy nothing. Every byte quantity is a multiple of the element
-    width 2**SHIFT. With HASH, it also adds the content digest (`kvray.content`) of what it
-    copies into `slots`: `rows` then has two more columns, each row's source region seed and
-    pair salt; without STORE it only hashes (the writer's reference, from its layouts)."""
+    width 2**SHIFT. With DIGESTS, it also adds the placement digest (`kvray.placement`) of
+    where it stores, and with CONTENT the content digest (`kvray.content`) of what it copies,
+    into `slots`: `rows` then has three more columns, each row's source region seed, pair salt
+    and destination region salt; without STORE it only hashes (the writer's reference)."""
     return _kernels().copy_rows
 
 
@@ -73,6 +76,17 @@ def fetch_kernel() -> Any:
     buffer on the GPU: a captured row copy's block ids, fetched by a kernel because a graph's
     kernel node starts its successor sooner than a host-to-device copy node does."""
     return _kernels().fetch_ids
+
+
+class Digests(enum.Enum):
+    """What a copy reports of what it stored (`kvray.placement.Stored`)."""
+
+    #: Nothing (a copy outside a transfer: benchmarks, staging).
+    NONE = "none"
+    #: The placement digest of the ranges it stored to.
+    PLACEMENT = "placement"
+    #: That, and the content digest of the bytes it moved (`kvray.content`).
+    CONTENT = "placement and content"
 
 
 #: Slots a hashing write's programs add their sums into (`triton_kernels.SLOTS`).

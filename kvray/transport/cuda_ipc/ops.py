@@ -68,13 +68,15 @@ def upload_table(device: torch.device, *columns: Int64Array) -> torch.Tensor:
 
 
 class Hashing(NamedTuple):
-    """What a hashing copy needs beyond its ops: where its programs add their sums, the source
-    and destination regions' indices (for the seed and salt), and where each op's bytes count
-    as bound when the copy only stages them (default: its targets)."""
+    """What a copy that reports digests needs beyond its ops: where its programs add their
+    sums, the source and destination regions' indices (for the seed and salts), whether it
+    hashes the content too, and where each op's bytes count as bound when the copy only stages
+    them (default: its targets)."""
 
     cell: DigestCell
     src_region: int
     dst_region: int
+    content: bool = True
     #: Where each op's bytes count as bound and stored (`kvray.placement`) when the copy only
     #: stages them (default: its targets).
     bound: Int64Array | None = None
@@ -106,9 +108,8 @@ def launch_copy(
     """One kernel launch on `dst`'s GPU, on that GPU's current stream, copying every
     (dst_offset, src_offset, nbytes) op between two uint8 tensors. `src` is on the same GPU or
     on one whose memory `dst`'s GPU can read (`peer_reads`). With `hashing`, the programs add
-    the content digest of what they copy into its cell's slots (the caller folds them);
-    without `store`, they only hash. Bounds are the caller's job (kvray checks every op before
-    it gets here)."""
+    their digests into its cell's slots (the caller folds them); without `store`, they only
+    hash. Bounds are the caller's job (kvray checks every op before it gets here)."""
     if nbytes.size == 0:
         return
     reader, owner = dst.device.index or 0, src.device.index or 0
@@ -148,7 +149,8 @@ def launch_copy(
             SHIFT=unit.bit_length() - 1,
             BLOCK=block,
             VEC=vector,
-            HASH=hashing is not None,
+            DIGESTS=hashing is not None,
+            CONTENT=hashing is not None and hashing.content,
             STORE=store,
             num_warps=warps,
         )

@@ -31,13 +31,12 @@ from kvray.transport.base import (
     Reach,
     Transport,
     check_write,
-    planned_placement,
     region_pairs,
 )
 from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_allocation_range
 from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
-from kvray.transport.cuda_ipc.graphs import RowTable, copy_rows, hash_stretches, row_table
-from kvray.transport.cuda_ipc.kernels import MAX_GRID_YZ
+from kvray.transport.cuda_ipc.graphs import RowTable, StretchTables, copy_rows, hash_stretches, row_table
+from kvray.transport.cuda_ipc.kernels import MAX_GRID_YZ, Digests
 from kvray.transport.cuda_ipc.ops import Hashing, copy_ops, reading_device
 from kvray.transport.cuda_ipc.streams import device_of_uuid, device_uuid, peer_reads, wait_for_events
 from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
@@ -79,6 +78,8 @@ class CudaIpcTransport(Transport):
         self._replay = replay_graphs
         #: The peers' regions opened here, by region index.
         self._opened: PeerCache[int, _Opened] = PeerCache(settings.max_cached_peers)
+        #: The writer's reference's row tables on the GPU (`hash_stretches`).
+        self._stretch_tables = StretchTables()
         #: Row tables on the GPU, by the identity of the (cached) rows they were built from.
         self._row_tables: OrderedDict[tuple[int, int], tuple[PartRows, PartRows, RowTable]] = OrderedDict()
 
@@ -146,9 +147,10 @@ class CudaIpcTransport(Transport):
     async def reference(self, stretches: Stretches, local: Backing) -> int:
         if local.kind is not MemoryKind.CUDA:
             return await super().reference(stretches, local)
-        cells, events = hash_stretches(stretches.rows, [region.tensor for region in local.regions])
+        regions = [region.tensor for region in local.regions]
+        cells, events = hash_stretches(stretches, regions, self._stretch_tables)
         # A cell whose hash did not complete is not given back (its slots may hold a sum).
-        await wait_for_events(events, int(stretches.nbytes.sum()))
+        await wait_for_events(events, stretches.nbytes_total)
         digest = 0
         for cell in cells:
             digest += cell.value().content or 0
@@ -156,16 +158,17 @@ class CudaIpcTransport(Transport):
         return digest & MASK64
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+        # Every copy reports where it stored (its placement digest) and, for a checked request,
+        # the content digest of what it moved (`kvray.content`).
         check_write(plan, local, peer)
         rows = plan.rows
         if rows is not None:
             direct = self._direct_rows(rows, local, peer)
             if direct is not None:
                 source, opened, table = direct
+                digests = Digests.CONTENT if plan.hashed else Digests.PLACEMENT
                 try:
-                    copy = copy_rows(
-                        opened.region, source, rows, table, replay=self._replay, hashing=plan.hashed
-                    )
+                    copy = copy_rows(opened.region, source, rows, table, replay=self._replay, digests=digests)
                 except Exception as error:
                     raise WriteFailedError(
                         f"copy into engine {peer.info.engine_id!r} failed: {error}",
@@ -174,7 +177,9 @@ class CudaIpcTransport(Transport):
                 # `opened` (what the copy writes into) stays open until the copy has finished.
                 try:
                     await wait_for_events([copy.done], plan.nbytes)
-                    return copy.digest() or planned_placement(plan)
+                    stored = copy.digest()
+                    assert stored is not None
+                    return stored
                 finally:
                     copy.release(completed=copy.done.query())  # type: ignore[no-untyped-call]
         ops = plan.ops
@@ -189,10 +194,7 @@ class CudaIpcTransport(Transport):
             source = local.regions[local_index].tensor
             if not source.is_cuda:
                 raise TransportError("the cuda_ipc transport copies from CUDA memory")
-            hashing = None
-            if plan.hashed:
-                cells.append(take_cell(reading_device(target, source)))
-                hashing = Hashing(cells[-1], local_index, remote_index)
+            cells.append(take_cell(reading_device(target, source)))
             try:
                 events.append(
                     copy_ops(
@@ -201,7 +203,7 @@ class CudaIpcTransport(Transport):
                         ops.remote_offset[select],
                         ops.local_offset[select],
                         ops.nbytes[select],
-                        hashing=hashing,
+                        hashing=Hashing(cells[-1], local_index, remote_index, content=plan.hashed),
                     )
                 )
             except Exception as error:
@@ -211,11 +213,9 @@ class CudaIpcTransport(Transport):
                 ) from error
         # The bytes are in the peer's memory once every copy's event has completed.
         await wait_for_events(events, ops.total_nbytes)
-        if not plan.hashed:
-            return planned_placement(plan)
-        stored = NOTHING
+        stored = NOTHING if plan.hashed else Stored(0)
         for cell in cells:
-            stored = stored.plus(cell.value())
+            stored = stored.plus(cell.value(content=plan.hashed))
             give_back(cell)
         return stored
 
@@ -318,3 +318,4 @@ class CudaIpcTransport(Transport):
             await asyncio.to_thread(torch.cuda.synchronize, index)
         self._opened.clear()
         self._row_tables.clear()
+        self._stretch_tables.clear()

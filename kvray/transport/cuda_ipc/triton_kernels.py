@@ -88,7 +88,8 @@ def copy_pieces(
     SHIFT: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
-    HASH: tl.constexpr,
+    DIGESTS: tl.constexpr,
+    CONTENT: tl.constexpr,
     STORE: tl.constexpr,
 ):
     """Program i copies op i of `table` (see `kernels.copy_kernel`)."""
@@ -101,7 +102,7 @@ def copy_pieces(
         source = tl.multiple_of(source, VEC)
         target = tl.multiple_of(target, VEC)
         length = tl.multiple_of(length, VEC)
-    seed = tl.load(table + 4 * count).to(tl.uint64, bitcast=True) if HASH else 0
+    seed = tl.load(table + 4 * count).to(tl.uint64, bitcast=True) if CONTENT else 0
     acc = tl.zeros((BLOCK,), tl.uint64)
     for start in tl.range(0, length, BLOCK):
         index = start + tl.arange(0, BLOCK)
@@ -109,13 +110,14 @@ def copy_pieces(
         values = tl.load(src + source + index, mask=mask, other=0)
         if STORE:
             tl.store(dst + target + index, values, mask=mask)
-        if HASH:
+        if CONTENT:
             acc += _weigh(values, source + index, source + start, seed, SHIFT)
-    if HASH:
-        salt = tl.load(table + 4 * count + 1).to(tl.uint64, bitcast=True)
+    if DIGESTS:
         bound = tl.load(table + 3 * count + piece)
-        total = tl.sum(acc, axis=0) * _factor(salt, bound - tl.load(table + piece))
-        _deposit(slots, piece, total)
+        if CONTENT:
+            salt = tl.load(table + 4 * count + 1).to(tl.uint64, bitcast=True)
+            total = tl.sum(acc, axis=0) * _factor(salt, bound - tl.load(table + piece))
+            _deposit(slots, piece, total)
         region = tl.load(table + 4 * count + 2).to(tl.uint64, bitcast=True)
         _place(slots, piece, region, bound, length << SHIFT)
 
@@ -133,7 +135,8 @@ def copy_rows(
     PIECE: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
-    HASH: tl.constexpr,
+    DIGESTS: tl.constexpr,
+    CONTENT: tl.constexpr,
     STORE: tl.constexpr,
 ):
     """Program (i, r, k) copies piece k of block pair i's op in row r (see `kernels.rows_kernel`)."""
@@ -157,7 +160,7 @@ def copy_rows(
         source = tl.multiple_of(source, VEC)
         target = tl.multiple_of(target, VEC)
         length = tl.multiple_of(length, VEC)
-    seed = tl.load(rows + 5 * num_rows + row).to(tl.uint64, bitcast=True) if HASH else 0
+    seed = tl.load(rows + 5 * num_rows + row).to(tl.uint64, bitcast=True) if CONTENT else 0
     acc = tl.zeros((BLOCK,), tl.uint64)
     # Whole steps unmasked, then at most one masked step for the rest: a mask on every step
     # costs the copy measurably.
@@ -167,7 +170,7 @@ def copy_rows(
         values = tl.load(src + source + index)
         if STORE:
             tl.store(dst + target + index, values)
-        if HASH:
+        if CONTENT:
             acc += _weigh(values, source + index, source + start, seed, SHIFT)
     if whole < length:
         index = whole + tl.arange(0, BLOCK)
@@ -175,13 +178,14 @@ def copy_rows(
         values = tl.load(src + source + index, mask=mask, other=0)
         if STORE:
             tl.store(dst + target + index, values, mask=mask)
-        if HASH:
+        if CONTENT:
             acc += _weigh(values, source + index, source + whole, seed, SHIFT)
-    if HASH:
-        salt = tl.load(rows + 6 * num_rows + row).to(tl.uint64, bitcast=True)
-        total = tl.sum(acc, axis=0) * _factor(salt, (target - source) << SHIFT)
+    if DIGESTS:
         program = (pair * tl.num_programs(1) + row) * tl.num_programs(2) + tl.program_id(2)
-        _deposit(slots, program, total)
+        if CONTENT:
+            salt = tl.load(rows + 6 * num_rows + row).to(tl.uint64, bitcast=True)
+            total = tl.sum(acc, axis=0) * _factor(salt, (target - source) << SHIFT)
+            _deposit(slots, program, total)
         region = tl.load(rows + 7 * num_rows + row).to(tl.uint64, bitcast=True)
         _place(slots, program, region, target << SHIFT, length << SHIFT)
 
