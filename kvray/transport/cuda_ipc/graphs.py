@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 
 from kvray.content import Stretches, StretchRows, pair_salts, region_seeds
+from kvray.layout import Int64Array
 from kvray.memory import source_ready
 from kvray.placement import REGION_SHIFT, Stored
 from kvray.plan import RequestRows
@@ -211,31 +212,22 @@ class StretchTables:
 
 def hash_stretches(
     stretches: Stretches, regions: Sequence[torch.Tensor], tables: StretchTables
-) -> tuple[list[DigestCell], list[torch.cuda.Event]]:
+) -> list[RowCopy]:
     """The writer's reference (`kvray.content.Stretches`) hashed on the GPU by the row kernel
-    without storing, one launch per source region, on kvray's copy stream after the work that
-    wrote the KV: each launch's digest is in its cell once its event has completed."""
-    cells: list[DigestCell] = []
-    events: list[torch.cuda.Event] = []
-    rows, count = stretches.rows, int(stretches.local.size)
-    if count == 0:
-        return cells, events
+    without storing (a captured graph replayed, as a copy's), one per source region, on kvray's
+    copy stream after the work that wrote the KV: each one's digest is there once it is done
+    (`RowCopy.digest`, then `release`)."""
+    hashes: list[RowCopy] = []
+    rows = stretches.rows
+    if not stretches.local.size:
+        return hashes
     for source in np.unique(rows.src_region).tolist():
         region = regions[source]
-        device = region.device
-        table = tables.table(rows, source, device)
-        stream = copy_stream(device.index or 0)
-        follow_current(device.index or 0, stream)
-        cell = take_cell(device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            ids = upload_table(device, np.array([count], dtype=np.int64), stretches.local, stretches.remote)
-            launch_rows_kernel(region, region, table, ids, count, cell, store=False)
-            cell.fold()
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        cells.append(cell)
-        events.append(done)
-    return cells, events
+        table = tables.table(rows, source, region.device)
+        hashes.append(
+            start_rows(region, region, stretches.local, stretches.remote, table, digests=Digests.REFERENCE)
+        )
+    return hashes
 
 
 def launch_rows(
@@ -276,10 +268,10 @@ def capture_rows(
     pinned = torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=True)
     ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=dst.device)
     cell = None if digests is Digests.NONE else DigestCell(dst.device)
-    content = digests is Digests.CONTENT
+    content, store = digests.content, digests is not Digests.REFERENCE
     # Compiles and loads the kernels outside the capture; a count of 0 copies nothing.
     _fetch_ids(ids, pinned)
-    launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content)
+    launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content, store=store)
     if cell is not None:
         cell.fold()
     capturing = capture_stream(dst.device.index or 0)
@@ -306,7 +298,7 @@ def capture_rows(
                     calls.stream_wait_event(capturing.cuda_stream, produced.cuda_event, EVENT_WAIT_EXTERNAL),
                 )
                 _fetch_ids(ids, pinned)
-                launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content)
+                launch_rows_kernel(dst, src, table, ids, capacity, cell, content=content, store=store)
                 if cell is not None:
                     cell.fold()
                 driver_check(
@@ -365,7 +357,7 @@ class RowCopy(NamedTuple):
         """The digests, once `done` has completed (None: the copy reports none)."""
         if self.cell is None:
             return None
-        return self.cell.value(content=self.digests is Digests.CONTENT)
+        return self.cell.value(content=self.digests.content)
 
     def release(self, *, completed: bool = True) -> None:
         """Let the cell go: its graph may be replayed again, or the cell serves another copy
@@ -392,20 +384,34 @@ def copy_rows(
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
     the ids are uploaded and the kernel launched. `digests`: what the copy reports of what it
     stores, read from the returned copy once done (`RowCopy.digest`, then `release`)."""
+    remote_ids = rows.remote_ids
+    if ops.executor_fault and remote_ids.size >= 2:
+        remote_ids = remote_ids.copy()
+        remote_ids[-1] = remote_ids[-2]
+    return start_rows(dst, src, rows.local_ids, remote_ids, table, replay=replay, digests=digests)
+
+
+def start_rows(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    local_ids: Int64Array,
+    remote_ids: Int64Array,
+    table: RowTable,
+    *,
+    replay: bool = True,
+    digests: Digests = Digests.NONE,
+) -> RowCopy:
+    """`copy_rows` for block ids given as they are (`Digests.REFERENCE`: hash `src` only)."""
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
     target_stream = copy_stream(target_device)
-    count = int(rows.local_ids.size)
-    if ops.executor_fault and count >= 2:
-        remote_ids = rows.remote_ids.copy()
-        remote_ids[-1] = remote_ids[-2]
-        rows = replace(rows, remote_ids=remote_ids)
+    count = int(local_ids.size)
     graph = idle_graph(dst, src, table, capacity_for(count), digests) if replay else None
     if graph is not None:
         capacity = (graph.staging.size - 1) // 2
         graph.staging[0] = count
-        graph.staging[1 : 1 + count] = rows.local_ids
-        graph.staging[1 + capacity : 1 + capacity + count] = rows.remote_ids
+        graph.staging[1 : 1 + count] = local_ids
+        graph.staging[1 + capacity : 1 + capacity + count] = remote_ids
         if source_ready.get() is None and source_device == target_device == torch.cuda.current_device():
             _replay_rows(graph, target_device, target_stream)
         else:
@@ -420,7 +426,12 @@ def copy_rows(
     follow_current(source_device, target_stream)
     cell = None if digests is Digests.NONE else take_cell(dst.device)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
-        launch_rows(dst, src, rows, table, cell, content=digests is Digests.CONTENT)
+        ids = upload_table(dst.device, np.array([count], dtype=np.int64), local_ids, remote_ids)
+        launch_rows_kernel(
+            dst, src, table, ids, count, cell, content=digests.content, store=digests is not Digests.REFERENCE
+        )
+        if cell is not None:
+            cell.fold()
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(target_stream)
     return RowCopy(done, cell, None, digests)

@@ -87,6 +87,12 @@ class Digests(enum.Enum):
     PLACEMENT = "placement"
     #: That, and the content digest of the bytes it moved (`kvray.content`).
     CONTENT = "placement and content"
+    #: The content digest alone, storing nothing (the writer's reference, `hash_stretches`).
+    REFERENCE = "content, nothing stored"
+
+    @property
+    def content(self) -> bool:
+        return self in (Digests.CONTENT, Digests.REFERENCE)
 
 
 #: Slots a hashing write's programs add their sums into (`triton_kernels.SLOTS`).

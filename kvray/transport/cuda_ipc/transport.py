@@ -148,13 +148,15 @@ class CudaIpcTransport(Transport):
         if local.kind is not MemoryKind.CUDA:
             return await super().reference(stretches, local)
         regions = [region.tensor for region in local.regions]
-        cells, events = hash_stretches(stretches, regions, self._stretch_tables)
-        # A cell whose hash did not complete is not given back (its slots may hold a sum).
-        await wait_for_events(events, stretches.nbytes_total)
+        hashes = hash_stretches(stretches, regions, self._stretch_tables)
         digest = 0
-        for cell in cells:
-            digest += cell.value().content or 0
-            give_back(cell)
+        try:
+            await wait_for_events([copy.done for copy in hashes], stretches.nbytes_total)
+            for copy in hashes:
+                digest += (copy.digest() or NOTHING).content or 0
+        finally:
+            for copy in hashes:
+                copy.release(completed=copy.done.query())  # type: ignore[no-untyped-call]
         return digest & MASK64
 
     async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
