@@ -80,6 +80,26 @@ def pair_salts(src_regions: Int64Array, dst_regions: Int64Array) -> npt.NDArray[
     return mix_array(keys)
 
 
+def landed_factor(region: int) -> int:
+    """What the landed digest of bytes in region `region` is multiplied by."""
+    return destination_factor(pair_salt(region, region), 0)
+
+
+def landed_digest(
+    regions: Sequence[npt.NDArray[np.uint8]], region: Int64Array, offset: Int64Array, nbytes: Int64Array
+) -> int:
+    """The landed digest of ranges of a decode engine's own regions: the content digest of the
+    bytes as they sit, as if each had been copied from where it is to where it is. The writer
+    computes the same from its blocks (`Stretches.landed`), for a transfer whose copy does not
+    hash (an RDMA NIC's writes): the decode side reads what landed once, after the last write."""
+    total = 0
+    for index in np.unique(region).tolist():
+        select = region == index
+        values = hash_ranges(regions[index], offset[select], nbytes[select], region_seed(index))
+        total += sum(values) * landed_factor(index)
+    return total & MASK64
+
+
 def destination_factor(salt: int, delta: int) -> int:
     """The odd factor of bytes moved `delta` bytes (destination offset - source offset)."""
     return mix64(salt ^ (delta & MASK64)) | 1
@@ -279,6 +299,24 @@ class Stretches:
             part=np.repeat(rows.part, count),
             block=np.tile(self.local, rows.layer.size),
         )
+
+    def landed(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
+        """The landed digest (`landed_digest`) the decode engine must find once every stretch
+        is in place, hashing the stretches' bytes here now as at the places they go."""
+        stretches = self.expanded
+        total = 0
+        pairs = np.stack([stretches.src_region, stretches.dst_region])
+        for source, target in np.unique(pairs, axis=1).T.tolist() if stretches.nbytes.size else []:
+            select = (stretches.src_region == source) & (stretches.dst_region == target)
+            values = hash_ranges(
+                regions[source],
+                stretches.src_start[select],
+                stretches.nbytes[select],
+                region_seed(target),
+                stretches.dst_start[select],
+            )
+            total += sum(values) * landed_factor(target)
+        return total & MASK64
 
     def digest(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
         """The content digest, hashing every stretch's bytes now."""

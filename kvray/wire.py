@@ -296,6 +296,10 @@ class TransferDone(TransferNotice, frozen=True, kw_only=True, tag="done"):
     #: when the transfer is checked), and the one its executor computed while copying (None:
     #: its copy does not hash; a receiving executor's own adds to it). The decode side takes
     #: the request only when the two agree.
+    #: For a transfer whose copy does not hash (`verbs`): the landed digest of the bytes as
+    #: they must sit in the decode engine's blocks (`kvray.content.landed_digest`), which the
+    #: decode side computes over what landed, after the last write.
+    landed: Uint64 | None = None
     reference: Uint64 | None = None
     content: Uint64 | None = None
     placement: Uint64 = 0

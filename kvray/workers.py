@@ -489,16 +489,22 @@ class DecodeWorker(_Worker):
         #: Requests being released, with the task that frees their blocks.
         self._releasing: dict[str, asyncio.Future[None]] = {}
 
-    async def reserve(self, request_id: str, count: int, kv_blocks: int | None = None) -> Reservation:
-        """Blocks for the request; the first `kv_blocks` of them (default all) expect its KV.
-        The `Reservation` is what the prefill side pushes into."""
+    async def reserve(
+        self,
+        request_id: str,
+        count: int,
+        kv_blocks: int | None = None,
+        layers: Sequence[str] | None = None,
+    ) -> Reservation:
+        """Blocks for the request; the first `kv_blocks` of them (default all) expect its KV, of
+        `layers` (default: every layer). The `Reservation` is what the prefill side pushes into."""
         if request_id in self.requests:
             raise PlanError(f"request {request_id!r} already holds blocks", request_id=request_id)
         if kv_blocks is not None and not 0 < kv_blocks <= count:
             raise BlockIdError(f"kv_blocks must be within 1..{count}, got {kv_blocks}", request_id=request_id)
         blocks = self.pool.allocate(count)
         try:
-            reservation = self.kvray_agent.expect(request_id, blocks[: kv_blocks or count])
+            reservation = self.kvray_agent.expect(request_id, blocks[: kv_blocks or count], layers)
         except BaseException:
             self.pool.free(blocks)
             raise

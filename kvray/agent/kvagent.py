@@ -318,10 +318,12 @@ class KVAgent:
 
     # ---- decode side ------------------------------------------------------------------
 
-    def expect(self, request_id: str, blocks: Blocks) -> Reservation:
+    def expect(self, request_id: str, blocks: Blocks, layers: Sequence[str] | None = None) -> Reservation:
         """The request's blocks are reserved here and its KV may come: a `Reservation` to hand
-        to the writer (it names this engine incarnation, the blocks and a fresh secret token)."""
-        return self._receiving.expect(request_id, blocks)
+        to the writer (it names this engine incarnation, the blocks and a fresh secret token).
+        The KV must cover `layers` (default: every layer of this engine), no fewer: a transfer
+        that names other layers fails the request."""
+        return self._receiving.expect(request_id, blocks, layers)
 
     async def wait_for_kv(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait until the request's KV is written (or failed, or the deadline passes).

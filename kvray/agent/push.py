@@ -95,6 +95,9 @@ class _Layerwise:
     layer_indices: tuple[int, ...] = ()
     stored: Stored = NOTHING
     reference: int | None = None
+    #: The landed digest of the layers so far (`kvray.content.landed_digest`), where their copy
+    #: does not hash and the request is checked.
+    landed: int | None = None
     #: When the first layer's push call began (`time.perf_counter`).
     started: float = 0.0
     #: Layer writes in progress, and an event set whenever there are none.
@@ -179,11 +182,16 @@ class Pusher:
             peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             fused = plan.hashed
-            reference = None
+            reference = landed = None
             if fused:
                 reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
+            elif self._checked(reservation):
+                landed = await self._landed(plan, local_blocks, remote_ids, peer)
             checksums = await self._checksums(
-                reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
+                reservation,
+                plan,
+                peer,
+                every=not fused and landed is None and self._unhashed_checked(reservation),
             )
             # The executor fills its digests in: the C copy pool's thread writes them into the
             # early notice it sends (`kvray.placement.PLACEHOLDER`).
@@ -197,6 +205,7 @@ class Pusher:
                 self._indices(peer, plan.layers),
                 Stored(PLACEHOLDER, PLACEHOLDER if fused else None),
                 reference,
+                landed,
             )
             try:
                 async with self._claim(peer, reservation, transport):
@@ -253,11 +262,16 @@ class Pusher:
                 raise PlanError(f"layer {layer!r} of {request_id!r} was already pushed", layer=layer)
             self._check_not_failed(reservation)  # again: it may have failed while this planned
             fused = plan.hashed and (state.reference is not None or not state.layers)
-            reference = None
+            reference = landed = None
             if fused:
                 reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
+            elif self._checked(reservation) and (state.landed is not None or not state.layers):
+                landed = await self._landed(plan, local_blocks, remote_ids, peer)
             checksums = await self._checksums(
-                reservation, plan, peer, every=not fused and self._unhashed_checked(reservation)
+                reservation,
+                plan,
+                peer,
+                every=not fused and landed is None and self._unhashed_checked(reservation),
             )
             # From here to the write's start nothing awaits but the claim: a failure recorded
             # meanwhile is seen by the failure notice, which waits for this write to end.
@@ -274,6 +288,7 @@ class Pusher:
             state.layer_indices += self._indices(peer, plan.layers)
             state.stored = state.stored.plus(stored if fused else Stored(stored.placement))
             state.reference = None if reference is None else ((state.reference or 0) + reference) & MASK64
+            state.landed = None if landed is None else ((state.landed or 0) + landed) & MASK64
             if checksums is not None:
                 known = state.checksums or Checksums((), ())
                 state.checksums = Checksums(
@@ -486,8 +501,9 @@ class Pusher:
         layers: tuple[int, ...] = (),
         stored: Stored = NOTHING,
         reference: int | None = None,
+        landed: int | None = None,
     ) -> TransferDone:
-        """The completion notice; `layers` and `placement`: see `TransferDone`."""
+        """The completion notice; `layers`, `landed` and `placement`: see `TransferDone`."""
         info = self.engine.info
         tp = info.layout.tp
         # Which part of each block this writer wrote, where it is not the whole.
@@ -502,6 +518,7 @@ class Pusher:
                 checksum_values=checksums.values if checksums is not None else (),
                 src_tp=tp if partial else None,
                 layers=layers,
+                landed=landed,
                 reference=reference,
                 content=stored.content if reference is not None else None,
                 placement=stored.placement,
@@ -518,6 +535,7 @@ class Pusher:
             nbytes=nbytes,
             arrival_proofs=proofs,
             layers=layers,
+            landed=landed,
             reference=reference,
             content=stored.content if reference is not None else None,
             placement=stored.placement,
@@ -535,6 +553,7 @@ class Pusher:
             state.layer_indices,
             state.stored,
             state.reference,
+            state.landed,
         )
 
     def _indices(self, peer: Peer, layers: Sequence[str]) -> tuple[int, ...]:
@@ -572,17 +591,11 @@ class Pusher:
         held, regions = self._held, [region.tensor.numpy() for region in backing.regions]
         await asyncio.to_thread(held.take, regions, blocks)
 
-    async def _reference(
-        self,
-        plan: TransferPlan,
-        local_blocks: Blocks,
-        remote_ids: npt.NDArray[np.int64],
-        peer: Peer,
-        transport: Transport,
-    ) -> int:
-        """The content digest of `plan`'s transfer from this engine's own blocks and both
-        layouts (`kvray.content.Stretches`): from the digests held for them when there are
-        (`hold_digests`), else by hashing them where they are (`Transport.reference`)."""
+    def _stretches(
+        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+    ) -> Stretches:
+        """The stretches of `plan`'s transfer from this engine's own blocks and both layouts
+        (`kvray.content.Stretches`), their rows kept per peer incarnation and layer list."""
         backing = self.engine.backing
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
         info = peer.info
@@ -593,11 +606,40 @@ class Pusher:
                 self._stretch_rows.clear()
             rows = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, plan.layers)
             self._stretch_rows[key] = rows
-        stretches = Stretches(rows, local, remote_ids)
+        return Stretches(rows, local, remote_ids)
+
+    async def _reference(
+        self,
+        plan: TransferPlan,
+        local_blocks: Blocks,
+        remote_ids: npt.NDArray[np.int64],
+        peer: Peer,
+        transport: Transport,
+    ) -> int:
+        """The content digest of `plan`'s transfer from this engine's own blocks and both
+        layouts: from the digests held for them when there are (`hold_digests`), else by
+        hashing them where they are (`Transport.reference`)."""
+        stretches = self._stretches(plan, local_blocks, remote_ids, peer)
         value = None if self._held is None else self._held.digest(stretches)
         if value is not None:
             return value
-        return await transport.reference(stretches, backing)
+        return await transport.reference(stretches, self.engine.backing)
+
+    async def _landed(
+        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+    ) -> int | None:
+        """For a checked transfer whose copy does not hash: the landed digest the decode engine
+        must find (`kvray.content.Stretches.landed`), hashed here from this engine's host
+        memory, on a worker thread when large; None from device memory (the sampled checksums,
+        or `integrity_unhashed`'s, check such a transfer)."""
+        backing = self.engine.backing
+        if backing.kind is MemoryKind.CUDA:
+            return None
+        stretches = self._stretches(plan, local_blocks, remote_ids, peer)
+        regions = [region.tensor.numpy() for region in backing.regions]
+        if plan.nbytes < THREAD_MIN_BYTES:
+            return stretches.landed(regions)
+        return await asyncio.to_thread(stretches.landed, regions)
 
     async def _checksums(
         self, reservation: Reservation, plan: TransferPlan, peer: Peer, *, every: bool = False

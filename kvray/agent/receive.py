@@ -23,7 +23,7 @@ import secrets
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,7 @@ import numpy.typing as npt
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine, node_address
 from kvray.agent.transports import TransportSet
+from kvray.content import landed_digest
 from kvray.errors import (
     AgentNotRunningError,
     KVIntegrityError,
@@ -45,9 +46,17 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
-from kvray.integrity import THREAD_MIN_BYTES, Checksums, PlacementTable, check, regions_of, writer_heads
+from kvray.integrity import (
+    THREAD_MIN_BYTES,
+    Checksums,
+    PlacementTable,
+    check,
+    landed_pieces,
+    regions_of,
+    writer_heads,
+)
 from kvray.layout import Int64Array
-from kvray.memory import Backing
+from kvray.memory import Backing, MemoryKind
 from kvray.metrics import DropReason, IntegrityCheck, Outcome
 from kvray.notice import NoticeSet
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
@@ -101,6 +110,8 @@ class _Expectation:
     #: What this engine's own executor reported of the request's writes (`Receiver.landed`: the
     #: ray transport's scatter), added to what the writer's reported.
     landed: Stored = NOTHING
+    #: The indices of the layers the request's KV must cover, ascending (None: every layer).
+    layers: tuple[int, ...] | None = None
 
 
 class Receiving:
@@ -236,7 +247,7 @@ class Receiving:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def expect(self, request_id: str, blocks: Blocks) -> Reservation:
+    def expect(self, request_id: str, blocks: Blocks, layers: Sequence[str] | None = None) -> Reservation:
         engine = self.engine
         if engine.role is not Role.DECODE:
             raise PlanError(f"engine {engine.engine_id!r} is not a decode engine and expects no KV")
@@ -244,12 +255,13 @@ class Receiving:
         if request_id in self._pending:
             raise PlanError(f"request {request_id!r} is already expected", request_id=request_id)
         ids = block_ids(blocks, engine.backing.layout.num_blocks, "decode", engine.engine_id)
+        expected = None if layers is None else self._layer_indices(request_id, layers)
         token = secrets.randbits(62) or 1
         for transport in self.transports.receiving:
             transport.expect(self, request_id)
         slot = self.board.open(token) if self.board is not None else -1
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Expectation(future, token, slot, ids)
+        self._pending[request_id] = _Expectation(future, token, slot, ids, layers=expected)
         return Reservation(
             request_id=request_id,
             engine_id=engine.engine_id,
@@ -259,6 +271,21 @@ class Receiving:
             slot=max(slot, 0),
             integrity=engine.settings.integrity,
         )
+
+    def _layer_indices(self, request_id: str, layers: Sequence[str]) -> tuple[int, ...]:
+        """The indices of `layers` in this engine's layout, ascending; a name it lacks, a name
+        given twice or none at all is refused."""
+        names = self.engine.backing.layout.layer_names
+        index = {name: at for at, name in enumerate(names)}
+        unknown = [name for name in layers if name not in index]
+        if unknown or not layers or len(set(layers)) != len(layers):
+            raise PlanError(
+                f"request {request_id!r} must expect one or more distinct layers of engine "
+                f"{self.engine.engine_id!r} (unknown: {unknown[:8]}); pass none to expect every layer",
+                request_id=request_id,
+                engine_id=self.engine.engine_id,
+            )
+        return tuple(sorted(index[name] for name in layers))
 
     async def release(self, request_id: str) -> None:
         expectation = self._pending.pop(request_id, None)
@@ -411,7 +438,7 @@ class Receiving:
         metrics = self.engine.metrics
         for message in unrecorded:
             metrics.received(message.src_engine, message.nbytes)
-            if not message.checksum and message.reference is None:
+            if not message.checksum and message.reference is None and message.landed is None:
                 metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED)
 
     def close(self) -> None:
@@ -478,6 +505,7 @@ class Receiving:
             type(message) is TransferDone
             and not message.arrival_proofs
             and not message.checksum
+            and message.landed is None
             and message.dst_engine == engine.engine_id
             and message.dst_incarnation == engine.incarnation
         ):
@@ -545,7 +573,7 @@ class Receiving:
                 )
             )
             future.exception()  # retrieved here; wait_for_kv re-raises it
-        elif message.arrival_proofs or message.checksum:
+        elif message.arrival_proofs or message.checksum or message.landed is not None:
             # The writer's transport gives the decode side its own proofs of arrival, which the
             # notice can overtake, and the bytes that landed must hash as the writer's did:
             # complete once both hold (wait_for_kv's deadline bounds the wait).
@@ -576,6 +604,21 @@ class Receiving:
                 f"twice or one engine {engine.engine_id!r} lacks",
                 request_id=message.request_id,
                 engine_id=engine.engine_id,
+            )
+        expected = range(len(layout.layers)) if expectation.layers is None else expectation.layers
+        if sorted(layers) != list(expected):
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
+            covered = set(layers)
+            missing = [layout.layer_names[index] for index in expected if index not in covered]
+            return KVIntegrityError(
+                f"the KV of request {message.request_id!r} from {message.src_engine!r} covers "
+                f"{len(layers)} layer(s), not the {len(expected)} engine {engine.engine_id!r} expects "
+                f"(missing: {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); the "
+                "request is not decoded from it",
+                request_id=message.request_id,
+                engine_id=engine.engine_id,
+                src_engine=message.src_engine,
+                layers=missing,
             )
         try:
             heads = writer_heads(layout, message.src_tp)
@@ -624,7 +667,7 @@ class Receiving:
         (`integrity_unhashed`), the transfer came with neither."""
         engine = self.engine
         if message.reference is None:
-            if engine.settings.integrity_unhashed and not message.checksum:
+            if engine.settings.integrity_unhashed and not message.checksum and message.landed is None:
                 return MetadataError(
                     f"the KV of request {message.request_id!r} from {message.src_engine!r} came "
                     f"unchecked, and engine {engine.engine_id!r} checks every request's KV "
@@ -668,6 +711,8 @@ class Receiving:
                 await self._check_integrity(message, expectation)
             if misplaced is not None:
                 raise misplaced
+            if message.landed is not None and not message.checksum and not future.done():
+                await self._check_landed(message, expectation)
         except asyncio.CancelledError:
             return  # the wait ended (deadline, cancel, close): its own path reports it
         except KvrayError as error:
@@ -714,6 +759,56 @@ class Receiving:
             )
             raise
         engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, time.perf_counter() - started)
+
+    async def _check_landed(self, message: TransferDone, expectation: _Expectation) -> None:
+        """The landed digest of the ranges the transfer filled in this engine's memory against
+        the one the writer sent (`kvray.content.landed_digest`), read after the last write: on a
+        worker thread when large. Device memory is not read here: such a transfer counts as
+        unchecked (and `integrity_unhashed` refuses it)."""
+        engine = self.engine
+        backing = engine.backing
+        layout = backing.layout
+        names = [layout.layer_names[index] for index in message.layers]
+        if backing.kind is MemoryKind.CUDA:
+            if engine.settings.integrity_unhashed:
+                raise MetadataError(
+                    f"the KV of request {message.request_id!r} from {message.src_engine!r} came with a "
+                    f"landed digest engine {engine.engine_id!r} does not read in device memory, and "
+                    "it checks every request's KV (integrity_unhashed); the request is not decoded "
+                    "from it",
+                    request_id=message.request_id,
+                    engine_id=engine.engine_id,
+                )
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED, 0, 0.0)
+            return
+        heads = writer_heads(layout, message.src_tp)
+        pieces = [
+            landed_pieces(layout, backing.placements[name], expectation.blocks, name, heads) for name in names
+        ]
+        region = np.concatenate([piece.region for piece in pieces])
+        offset = np.concatenate([piece.offset for piece in pieces])
+        nbytes = np.concatenate([piece.nbytes for piece in pieces])
+        regions = [region_tensor.tensor.numpy() for region_tensor in backing.regions]
+        started = time.perf_counter()
+        if message.nbytes < THREAD_MIN_BYTES:
+            landed = landed_digest(regions, region, offset, nbytes)
+        else:
+            landed = await asyncio.to_thread(landed_digest, regions, region, offset, nbytes)
+        seconds = time.perf_counter() - started
+        if landed == message.landed:
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, seconds)
+            return
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), seconds)
+        raise KVIntegrityError(
+            f"the KV of request {message.request_id!r} from {message.src_engine!r} did not land as "
+            f"the writer holds it: its landed digest differs from the writer's ({len(names)} "
+            f"layer(s): {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); the request is "
+            "not decoded from it",
+            request_id=message.request_id,
+            engine_id=engine.engine_id,
+            src_engine=message.src_engine,
+            layers=names,
+        )
 
     async def _arrived(self, message: TransferDone) -> None:
         """Wait for the proofs of arrival the notice names (`Transport.complete`)."""

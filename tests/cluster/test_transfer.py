@@ -120,7 +120,7 @@ def test_seed_bug_layers_of_one_geometry_land_apart(local_ray: None) -> None:
     ray.get(prefill.fill_random.remote("seed", 1))
     expected = ray.get(prefill.read_blocks.remote(src, [l0, l1]))
     assert not np.array_equal(expected[l0], expected[l1])
-    reservation = ray.get(decode.reserve.remote("seed", 3))
+    reservation = ray.get(decode.reserve.remote("seed", 3, layers=[l0, l1]))
     dst = list(reservation.blocks)
     waiting = decode.wait.remote("seed", 30)
     ray.get(prefill.push.remote(reservation, layers=[l0, l1]))

@@ -26,7 +26,7 @@ from test_verbs_agents import AgentActorStandIn, _Method
 
 from kvray.agent import KVAgent
 from kvray.config import Settings
-from kvray.errors import KVIntegrityError
+from kvray.errors import KVIntegrityError, PlanError
 from kvray.faults import ByteFlipper, SeedBugOffsetCache, executor_offset_bug
 from kvray.layout import BlockOrder, Geometry, KVLayout, LayerSpec
 from kvray.metrics import MemorySink
@@ -304,37 +304,41 @@ async def test_the_seed_bug_is_refused_on_every_request_with_no_byte_checked(
     assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 3
 
 
-@pytest.mark.parametrize("kind", ["shm", "ray"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 async def test_an_executor_that_stores_elsewhere_than_its_correct_plan_is_refused(
     make_pair: Any, kind: str
 ) -> None:
     """`kvray.faults.executor_offset_bug`: the plan is right, the copy executor (the writer's C
-    copy for shm, the decode engine's scatter for ray) puts one op's bytes over another's. The
-    digest it reports is of where it stored, so the request fails; the same push without the
-    fault lands exactly."""
+    copy for shm, the decode engine's scatter for ray; for verbs, this stand-in NIC's copy) puts
+    one op's bytes over another's. The digest it reports is of where it stored (shm, ray), or
+    the bytes are not where the writer's landed digest says (verbs, whose NIC reports
+    nothing), so the request fails; the same push without the fault lands exactly."""
     pair: Pair = await make_pair(kind, sample_rate=0.0)
     prefill, decode = pair.prefill, pair.decode
     reservation = decode.expect("bad", DST)
     with executor_offset_bug():
         await prefill.push(reservation, SRC)
-    with pytest.raises(KVIntegrityError, match="stored elsewhere than planned"):
+    refusal = "landed digest" if kind == "verbs" else "stored elsewhere than planned"
+    with pytest.raises(KVIntegrityError, match=refusal):
         await decode.wait_for_kv("bad", timeout=10)
     await decode.release("bad")
     await _lands_exactly(pair, "good")
 
 
-@pytest.mark.parametrize("kind", ["shm", "ray"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 async def test_a_flipped_byte_is_caught_on_every_request_by_the_copys_own_digest(
     make_pair: Any, kind: str, layerwise: bool
 ) -> None:
     """At the defaults (no request sampled for the slow check), the copy that moves the bytes
     hashes them (`kvray.content`): a byte flipped on the way differs from the digest the writer
-    took from its blocks, and the request fails; the next, intact, is taken."""
+    took from its blocks, and the request fails; the next, intact, is taken. Where the copy does
+    not hash (an RDMA NIC's, `verbs`), the decode side hashes what landed after the last write
+    against the writer's landed digest."""
     pair: Pair = await make_pair(kind, flip=True, sample_rate=0.0)
     prefill, decode = pair.prefill, pair.decode
     await _push_one_flipped(pair, "r", layerwise)
-    with pytest.raises(KVIntegrityError, match="content digest"):
+    with pytest.raises(KVIntegrityError, match="landed digest" if kind == "verbs" else "content digest"):
         await decode.wait_for_kv("r", timeout=10)
     await decode.release("r")
     pair.flipper.every = 1 << 30
@@ -398,3 +402,34 @@ async def test_a_pooled_copy_completes_checked_or_not(make_pair: Any, kind: str,
     await decode.wait_for_kv("big", timeout=10)
     assert torch.equal(_blocks(prefill, "kv", src), _blocks(decode, "kv", dst))
     assert pair.sink.value("kvray_integrity_checks", result="ok") == (1 if integrity else 0)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+async def test_kv_of_fewer_layers_than_expected_is_refused(make_pair: Any, kind: str, layerwise: bool) -> None:
+    """A decode engine expects every one of its layers by default: a transfer of one of four
+    (whole, or layer-wise then finished) fails the request naming the missing three, under every
+    check setting (it is decided from the notice's layers, before any byte is looked at); a
+    request that expects only that layer takes it."""
+    pair: Pair = await make_pair(kind, SAME_GEOMETRY, sample_rate=0.0, integrity=False)
+    prefill, decode = pair.prefill, pair.decode
+    first = SAME_GEOMETRY.layer_names[0]
+
+    async def push_first(request: str, layers: list[str] | None) -> None:
+        reservation = decode.expect(request, DST, layers)
+        if layerwise:
+            await prefill.push_layer(reservation, first, SRC)
+            await prefill.finish(request)
+        else:
+            await prefill.push(reservation, SRC, [first])
+
+    await push_first("short", None)
+    with pytest.raises(KVIntegrityError, match="covers 1 layer") as raised:
+        await decode.wait_for_kv("short", timeout=10)
+    assert raised.value.facts["layers"] == list(SAME_GEOMETRY.layer_names[1:])
+    await decode.release("short")
+    await push_first("one", [first])
+    await decode.wait_for_kv("one", timeout=10)
+    await decode.release("one")
+    with pytest.raises(PlanError, match="distinct layers"):
+        decode.expect("bad", DST, ["no-such-layer"])

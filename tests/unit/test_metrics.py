@@ -83,7 +83,7 @@ async def test_agents_record_pushes_waits_and_drops(agents: tuple[KVAgent, KVAge
     whole = await prefill.push(reservation, [0, 1])
     await decode.wait_for_kv("whole", timeout=10.0)
 
-    reservation = decode.expect("lw", [5])
+    reservation = decode.expect("lw", [5], [first, second])
     for layer in (first, second):
         await prefill.push_layer(reservation, layer, [4])
     layerwise = await prefill.finish("lw")
