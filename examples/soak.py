@@ -274,7 +274,7 @@ async def run_soak(
                         report.retried += 1
                         await asyncio.sleep(0.01 * (attempt + 1))
                 try:
-                    reservation = await group.decode.reserve.remote(request_id, count)
+                    reservation = await group.decode.reserve.remote(request_id, count, layers=layers)
                     waiting = group.decode.wait.remote(request_id, 120.0)
                     pushed = await prefill.push.remote(reservation, layers=layers, layerwise=layerwise)
                     await waiting

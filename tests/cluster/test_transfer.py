@@ -68,7 +68,7 @@ def test_concurrent_requests_land_exactly(
         src_blocks = ray.get(prefills[p].allocate.remote(request_id, count))
         ray.get(prefills[p].fill_random.remote(request_id, n))
         expected = ray.get(prefills[p].read_blocks.remote(src_blocks, layers))
-        reservation = ray.get(decodes[d].reserve.remote(request_id, count))
+        reservation = ray.get(decodes[d].reserve.remote(request_id, count, layers=layers))
         assert reservation.engine_id == f"d{d}-{tag}"
         requests.append((request_id, p, d, list(reservation.blocks), reservation, layers, expected))
 

@@ -57,7 +57,7 @@ async def test_failed_layer_refuses_later_layers_and_tells_the_decode_side(
         await prefill.finish("r")
     # After finish (or abort) here and release there, the request id is free again.
     await decode.release("r")
-    reservation = decode.expect("r", [5])
+    reservation = decode.expect("r", [5], [first])
     await prefill.push_layer(reservation, first, [0])
     await prefill.finish("r")
     completion = await decode.wait_for_kv("r", timeout=10.0)
