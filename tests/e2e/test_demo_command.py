@@ -16,7 +16,8 @@ def test_demo_command_passes() -> None:
 
 
 def test_demo_command_fails_loudly_with_the_seed_bug() -> None:
-    result = run_kvray("demo", "--prompts", "6", "--max-new-tokens", "6", "--inject-seed-bug")
+    # At the defaults (no request's checksums sampled): the placement and content digests.
+    result = run_kvray("demo", "--prompts", "6", "--max-new-tokens", "6", "--inject-seed-bug", defaults=True)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RESULT: FAIL" in result.stdout
     # Caught before decoding: the requests with wrong KV are refused, none decoded from it.

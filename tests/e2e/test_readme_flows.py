@@ -224,6 +224,7 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "python benchmarks/bench_gpu.py --repeat 10": Skip("needs two CUDA GPUs"),
     "python3 benchmarks/bench_gpu.py --same-gpu --no-nccl --repeat 30 --kvray-only "
     "--workload 4k --workload 16k": Skip("needs a CUDA GPU"),
+    "python3 benchmarks/bench_gpu.py --same-gpu --no-nccl --repeat 10 --kvray-only": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_launch.py": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_rows.py --repeat 100": Skip("needs a CUDA GPU"),
     "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown": Skip(

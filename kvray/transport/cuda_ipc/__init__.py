@@ -4,10 +4,15 @@ The decode backing's CUDA allocation is exported once as a CUDA IPC handle (with
 offset inside it, in the region descriptor); the prefill process opens it once per peer
 incarnation and writes a plan's ops with batched copies, never one launch per block.
 
-    kernels     the Triton kernels, compiled on first use: the op copy (program i copies op i,
-                or one piece of a long op, with wide loads and stores), the row copy (expands a
-                plan's rows itself from the request's block ids) and the block ids' fetch from
-                pinned host memory; and the element width they copy at (`pick_unit`)
+    kernels     the Triton kernels (`triton_kernels`), compiled on first use: the op copy
+                (program i copies op i, or one piece of a long op, with wide loads and stores),
+                the row copy (expands a plan's rows itself from the request's block ids), the
+                block ids' fetch from pinned host memory and the digests' fold; the element
+                width they copy at (`pick_unit`) and what a copy reports (`Digests`)
+    triton_kernels  the kernels themselves, with the placement and content digests
+                (`kvray.placement`, `kvray.content`) each copy adds up as it stores
+    digests     where a copy's digests go: per-write slots on the GPU, folded into pinned
+                host memory the writer reads once the copy is done
     streams     the GPU a handle names (by UUID), whether one GPU reads another's memory (peer
                 access), the streams kvray's copies run on, ordered after the model's current
                 stream, and the wait for a copy's events: polled from the event loop for about
@@ -17,8 +22,10 @@ incarnation and writes a plan's ops with batched copies, never one launch per bl
                 the GPUs have peer access; without it, a gather kernel, one device-to-device
                 copy and a scatter kernel
     graphs      a plan's rows: a row table kept on the GPU, and a CUDA graph captured once per
-                row table, source, target and size (wait for the model's work, fetch the ids,
-                the row kernel, record done), replayed per request with two driver calls
+                row table, source, target, size and digests (wait for the model's work, fetch
+                the ids, the row kernel, fold its digests, record done), replayed per request
+                with two driver calls; the writer's reference hashed the same way, storing
+                nothing (`hash_stretches`)
     driver      the CUDA driver entry points called directly through ctypes
     allocation  an opened handle checked against the allocation the driver knows for it: an
                 exporter's storage size and offsets are only claims
@@ -34,27 +41,33 @@ the registry (`kvray.transport`) imports this package only when the transport is
 """
 
 from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_allocation_range
+from kvray.transport.cuda_ipc.digests import DigestCell
 from kvray.transport.cuda_ipc.driver import libcuda
 from kvray.transport.cuda_ipc.graphs import (
+    RowCopy,
     RowGraph,
     RowTable,
+    StretchTables,
     capacity_for,
     capture_rows,
     copy_rows,
+    hash_stretches,
     idle_graph,
     launch_rows,
     launch_rows_kernel,
     row_table,
+    start_rows,
 )
 from kvray.transport.cuda_ipc.kernels import (
     MAX_PIECE_NBYTES,
     UNIT_DTYPES,
+    Digests,
     copy_kernel,
     fetch_kernel,
     pick_unit,
     rows_kernel,
 )
-from kvray.transport.cuda_ipc.ops import copy_ops, launch_copy, upload_table
+from kvray.transport.cuda_ipc.ops import Hashing, copy_ops, launch_copy, upload_table
 from kvray.transport.cuda_ipc.streams import (
     copy_stream,
     device_of_uuid,
@@ -71,8 +84,13 @@ __all__ = [
     "UNIT_DTYPES",
     "CudaIpcHandle",
     "CudaIpcTransport",
+    "DigestCell",
+    "Digests",
+    "Hashing",
+    "RowCopy",
     "RowGraph",
     "RowTable",
+    "StretchTables",
     "capacity_for",
     "capture_rows",
     "check_inside_allocation",
@@ -85,6 +103,7 @@ __all__ = [
     "device_uuid",
     "fetch_kernel",
     "follow_current",
+    "hash_stretches",
     "idle_graph",
     "launch_copy",
     "launch_rows",
@@ -94,6 +113,7 @@ __all__ = [
     "pick_unit",
     "row_table",
     "rows_kernel",
+    "start_rows",
     "upload_table",
     "wait_for_events",
 ]
