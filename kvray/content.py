@@ -27,6 +27,7 @@ blocks swapped) are caught because every word has its own pseudo-random weight.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, NamedTuple
 
@@ -353,8 +354,9 @@ class ExpandedStretches(NamedTuple):
 class HeldDigests:
     """The content sums of an engine's own blocks, per (layer, part, block), taken when the
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
-    those blocks needs no read of their bytes. A push uses them once and drops them: the
-    engine may write the blocks again after."""
+    those blocks needs no read of their bytes. A push uses them once and drops them; `forget`
+    drops them when the blocks go back to the engine, which may write them again (a take still
+    hashing them then keeps nothing of them)."""
 
     def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
         self.layout = layout
@@ -363,18 +365,33 @@ class HeldDigests:
         shape = (len(layout.layers), parts, layout.num_blocks)
         self.sums = np.zeros(shape, dtype=np.uint64)
         self.held = np.zeros(shape, dtype=bool)
+        #: Per block, how often it was forgotten: a take keeps its sums only where unchanged.
+        self._epoch = np.zeros(layout.num_blocks, dtype=np.int64)
+        self._lock = threading.Lock()
 
     def take(self, regions: Sequence[npt.NDArray[np.uint8]], blocks: Int64Array) -> None:
-        """Hash every layer's parts of `blocks` now (C, GIL released)."""
+        """Hash every layer's parts of `blocks` now (C, GIL released; from any thread)."""
+        with self._lock:
+            epoch = self._epoch[blocks].copy()
         for at, name in enumerate(self.layout.layer_names):
             placement = self.placements[name]
             seed = region_seed(placement.region)
             for part in range(placement.parts):
                 starts = placement.offset + part * placement.part_stride + blocks * placement.block_stride
                 nbytes = np.full(blocks.size, placement.part_nbytes, dtype=np.int64)
-                values = hash_ranges(regions[placement.region], starts, nbytes, seed)
-                self.sums[at, part, blocks] = np.array(values, dtype=np.uint64)
-                self.held[at, part, blocks] = True
+                values = np.array(
+                    hash_ranges(regions[placement.region], starts, nbytes, seed), dtype=np.uint64
+                )
+                with self._lock:
+                    kept = self._epoch[blocks] == epoch
+                    self.sums[at, part, blocks[kept]] = values[kept]
+                    self.held[at, part, blocks[kept]] = True
+
+    def forget(self, blocks: Int64Array) -> None:
+        """Drop the sums of `blocks` (they go back to the engine), and any a take still makes."""
+        with self._lock:
+            self._epoch[blocks] += 1
+            self.held[:, :, blocks] = False
 
     def digest(self, stretches: Stretches) -> int | None:
         """The content digest from held sums, dropping them (None: some are not held)."""
@@ -382,10 +399,11 @@ class HeldDigests:
             return None
         expanded = stretches.expanded
         key = (expanded.layer, expanded.part, expanded.block)
-        if not self.held[key].all():
-            return None
-        sums = self.sums[key]
-        self.held[key] = False
+        with self._lock:
+            if not self.held[key].all():
+                return None
+            sums = self.sums[key]
+            self.held[key] = False
         return expanded.total(sums)
 
 

@@ -493,6 +493,10 @@ class Handoff:
             return
         held = self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
         self._held_changed(held, began=True)
+        # The content digests of its blocks (`KVAgent.hold_digests`), taken while no decode
+        # engine has asked yet: its push then reads no block to check what it moves. They are
+        # dropped when the hold ends (`_held_changed`).
+        self._spawn(self._hold_digests(spec.block_ids))
         for message, _ in self._parked.pop(key, ()):
             if isinstance(message, PushRequest):
                 self._spawn(self._push(message))
@@ -500,6 +504,10 @@ class Handoff:
                 held.ranks = message.decode_ranks
                 held.answered.add(message.decode_rank)
         self._settle(key, held)
+
+    async def _hold_digests(self, table: BlockTable) -> None:
+        with contextlib.suppress(KvrayError):  # a push without them reads the blocks itself
+            await self.agent.hold_digests(np.asarray(table_blocks(table), dtype=np.int64))
 
     def drop(self, key: str) -> None:
         """Hand-off `key` will never have KV here: its parked ask is refused now, later ones
@@ -546,9 +554,11 @@ class Handoff:
     def _held_changed(self, held: _Held, *, began: bool) -> None:
         """A hold began or ended: record the blocks held as it happens, before the end is
         reported (vLLM reads the figure as the step that hears of the end ends, maybe its last)."""
-        blocks = len(table_blocks(held.spec.block_ids))
-        self._blocks_held += blocks if began else -blocks
+        blocks = table_blocks(held.spec.block_ids)
+        self._blocks_held += len(blocks) if began else -len(blocks)
         self.agent.metrics.blocks_held(self._blocks_held)
+        if not began:  # the blocks go back to the engine: digests held of them are stale now
+            self.agent.forget_digests(np.asarray(blocks, dtype=np.int64))
 
     def _spend(self, key: str) -> None:
         """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""

@@ -291,6 +291,11 @@ class KVAgent:
         from the new bytes under the old digest)."""
         await self._pusher.hold_digests(local_blocks)
 
+    def forget_digests(self, local_blocks: Blocks) -> None:
+        """Drop the digests `hold_digests` took of `local_blocks` (and any it is still taking):
+        the blocks go back to the engine, which may write them again."""
+        self._pusher.forget_digests(local_blocks)
+
     async def push_layer(
         self, reservation: Reservation, layer: str, local_blocks: Blocks, *, timeout: float | None = None
     ) -> int:

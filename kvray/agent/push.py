@@ -608,6 +608,13 @@ class Pusher:
             self._stretch_rows[key] = rows
         return Stretches(rows, local, remote_ids)
 
+    def forget_digests(self, local_blocks: Blocks) -> None:
+        if self._held is not None:
+            blocks = block_ids(
+                local_blocks, self.engine.backing.layout.num_blocks, "local", self.engine.engine_id
+            )
+            self._held.forget(blocks)
+
     async def _reference(
         self,
         plan: TransferPlan,

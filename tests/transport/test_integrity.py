@@ -377,6 +377,12 @@ async def test_digests_held_before_the_push_check_it_and_a_block_written_after_f
     await decode.release("stale")
     # Used once: the next push reads the blocks itself and is taken.
     await _lands_exactly(pair, "fresh")
+    # Held, then given back to the engine (`forget_digests`) and rewritten: the push reads the
+    # new bytes itself and is taken.
+    await prefill.hold_digests(SRC)
+    prefill.forget_digests(SRC)
+    block.view(torch.uint8).bitwise_not_()
+    await _lands_exactly(pair, "rewritten")
 
 
 #: One layer of 64 KiB blocks: a push of 80 of them (5 MiB) is copied by the C pool's threads,
