@@ -412,7 +412,9 @@ async def test_a_pooled_copy_completes_checked_or_not(make_pair: Any, kind: str,
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-async def test_kv_of_fewer_layers_than_expected_is_refused(make_pair: Any, kind: str, layerwise: bool) -> None:
+async def test_kv_of_fewer_layers_than_expected_is_refused(
+    make_pair: Any, kind: str, layerwise: bool
+) -> None:
     """A decode engine expects every one of its layers by default: a transfer of one of four
     (whole, or layer-wise then finished) fails the request naming the missing three, under every
     check setting (it is decided from the notice's layers, before any byte is looked at); a
