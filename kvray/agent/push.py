@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -636,13 +637,22 @@ class Pusher:
         self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
     ) -> int | None:
         """For a checked transfer whose copy does not hash: the landed digest the decode engine
-        must find (`kvray.content.Stretches.landed`), hashed here from this engine's host
-        memory, on a worker thread when large; None from device memory (the sampled checksums,
-        or `integrity_unhashed`'s, check such a transfer)."""
+        must find (`kvray.content.Stretches.landed`), hashed here from this engine's memory: on
+        a worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing;
+        None where that kernel cannot run (no Triton: the sampled checksums, or
+        `integrity_unhashed`'s, check such a transfer)."""
         backing = self.engine.backing
-        if backing.kind is MemoryKind.CUDA:
-            return None
         stretches = self._stretches(plan, local_blocks, remote_ids, peer)
+        if backing.kind is MemoryKind.CUDA:
+            if importlib.util.find_spec("triton") is None:
+                return None
+            from kvray.transport.cuda_ipc.ops import landed_digest
+
+            found = stretches.expanded
+            tensors = [region.tensor for region in backing.regions]
+            return await landed_digest(
+                tensors, found.src_region, found.src_start, found.dst_region, found.dst_start, found.nbytes
+            )
         regions = [region.tensor.numpy() for region in backing.regions]
         if plan.nbytes < THREAD_MIN_BYTES:
             return stretches.landed(regions)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import secrets
 import sys
 import time
@@ -763,13 +764,15 @@ class Receiving:
     async def _check_landed(self, message: TransferDone, expectation: _Expectation) -> None:
         """The landed digest of the ranges the transfer filled in this engine's memory against
         the one the writer sent (`kvray.content.landed_digest`), read after the last write: on a
-        worker thread when large. Device memory is not read here: such a transfer counts as
-        unchecked (and `integrity_unhashed` refuses it)."""
+        worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing. Where
+        that kernel cannot run (no Triton), such a transfer counts as unchecked (and
+        `integrity_unhashed` refuses it)."""
         engine = self.engine
         backing = engine.backing
         layout = backing.layout
         names = [layout.layer_names[index] for index in message.layers]
-        if backing.kind is MemoryKind.CUDA:
+        on_device = backing.kind is MemoryKind.CUDA
+        if on_device and importlib.util.find_spec("triton") is None:
             if engine.settings.integrity_unhashed:
                 raise MetadataError(
                     f"the KV of request {message.request_id!r} from {message.src_engine!r} came with a "
@@ -788,12 +791,18 @@ class Receiving:
         region = np.concatenate([piece.region for piece in pieces])
         offset = np.concatenate([piece.offset for piece in pieces])
         nbytes = np.concatenate([piece.nbytes for piece in pieces])
-        regions = [region_tensor.tensor.numpy() for region_tensor in backing.regions]
         started = time.perf_counter()
-        if message.nbytes < THREAD_MIN_BYTES:
-            landed = landed_digest(regions, region, offset, nbytes)
+        if on_device:
+            from kvray.transport.cuda_ipc.ops import landed_digest as device_landed_digest
+
+            tensors = [region_tensor.tensor for region_tensor in backing.regions]
+            landed = await device_landed_digest(tensors, region, offset, region, offset, nbytes)
         else:
-            landed = await asyncio.to_thread(landed_digest, regions, region, offset, nbytes)
+            regions = [region_tensor.tensor.numpy() for region_tensor in backing.regions]
+            if message.nbytes < THREAD_MIN_BYTES:
+                landed = landed_digest(regions, region, offset, nbytes)
+            else:
+                landed = await asyncio.to_thread(landed_digest, regions, region, offset, nbytes)
         seconds = time.perf_counter() - started
         if landed == message.landed:
             engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, seconds)

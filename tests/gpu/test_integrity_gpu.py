@@ -217,3 +217,65 @@ def test_what_the_gpu_checksum_costs() -> None:
         print(
             f"\n{name}: 64 MiB in {median * 1e3:.2f} ms (median of 7), {(64 << 20) / median / 1e9:.1f} GB/s"
         )
+
+
+def test_the_landed_digest_on_the_gpu_equals_the_hosts() -> None:
+    """The landed digest (`kvray.content.landed_digest`: what a writer whose copy does not hash,
+    GPU KV over `ray` or `verbs`, sends; what the decode side reads after the last write) taken
+    on the GPU by the op kernel, on the writer's side (its blocks, weighed as at the places they
+    go) and on the decode side (the bytes where they landed), equals the host's to the bit; a
+    flipped byte where they landed changes it."""
+    from kvray.content import Stretches, landed_digest, stretch_rows
+    from kvray.transport.cuda_ipc.ops import landed_digest as device_landed_digest
+    from kvray.wire import TransportKind
+
+    layout = mixed(32)
+    writer = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
+    decode = Backing.allocate(layout, MemoryKind.CUDA, device="cuda:0")
+    for backing in (writer, decode):
+        region = backing.regions[0].tensor
+        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8, device="cuda:0"))
+    descriptors = decode.region_descriptors("d", 1, TransportKind.RAY, remote_writable=True)
+    info = decode.engine_info("d", 1, Role.DECODE, "node", descriptors)
+    local, remote = np.array(LOCAL_BLOCKS, dtype=np.int64), np.array(REMOTE_BLOCKS, dtype=np.int64)
+    rows = stretch_rows(layout, writer.placements, info.layout, info.placement, layout.layer_names)
+    stretches = Stretches(rows, local, remote)
+    found = stretches.expanded
+    writer_tensors = [region.tensor for region in writer.regions]
+    on_gpu = asyncio.run(
+        device_landed_digest(
+            writer_tensors, found.src_region, found.src_start, found.dst_region, found.dst_start, found.nbytes
+        )
+    )
+    assert on_gpu == stretches.landed([tensor.cpu().numpy() for tensor in writer_tensors])
+    # The bytes where they land, then the decode side's reading of them.
+    target = decode.regions[0].tensor
+    moves = zip(found.src_start.tolist(), found.dst_start.tolist(), found.nbytes.tolist(), strict=True)
+    for source, at, nbytes in moves:
+        target[at : at + nbytes].copy_(writer_tensors[0][source : source + nbytes])
+    decode_tensors = [region.tensor for region in decode.regions]
+
+    def read() -> tuple[int, int]:
+        device = asyncio.run(
+            device_landed_digest(
+                decode_tensors,
+                found.dst_region,
+                found.dst_start,
+                found.dst_region,
+                found.dst_start,
+                found.nbytes,
+            )
+        )
+        host = landed_digest(
+            [tensor.cpu().numpy() for tensor in decode_tensors],
+            found.dst_region,
+            found.dst_start,
+            found.nbytes,
+        )
+        return device, host
+
+    assert read() == (on_gpu, on_gpu)
+    at = int(found.dst_start[len(found.dst_start) // 2])
+    target[at] ^= 0x20
+    device, host = read()
+    assert device == host != on_gpu

@@ -42,7 +42,7 @@ def test_kernels_interpreted() -> None:
         timeout=300,
     )
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert "6 passed" in child.stdout, child.stdout[-2000:]
+    assert "7 passed" in child.stdout, child.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +208,44 @@ def test_row_kernel_digests_see_a_moved_block(kernels: ModuleType) -> None:
     wrote_wrong = digests(2, 4)
     assert read_wrong[0] != right[0] and read_wrong[1] == right[1]
     assert wrote_wrong[0] != right[0] and wrote_wrong[1] != right[1]
+
+
+@interpreted
+def test_op_kernel_takes_the_landed_digest_of_bytes_as_they_must_land(kernels: ModuleType) -> None:
+    """AT_BOUND: the bytes at their source, weighed as at the places they are bound for (a
+    writer's blocks as they must land, `kvray.content.landed_digest`): equal to the landed
+    digest of a buffer that holds them there, which is what the decode side reads."""
+    from kvray.content import landed_digest
+
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 40 * 1024, dtype=np.uint8)
+    ops = [(0, 20000, 4096), (4100, 100, 4096), (9000, 30000, 5000)]
+    dst_region = 2  # the bytes sit in some region of the writer's; only where they go counts
+    table = [op[0] for op in ops] * 2 + [op[2] for op in ops] + [op[1] for op in ops]
+    table += _bits(region_seed(dst_region), pair_salt(dst_region, dst_region), region_salt(dst_region))
+    slots = torch.zeros(2 * SLOTS, dtype=torch.int64)
+    kernels.copy_pieces[(len(ops),)](
+        torch.from_numpy(src).view(torch.int32),
+        torch.from_numpy(src).view(torch.int32),
+        torch.tensor(table, dtype=torch.int64),
+        slots,
+        len(ops),
+        SHIFT=2,
+        BLOCK=1024,
+        VEC=1,
+        DIGESTS=True,
+        CONTENT=True,
+        STORE=False,
+        AT_BOUND=True,
+    )
+    landed = np.zeros(48 * 1024, dtype=np.uint8)
+    for source, target, nbytes in ops:
+        landed[target : target + nbytes] = src[source : source + nbytes]
+    at = np.array([op[1] for op in ops], dtype=np.int64)
+    sizes = np.array([op[2] for op in ops], dtype=np.int64)
+    regions = [landed, landed, landed]
+    expected = landed_digest(regions, np.full(3, dst_region, dtype=np.int64), at, sizes)
+    assert _fold(kernels, slots)[0] == expected
+    # A byte that lands elsewhere, or differs, gives another value.
+    landed[100] ^= 1
+    assert landed_digest(regions, np.full(3, dst_region, dtype=np.int64), at, sizes) != expected

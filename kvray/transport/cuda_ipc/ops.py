@@ -5,6 +5,7 @@ between two GPUs without peer access.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -13,9 +14,9 @@ import torch
 from kvray.content import pair_salt, region_seed
 from kvray.errors import TransportError
 from kvray.layout import Int64Array
-from kvray.placement import region_salt
+from kvray.placement import MASK64, region_salt
 from kvray.plan import split_ops
-from kvray.transport.cuda_ipc.digests import DigestCell
+from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
 from kvray.transport.cuda_ipc.kernels import (
     HASH_MAX_UNIT,
     HASH_STEP_NBYTES,
@@ -24,7 +25,7 @@ from kvray.transport.cuda_ipc.kernels import (
     copy_kernel,
     pick_unit,
 )
-from kvray.transport.cuda_ipc.streams import copy_stream, follow_current, peer_reads
+from kvray.transport.cuda_ipc.streams import copy_stream, follow_current, peer_reads, wait_for_events
 
 #: Faults only (`kvray.faults.executor_offset_bug`): the copies store the last op (block pair)
 #: of a write of two or more over the one before it, under a correct plan.
@@ -77,6 +78,9 @@ class Hashing(NamedTuple):
     src_region: int
     dst_region: int
     content: bool = True
+    #: The landed digest (`kvray.content.landed_digest`): each word weighed as at the place it
+    #: is bound for, in `dst_region`'s seed, with no factor for moving it (`bound` required).
+    at_bound: bool = False
     #: Where each op's bytes count as bound and stored (`kvray.placement`) when the copy only
     #: stages them (default: its targets).
     bound: Int64Array | None = None
@@ -84,10 +88,11 @@ class Hashing(NamedTuple):
     def parameters(self) -> Int64Array:
         """The source seed, the pair salt and the destination region's salt (`kvray.placement`)
         as int64 bit patterns (the op table's last three entries)."""
+        seeded = self.dst_region if self.at_bound else self.src_region
         values = np.array(
             [
-                region_seed(self.src_region),
-                pair_salt(self.src_region, self.dst_region),
+                region_seed(seeded),
+                pair_salt(seeded, self.dst_region),
                 region_salt(self.dst_region),
             ],
             dtype=np.uint64,
@@ -119,8 +124,8 @@ def launch_copy(
             reader=reader,
             owner=owner,
         )
-    unit = pick_unit(dst_offsets, src_offsets, nbytes, bases=(dst.data_ptr(), src.data_ptr()))
     bound = dst_offsets if hashing is None or hashing.bound is None else hashing.bound
+    unit = pick_unit(dst_offsets, src_offsets, nbytes, bound, bases=(dst.data_ptr(), src.data_ptr()))
     if hashing is None:
         vector = 2 if unit == 16 else 1
         unit = min(8, unit)
@@ -151,6 +156,7 @@ def launch_copy(
             VEC=vector,
             DIGESTS=hashing is not None,
             CONTENT=hashing is not None and hashing.content,
+            AT_BOUND=hashing is not None and hashing.at_bound,
             STORE=store,
             num_warps=warps,
         )
@@ -218,3 +224,43 @@ def copy_ops(
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record(target_stream)
     return done
+
+
+async def landed_digest(
+    tensors: Sequence[torch.Tensor],
+    src_region: Int64Array,
+    src_offset: Int64Array,
+    dst_region: Int64Array,
+    dst_offset: Int64Array,
+    nbytes: Int64Array,
+) -> int:
+    """The landed digest (`kvray.content.landed_digest`) of bytes in GPU memory: the bytes at
+    `src_offset` of `tensors[src_region]` as if they sat at `dst_offset` of region `dst_region`
+    (a writer's blocks as they must land; a decode engine's own, `src` = `dst`), hashed by the
+    op kernel storing nothing, on kvray's copy stream after the work queued on each GPU."""
+    cells: list[DigestCell] = []
+    events = []
+    pairs = np.unique(np.stack([src_region, dst_region]), axis=1).T.tolist() if nbytes.size else []
+    for source, target in pairs:
+        select = (src_region == source) & (dst_region == target)
+        tensor = tensors[source]
+        device = tensor.device.index or 0
+        stream = copy_stream(device)
+        follow_current(device, stream)
+        cells.append(take_cell(tensor.device))
+        hashing = Hashing(cells[-1], source, target, at_bound=True, bound=dst_offset[select])
+        with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+            launch_copy(
+                tensor, tensor, src_offset[select], src_offset[select], nbytes[select], hashing, store=False
+            )
+            cells[-1].fold()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        events.append(done)
+    # A cell whose hash did not complete is not given back (its slots may hold a sum).
+    await wait_for_events(events, int(nbytes.sum()))
+    total = 0
+    for cell in cells:
+        total += cell.value().content or 0
+        give_back(cell)
+    return total & MASK64

@@ -91,8 +91,11 @@ def copy_pieces(
     DIGESTS: tl.constexpr,
     CONTENT: tl.constexpr,
     STORE: tl.constexpr,
+    AT_BOUND: tl.constexpr = False,
 ):
-    """Program i copies op i of `table` (see `kernels.copy_kernel`)."""
+    """Program i copies op i of `table` (see `kernels.copy_kernel`); with AT_BOUND its content
+    digest weighs each word as at the place its bytes are bound for, and that place is its
+    stretch's delta of 0 (a landed digest, `kvray.content.landed_digest`)."""
     piece = tl.program_id(0)
     source = tl.load(table + piece) >> SHIFT
     target = tl.load(table + count + piece) >> SHIFT
@@ -103,6 +106,7 @@ def copy_pieces(
         target = tl.multiple_of(target, VEC)
         length = tl.multiple_of(length, VEC)
     seed = tl.load(table + 4 * count).to(tl.uint64, bitcast=True) if CONTENT else 0
+    weighed = (tl.load(table + 3 * count + piece) >> SHIFT) if AT_BOUND else source
     acc = tl.zeros((BLOCK,), tl.uint64)
     for start in tl.range(0, length, BLOCK):
         index = start + tl.arange(0, BLOCK)
@@ -111,12 +115,13 @@ def copy_pieces(
         if STORE:
             tl.store(dst + target + index, values, mask=mask)
         if CONTENT:
-            acc += _weigh(values, source + index, source + start, seed, SHIFT)
+            acc += _weigh(values, weighed + index, weighed + start, seed, SHIFT)
     if DIGESTS:
         bound = tl.load(table + 3 * count + piece)
         if CONTENT:
             salt = tl.load(table + 4 * count + 1).to(tl.uint64, bitcast=True)
-            total = tl.sum(acc, axis=0) * _factor(salt, bound - tl.load(table + piece))
+            moved = (bound - bound) if AT_BOUND else (bound - tl.load(table + piece))
+            total = tl.sum(acc, axis=0) * _factor(salt, moved)
             _deposit(slots, piece, total)
         region = tl.load(table + 4 * count + 2).to(tl.uint64, bitcast=True)
         _place(slots, piece, region, bound, length << SHIFT)
