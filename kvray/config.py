@@ -124,16 +124,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     notice_ports: int = 1
     #: Check every request's KV before it may decode (`kvray.content`): the copy that moves the
     #: bytes hashes them as it goes (shm, loopback, ray from host memory, the cuda_ipc kernel),
-    #: or, where it cannot (an RDMA NIC's, verbs from host memory), the decode side hashes what
-    #: landed after the last write; against a digest the writer takes from its own blocks.
+    #: or, where it cannot (an RDMA NIC's, verbs; GPU KV staged over ray), the decode side
+    #: hashes what landed after the last write; against a digest the writer takes from its
+    #: own blocks.
     #: Placement is checked on every transfer regardless (`kvray.placement`). A decode engine
     #: with it on asks its writers for the check (`Reservation.integrity`); off on both sides,
     #: only placement and the sampled checksums are.
     integrity: bool = True
-    #: Also check every request that `integrity` cannot (GPU KV over ray or verbs) by hashing
-    #: every layer on both sides (`integrity_sample_rate` 1.0 for them): costly on a GPU (~1.6
-    #: ms per 64 MiB on each side, more than the copy). A decode engine with it on refuses KV
-    #: that comes with no check at all.
+    #: Also check every request that `integrity` cannot (GPU KV where Triton is missing, so no
+    #: kernel of kvray's hashes it) by hashing every layer on both sides
+    #: (`integrity_sample_rate` 1.0 for them): costly on a GPU (~1.6 ms per 64 MiB on each
+    #: side, more than the copy). A decode engine with it on refuses KV that comes with no
+    #: check at all.
     integrity_unhashed: bool = False
     #: Share of requests whose KV is also checked the slow way, the backstop (`kvray.integrity`:
     #: the writer hashes each layer's bytes, the decode side hashes them again as landed; 1.0:
