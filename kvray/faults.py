@@ -71,6 +71,8 @@ class ByteFlipper:
     as it was. `flipped` records (request id, layer) of each corrupted write."""
 
     every: int = 1
+    #: Zero the whole middle op's bytes instead of flipping one bit (a block that arrives blank).
+    zero: bool = False
     writes: int = 0
     flipped: list[tuple[str, str]] = field(default_factory=list)
     #: Writes under way: a transport's `write_then` may call its own `write`, which must not
@@ -116,11 +118,22 @@ class ByteFlipper:
             return
         middle = len(ops) // 2
         region = int(ops.local_region[middle])
-        offset = int(ops.local_offset[middle]) + int(ops.nbytes[middle]) // 2
         layer = next(name for index, name in enumerate(plan.layers) if plan.layer_starts[index + 1] > middle)
+        self.flipped.append((plan.request_id, layer))
+        if self.zero:
+            # The whole op's bytes (one block's part of a layer, or a run of them) zeroed.
+            start = int(ops.local_offset[middle])
+            block = local.regions[region].tensor[start : start + int(ops.nbytes[middle])]
+            kept = block.clone()
+            block.zero_()
+            try:
+                yield
+            finally:
+                block.copy_(kept)
+            return
+        offset = int(ops.local_offset[middle]) + int(ops.nbytes[middle]) // 2
         byte = local.regions[region].tensor[offset : offset + 1]
         byte.bitwise_xor_(1)
-        self.flipped.append((plan.request_id, layer))
         try:
             yield
         finally:

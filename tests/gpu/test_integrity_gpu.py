@@ -76,7 +76,8 @@ def decode_process(request: pytest.FixtureRequest) -> Any:
         process.kill()
 
 
-def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process: Any) -> None:
+@pytest.mark.parametrize("zero", [False, True], ids=["flipped-bit", "zeroed-block"])
+def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process: Any, zero: bool) -> None:
     from kvray.agent import KVAgent
     from kvray.faults import ByteFlipper
     from kvray.wire import TransportKind
@@ -86,7 +87,7 @@ def test_cuda_ipc_pushes_are_checked_and_a_flipped_byte_is_caught(decode_process
     generator = torch.Generator(device="cuda:0").manual_seed(5)
     region = source.regions[0].tensor
     region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8, device="cuda:0", generator=generator))
-    flipper = ByteFlipper(every=1 << 30)
+    flipper = ByteFlipper(every=1 << 30, zero=zero)
     before = region.cpu().numpy().copy()
 
     async def push(flip: bool) -> tuple[Any, float]:

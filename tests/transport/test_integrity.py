@@ -441,3 +441,24 @@ async def test_kv_of_fewer_layers_than_expected_is_refused(
     await decode.release("one")
     with pytest.raises(PlanError, match="distinct layers"):
         decode.expect("bad", DST, ["no-such-layer"])
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+async def test_a_block_zeroed_on_the_way_is_caught_on_every_request(make_pair: Any, kind: str) -> None:
+    """At the defaults (no request sampled for the slow check): a whole op's bytes (a block's
+    part of a layer) arriving as zeros fails the request, by the copy's content digest or, on
+    `verbs`, the landed digest; the writer's memory is as it was, and the next push is taken."""
+    pair: Pair = await make_pair(kind, flip=True, sample_rate=0.0)
+    pair.flipper.zero = True
+    prefill, decode = pair.prefill, pair.decode
+    before = [region.tensor.clone() for region in prefill.backing.regions]
+    reservation = decode.expect("zeroed", DST)
+    await prefill.push(reservation, SRC)
+    with pytest.raises(KVIntegrityError, match="landed digest" if kind == "verbs" else "content digest"):
+        await decode.wait_for_kv("zeroed", timeout=10)
+    await decode.release("zeroed")
+    assert all(
+        torch.equal(a, region.tensor) for a, region in zip(before, prefill.backing.regions, strict=True)
+    )
+    pair.flipper.every = 1 << 30
+    await _lands_exactly(pair, "after")

@@ -173,8 +173,9 @@ async def test_a_notice_alone_does_not_complete_an_rdma_request() -> None:
         await decode.release("req-short")
 
         # The writer's own notice, asking for the one that came (and carrying the layer's
-        # checksums, as every checked request over verbs does): it completes.
-        one = decode.expect("req-one", dst)
+        # digests, as every checked request over verbs does): it completes, the request
+        # expecting that layer alone.
+        one = decode.expect("req-one", dst, [layer])
         await prefill.push_layer(one, layer, src)
         await prefill.finish("req-one")
         assert (await decode.wait_for_kv("req-one", timeout=10)).request_id == "req-one"

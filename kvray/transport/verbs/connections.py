@@ -15,7 +15,7 @@ import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvray.errors import (
     KvrayError,
@@ -28,7 +28,7 @@ from kvray.errors import (
 )
 from kvray.transport.base import Peer
 from kvray.transport.verbs.device import RECV_DEPTH, Device
-from kvray.transport.verbs.requests import RegisteredRegion
+from kvray.transport.verbs.requests import Chunk, RegisteredRegion
 from kvray.wire import (
     EngineInfo,
     Role,
@@ -38,9 +38,6 @@ from kvray.wire import (
     decode_verbs_handshake,
     encode,
 )
-
-if TYPE_CHECKING:
-    from kvray.transport.verbs.write import Chunk
 
 #: Who writes through a connection: (engine id, incarnation).
 Writer = tuple[str, int]

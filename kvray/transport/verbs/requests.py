@@ -9,6 +9,7 @@ is a WRITE WITH IMMEDIATE, signalled, carrying the transfer's tag.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,3 +181,16 @@ class _Pending:
             return False
         address, length, key = self.sges[-1]
         return key == lkey and address + length == local_address
+
+
+@dataclass
+class Chunk:
+    """Posted work requests whose last one is signalled: done when its completion arrives
+    (the writes, `write.py`, post them; a connection, `connections.py`, keeps them in flight)."""
+
+    first_wr_id: int
+    last_wr_id: int
+    requests: list[WriteRequest]
+    first_index: int
+    total: int
+    future: asyncio.Future[None]

@@ -13,26 +13,13 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvray.errors import TransportError, WriteFailedError
 from kvray.metrics import EngineMetrics
 from kvray.transport.verbs.connections import Connection
 from kvray.transport.verbs.device import Device
-from kvray.transport.verbs.requests import WriteRequest
-
-
-@dataclass
-class Chunk:
-    """Posted work requests whose last one is signalled: done when its completion arrives."""
-
-    first_wr_id: int
-    last_wr_id: int
-    requests: list[WriteRequest]
-    first_index: int
-    total: int
-    future: asyncio.Future[None]
+from kvray.transport.verbs.requests import Chunk, WriteRequest
 
 
 class InFlight:
