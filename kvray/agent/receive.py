@@ -611,16 +611,8 @@ class Receiving:
             engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
             covered = set(layers)
             missing = [layout.layer_names[index] for index in expected if index not in covered]
-            return KVIntegrityError(
-                f"the KV of request {message.request_id!r} from {message.src_engine!r} covers "
-                f"{len(layers)} layer(s), not the {len(expected)} engine {engine.engine_id!r} expects "
-                f"(missing: {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); the "
-                "request is not decoded from it",
-                request_id=message.request_id,
-                engine_id=engine.engine_id,
-                src_engine=message.src_engine,
-                layers=missing,
-            )
+            why = f"covers {len(layers)} layer(s), not the {len(expected)} it expects; missing"
+            return _refusal(engine.engine_id, message, why, missing)
         try:
             heads = writer_heads(layout, message.src_tp)
         except KvrayError as error:
@@ -637,18 +629,12 @@ class Receiving:
             return self._unchecked_content(message, expectation, names)
         if not message.checksum:  # else the checksums' check counts it, naming the layers
             engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
-        return KVIntegrityError(
-            f"the KV of request {message.request_id!r} from {message.src_engine!r} was not stored where "
-            f"engine {engine.engine_id!r} keeps it: the placement digest of its writes differs from "
-            f"that of the request's blocks in {len(layers)} layer(s) ({', '.join(names[:8])}"
-            f"{', ...' if len(names) > 8 else ''}); a layer written over another, a block written "
-            "twice or not at all, or an executor that stored elsewhere than planned; the request is "
-            "not decoded from it",
-            request_id=message.request_id,
-            engine_id=engine.engine_id,
-            src_engine=message.src_engine,
-            layers=names,
+        why = (
+            "was not stored where this engine keeps it (a layer written over another, a block written "
+            "twice or not at all, or an executor that stored elsewhere than planned): the placement "
+            "digest of its writes differs from that of the request's blocks in"
         )
+        return _refusal(engine.engine_id, message, why, names)
 
     def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
         future.set_result(
@@ -689,15 +675,7 @@ class Receiving:
         why = (
             "its copy did not hash it" if content is None else "its content digest differs from the writer's"
         )
-        return KVIntegrityError(
-            f"the KV of request {message.request_id!r} from {message.src_engine!r} did not arrive as "
-            f"the writer holds it: {why} ({len(names)} layer(s): {', '.join(names[:8])}"
-            f"{', ...' if len(names) > 8 else ''}); the request is not decoded from it",
-            request_id=message.request_id,
-            engine_id=engine.engine_id,
-            src_engine=message.src_engine,
-            layers=names,
-        )
+        return _refusal(engine.engine_id, message, f"did not arrive as the writer holds it: {why} in", names)
 
     async def _complete_when_landed(self, message: TransferDone, expectation: _Expectation) -> None:
         future = expectation.future
@@ -808,16 +786,8 @@ class Receiving:
             engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, seconds)
             return
         engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), seconds)
-        raise KVIntegrityError(
-            f"the KV of request {message.request_id!r} from {message.src_engine!r} did not land as "
-            f"the writer holds it: its landed digest differs from the writer's ({len(names)} "
-            f"layer(s): {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); the request is "
-            "not decoded from it",
-            request_id=message.request_id,
-            engine_id=engine.engine_id,
-            src_engine=message.src_engine,
-            layers=names,
-        )
+        why = "did not land as the writer holds it: its landed digest differs from the writer's in"
+        raise _refusal(engine.engine_id, message, why, names)
 
     async def _arrived(self, message: TransferDone) -> None:
         """Wait for the proofs of arrival the notice names (`Transport.complete`)."""
@@ -851,3 +821,17 @@ class Receiving:
         if strict:
             raise error
         return reason
+
+
+def _refusal(engine_id: str, message: TransferDone, why: str, layers: list[str]) -> KVIntegrityError:
+    """The error that fails a request whose KV a check refused: `why`, then the `layers` it
+    names (the first eight shown)."""
+    shown = ", ".join(layers[:8]) + (", ..." if len(layers) > 8 else "")
+    return KVIntegrityError(
+        f"the KV of request {message.request_id!r} from {message.src_engine!r} {why} {len(layers)} "
+        f"layer(s) ({shown}) of engine {engine_id!r}; the request is not decoded from it",
+        request_id=message.request_id,
+        engine_id=engine_id,
+        src_engine=message.src_engine,
+        layers=layers,
+    )
