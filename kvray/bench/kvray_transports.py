@@ -41,7 +41,8 @@ from kvray.bench.workload import Workload
 from kvray.config import Settings
 from kvray.host import AgentHost
 from kvray.memory import Backing, MemoryKind
-from kvray.wire import Reservation, Role, TransferDone, encode
+from kvray.notice.actor import ActorChannel
+from kvray.wire import Reservation, Role
 
 SHM = "kvray shm"
 RAY = "kvray ray transport"
@@ -60,6 +61,8 @@ COMPLETION_SHM = "shm: Unix datagram socket (same node)"
 COMPLETION_RAY = "ray transport, same node: Unix datagram socket"
 COMPLETION_TCP = "another node's writer: TCP notice listener"
 COMPLETION_RAY_CALL = "another node's writer: Ray actor call (listener unreachable)"
+#: The completion-latency writer on "another node" whose notices go by an actor call.
+CALLING = "actor-call"
 #: Where the completion-latency writer on "another node" says it runs.
 OTHER_NODE = "bench-another-node"
 
@@ -139,6 +142,18 @@ class KvrayPrefill:
         )
         self.far_writer.node_id = OTHER_NODE
         await self.far_writer.start()
+        # Another node's writer whose notices go by a call on the decode engine's actor first
+        # (as when its listener cannot be reached).
+        call_settings = Settings.from_env(transport="ray", integrity=False, integrity_sample_rate=0.0)
+        self.calling_writer = KVAgent(
+            f"bench-prefill-call-{workload.key}",
+            Role.PREFILL,
+            backing=backing,
+            settings=call_settings,
+            notices=[ActorChannel(call_settings)],
+        )
+        self.calling_writer.node_id = OTHER_NODE
+        await self.calling_writer.start()
 
     async def hold(self, name: str) -> None:
         """A checked writer takes its blocks' digests as an engine does when their KV is held."""
@@ -160,37 +175,26 @@ class KvrayPrefill:
 
     async def push_layerwise(self, name: str | None, reservation: Reservation) -> float:
         """Every layer's bytes, then the completion notice alone; returns the clock between
-        (`name` None: from the writer on "another node")."""
-        agent = self.far_writer if name is None else self.agents[name]
+        (`name` None: from the writer on "another node"; `CALLING`: the one whose notices go
+        by an actor call)."""
+        if name is None:
+            agent = self.far_writer
+        elif name == CALLING:
+            agent = self.calling_writer
+        else:
+            agent = self.agents[name]
         for layer in self.workload.layout.layer_names:
             await agent.push_layer(reservation, layer, self.src_ids, timeout=DEADLINE_S)
         written = time.perf_counter()
         await agent.finish(reservation.request_id, timeout=DEADLINE_S)
         return written
 
-    async def notify_by_ray_call(self, reservation: Reservation, decode: Any) -> float:
-        """A completion notice through the decode actor's `kvray_notify`, the way a writer on
-        another node sends it; returns the clock just before the call."""
-        agent = self.agents[SHM]
-        message = TransferDone(
-            transfer_id=f"{reservation.request_id}@bench",
-            request_id=reservation.request_id,
-            src_engine=agent.engine_id,
-            src_incarnation=agent.incarnation,
-            dst_engine=reservation.engine_id,
-            dst_incarnation=reservation.incarnation,
-            nbytes=0,
-            token=reservation.token,
-        )
-        started = time.perf_counter()
-        await decode.kvray_notify.remote(encode(message))
-        return started
-
     async def teardown(self) -> None:
         for agent in self.agents.values():
             await agent.close()
         self.agents.clear()
         await self.far_writer.close()
+        await self.calling_writer.close()
 
 
 DecodeActor = ray.remote(KvrayDecode)
@@ -247,16 +251,13 @@ class KvrayTransports(Contender):
             (COMPLETION_SHM, SHM),
             (COMPLETION_RAY, RAY),
             (COMPLETION_TCP, None),
-            (COMPLETION_RAY_CALL, None),
+            (COMPLETION_RAY_CALL, CALLING),
         )
         for path, name in paths:
             for run in range(self.completion_runs + 1):  # the first is a warm-up
                 request_id = f"{self.workload.key}-completion-{len(self.latency[path])}-{run}-{name}"
                 reservation = ray.get(self.decode.prepare.remote(run, request_id))
-                if path == COMPLETION_RAY_CALL:
-                    sent = self.prefill.notify_by_ray_call.remote(reservation, self.decode)
-                else:
-                    sent = self.prefill.push_layerwise.remote(name, reservation)
+                sent = self.prefill.push_layerwise.remote(name, reservation)
                 written_at = ray.get(sent)
                 seen_at = ray.get(self.decode.seen.remote(request_id))
                 if run:
