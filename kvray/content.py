@@ -93,11 +93,27 @@ def landed_digest(
     bytes as they sit, as if each had been copied from where it is to where it is. The writer
     computes the same from its blocks (`Stretches.landed`), for a transfer whose copy does not
     hash (an RDMA NIC's writes): the decode side reads what landed once, after the last write."""
+    return landed_between(regions, region, offset, region, offset, nbytes)
+
+
+def landed_between(
+    regions: Sequence[npt.NDArray[np.uint8]],
+    src_region: Int64Array,
+    src_offset: Int64Array,
+    dst_region: Int64Array,
+    dst_offset: Int64Array,
+    nbytes: Int64Array,
+) -> int:
+    """The landed digest of bytes at `src_offset` of `regions[src_region]` as if they sat at
+    `dst_offset` of region `dst_region` (`landed_digest`'s, wherever the bytes are now)."""
     total = 0
-    for index in np.unique(region).tolist():
-        select = region == index
-        values = hash_ranges(regions[index], offset[select], nbytes[select], region_seed(index))
-        total += sum(values) * landed_factor(index)
+    pairs = np.unique(np.stack([src_region, dst_region]), axis=1).T.tolist() if nbytes.size else []
+    for source, target in pairs:
+        select = (src_region == source) & (dst_region == target)
+        values = hash_ranges(
+            regions[source], src_offset[select], nbytes[select], region_seed(target), dst_offset[select]
+        )
+        total += sum(values) * landed_factor(target)
     return total & MASK64
 
 
@@ -304,20 +320,10 @@ class Stretches:
     def landed(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
         """The landed digest (`landed_digest`) the decode engine must find once every stretch
         is in place, hashing the stretches' bytes here now as at the places they go."""
-        stretches = self.expanded
-        total = 0
-        pairs = np.stack([stretches.src_region, stretches.dst_region])
-        for source, target in np.unique(pairs, axis=1).T.tolist() if stretches.nbytes.size else []:
-            select = (stretches.src_region == source) & (stretches.dst_region == target)
-            values = hash_ranges(
-                regions[source],
-                stretches.src_start[select],
-                stretches.nbytes[select],
-                region_seed(target),
-                stretches.dst_start[select],
-            )
-            total += sum(values) * landed_factor(target)
-        return total & MASK64
+        found = self.expanded
+        return landed_between(
+            regions, found.src_region, found.src_start, found.dst_region, found.dst_start, found.nbytes
+        )
 
     def digest(self, regions: Sequence[npt.NDArray[np.uint8]]) -> int:
         """The content digest, hashing every stretch's bytes now."""

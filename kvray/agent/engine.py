@@ -4,6 +4,7 @@ and the background tasks it must cancel when it closes."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -13,8 +14,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.config import Settings
+from kvray.content import landed_between
 from kvray.errors import AgentNotRunningError
-from kvray.memory import Backing
+from kvray.integrity import THREAD_MIN_BYTES
+from kvray.memory import Backing, MemoryKind
 from kvray.metrics import EngineMetrics
 from kvray.wire import EngineInfo, Role
 
@@ -90,3 +93,28 @@ class Engine:
         task = asyncio.get_running_loop().create_task(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+
+async def landed_in(
+    backing: Backing,
+    src_region: npt.NDArray[np.int64],
+    src_offset: npt.NDArray[np.int64],
+    dst_region: npt.NDArray[np.int64],
+    dst_offset: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+) -> int | None:
+    """The landed digest (`kvray.content.landed_between`) of bytes in `backing`'s memory: on a
+    worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing; None where
+    that kernel cannot run (GPU memory without Triton)."""
+    if backing.kind is MemoryKind.CUDA:
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from kvray.transport.cuda_ipc.ops import landed_digest
+
+        tensors = [region.tensor for region in backing.regions]
+        return await landed_digest(tensors, src_region, src_offset, dst_region, dst_offset, nbytes)
+    regions = [region.tensor.numpy() for region in backing.regions]
+    arguments = (regions, src_region, src_offset, dst_region, dst_offset, nbytes)
+    if int(nbytes.sum()) < THREAD_MIN_BYTES:
+        return landed_between(*arguments)
+    return await asyncio.to_thread(landed_between, *arguments)

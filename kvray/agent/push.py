@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory
-from kvray.agent.engine import Blocks, Engine
+from kvray.agent.engine import Blocks, Engine, landed_in
 from kvray.agent.transports import TransportSet
 from kvray.content import HeldDigests, Stretches, StretchRows, stretch_rows
 from kvray.errors import (
@@ -641,22 +640,15 @@ class Pusher:
         a worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing;
         None where that kernel cannot run (no Triton: the sampled checksums, or
         `integrity_unhashed`'s, check such a transfer)."""
-        backing = self.engine.backing
-        stretches = self._stretches(plan, local_blocks, remote_ids, peer)
-        if backing.kind is MemoryKind.CUDA:
-            if importlib.util.find_spec("triton") is None:
-                return None
-            from kvray.transport.cuda_ipc.ops import landed_digest
-
-            found = stretches.expanded
-            tensors = [region.tensor for region in backing.regions]
-            return await landed_digest(
-                tensors, found.src_region, found.src_start, found.dst_region, found.dst_start, found.nbytes
-            )
-        regions = [region.tensor.numpy() for region in backing.regions]
-        if plan.nbytes < THREAD_MIN_BYTES:
-            return stretches.landed(regions)
-        return await asyncio.to_thread(stretches.landed, regions)
+        found = self._stretches(plan, local_blocks, remote_ids, peer).expanded
+        return await landed_in(
+            self.engine.backing,
+            found.src_region,
+            found.src_start,
+            found.dst_region,
+            found.dst_start,
+            found.nbytes,
+        )
 
     async def _checksums(
         self, reservation: Reservation, plan: TransferPlan, peer: Peer, *, every: bool = False

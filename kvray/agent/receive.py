@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import secrets
 import sys
 import time
@@ -31,9 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory
-from kvray.agent.engine import Blocks, Engine, node_address
+from kvray.agent.engine import Blocks, Engine, landed_in, node_address
 from kvray.agent.transports import TransportSet
-from kvray.content import landed_digest
 from kvray.errors import (
     AgentNotRunningError,
     KVIntegrityError,
@@ -57,7 +55,7 @@ from kvray.integrity import (
     writer_heads,
 )
 from kvray.layout import Int64Array
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing
 from kvray.metrics import DropReason, IntegrityCheck, Outcome
 from kvray.notice import NoticeSet
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
@@ -749,8 +747,16 @@ class Receiving:
         backing = engine.backing
         layout = backing.layout
         names = [layout.layer_names[index] for index in message.layers]
-        on_device = backing.kind is MemoryKind.CUDA
-        if on_device and importlib.util.find_spec("triton") is None:
+        heads = writer_heads(layout, message.src_tp)
+        pieces = [
+            landed_pieces(layout, backing.placements[name], expectation.blocks, name, heads) for name in names
+        ]
+        region = np.concatenate([piece.region for piece in pieces])
+        offset = np.concatenate([piece.offset for piece in pieces])
+        nbytes = np.concatenate([piece.nbytes for piece in pieces])
+        started = time.perf_counter()
+        landed = await landed_in(backing, region, offset, region, offset, nbytes)
+        if landed is None:
             if engine.settings.integrity_unhashed:
                 raise MetadataError(
                     f"the KV of request {message.request_id!r} from {message.src_engine!r} came with a "
@@ -762,25 +768,6 @@ class Receiving:
                 )
             engine.metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED, 0, 0.0)
             return
-        heads = writer_heads(layout, message.src_tp)
-        pieces = [
-            landed_pieces(layout, backing.placements[name], expectation.blocks, name, heads) for name in names
-        ]
-        region = np.concatenate([piece.region for piece in pieces])
-        offset = np.concatenate([piece.offset for piece in pieces])
-        nbytes = np.concatenate([piece.nbytes for piece in pieces])
-        started = time.perf_counter()
-        if on_device:
-            from kvray.transport.cuda_ipc.ops import landed_digest as device_landed_digest
-
-            tensors = [region_tensor.tensor for region_tensor in backing.regions]
-            landed = await device_landed_digest(tensors, region, offset, region, offset, nbytes)
-        else:
-            regions = [region_tensor.tensor.numpy() for region_tensor in backing.regions]
-            if message.nbytes < THREAD_MIN_BYTES:
-                landed = landed_digest(regions, region, offset, nbytes)
-            else:
-                landed = await asyncio.to_thread(landed_digest, regions, region, offset, nbytes)
         seconds = time.perf_counter() - started
         if landed == message.landed:
             engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, seconds)
