@@ -66,13 +66,15 @@ class Engine:
         """Seconds from handing each batch of loads over (one step) to the last one reported."""
         from connector_actors import load_specs
 
+        from kvray.agent.handoff import HandoffStep
+
         worker = self.engine.worker
         times = []
         for batch in batches:
             loads = load_specs(prefill, [(key, key, blocks) for key, blocks in batch])
             waiting = set(loads)
             started = time.perf_counter()
-            worker.begin(loads, {})
+            worker.begin(HandoffStep(loads=loads))
             while waiting:
                 _, received, _, failed = worker.finished()
                 if failed & waiting:

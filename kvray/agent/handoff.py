@@ -162,6 +162,44 @@ class LayerwiseSpec:
     decode_engine: str = ""
 
 
+@dataclass
+class HandoffStep:
+    """One scheduler step's hand-off decisions: what an engine integration gathers during a step
+    and hands over whole (`Handoff.step`). Empty collections are the usual case."""
+
+    #: Decode: loads to start, by request id.
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    #: Prefill: finished requests to hold for a decode engine, by request id.
+    sends: dict[str, SendSpec] = field(default_factory=dict)
+    #: Prefill: hand-off ids of requests that ended with no KV to push (aborted, failed): a
+    #: decode engine's push request for one is refused at once, not held for the lease.
+    dropped: set[str] = field(default_factory=set)
+    #: Decode: requests (by id) that ended while their KV was loading: their wait ends now, and
+    #: their blocks go back once no write of theirs can land.
+    cancelled: set[str] = field(default_factory=set)
+    #: Prefill: hand-off ids a proxy released (the decode leg failed): freed at once.
+    released: set[str] = field(default_factory=set)
+    #: Decode: loads of requests that ended before their blocks were allocated: their prefill
+    #: engines are told not to hold them.
+    withdrawn: list[LoadSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.loads or self.sends or self.dropped or self.cancelled or self.released or self.withdrawn
+        )
+
+    def copy(self) -> HandoffStep:
+        """A copy whose collections are its own (the caller may reuse its collections)."""
+        return HandoffStep(
+            loads=dict(self.loads),
+            sends=dict(self.sends),
+            dropped=set(self.dropped),
+            cancelled=set(self.cancelled),
+            released=set(self.released),
+            withdrawn=list(self.withdrawn),
+        )
+
+
 def rank_engine_id(engine_id: str, rank: int) -> str:
     """The kvray engine id of tensor-parallel rank `rank` of engine `engine_id`: rank 0 goes by
     the engine's own id (an engine of one rank is its rank 0), the others by a suffix."""
@@ -443,31 +481,21 @@ class Handoff:
 
     # ---- the scheduler's decisions --------------------------------------------------------
 
-    def step(
-        self,
-        loads: Mapping[str, LoadSpec],
-        sends: Mapping[str, SendSpec],
-        *,
-        dropped: Collection[str] = (),
-        cancelled: Collection[str] = (),
-        released: Collection[str] = (),
-        withdrawn: Collection[LoadSpec] = (),
-    ) -> None:
-        """One step's hand-offs: sends to hold, hand-offs that will never have KV (`dropped`,
-        by id), held requests whose decode leg failed (`released`, by id), loads to start,
-        loads no longer wanted (`cancelled`, by request id) and loads that ended before they
-        began (`withdrawn`)."""
-        for spec in sends.values():
+    def step(self, step: HandoffStep) -> None:
+        """One step's hand-offs: sends to hold, hand-offs that will never have KV (`dropped`),
+        held requests whose decode leg failed (`released`), loads to start, loads no longer
+        wanted (`cancelled`) and loads that ended before they began (`withdrawn`)."""
+        for spec in step.sends.values():
             self.hold(spec)
-        for key in dropped:
+        for key in step.dropped:
             self.drop(key)
-        for key in released:
+        for key in step.released:
             self.release(key)
-        for load in loads.values():
+        for load in step.loads.values():
             self.load(load)
-        for request_id in cancelled:
+        for request_id in step.cancelled:
             self.cancel(request_id)
-        for load in withdrawn:
+        for load in step.withdrawn:
             self._spawn(self.withdraw(load))
 
     def hold(self, spec: SendSpec) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
+from kvray.agent.handoff import PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.wire import Role
@@ -118,10 +118,10 @@ class VllmGpuWorker:
 
     def hold(self, request_id: str, key: str, blocks: list[int]) -> None:
         """The prefill request finished: its blocks are held for a decode engine."""
-        self.worker.begin({}, {request_id: SendSpec(request_id, (tuple(blocks),), key=key)})
+        self.worker.begin(HandoffStep(sends={request_id: SendSpec(request_id, (tuple(blocks),), key=key)}))
 
     def load(self, request_id: str, prefill: dict[str, Any], key: str, blocks: list[int]) -> None:
-        self.worker.begin(load_specs(prefill, [(request_id, key, blocks)]), {})
+        self.worker.begin(HandoffStep(loads=load_specs(prefill, [(request_id, key, blocks)])))
 
     def begin_layerwise(self, request_id: str, key: str, blocks: list[int]) -> None:
         self.worker.begin_layerwise({request_id: LayerwiseSpec(request_id, key, (tuple(blocks),))})

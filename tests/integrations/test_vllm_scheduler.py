@@ -48,6 +48,9 @@ HELD_FIELDS = frozenset(
     }
 )
 
+#: A scheduler step that schedules no new request.
+NOTHING_NEW = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
+
 
 class Blocks:
     def __init__(self, ids: list[int]) -> None:
@@ -77,7 +80,7 @@ def run_decode(sched: _Scheduler, req: SimpleNamespace) -> Any:
     count, asynchronous = sched.matched(req, 0)
     if count:
         sched.allocated(req, Blocks([3, 4, 5]), count)
-    return count, asynchronous, sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+    return count, asynchronous, sched.step(NOTHING_NEW)
 
 
 def test_a_prefill_engine_mints_the_hand_off_id_and_answers_only_what_the_decode_side_needs() -> None:
@@ -94,8 +97,8 @@ def test_a_prefill_engine_mints_the_hand_off_id_and_answers_only_what_the_decode
     ids = [tickets.read_held(KEY, params).request for params in answers]
     assert ids[0] != ids[1] and "dup" not in ids[0]
     assert set(answers[0]) == HELD_FIELDS
-    meta = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
-    assert {spec.key for spec in meta.sends.values()} == set(ids)
+    meta = sched.step(NOTHING_NEW)
+    assert {spec.key for spec in meta.step.sends.values()} == set(ids)
 
 
 def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
@@ -106,7 +109,7 @@ def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
     decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
     count, asynchronous, meta = run_decode(decode, request("d-1", dict(params)))
     assert (count, asynchronous) == (40, True)
-    spec = meta.loads["d-1"]
+    spec = meta.step.loads["d-1"]
     assert not spec.refusal
     assert (spec.prefill_engine, spec.prefill_incarnation, spec.prefill_inbox) == (
         "vllm-p",
@@ -129,7 +132,7 @@ def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
 def test_a_forged_or_malformed_load_fails_that_load_and_raises_nothing(params: dict[str, Any]) -> None:
     count, asynchronous, meta = run_decode(scheduler(), request("d-1", params))
     assert (count, asynchronous) == (40, True)
-    assert meta.loads["d-1"].refusal and meta.loads["d-1"].block_ids == ((3, 4, 5),)
+    assert meta.step.loads["d-1"].refusal and meta.step.loads["d-1"].block_ids == ((3, 4, 5),)
 
 
 def test_an_unsigned_hold_is_not_held() -> None:
@@ -137,7 +140,7 @@ def test_an_unsigned_hold_is_not_held() -> None:
     req = request("p-1", {"do_remote_decode": True, tickets.HANDOFF: "b" * 32})
     sched.allocated(req, Blocks([1]), 0)
     assert sched.finished(req, ([1],)) == (False, None)
-    assert not sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends
+    assert not sched.step(NOTHING_NEW).step.sends
 
 
 def test_a_release_names_this_engines_own_held_ticket() -> None:
@@ -146,11 +149,11 @@ def test_a_release_names_this_engines_own_held_ticket() -> None:
     sched.allocated(req, Blocks([1]), 0)
     _, params = sched.finished(req, ([1],))
     key = tickets.read_held(KEY, params).request
-    sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+    sched.step(NOTHING_NEW)
     forged = {**tickets.release_params(params), tickets.PREFILL_REQUEST: "c" * 32}
     for params_sent in (forged, tickets.release_params(params)):
         assert sched.matched(request("p-2", params_sent, tokens=1), 0) == (0, False)
-    assert sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).released == {key}
+    assert sched.step(NOTHING_NEW).step.released == {key}
 
 
 anything = st.recursive(
@@ -172,7 +175,7 @@ def test_no_kv_transfer_params_raise_inside_the_scheduler(params: Any) -> None:
     sched.allocated(req, Blocks([1, 2, 3]), count)
     sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids={"r-1"}))
     sched.finished(req, ([1, 2, 3],))
-    sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+    sched.step(NOTHING_NEW)
 
 
 def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None:
@@ -181,7 +184,7 @@ def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None
     req = request("d-1", tickets.load_params(KEY, "vllm-p", handoff))
     assert sched.matched(req, 0) == (40, True)  # no blocks free yet: it waits, then is aborted
     sched.finished(req, ())
-    (withdrawn,) = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).withdrawn
+    (withdrawn,) = sched.step(NOTHING_NEW).step.withdrawn
     assert (withdrawn.prefill_engine, withdrawn.prefill_request_id) == ("vllm-p", handoff)
     # A load that began is not withdrawn (its worker releases it), nor is a forged one.
     for params in (
@@ -191,7 +194,7 @@ def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None
         other = request("d-2", params)
         run_decode(sched, other)
         sched.finished(other, ([3, 4, 5],))
-        assert sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).withdrawn == []
+        assert sched.step(NOTHING_NEW).step.withdrawn == []
 
 
 class GroupBlocks:
@@ -213,7 +216,7 @@ def test_several_kv_cache_groups_keep_their_blocks_apart_and_nulls_hold_no_block
     prefill.allocated(held, GroupBlocks([5, 6, 7], [8, 9, 10]), 0)
     delay, params = prefill.finished(held, ([0, 6, 7], [8, 9, 10]))
     assert delay and params is not None
-    (send,) = prefill.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends.values()
+    (send,) = prefill.step(NOTHING_NEW).step.sends.values()
     assert send.block_ids == ((NO_BLOCK, 6, 7), (8, 9, 10))
 
     decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
@@ -221,7 +224,7 @@ def test_several_kv_cache_groups_keep_their_blocks_apart_and_nulls_hold_no_block
     count, _ = decode.matched(load, BLOCK_SIZE)  # its first block is in its own prefix cache
     assert count == 40 - BLOCK_SIZE
     decode.allocated(load, GroupBlocks([0, 3, 4], [1, 2, 11]), count)
-    spec = decode.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).loads["d-1"]
+    spec = decode.step(NOTHING_NEW).step.loads["d-1"]
     assert spec.first_block == 1
     assert spec.block_ids == ((3, 4), (2, 11))
 
@@ -248,7 +251,7 @@ def test_a_held_ticket_expires_with_the_lease_and_a_decode_first_hold_binds_its_
     bound = request("p-2", tickets.hold_params(KEY, handoff, decode_engine="vllm-d"))
     sched.allocated(bound, Blocks([2]), 0)
     sched.finished(bound, ([2],))
-    sends = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).sends
+    sends = sched.step(NOTHING_NEW).step.sends
     assert {spec.key: spec.decode_engine for spec in sends.values()}[handoff] == "vllm-d"
 
 
@@ -258,11 +261,11 @@ def test_a_decode_engine_refuses_a_ticket_for_another_decode_engine() -> None:
     _, _, meta = run_decode(
         decode, request("d-1", tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-x"))
     )
-    assert "vllm-x" in meta.loads["d-1"].refusal
+    assert "vllm-x" in meta.step.loads["d-1"].refusal
     _, _, meta = run_decode(
         decode, request("d-2", tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-d"))
     )
-    assert not meta.loads["d-2"].refusal
+    assert not meta.step.loads["d-2"].refusal
 
 
 #: Any JSON value, text of any code point (lone surrogates and non-ASCII included).
@@ -311,10 +314,10 @@ def test_every_kvray_field_of_a_genuine_ticket_set_to_any_json_value_raises_noth
         req = request("r-1", altered)
         count, asynchronous = sched.matched(req, 0)
         sched.allocated(req, Blocks([1, 2, 3]), count)
-        meta = sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
-        assert not asynchronous or "r-1" in meta.loads
+        meta = sched.step(NOTHING_NEW)
+        assert not asynchronous or "r-1" in meta.step.loads
         sched.finished(req, ([1, 2, 3],))
-        sched.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}))
+        sched.step(NOTHING_NEW)
 
 
 class _Broken:
@@ -346,6 +349,6 @@ def test_an_unexpected_error_in_a_hook_ends_as_that_requests_failure_not_the_eng
     # A load vLLM was promised (the match ran before the error): it fails at once.
     broken.inner.matched(req, 0)
     connector.update_state_after_alloc(req, Blocks([3, 4, 5]), 40)
-    spec = broken.inner.step(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).loads["d-1"]
+    spec = broken.inner.step(NOTHING_NEW).step.loads["d-1"]
     assert spec.refusal and spec.block_ids == ((3, 4, 5),)
     assert connector.request_finished(req, [3, 4, 5]) == (False, None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvray.agent.handoff import PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
+from kvray.agent.handoff import PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import ConfigError
 from kvray.integrations.vllm.worker import ConnectorWorker, block_runs, layout_of
@@ -216,13 +216,13 @@ def test_blocks_move_between_layouts_that_order_a_block_alike(
         if layerwise:
             prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", "p-1", (held,))})
         else:
-            prefill.begin({}, {"r-1": SendSpec("r-1", (held,), key="p-1")})
-        decode.begin({"d-1": load(prefill, "d-1", "p-1", taken)}, {})
+            prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", (held,), key="p-1")}))
+        decode.begin(HandoffStep(loads={"d-1": load(prefill, "d-1", "p-1", taken)}))
         if layerwise:
             time.sleep(0.3)
             for name in GQA.names():
                 prefill.save_layer(name)
-            prefill.begin({}, {"r-1": SendSpec("r-1", (held,), key="p-1")})
+            prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", (held,), key="p-1")}))
         assert received_within(decode, "d-1", 15) == set()
         for name in GQA.names():
             for src, dst in zip(held, taken, strict=True):
@@ -237,8 +237,8 @@ def test_blocks_move_between_layouts_that_order_a_block_alike(
 def test_layouts_that_order_a_block_differently_are_refused_before_a_byte_moves(tmp_path: Path) -> None:
     prefill, decode, _, target = worker_pair(tmp_path, GQA, "LBNHC", "LBHNC")
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1, 2),), key="p-1")})
-        decode.begin({"d-1": load(prefill, "d-1", "p-1", (3, 4))}, {})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1, 2),), key="p-1")}))
+        decode.begin(HandoffStep(loads={"d-1": load(prefill, "d-1", "p-1", (3, 4))}))
         assert received_within(decode, "d-1", 15) == {"d-1"}
         assert not any(bool((tensor.float() != 0).any()) for tensor in target.values())
     finally:
@@ -299,13 +299,13 @@ def test_a_layers_push_runs_after_what_the_forward_said_its_kv_is_ready_by(
     events = {name: object() for name in GQA.names()}
     try:
         prefill.begin_layerwise({"r-1": LayerwiseSpec("r-1", "p-1", ((1, 2),))})
-        decode.begin({"d-1": load(prefill, "d-1", "p-1", (3, 4))}, {})
+        decode.begin(HandoffStep(loads={"d-1": load(prefill, "d-1", "p-1", (3, 4))}))
         time.sleep(0.3)
         loop = prefill._loop
         assert loop is not None
         for name in GQA.names():
             loop.loop.call_soon_threadsafe(prefill.handoff.save_layer, name, events[name])
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1, 2),), key="p-1")})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1, 2),), key="p-1")}))
         assert received_within(decode, "d-1", 15) == set()
         assert seen == events
         assert source_ready.get() is None  # only the push tasks saw it

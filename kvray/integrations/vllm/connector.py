@@ -89,6 +89,7 @@ from kvray.agent.handoff import (
     NO_BLOCK,
     PUSH_ENDPOINT,
     BlockTable,
+    HandoffStep,
     LayerwiseSpec,
     LoadSpec,
     SendSpec,
@@ -142,27 +143,16 @@ class KvrayHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 class KvrayMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's hand-offs, from the scheduler to the workers."""
 
-    loads: dict[str, LoadSpec] = field(default_factory=dict)
-    sends: dict[str, SendSpec] = field(default_factory=dict)
+    #: The hand-offs the scheduler decided this step.
+    step: HandoffStep = field(default_factory=HandoffStep)
     #: Requests whose whole prompt this step computes, while a decode engine may wait for
     #: their KV: their layers are pushed as the forward saves them.
     layerwise: dict[str, LayerwiseSpec] = field(default_factory=dict)
     #: Worker side: the step's layer-wise requests have been handed to the worker.
     layerwise_begun: bool = False
-    #: Prefill: hand-off keys of requests that ended with no KV to push (aborted, failed): a
-    #: decode engine's push request for one is refused at once, not held for the lease.
-    dropped: set[str] = field(default_factory=set)
-    #: Decode: requests that ended (aborted) while their KV was loading: their wait ends now,
-    #: and their blocks go back once no write of theirs can land.
-    cancelled: set[str] = field(default_factory=set)
-    #: Prefill: hand-off ids a proxy released (the decode leg failed): freed at once.
-    released: set[str] = field(default_factory=set)
     #: Prefill: hand-off ids of layer-wise requests vLLM preempted this step
     #: (`handle_preemptions`): their layer pushes end before their blocks are reused.
     preempted: set[str] = field(default_factory=set)
-    #: Decode: loads of requests that ended before their blocks were allocated: their prefill
-    #: engines are told not to hold them.
-    withdrawn: list[LoadSpec] = field(default_factory=list)
 
 
 def _groups(block_ids: Any) -> BlockTable:
@@ -259,15 +249,7 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # would wait a whole forward pass. Handing them over only schedules work on the
         # agent's loop; the forward does not wait for it.
         if self._worker is not None and isinstance(connector_metadata, KvrayMetadata):
-            meta = connector_metadata
-            self._worker.begin(
-                meta.loads,
-                meta.sends,
-                dropped=meta.dropped,
-                cancelled=meta.cancelled,
-                released=meta.released,
-                withdrawn=meta.withdrawn,
-            )
+            self._worker.begin(connector_metadata.step)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Before this step's forward may write into a preempted request's blocks: its layer
@@ -416,8 +398,8 @@ class _Scheduler:
         #: ticket it loads by (or why its ticket was refused: the load then fails at once).
         self._local_tokens: dict[str, int] = {}
         self._tickets: dict[str, Load | str] = {}
-        self._loads: dict[str, LoadSpec] = {}
-        self._sends: dict[str, SendSpec] = {}
+        #: This step's hand-offs so far (`KvrayMetadata.step`).
+        self._step = HandoffStep()
         #: Requests whose hand-off the workers have not reported finished.
         self._held: set[str] = set()
         self._loading: set[str] = set()
@@ -431,11 +413,6 @@ class _Scheduler:
         self._bound: dict[str, str] = {}
         #: Prefill: requests whose layers the workers push during the forward.
         self._layered: set[str] = set()
-        #: This step's `KvrayMetadata.dropped`, `cancelled`, `released` and `preempted`.
-        self._dropped: set[str] = set()
-        self._cancelled: set[str] = set()
-        self._released: set[str] = set()
-        self._withdrawn: list[LoadSpec] = []
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = _params(request)
@@ -478,7 +455,7 @@ class _Scheduler:
             handshake.engine_id,
             handshake.incarnation,
         ):
-            self._released.add(held.request)
+            self._step.released.add(held.request)
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = _params(request)
@@ -501,7 +478,7 @@ class _Scheduler:
             spec = LoadSpec.refused(request.request_id, table, ticket)
         else:
             spec = _load_spec(request.request_id, ticket, table, first)
-        self._loads[request.request_id] = spec
+        self._step.loads[request.request_id] = spec
         self._loading.add(request.request_id)
 
     def _withdraw(self, request_id: str, params: Mapping[str, Any], matched: Load | str | None) -> None:
@@ -514,7 +491,7 @@ class _Scheduler:
                 ticket = read_load(self.key, params)
             except TicketError:
                 return
-        self._withdrawn.append(_load_spec(request_id, ticket, (), 0))
+        self._step.withdrawn.append(_load_spec(request_id, ticket, (), 0))
 
     def _hold_key(self, request: Any, params: Mapping[str, Any]) -> str | None:
         """The hand-off id a request held for a decode engine goes by: the orchestrator's
@@ -544,7 +521,7 @@ class _Scheduler:
         if request.request_id in self._loading:
             # vLLM keeps the blocks of a request that ends while its KV loads until the
             # workers report the load finished; they stop waiting for it now.
-            self._cancelled.add(request.request_id)
+            self._step.cancelled.add(request.request_id)
         allocated = request.request_id in self._keys
         key = self._keys.pop(request.request_id, None)
         if params is None or not params.get("do_remote_decode"):
@@ -563,17 +540,17 @@ class _Scheduler:
             # Layers may be in flight from these blocks: the workers end the push (or abort
             # it, if the request did not finish well) before vLLM may free them.
             self._layered.discard(request.request_id)
-            self._sends[request.request_id] = SendSpec(
+            self._step.sends[request.request_id] = SendSpec(
                 request.request_id, blocks, key=key, failed=not succeeded, decode_engine=decode_engine
             )
             self._held.add(request.request_id)
             if not succeeded or handshake is None:
                 return True, None
         elif not succeeded or not table_blocks(blocks) or handshake is None:
-            self._dropped.add(key)
+            self._step.dropped.add(key)
             return False, None
         else:
-            self._sends[request.request_id] = SendSpec(
+            self._step.sends[request.request_id] = SendSpec(
                 request.request_id, blocks, key=key, decode_engine=decode_engine
             )
             self._held.add(request.request_id)
@@ -602,29 +579,23 @@ class _Scheduler:
         request_id = request.request_id
         promised = request_id in self._tickets
         self.forget(request)
-        if not promised or num_external_tokens <= 0 or request_id in self._loads:
+        if not promised or num_external_tokens <= 0 or request_id in self._step.loads:
             return
         try:
             table = _groups(blocks.get_block_ids())
         except Exception:
             table = ((),)
         why = f"kvray could not set up the load: {error}"
-        self._loads[request_id] = LoadSpec.refused(request_id, table, why)
+        self._step.loads[request_id] = LoadSpec.refused(request_id, table, why)
         self._loading.add(request_id)
 
     def step(self, scheduler_output: Any) -> KvrayMetadata:
         meta = KvrayMetadata(
-            loads=self._loads,
-            sends=self._sends,
+            step=self._step,
             layerwise=self._whole_prompts(scheduler_output),
-            dropped=self._dropped,
-            cancelled=self._cancelled,
-            released=self._released,
             preempted=self._preempted(scheduler_output),
-            withdrawn=self._withdrawn,
         )
-        self._loads, self._sends, self._dropped, self._cancelled = {}, {}, set(), set()
-        self._released, self._withdrawn = set(), []
+        self._step = HandoffStep()
         return meta
 
     def _preempted(self, scheduler_output: Any) -> set[str]:
@@ -663,15 +634,7 @@ class _Scheduler:
             self._loading.discard(request_id)
 
     def pending(self) -> bool:
-        return bool(
-            self._held
-            or self._loads
-            or self._sends
-            or self._dropped
-            or self._cancelled
-            or self._released
-            or self._withdrawn
-        )
+        return bool(self._held or self._step)
 
 
 #: vLLM's null block: never a request's, it stands where a group keeps no block.

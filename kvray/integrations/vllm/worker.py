@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Collection, Coroutine, Iterator, Mapping, Sequence
@@ -24,10 +23,10 @@ from kvray.agent.handoff import (
     AskProof,
     Handoff,
     HandoffObserver,
+    HandoffStep,
     LayerwiseSpec,
     LoadSpec,
     PushRequestMail,
-    SendSpec,
     table_blocks,
 )
 from kvray.agent.kvagent import KVAgent
@@ -594,32 +593,12 @@ class ConnectorWorker:
 
     # ---- each step: from vLLM's thread to the agent's loop ---------------------------------
 
-    def begin(
-        self,
-        loads: Mapping[str, LoadSpec],
-        sends: Mapping[str, SendSpec],
-        *,
-        dropped: Collection[str] = (),
-        cancelled: Collection[str] = (),
-        released: Collection[str] = (),
-        withdrawn: Collection[LoadSpec] = (),
-    ) -> None:
+    def begin(self, step: HandoffStep) -> None:
         """This step's new hand-offs, from the scheduler (`Handoff.step`)."""
-        if self._loop is None or self._handoff is None:
-            return
-        if not (loads or sends or dropped or cancelled or released or withdrawn):
+        if self._loop is None or self._handoff is None or not step:
             return
         # Copied here: vLLM may reuse its collections once this returns.
-        step = functools.partial(
-            self._handoff.step,
-            dict(loads),
-            dict(sends),
-            dropped=set(dropped),
-            cancelled=set(cancelled),
-            released=set(released),
-            withdrawn=list(withdrawn),
-        )
-        self._loop.loop.call_soon_threadsafe(step)
+        self._loop.loop.call_soon_threadsafe(self._handoff.step, step.copy())
 
     def preempt(self, keys: Collection[str]) -> None:
         """vLLM preempted these layer-wise requests (before the step's forward): return once no
