@@ -25,8 +25,6 @@ from kvray.layout import llama_gqa
 from kvray.wire import EngineInfo, Role, decode_engine_info, encode
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
-
 SETTINGS = Settings(heartbeat_s=0.3, lookup_timeout_s=1.0, coordinator_name="kvray-coordinator-tests")
 
 

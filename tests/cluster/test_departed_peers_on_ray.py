@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import ray
 from process_probes import mappings_of, until
 
@@ -15,8 +14,6 @@ from kvray.config import Settings
 from kvray.layout import BlockOrder, llama_gqa
 from kvray.wire import Reservation, Role
 from kvray.workers import DecodeActor
-
-pytestmark = pytest.mark.cluster
 
 SETTINGS = Settings(
     heartbeat_s=0.2, lookup_timeout_s=10.0, transport="shm", coordinator_name="kvray-coordinator-departed"

@@ -13,8 +13,6 @@ from kvray import doctor
 from kvray.config import Settings
 from kvray.wire import TransportKind
 
-pytestmark = pytest.mark.cluster
-
 
 def test_every_transport_here_moves_a_checked_request_and_a_failure_is_reported(
     local_ray: None, monkeypatch: pytest.MonkeyPatch

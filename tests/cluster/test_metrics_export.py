@@ -24,7 +24,7 @@ from kvray.layout import mixed
 from kvray.wire import Role
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray")
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

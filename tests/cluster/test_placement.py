@@ -10,7 +10,7 @@ import pytest
 from kvray.wire import Role
 from kvray.workers import DECODE_RESOURCE, PREFILL_RESOURCE, DecodeActor, placement_options
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray")
 
 
 def test_no_resource_asked_without_ray() -> None:

@@ -26,8 +26,6 @@ from kvray.layout import READY_LAYOUTS, BlockOrder, Geometry, KVLayout, LayerSpe
 from kvray.wire import Reservation, TransportKind, decode_engine_info
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
-
 NUM_BLOCKS = 24
 
 

@@ -14,8 +14,6 @@ from kvray.layout import BlockOrder, mixed
 from kvray.wire import TransportKind
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.mark.parametrize("order", list(BlockOrder))
 def test_auto_picks_ray_across_nodes(two_node_cluster: Any, canary_mask: Any, order: BlockOrder) -> None:

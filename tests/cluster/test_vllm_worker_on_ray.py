@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import ray
 import torch
 
@@ -20,8 +19,6 @@ from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
 from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.wire import Role
-
-pytestmark = pytest.mark.cluster
 
 NUM_BLOCKS, BLOCK_SIZE, LAYERS = 8, 16, 3
 CANARY = 0x5A

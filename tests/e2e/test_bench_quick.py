@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kvray_command import run_kvray
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray")
 
 
 def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvray_command import run_kvray
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray")
 
 
 def test_demo_command_passes() -> None:

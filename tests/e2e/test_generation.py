@@ -13,9 +13,6 @@ import pytest
 from kvray.demo import parse, run_demo
 from kvray.models import MODEL_PRESETS
 
-pytestmark = pytest.mark.cluster
-
-
 #: Every model and block order over shared memory; over the ray transport the model with every
 #: kind of layer (MLA latent, split K/V, indexer) in both orders: the other two models' layers are
 #: a subset of its, and tests/transport/test_contract.py checks every transport's bytes on every layout.

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster
-
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+@pytest.mark.usefixtures("own_ray")  # the example starts a local Ray of its own
 def test_minimal_example_runs() -> None:
     text = README.read_text()
     example = re.search(r"## A minimal example.*?```python\n(.*?)```", text, re.S)

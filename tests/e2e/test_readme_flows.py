@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray")
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

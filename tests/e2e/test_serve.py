@@ -54,8 +54,6 @@ from kvray.serve.app import (  # noqa: E402
     start_worker,
 )
 
-pytestmark = pytest.mark.cluster
-
 SETTINGS = Settings(
     heartbeat_s=0.5,
     lookup_timeout_s=5.0,

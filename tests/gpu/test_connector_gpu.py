@@ -21,8 +21,7 @@ from kvray.errors import ConfigError
 from kvray.wire import Role
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.cluster,
+    pytest.mark.usefixtures("own_ray"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)"),
 ]
 

@@ -24,7 +24,6 @@ from kvray.plan import OpTable, TransferPlan, plan_transfer
 from kvray.wire import EngineInfo, Role, decode_engine_info, encode
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

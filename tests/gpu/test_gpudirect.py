@@ -23,7 +23,6 @@ from kvray.memory import Backing, MemoryKind
 from kvray.transport.verbs.gpudirect import NodeGpuDirect, Readiness, check_page_aligned
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

@@ -28,7 +28,6 @@ from kvray.transport.cuda_staging import chunk_nbytes, chunk_ops, packed_offsets
 from kvray.wire import EngineInfo, Role, TransportKind, WriteOps, encode
 
 pytestmark = [
-    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)"),
 ]
 
@@ -251,7 +250,7 @@ async def test_a_bad_write_into_gpu_memory_writes_nothing(bad: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_gpu_nodes() -> Iterator[Any]:
+def two_gpu_nodes(own_ray: None) -> Iterator[Any]:
     """Two Ray nodes on this machine (loopback addresses), each offering the machine's GPU 0 and a
     custom resource of its own; yields the workers' module, shipped by value."""
     import ray
@@ -352,7 +351,6 @@ def _close(*actors: Any) -> None:
         ray.kill(actor)
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("order", list(BlockOrder), ids=lambda order: order.value)
 def test_auto_picks_ray_between_gpus_on_two_nodes(two_gpu_nodes: Any, order: BlockOrder) -> None:
     import ray
@@ -377,7 +375,6 @@ def test_auto_picks_ray_between_gpus_on_two_nodes(two_gpu_nodes: Any, order: Blo
     _close(prefill, decode)
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("pair", ["gpu-to-cpu", "cpu-to-gpu"])
 def test_gpu_and_cpu_memory_on_two_nodes(two_gpu_nodes: Any, pair: str) -> None:
     prefill, decode = _pair(two_gpu_nodes, pair, BlockOrder.LAYER_MAJOR, PAIRS[pair])
@@ -387,7 +384,6 @@ def test_gpu_and_cpu_memory_on_two_nodes(two_gpu_nodes: Any, pair: str) -> None:
     _close(prefill, decode)
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("how", ["deadline", "cancel"])
 def test_a_write_that_ends_early_leaves_no_late_bytes(two_gpu_nodes: Any, how: str) -> None:
     """The decode worker holds every delivery at a gate; the push passes its deadline (or is

@@ -23,8 +23,7 @@ from kvray.memory import MemoryKind
 from kvray.wire import EngineInfo, Role, TransportKind, decode_engine_info
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.cluster,
+    pytest.mark.usefixtures("own_ray"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)"),
 ]
 

@@ -25,8 +25,6 @@ from kvray.host.forwarded import ForwardedAgent, ForwardedDirectory
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.wire import Role, TransportKind
 
-pytestmark = pytest.mark.cluster
-
 SETTINGS = Settings(
     heartbeat_s=300.0,
     lookup_timeout_s=5.0,

@@ -21,8 +21,6 @@ from kvray.host.forwarded import ForwardedAgent, ForwardedDirectory
 from kvray.layout import BlockOrder, mixed
 from kvray.wire import Role
 
-pytestmark = pytest.mark.cluster
-
 SETTINGS = Settings(
     heartbeat_s=300.0,
     lookup_timeout_s=5.0,

@@ -25,7 +25,7 @@ pytest.importorskip("pyarrow", reason="ray.serve.llm needs pyarrow: pip install 
 # Extended tier (`pytest -m extended`): a benchmark's smoke run, five engines in three Serve apps;
 # the MLA model's P/D path is tested in test_vllm_models_pd.py and Serve LLM's in
 # test_vllm_serve_llm.py.
-pytestmark = [pytest.mark.cluster, pytest.mark.extended]
+pytestmark = [pytest.mark.usefixtures("own_ray", "vllm_ready"), pytest.mark.extended]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_connectors.py"
 MODEL = "tiny-deepseek"

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from engine_pool import mla_decode_engine
 from generations import departures
 from handoff_logs import asked, by_request, digests, failures
 from vllm_installed import require_vllm
@@ -44,14 +45,11 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     tiny_model,
 )
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
-    Engine,
     decode_first,
     prefill_then_decode,
     transfer_config,
 )
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
-
-pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 TOP_LOGPROBS = 5
@@ -98,21 +96,24 @@ SHAPES = [
 
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda shape: shape.model.name)
 def engines(
-    request: pytest.FixtureRequest, two_node_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
+    """Per model, the prefill engine on `node_a` and the decode engine on `node_b`; the MLA
+    model's decode engine is shared with `test_vllm_tp.py` (`mla_decode_engine`)."""
     shape: Shape = request.param
     logs = tmp_path_factory.mktemp(f"digests-{shape.model.name}")
     model = str(tiny_model(shape.model))
     options = dict(MODELS[shape.model.name].engine_options)
-    actor = ray.remote(num_cpus=0)(Engine)
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
     def start(name: str, node: str, **more: Any) -> Any:
         config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl"), **more})
-        placed = actor.options(resources={node: 1})
-        return placed.remote(model, config, max_model_len=1024, engine_options=options)
+        return vllm_pool.start(model, config, node=node, max_model_len=1024, engine_options=options)
 
-    started = {"prefill": start("p", "node_a"), "decode": start("d", "node_b")}
+    if shape.model is TINY_DEEPSEEK:
+        started = {"prefill": start("p", "node_a"), "decode": mla_decode_engine(vllm_pool, logs / "d.jsonl")}
+    else:
+        started = {"prefill": start("p", "node_a"), "decode": start("d", "node_b")}
     if shape.model is TINY_DEEPSEEK:
         # At the defaults: no request's checksums sampled (the tests' environment samples every
         # request's), so only the placement and content digests can refuse its writes.
@@ -120,8 +121,7 @@ def engines(
         started["seed_bug"] = start("bug", "node_b", seed_bug=True, integrity_sample_rate=rate)
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs, "shape": shape}
-    for engine in started.values():
-        ray.kill(engine)
+    vllm_pool.stop(*started.values())
 
 
 def prompts() -> list[str]:

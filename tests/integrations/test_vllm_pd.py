@@ -31,7 +31,6 @@ import ray  # noqa: E402 - after the check that they are installed
 from kvray.config import Settings  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
-    Engine,
     decode_first,
     deployment_key,
     prefill_then_decode,
@@ -44,8 +43,6 @@ from kvray.integrations.vllm.tickets import (  # noqa: E402 - after the check th
     load_params,
     mint_handoff,
 )
-
-pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 32
 #: How long a decode engine waits for a request's KV (seconds): a dead prefill must fail the
@@ -61,11 +58,10 @@ DEFAULT_SAMPLE_RATE = Settings().integrity_sample_rate
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def engines(vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The module's engines, on one node (`node_a`: shared memory between them)."""
     logs = tmp_path_factory.mktemp("digests")
     model = str(smollm2())
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actor = ray.remote(num_cpus=0)(Engine)
     extra = {
         "transfer_timeout_s": DEADLINE_S,
         "notify_timeout_s": 5.0,
@@ -73,11 +69,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         "digest_every": DIGEST_EVERY,
     }
     started = {
-        "prefill": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})),
-        "decode": actor.remote(model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})),
+        "prefill": vllm_pool.start(model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})),
+        "decode": vllm_pool.start(model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})),
         # At the defaults: no request's checksums sampled (the tests' environment samples every
         # request's), so only the placement and content digests can refuse its writes.
-        "seed_bug": actor.remote(
+        "seed_bug": vllm_pool.start(
             model,
             transfer_config(
                 {
@@ -88,10 +84,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 }
             ),
         ),
-        "recompute": actor.remote(model, transfer_config(extra, failure_policy="recompute")),
+        "recompute": vllm_pool.start(model, transfer_config(extra, failure_policy="recompute")),
         # A prefill engine of 20 blocks of 128 tokens: requests that keep generating preempt
         # each other.
-        "small": actor.remote(
+        "small": vllm_pool.start(
             model,
             transfer_config({**extra, "digest_every": 1, "digest_log": str(logs / "small.jsonl")}),
             engine_options={"num_gpu_blocks_override": 20},
@@ -99,7 +95,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     }
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
-    ray.shutdown()
 
 
 def test_pd_generations_equal_a_single_engine_on_every_prompt(engines: dict[str, Any]) -> None:

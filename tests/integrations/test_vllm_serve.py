@@ -37,7 +37,7 @@ from kvray.integrations.vllm.pd import transfer_config  # noqa: E402 - after the
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.proxy import ProxyLimits, build_app, uvicorn_config  # noqa: E402 - after the check that they are installed
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray", "vllm_ready")
 
 NEW_TOKENS = 32
 START_S = 600.0

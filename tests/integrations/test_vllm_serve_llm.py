@@ -45,7 +45,7 @@ import ray  # noqa: E402 - after the check that they are installed
 
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray", "vllm_ready")
 
 NEW_TOKENS = 32
 LONG_TOKENS = 96

@@ -27,7 +27,7 @@ from ray import serve  # noqa: E402 - after the check that they are installed
 
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402 - after the check that they are installed
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray", "vllm_ready")
 
 #: Long enough that every request is still decoding when a replica is killed.
 NEW_TOKENS = 384

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_pool import mla_decode_engine
 from generations import departures
 from handoff_logs import failures, head_digests, records
 from vllm_installed import require_vllm
@@ -34,10 +35,8 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     TINY_LLAMA_GQA,
     tiny_model,
 )
-from kvray.integrations.vllm.pd import Engine, transfer_config  # noqa: E402
+from kvray.integrations.vllm.pd import transfer_config  # noqa: E402
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402
-
-pytestmark = pytest.mark.cluster
 
 NEW_TOKENS = 16
 TOP_LOGPROBS = 5
@@ -55,32 +54,33 @@ def prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def engines(vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The GQA engines on `node_a`; the MLA pair on `node_b`, where its TP-1 engine is the one
+    `test_vllm_models_pd.py` decodes with (`mla_decode_engine`: shared by the engine pool)."""
     logs = tmp_path_factory.mktemp("tp-digests")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actor = ray.remote(num_cpus=0)(Engine)
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
-    def start(name: str, model: Any, tp: int) -> Any:
+    def start(name: str, model: Any, tp: int, node: str = "node_a") -> Any:
         config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl")})
         options = {
             **MODELS[model.name].engine_options,
             "tensor_parallel_size": tp,
             "num_gpu_blocks_override": 128,
         }
-        return actor.remote(str(tiny_model(model)), config, max_model_len=1024, engine_options=options)
+        return vllm_pool.start(
+            str(tiny_model(model)), config, node=node, max_model_len=1024, engine_options=options
+        )
 
     started = {
         "a1": start("a1", TINY_LLAMA_GQA, 1),
         "b1": start("b1", TINY_LLAMA_GQA, 1),
         "a2": start("a2", TINY_LLAMA_GQA, 2),
         "b2": start("b2", TINY_LLAMA_GQA, 2),
-        "mla2": start("mla2", TINY_DEEPSEEK, 2),
-        "mla1": start("mla1", TINY_DEEPSEEK, 1),
+        "mla2": start("mla2", TINY_DEEPSEEK, 2, node="node_b"),
+        "mla1": mla_decode_engine(vllm_pool, logs / "mla1.jsonl"),
     }
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs}
-    ray.shutdown()
 
 
 def layer_digests(path: Path, side: str) -> dict[tuple[str, int], dict[str, str]]:

@@ -27,7 +27,7 @@ import ray  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import TINY_LLAMA_GQA, tiny_model  # noqa: E402
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.usefixtures("own_ray", "vllm_ready")
 
 MODEL_ID = "tiny-llama-gqa"
 NEW_TOKENS = 16

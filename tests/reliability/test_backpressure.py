@@ -23,8 +23,6 @@ from kvray.errors import BackpressureError, KvrayError, TransferTimeoutError
 from kvray.layout import llama_gqa
 from kvray.wire import Reservation, decode_engine_info
 
-pytestmark = pytest.mark.cluster
-
 FLOOD = 30
 BLOCKS_PER_REQUEST = 2
 RUNNING, QUEUED = 2, 3

@@ -24,8 +24,6 @@ from kvray.notice.local import ENDPOINT
 from kvray.wire import TransferDone, decode_engine_info, encode
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
-
 NUM_BLOCKS = 12
 NEVER_HANG_S = 90.0
 

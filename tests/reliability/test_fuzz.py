@@ -18,7 +18,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import pytest
 import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -405,7 +404,6 @@ def test_forged_descriptors_are_refused_or_stay_inside(case: Any, seed: int) -> 
 # ---- a real decode actor fed garbage ---------------------------------------------------------
 
 
-@pytest.mark.cluster
 def test_actors_fed_garbage_stay_up_and_write_nothing_unnamed(
     local_ray: None, canary_mask: Any, figures: Callable[[str], None]
 ) -> None:

@@ -25,8 +25,6 @@ from kvray.layout import BlockOrder, mixed
 from kvray.wire import EngineInfo, decode_engine_info
 from kvray.workers import DecodeActor, PrefillActor
 
-pytestmark = pytest.mark.cluster
-
 NUM_BLOCKS = 16
 WAIT_DEADLINE_S = 5.0
 PUSH_DEADLINE_S = 20.0

@@ -56,7 +56,6 @@ def _info(engine_id: str) -> EngineInfo:
     return decode_engine_info(ray.get(coordinator.lookup.remote(engine_id, 10.0))[0])
 
 
-@pytest.mark.cluster
 def test_prefill_exposes_no_writable_region(local_ray: None, figures: Callable[[str], None]) -> None:
     layout = mixed(8, BlockOrder.LAYER_MAJOR)
     prefill = PrefillActor.remote("priv-p", layout, SETTINGS)
@@ -105,7 +104,6 @@ def _mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-@pytest.mark.cluster
 def test_shm_files_are_private_and_removed(workers_by_value: Any, figures: Callable[[str], None]) -> None:
     layout = mixed(8, BlockOrder.BLOCK_MAJOR)
     plain = ray.remote(workers_by_value.PlainDecode)

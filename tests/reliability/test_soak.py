@@ -17,8 +17,6 @@ import pytest
 SOAK = Path(__file__).resolve().parents[2] / "examples" / "soak.py"
 QUICK_TRANSFERS = 500
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.fixture(scope="module")
 def soak(local_ray: None) -> Iterator[ModuleType]:
