@@ -45,7 +45,7 @@ from kvray.content import Stretches
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.integrity import THREAD_MIN_BYTES
 from kvray.layout import Int64Array
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import Stored, ranges_digest
 from kvray.plan import TransferPlan, check_op_table, check_rows
@@ -159,15 +159,25 @@ class Transport(abc.ABC):
         return backing.region_descriptors(engine_id, incarnation, self.kind, remote_writable=remote_writable)
 
     @abc.abstractmethod
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         """Issue every op of `plan`; return once the bytes are in the peer's memory, with what
         its executor reports of the ranges it stored to (`kvray.placement.Stored`), taken where
         it stores: their placement digest and, where it hashed the bytes as it copied them, their
         content digest (`Stored(0, 0)` where the receiving side's executor reports instead:
-        `Receiver.landed`)."""
+        `Receiver.landed`). `ready`: what says the source bytes are written
+        (`kvray.memory.SourceReady`); a transport that reads device memory orders its reads
+        after it."""
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        self,
+        plan: TransferPlan,
+        local: Backing,
+        peer: Peer,
+        then: Callable[[Stored], None],
+        *,
+        ready: SourceReady = None,
     ) -> Stored:
         """`write`, calling `then(stored)` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this
@@ -175,13 +185,14 @@ class Transport(abc.ABC):
         side a trip through this event loop; a `DatagramNotice` may even be sent without
         Python, by the C copy pool's thread). `then` must be quick, thread-safe and must not
         raise. Here: after `write` returns, on the loop."""
-        stored = await self.write(plan, local, peer)
+        stored = await self.write(plan, local, peer, ready=ready)
         then(stored)
         return stored
 
-    async def reference(self, stretches: Stretches, local: Backing) -> int:
+    async def reference(self, stretches: Stretches, local: Backing, *, ready: SourceReady = None) -> int:
         """The writer's own content digest of `stretches` (`kvray.content`), hashing them in
-        `local`'s memory now: what the decode side compares with the digest the copy reports.
+        `local`'s memory now (after `ready`, as `write` reads them): what the decode side
+        compares with the digest the copy reports.
         Here: host memory, on a worker thread when large (the hash releases the GIL); a
         transport whose sources are on a device hashes them there."""
         regions = [region.tensor.numpy() for region in local.regions]

@@ -41,7 +41,7 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
 from kvray.placement import NOTHING, Stored, region_salt
@@ -170,11 +170,19 @@ class ShmTransport(Transport):
     def hashes(self, local: Backing, peer: Peer) -> bool:
         return local.kind is not MemoryKind.CUDA
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         return await self._copy(plan, local, peer, None)
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        self,
+        plan: TransferPlan,
+        local: Backing,
+        peer: Peer,
+        then: Callable[[Stored], None],
+        *,
+        ready: SourceReady = None,
     ) -> Stored:
         return await self._copy(plan, local, peer, then)
 
