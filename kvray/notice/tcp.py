@@ -633,7 +633,9 @@ class TcpChannel(NoticeChannel):
     async def send(self, peer: Reachable, notice: Mail, message: bytes) -> bool:
         info = peer.info
         target = self._target(peer)
-        if target is None or self._left_alone(peer):
+        # A listener closes a connection whose message is longer than it reads (a push request
+        # for a long prompt may be): such a message goes the next way (the peer's host).
+        if target is None or self._left_alone(peer) or len(message) > MAX_NOTICE_NBYTES:
             return False
         connection = await self._connection(peer, *target)
         if connection is None:
@@ -655,7 +657,7 @@ class TcpChannel(NoticeChannel):
         """Over the connection this writer keeps open to the peer's listener; None where there
         is none open yet (`send` opens one)."""
         info = peer.info
-        if self._target(peer) is None:
+        if self._target(peer) is None or len(message) > MAX_NOTICE_NBYTES:
             return None
         opening = self._connections.get(info.engine_id, info.incarnation, None)
         if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:

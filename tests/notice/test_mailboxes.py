@@ -23,7 +23,7 @@ from kvray.notice.base import Mailbox
 from kvray.notice.local import ENDPOINT, PUSH_ENDPOINT, LocalChannel
 from kvray.notice.loopback import LoopbackChannel
 from kvray.notice.tcp import ADDRESS_ENDPOINT, PUSH_ADDRESS_ENDPOINT, PUSH_KEY_ENDPOINT, TcpChannel
-from kvray.wire import PushWithdrawn, decode_push_message, encode
+from kvray.wire import MAX_NOTICE_BYTES, PushWithdrawn, decode_push_message, encode
 
 
 class Receiver:
@@ -117,6 +117,16 @@ async def test_a_push_request_listener_is_published_under_its_own_keys(tmp_path:
             writer.close()
         await until(lambda: bool(receiver.taken))
         assert [decode_push_message(message) for message in receiver.taken] == [WITHDRAWN]
+        # Longer than a listener reads (a push request for a long prompt): left to the next
+        # channel, sent nothing, the connection kept.
+        writer = TcpChannel(settings, mailbox=Mailbox.PUSH_REQUESTS)
+        try:
+            too_long = b"x" * (MAX_NOTICE_BYTES + 1)
+            assert not await writer.send(peer(published, node_id="node-b"), WITHDRAWN, too_long)
+            assert writer.send_now(peer(published, node_id="node-b"), WITHDRAWN, too_long) is None
+        finally:
+            writer.close()
+        assert len(receiver.taken) == 1
     finally:
         pushes.close()
 
