@@ -8,14 +8,14 @@ the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvray.memory import Backing, SourceReady
 from kvray.placement import Stored
 from kvray.plan import OffsetCache, OffsetKey, TransferPlan
-from kvray.transport.base import Peer, Transport
+from kvray.transport.base import OnStored, Peer, Transport
 from kvray.transport.cpu_copy import set_executor_fault
 from kvray.wire import EngineInfo
 
@@ -92,7 +92,7 @@ class ByteFlipper:
             plan: TransferPlan,
             local: Backing,
             peer: Peer,
-            then: Callable[[Stored], None],
+            then: OnStored,
             *,
             ready: SourceReady = None,
         ) -> Stored:

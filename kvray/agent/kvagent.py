@@ -10,6 +10,7 @@ import asyncio
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -205,7 +206,10 @@ class KVAgent:
         if decode:
             endpoints.update(await receiving.start())
         if self._push_requests is not None:
-            endpoints.update(await self._push_mail.listen(_PushRequestMailbox(self, self._push_requests)))
+            mailbox = _PushRequestMailbox(
+                engine.engine_id, engine.incarnation, node_address(), self._push_requests
+            )
+            endpoints.update(await self._push_mail.listen(mailbox))
         info = engine.backing.engine_info(
             engine.engine_id, engine.incarnation, engine.role, engine.node_id, regions, endpoints
         )
@@ -320,7 +324,7 @@ class KVAgent:
 
         Once one layer of a request has failed, its later layers are refused (the decode side
         has been told and may have freed the blocks): `finish` or `abort` the request."""
-        return await self._pusher.push_layer(reservation, layer, local_blocks, timeout=timeout, ready=ready)
+        return await self._pusher.push_layer(reservation, layer, local_blocks, ready, timeout=timeout)
 
     async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
         """Complete a layer-wise push: the decode side's `wait_for_kv` resolves."""
@@ -420,27 +424,18 @@ class KVAgent:
         return self._push_mail
 
 
+@dataclass(frozen=True)
 class _PushRequestMailbox:
-    """What the push-request mailbox's channels hand each message to (`NoticeReceiver`): the
-    handler `KVAgent.serve_push_requests` named. A refusal goes to the reservation the message
-    names, never back along the channel, so every message reads as taken."""
+    """The engine the push-request mailbox's channels serve (`NoticeReceiver`), as it starts:
+    each message goes to the handler `KVAgent.serve_push_requests` named. A refusal goes to the
+    reservation the message names, never back along the channel, so every message reads as
+    taken."""
 
-    def __init__(self, agent: KVAgent, handler: Callable[[bytes], None]) -> None:
-        self._agent = agent
-        self._handler = handler
-
-    @property
-    def engine_id(self) -> str:
-        return self._agent.engine_id
-
-    @property
-    def incarnation(self) -> int:
-        return self._agent.incarnation
-
-    @property
-    def node_address(self) -> str | None:
-        return node_address()
+    engine_id: str
+    incarnation: int
+    node_address: str | None
+    handler: Callable[[bytes], None]
 
     def receive(self, message: bytes, /) -> DropReason | None:
-        self._handler(message)
+        self.handler(message)
         return None

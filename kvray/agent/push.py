@@ -235,9 +235,9 @@ class Pusher:
         reservation: Reservation,
         layer: str,
         local_blocks: Blocks,
+        ready: SourceReady,
         *,
         timeout: float | None = None,
-        ready: SourceReady = None,
     ) -> int:
         request_id = reservation.request_id
         async with self._transfer(reservation, timeout, call=PushCall.LAYER) as attempt:

@@ -13,18 +13,9 @@ from kvray.config import Settings
 from kvray.errors import TransportError, TransportUnavailableError
 from kvray.metrics import EngineMetrics
 from kvray.notice.actor import deadline
-from kvray.notice.base import (
-    Mail,
-    Mailbox,
-    NoticeChannel,
-    NoticeKind,
-    NoticeReceiver,
-    Reachable,
-    Receipt,
-    ThreadNotice,
-)
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt, ThreadNotice
 from kvray.notice.claims import Claims
-from kvray.transport.base import Peer
+from kvray.transport.base import Peer, Reachable
 from kvray.wire import Notice, Reservation, encode
 
 #: Every channel kvray ships.

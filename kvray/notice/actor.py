@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 from kvray.errors import KvrayError, TransferTimeoutError, TransportError
 from kvray.host.calls import PeerCall
-from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, Reachable
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind
+from kvray.transport.base import Reachable
 
 #: The peer call that takes each mailbox's messages on the engine's host.
 CALLS = {Mailbox.COMPLETIONS: PeerCall.NOTIFY, Mailbox.PUSH_REQUESTS: PeerCall.REQUEST_PUSH}

@@ -28,13 +28,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol
+from collections.abc import Callable
+from typing import ClassVar, Protocol
 
 from kvray.config import Settings
 from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
 from kvray.metrics import DropReason, EngineMetrics
 from kvray.placement import Stored
+from kvray.transport.base import Reachable
 from kvray.wire import Notice, PushMessage
 
 #: Takes one notice's bytes on the engine's event loop; returns None if the engine took it,
@@ -72,33 +73,6 @@ class NoticeKind(enum.Enum):
     ACTOR = "actor"
     #: Engines of one process (tests, embedding).
     LOOPBACK = "loopback"
-
-
-class PeerAddress(Protocol):
-    """What a channel reads of what a peer published (an `EngineInfo` has it all)."""
-
-    @property
-    def engine_id(self) -> str: ...
-
-    @property
-    def incarnation(self) -> int: ...
-
-    @property
-    def node_id(self) -> str: ...
-
-    @property
-    def endpoints(self) -> Mapping[str, str]: ...
-
-
-class Reachable(Protocol):
-    """A peer as a channel sees it (a `kvray.transport.Peer` is one): what it published, and the
-    actor hosting its agent (None: none)."""
-
-    @property
-    def info(self) -> PeerAddress: ...
-
-    @property
-    def host(self) -> Any: ...
 
 
 class NoticeReceiver(Protocol):
@@ -175,10 +149,7 @@ class NoticeChannel(abc.ABC):
     kind: ClassVar[NoticeKind]
 
     def __init__(
-        self,
-        settings: Settings,
-        metrics: EngineMetrics | None = None,
-        mailbox: Mailbox = Mailbox.COMPLETIONS,
+        self, settings: Settings, metrics: EngineMetrics | None = None, mailbox: Mailbox = Mailbox.COMPLETIONS
     ) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else EngineMetrics.detached()

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from kvray.config import Settings
 from kvray.errors import MetadataError, TransportError
 from kvray.metrics import EngineMetrics
-from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Reachable, Receipt
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt
 from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.placement import Stored, filled
+from kvray.transport.base import Reachable
 from kvray.transport.cpu_copy import resolve_once
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
@@ -303,10 +304,7 @@ class LocalChannel(NoticeChannel):
     kind = NoticeKind.LOCAL
 
     def __init__(
-        self,
-        settings: Settings,
-        metrics: EngineMetrics | None = None,
-        mailbox: Mailbox = Mailbox.COMPLETIONS,
+        self, settings: Settings, metrics: EngineMetrics | None = None, mailbox: Mailbox = Mailbox.COMPLETIONS
     ) -> None:
         super().__init__(settings, metrics, mailbox)
         self._outbox: CompletionOutbox | None = None

@@ -19,16 +19,8 @@ import asyncio
 
 from kvray.config import Settings
 from kvray.metrics import EngineMetrics
-from kvray.notice.base import (
-    Mail,
-    NoticeChannel,
-    NoticeHandler,
-    NoticeKind,
-    NoticeReceiver,
-    Reachable,
-    Receipt,
-    refusal,
-)
+from kvray.notice.base import Mail, NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
+from kvray.transport.base import Reachable
 
 
 class NoticeNetwork:

@@ -56,11 +56,10 @@ from kvray.notice.base import (
     NoticeHandler,
     NoticeKind,
     NoticeReceiver,
-    Reachable,
     Receipt,
     refusal,
 )
-from kvray.transport.base import PeerCache
+from kvray.transport.base import PeerCache, Reachable
 from kvray.wire import MAX_NOTICE_BYTES
 
 log = logging.getLogger("kvray.notice")
@@ -588,10 +587,7 @@ class TcpChannel(NoticeChannel):
     kind = NoticeKind.TCP
 
     def __init__(
-        self,
-        settings: Settings,
-        metrics: EngineMetrics | None = None,
-        mailbox: Mailbox = Mailbox.COMPLETIONS,
+        self, settings: Settings, metrics: EngineMetrics | None = None, mailbox: Mailbox = Mailbox.COMPLETIONS
     ) -> None:
         super().__init__(settings, metrics, mailbox)
         #: Connections to listeners, each an opening task until it is up.

@@ -32,7 +32,7 @@ import abc
 import asyncio
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -53,6 +53,8 @@ from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
 #: Raises unless every op (region, offset, nbytes) lies inside what one request may change.
 OpsCheck = Callable[[Int64Array, Int64Array, Int64Array], None]
+#: What `Transport.write_then` calls once every byte of a write is in the peer's memory.
+OnStored = Callable[[Stored], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,36 @@ class Peer:
     info: EngineInfo
     #: Ray actor hosting the peer's agent (an `AgentHost`), or None outside Ray.
     host: Any = None
+
+
+class PeerAddress(Protocol):
+    """What a notice channel reads of what a peer published (an `EngineInfo` has it all)."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+    @property
+    def node_id(self) -> str:
+        """The node it runs on (a same-node channel compares it with its own agent's)."""
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Where its receiving ends are (an inbox's path, a listener's address and key)."""
+
+
+class Reachable(Protocol):
+    """A peer as a notice channel sees it (`kvray.notice`; a `Peer` is one, and so is a prefill
+    engine as its ticket names it): what it published, and the actor hosting its agent (None:
+    none)."""
+
+    @property
+    def info(self) -> PeerAddress: ...
+
+    @property
+    def host(self) -> Any: ...
 
 
 class Reach(enum.Enum):
@@ -171,13 +203,7 @@ class Transport(abc.ABC):
         after it."""
 
     async def write_then(
-        self,
-        plan: TransferPlan,
-        local: Backing,
-        peer: Peer,
-        then: Callable[[Stored], None],
-        *,
-        ready: SourceReady = None,
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: OnStored, *, ready: SourceReady = None
     ) -> Stored:
         """`write`, calling `then(stored)` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this

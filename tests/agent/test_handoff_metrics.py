@@ -46,7 +46,7 @@ async def test_an_expired_lease_is_counted_and_the_blocks_held_follow_the_holds(
         assert sink.value(BLOCKS_HELD.name, engine="lease-p") == 3
         handoff.expire()
         assert sink.value(LEASES_EXPIRED.name) == 0
-        handoff.lease_s = 0.0  # the next hold's lease has ended by the next check
+        handoff.prefill.lease_s = 0.0  # the next hold's lease has ended by the next check
         handoff.hold(SendSpec("unasked", ((4, 5),), key="b"))
         assert sink.value(BLOCKS_HELD.name) == 5
         handoff.expire()

@@ -7,9 +7,9 @@ there fails the load at once. The KV moves with the `ray` transport, its notice 
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,60 +17,42 @@ import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
+from test_handoff import KEY, LAYOUT, Recorder, until
 
 from kvray.agent.handoff import PUSH_ENDPOINT, Handoff, LoadSpec, SendSpec
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
-from kvray.layout import Geometry, KVLayout, LayerSpec
+from kvray.host.calls import PeerCall
 from kvray.notice.base import NoticeKind
 from kvray.notice.tcp import PUSH_ADDRESS_ENDPOINT, NoticeListener
 from kvray.wire import Role
 
-GEOMETRY = Geometry(block_size=4, entry_shape=(8,), dtype="float32")
-LAYOUT = KVLayout(
-    layers=tuple(LayerSpec(name=f"layer{i}", geometry=GEOMETRY) for i in range(3)), num_blocks=8
-)
-KEY = "0" * 31 + "1"
 
+class ActorStandIn:
+    """IN-PROCESS STAND-IN for the Ray actor hosting an agent (`AgentHost`): one `kvray_<name>`
+    per peer call of the table, run on the agent as its host would; it counts the calls."""
 
-class Recorder:
-    """`HandoffReports`, recorded: held requests whose blocks may go, and each load's outcome."""
+    def __init__(self, agent: KVAgent) -> None:
+        self.calls: Counter[PeerCall] = Counter()
+        for call in PeerCall:
+            setattr(self, call.host_method, _Method(self._forwarding(agent, call)))
 
-    def __init__(self) -> None:
-        self.freed: list[str] = []
-        self.loads: dict[str, bool] = {}
+    def _forwarding(self, agent: KVAgent, call: PeerCall) -> Callable[..., Coroutine[Any, Any, Any]]:
+        async def forward(*args: Any) -> Any:
+            self.calls[call] += 1
+            # What Ray hands an actor: its own, read-only copy of each array.
+            copies = [np.array(arg, copy=True) if isinstance(arg, np.ndarray) else arg for arg in args]
+            for copy in copies:
+                if isinstance(copy, np.ndarray):
+                    copy.flags.writeable = False
+            return await getattr(agent, call.agent_method)(*copies)
 
-    def sent(self, request_id: str) -> None:
-        self.freed.append(request_id)
-
-    def loaded(self, spec: LoadSpec, *, failed: bool) -> None:
-        self.loads[spec.request_id] = failed
+        return forward
 
 
 class _Method:
-    def __init__(self, function: Any) -> None:
+    def __init__(self, function: Callable[..., Coroutine[Any, Any, Any]]) -> None:
         self.remote = function
-
-
-class ActorStandIn:
-    """IN-PROCESS STAND-IN for the Ray actor hosting an agent (`AgentHost`): `ray` writes,
-    notices and push requests, called directly; it counts the push requests that came this way."""
-
-    def __init__(self, agent: KVAgent) -> None:
-        self.push_requests = 0
-
-        async def deliver(header: bytes, payload: np.ndarray) -> int:
-            received = np.array(payload, copy=True)
-            received.flags.writeable = False
-            return await agent.deliver(header, received)
-
-        async def request_push(message: bytes) -> None:
-            self.push_requests += 1
-            await agent.request_push(message)
-
-        self.kvray_deliver = _Method(deliver)
-        self.kvray_notify = _Method(agent.notify)
-        self.kvray_request_push = _Method(request_push)
 
 
 class Side(NamedTuple):
@@ -106,13 +88,6 @@ def load_from(prefill: KVAgent, request_id: str, blocks: tuple[int, ...]) -> Loa
     )
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def push_listener(agent: KVAgent) -> NoticeListener | None:
     (tcp,) = [channel for channel in agent.push_requests.channels if channel.kind is NoticeKind.TCP]
     listener: NoticeListener | None = getattr(tcp, "listener", None)
@@ -132,11 +107,7 @@ async def nodes(
     # As inside a Ray actor: the `ray` transport reaches the other node.
     monkeypatch.setattr(RayTransport, "unavailable_reason", classmethod(lambda cls, settings: None))
     settings = Settings(
-        shm_dir=str(tmp_path),
-        notice_host="127.0.0.1",
-        notify_timeout_s=4.0,
-        transfer_timeout_s=20.0,
-        heartbeat_s=0.2,
+        shm_dir=str(tmp_path), notice_host="127.0.0.1", notify_timeout_s=4.0, transfer_timeout_s=20.0
     )
     prefill_settings = settings if listens else msgspec.structs.replace(settings, notice_tcp=False)
     prefill = KVAgent("p", Role.PREFILL, LAYOUT, settings=prefill_settings, use_coordinator=False)
@@ -182,7 +153,7 @@ async def test_a_push_request_from_another_node_travels_over_tcp_not_the_actor(
         prefill.agent, 2
     )
     await until(lambda: prefill.reports.freed == ["r-1"])
-    assert prefill.actor.push_requests == 0
+    assert prefill.actor.calls[PeerCall.REQUEST_PUSH] == 0
     listener = push_listener(prefill.agent)
     assert listener is not None and listener.connections == 1
 
@@ -195,7 +166,7 @@ async def test_a_withdrawal_from_another_node_travels_over_tcp_and_frees_the_hol
     prefill.handoff.hold(SendSpec("r-1", ((1,),), key=KEY))
     await decode.handoff.withdraw(load_from(prefill.agent, "d-1", ()))
     await until(lambda: prefill.reports.freed == ["r-1"], timeout_s=5.0)
-    assert prefill.handoff.parked() == 0 and prefill.actor.push_requests == 0
+    assert prefill.handoff.parked() == 0 and prefill.actor.calls[PeerCall.REQUEST_PUSH] == 0
     # The hand-off id is spent: a hold under it now ends at once.
     prefill.handoff.hold(SendSpec("r-2", ((2,),), key=KEY))
     assert prefill.reports.freed == ["r-1", "r-2"]
@@ -214,7 +185,7 @@ async def test_without_a_listener_push_requests_take_the_prefill_engines_actor(
     await until(lambda: "d-1" in decode.reports.loads)
     assert decode.reports.loads == {"d-1": False} and block(decode.agent, 6) == block(prefill.agent, 5)
     await until(lambda: prefill.reports.freed == ["r-1"])
-    assert prefill.actor.push_requests == 1
+    assert prefill.actor.calls[PeerCall.REQUEST_PUSH] == 1
 
 
 @pytest.mark.parametrize("nodes", [(True, False)], indirect=True, ids=["takes-none"])
@@ -230,5 +201,5 @@ async def test_an_engine_that_takes_no_push_requests_fails_the_load_at_once(node
     await until(lambda: "d-1" in decode.reports.loads)
     assert decode.reports.loads == {"d-1": True}
     assert time.monotonic() - started < 5.0
-    assert prefill.actor.push_requests == 1
+    assert prefill.actor.calls[PeerCall.REQUEST_PUSH] == 1
     decode.agent.expect("d-1", [2, 3])  # released: reserved again

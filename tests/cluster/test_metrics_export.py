@@ -193,7 +193,7 @@ class LeaseHolder:
         """Hold a request of `blocks` for `lease_s`, then check the leases."""
         if self.handoff is None:  # made on the actor's event loop, where its tasks run
             self.handoff = Handoff(self.agent, self, lease_s=lease_s)
-        self.handoff.lease_s = lease_s
+        self.handoff.prefill.lease_s = lease_s
         self.handoff.hold(SendSpec(f"request-{blocks[0]}", (tuple(blocks),)))
         self.handoff.expire()
 

@@ -18,14 +18,21 @@ from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvray.agent.handoff.events import AskProof, HandoffEvent, HandoffObserver, HandoffReports, Moved
-from kvray.agent.handoff.side import Side, reason_of
-from kvray.agent.handoff.specs import NO_BLOCK, LoadSpec, PrefillAddress, rank_engine_id, table_blocks
+from kvray.agent.handoff.events import HandoffEvent, Moved
+from kvray.agent.handoff.side import Side, Wiring, reason_of
+from kvray.agent.handoff.specs import (
+    NO_BLOCK,
+    HandoffStep,
+    LoadSpec,
+    PrefillAddress,
+    rank_engine_id,
+    table_blocks,
+)
 from kvray.agent.kvagent import KVAgent
 from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
-from kvray.notice.base import Reachable
 from kvray.notice.local import PUSH_ENDPOINT
 from kvray.tensor_parallel import source_ranks
+from kvray.transport.base import Reachable
 from kvray.wire import EngineInfo, PushMessage, PushRequest, PushWithdrawn, encode
 
 log = logging.getLogger("kvray.handoff")
@@ -60,21 +67,24 @@ def ticketed(prefill: PrefillAddress) -> Reachable:
 class DecodeSide(Side):
     """The decode side of one engine's hand-offs: loads, their push requests, withdrawals."""
 
-    def __init__(
-        self,
-        agent: KVAgent,
-        reports: HandoffReports,
-        *,
-        joined: bool,
-        observer: HandoffObserver | None,
-        proof: AskProof | None,
-    ) -> None:
-        super().__init__(agent, reports, joined=joined, observer=observer, proof=proof)
+    def __init__(self, wiring: Wiring) -> None:
+        super().__init__(wiring)
         #: Loads still waiting, and those whose task has taken its first step.
         self._receiving: dict[str, asyncio.Task[None]] = {}
         self._loads_begun: set[str] = set()
         #: This engine's info and its encoding (`_encoded_info`).
         self._info_bytes: tuple[EngineInfo, bytes] | None = None
+
+    def step(self, step: HandoffStep) -> None:
+        """This side's part of a step: loads to start, loads that ended before they began
+        (`withdrawn`: their prefill engines are told), and loads no longer wanted (`cancelled`,
+        after the loads: a load may be handed over and cancelled in one step)."""
+        for spec in step.loads.values():
+            self.load(spec)
+        for spec in step.withdrawn:
+            self._spawn(self.withdraw(spec))
+        for request_id in step.cancelled:
+            self.cancel(request_id)
 
     def load(self, spec: LoadSpec) -> None:
         """Start receiving a request (reported through `HandoffReports.loaded`)."""
@@ -93,7 +103,7 @@ class DecodeSide(Side):
         (it reserved nothing, so its blocks are simply free)."""
         if task.cancelled() and spec.request_id not in self._loads_begun:
             self._receiving.pop(spec.request_id, None)
-            self._reports.loaded(spec, failed=False)
+            self.wiring.reports.loaded(spec, failed=False)
             if not spec.refusal:
                 self._spawn(self.withdraw(spec))
         self._loads_begun.discard(spec.request_id)
@@ -190,7 +200,7 @@ class DecodeSide(Side):
                     if quarantined is not None:
                         await quarantined.wait()
             # A cancelled request is gone: its blocks are free, not blocks to recompute.
-            self._reports.loaded(spec, failed=not ok and not cancelled)
+            self.wiring.reports.loaded(spec, failed=not ok and not cancelled)
 
     def _sources(self, prefill_ranks: int) -> tuple[int, ...]:
         """The prefill ranks (of `prefill_ranks`) this rank takes KV from: the one rank of a
@@ -203,7 +213,7 @@ class DecodeSide(Side):
         return source_ranks(own, prefill_ranks, own.kv_heads)
 
     def _prove(self, prefill_engine: str, handoff: str) -> bytes:
-        return b"" if self._proof is None else self._proof.ask_proof(prefill_engine, handoff)
+        return b"" if self.wiring.proof is None else self.wiring.proof.ask_proof(prefill_engine, handoff)
 
     def _encoded_info(self) -> bytes:
         """The agent's published info as push requests carry it, encoded once per incarnation."""
@@ -252,7 +262,7 @@ class DecodeSide(Side):
                 for rank, (incarnation, inbox) in enumerate(spec.prefill_ranks, start=1)
             ]
             return [first, *others]
-        if not self.joined:
+        if not self.wiring.joined:
             raise NotExpectedError(
                 f"request {spec.request_id!r} names prefill engine {spec.prefill_engine!r} alone: only "
                 "an engine that joined Ray (ray_address) can look it up; give this engine the "
@@ -299,7 +309,7 @@ class DecodeSide(Side):
         agent = self.agent
         if prefill.inbox and prefill.node_id == agent.node_id:
             return ticketed(prefill)
-        if not self.joined:
+        if not self.wiring.joined:
             raise NotExpectedError(
                 f"prefill engine {prefill.engine_id!r} runs on node {prefill.node_id!r} and this decode "
                 f"engine on {agent.node_id!r}: engines on different nodes must both join Ray "
@@ -323,11 +333,7 @@ class DecodeSide(Side):
             if self.agent.push_requests.listening(ticketed(prefill)) is not False:
                 return ""
             return f"its push-request inbox {prefill.inbox} has no reader: the engine closed or died"
-        return await departed(self.agent, prefill, joined=self.joined)
-
-    def start_withdrawing(self, spec: LoadSpec) -> None:
-        """`withdraw`, in the background: a load that ended before it began."""
-        self._spawn(self.withdraw(spec))
+        return await departed(self.agent, prefill, joined=self.wiring.joined)
 
     async def withdraw(self, spec: LoadSpec) -> None:
         """Tell the prefill engine (each of its ranks) this engine will not take the request
@@ -351,9 +357,9 @@ class DecodeSide(Side):
                     request_id=spec.prefill_request_id,
                     src_engine=prefill.engine_id,
                     src_incarnation=prefill.incarnation,
+                    proof=self._prove(prefill.engine_id, spec.prefill_request_id),
                     decode_rank=own.rank,
                     decode_ranks=own.size,
-                    proof=self._prove(prefill.engine_id, spec.prefill_request_id),
                 )
                 await self.ask(prefill, withdrawn)
         except Exception as error:

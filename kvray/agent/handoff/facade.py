@@ -8,6 +8,7 @@ from collections.abc import Collection, Mapping
 from kvray.agent.handoff.decode import DecodeSide
 from kvray.agent.handoff.events import AskProof, HandoffObserver, HandoffReports
 from kvray.agent.handoff.prefill import PrefillSide
+from kvray.agent.handoff.side import Wiring
 from kvray.agent.handoff.specs import HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.agent.kvagent import KVAgent
 from kvray.memory import SourceReady
@@ -33,18 +34,9 @@ class Handoff:
         proof: AskProof | None = None,
     ) -> None:
         self.agent = agent
-        self.prefill = PrefillSide(
-            agent, reports, lease_s=lease_s, joined=joined, observer=observer, proof=proof
-        )
-        self.decode = DecodeSide(agent, reports, joined=joined, observer=observer, proof=proof)
-
-    @property
-    def lease_s(self) -> float:
-        return self.prefill.lease_s
-
-    @lease_s.setter
-    def lease_s(self, value: float) -> None:
-        self.prefill.lease_s = value
+        wiring = Wiring(agent, reports, joined, observer, proof)
+        self.prefill = PrefillSide(wiring, lease_s=lease_s)
+        self.decode = DecodeSide(wiring)
 
     def parked(self) -> int:
         """How many push requests wait for their request here."""
@@ -61,19 +53,8 @@ class Handoff:
         """One step's hand-offs: sends to hold, hand-offs that will never have KV (`dropped`),
         held requests whose decode leg failed (`released`), loads to start, loads no longer
         wanted (`cancelled`) and loads that ended before they began (`withdrawn`)."""
-        prefill, decode = self.prefill, self.decode
-        for spec in step.sends.values():
-            prefill.hold(spec)
-        for key in step.dropped:
-            prefill.drop(key)
-        for key in step.released:
-            prefill.release(key)
-        for load in step.loads.values():
-            decode.load(load)
-        for request_id in step.cancelled:
-            decode.cancel(request_id)
-        for load in step.withdrawn:
-            decode.start_withdrawing(load)
+        self.prefill.step(step)
+        self.decode.step(step)
 
     # ---- prefill side ---------------------------------------------------------------------
 

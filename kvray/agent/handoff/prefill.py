@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvray.agent.handoff.events import AskProof, HandoffEvent, HandoffObserver, HandoffReports, Moved
-from kvray.agent.handoff.side import Side, reason_of
+from kvray.agent.handoff.events import HandoffEvent, Moved
+from kvray.agent.handoff.side import Side, Wiring, reason_of
 from kvray.agent.handoff.specs import (
     NO_BLOCK,
     BlockTable,
+    HandoffStep,
     LayerwiseSpec,
     SendSpec,
     one_group,
     rank_engine_id,
     table_blocks,
 )
-from kvray.agent.kvagent import KVAgent
 from kvray.agent.push import PushResult
 from kvray.errors import BackpressureError, KvrayError, NotExpectedError
 from kvray.memory import SourceReady
@@ -108,17 +108,8 @@ class PrefillSide(Side):
     how long a held request waits for its push request, a parked push request for its request,
     and a spent hand-off id is refused."""
 
-    def __init__(
-        self,
-        agent: KVAgent,
-        reports: HandoffReports,
-        *,
-        lease_s: float,
-        joined: bool,
-        observer: HandoffObserver | None,
-        proof: AskProof | None,
-    ) -> None:
-        super().__init__(agent, reports, joined=joined, observer=observer, proof=proof)
+    def __init__(self, wiring: Wiring, *, lease_s: float) -> None:
+        super().__init__(wiring)
         self.lease_s = lease_s
         #: Requests held for a decode engine, by hand-off id.
         self._held: dict[str, _Held] = {}
@@ -139,11 +130,21 @@ class PrefillSide(Side):
         self._decoded: OrderedDict[bytes, EngineInfo] = OrderedDict()
         # Push requests and withdrawals reach this engine through its agent: its host, and the
         # push-request mailbox the agent opens on each notice channel when it starts.
-        agent.serve_push_requests(self.take)
+        self.agent.serve_push_requests(self.take)
 
     def parked(self) -> int:
         """How many push requests wait for their request here."""
         return len(self._parked)
+
+    def step(self, step: HandoffStep) -> None:
+        """This side's part of a step: sends to hold, hand-offs that will never have KV
+        (`dropped`) and held requests whose decode leg failed (`released`)."""
+        for spec in step.sends.values():
+            self.hold(spec)
+        for key in step.dropped:
+            self.drop(key)
+        for key in step.released:
+            self.release(key)
 
     def hold(self, spec: SendSpec) -> None:
         """Hold a finished request for its decode engine, unless its hand-off id is taken:
@@ -156,14 +157,14 @@ class PrefillSide(Side):
                 self._spawn(self._finish_layered(layered, spec))
                 return
             if key in self._spent:  # the decode engine withdrew while the forward ran
-                self._reports.sent(spec.request_id)
+                self.wiring.reports.sent(spec.request_id)
                 return
         elif layered is not None or key in self._held or key in self._spent:
             log.warning("kvray: hand-off %s is taken; request %s is not held", key, spec.request_id)
-            self._reports.sent(spec.request_id)
+            self.wiring.reports.sent(spec.request_id)
             return
         if spec.failed:
-            self._reports.sent(spec.request_id)
+            self.wiring.reports.sent(spec.request_id)
             self.drop(key)
             return
         held = self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
@@ -199,7 +200,7 @@ class PrefillSide(Side):
             del self._held[key]
             self._held_changed(held, began=False)
             self._spend(key)
-            self._reports.sent(held.spec.request_id)
+            self.wiring.reports.sent(held.spec.request_id)
 
     def expire(self) -> None:
         """Free held requests no decode engine asked for within their lease, refuse push
@@ -210,7 +211,7 @@ class PrefillSide(Side):
                 del self._held[key]
                 self._held_changed(held, began=False)
                 self._spend(key)
-                self._reports.sent(held.spec.request_id)
+                self.wiring.reports.sent(held.spec.request_id)
                 self.agent.metrics.lease_expired()
                 log.warning("kvray: no decode engine asked for %s within its lease; freed", key)
         for key, until in list(self._spent.items()):
@@ -248,8 +249,8 @@ class PrefillSide(Side):
         except KvrayError as error:
             log.warning("kvray: dropped a malformed push request: %s", error)
             return
-        if self._proof is not None and not hmac.compare_digest(
-            request.proof, self._proof.ask_proof(self.agent.engine_id, request.request_id)
+        if self.wiring.proof is not None and not hmac.compare_digest(
+            request.proof, self.wiring.proof.ask_proof(self.agent.engine_id, request.request_id)
         ):
             # Nothing is told to the reservation it names: it may be another request's.
             log.warning("kvray: dropped a push request or withdrawal without a valid proof")
@@ -336,7 +337,7 @@ class PrefillSide(Side):
             del self._held[key]
             self._held_changed(held, began=False)
             self._spend(key)
-            self._reports.sent(held.spec.request_id)
+            self.wiring.reports.sent(held.spec.request_id)
 
     async def _push(self, request: PushRequest) -> None:
         key = request.request_id
@@ -406,7 +407,7 @@ class PrefillSide(Side):
             raise NotExpectedError(
                 "a push request's decode info does not match its reservation", request_id=request.request_id
             )
-        if not self.joined:
+        if not self.wiring.joined:
             self.agent.add_peer(decode)
 
     # ---- prefill side, layer by layer -----------------------------------------------------
@@ -559,7 +560,7 @@ class PrefillSide(Side):
                 await agent.abort(reservation, reason_of(error))
         finally:
             self._spend(layered.spec.key)
-            self._reports.sent(spec.request_id)
+            self.wiring.reports.sent(spec.request_id)
 
 
 def _taken_blocks(request: PushRequest, held: BlockTable) -> BlockTable:

@@ -1,36 +1,39 @@
-"""What both sides of one engine's hand-offs share (`Side`): the engine's agent, how the engine
-hears back, the observer, the deployment's proof, and the tasks a side runs on the agent's loop.
+"""What both sides of one engine's hand-offs share (`Side`): what they are built over (`Wiring`:
+the engine's agent, how the engine hears back, the observer, the deployment's proof), and the
+tasks a side runs on the agent's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from kvray.agent.handoff.events import AskProof, HandoffEvent, HandoffObserver, HandoffReports, Moved
 from kvray.agent.kvagent import KVAgent
 
 
-class Side:
-    """One side of an engine's hand-offs over its agent. `joined`: the engine joined Ray, so the
-    coordinator knows its peers and their host actors."""
+@dataclass(frozen=True)
+class Wiring:
+    """What both sides of an engine's hand-offs are built over."""
 
-    def __init__(
-        self,
-        agent: KVAgent,
-        reports: HandoffReports,
-        *,
-        joined: bool,
-        observer: HandoffObserver | None,
-        proof: AskProof | None,
-    ) -> None:
-        self.agent = agent
-        self.settings = agent.settings
-        self.joined = joined
-        self.observer = observer
-        self._reports = reports
-        self._proof = proof
+    agent: KVAgent
+    reports: HandoffReports
+    #: The engine joined Ray: the coordinator knows its peers and their host actors.
+    joined: bool = False
+    observer: HandoffObserver | None = None
+    #: The deployment's key: asks carry a proof, and one without a valid proof is dropped.
+    proof: AskProof | None = None
+
+
+class Side:
+    """One side of an engine's hand-offs over its agent."""
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+        self.agent = wiring.agent
+        self.settings = wiring.agent.settings
         self._tasks: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
@@ -45,12 +48,14 @@ class Side:
         return task
 
     def _note(self, event: HandoffEvent, request_id: str, handoff: str, error: str = "") -> None:
-        if self.observer is not None:
-            self.observer.event(event, request_id, handoff, error)
+        observer = self.wiring.observer
+        if observer is not None:
+            observer.event(event, request_id, handoff, error)
 
     async def _moved(self, moved: Moved) -> None:
-        if self.observer is not None:
-            await self.observer.moved(moved, self.agent.backing)
+        observer = self.wiring.observer
+        if observer is not None:
+            await observer.moved(moved, self.agent.backing)
 
 
 def reason_of(error: BaseException) -> str:
