@@ -8,14 +8,17 @@ A channel has two ends, each a handful of verbs:
               `send` delivers one (returning once the engine took it, or raising its
               refusal), `send_now` without awaiting where nothing on the way would wait;
               `prepare` starts what a coming notice will need (a connection); `early` hands a
-              transport a notice it may send from its copy thread; `forget` drops what was
-              kept for a peer; `close` releases everything.
-    receiver  a decode engine's: `listen` starts taking notices, each handed to the engine
-              (the `NoticeReceiver` protocol, which the agent implements); `publish` gives
+              transport a notice it may send from its copy thread; `listening` says whether
+              the peer's receiving end is still there, where the channel can tell; `forget`
+              drops what was kept for a peer; `close` releases everything.
+    receiver  a decode engine's (or, for push requests, a prefill engine's): `listen` starts
+              taking notices, each handed to the engine (the `NoticeReceiver` protocol, which
+              the agent implements); `publish` gives
               the endpoints writers need to reach it (they go into its
               `EngineInfo.endpoints`); `close` stops.
 
-Everything a writer needs to reach a peer arrives in a `Peer`; a path a peer publishes is only a
+Everything a writer needs to reach a peer arrives in a `Reachable` (a `Peer`, or a prefill engine
+as its ticket names it); a path a peer publishes is only a
 claim, checked by `kvray.owned.open_peer` before anything is sent there. The agent's
 `kvray.notice.NoticeSet` holds one channel of each kind and sends each notice through the first
 that reaches its peer. A channel serves one `Mailbox` of its engine's: an agent has one set for

@@ -7,10 +7,12 @@ decode-to-prefill half of kvray's push; the KV and the completion notice are the
               prefill engine takes push requests (`PrefillAddress`); pure
     events    what the engine hears (`HandoffReports`) and an observer sees (`HandoffEvent`,
               `Moved`, `HandoffObserver`); the deployment's proof of an ask (`AskProof`)
-    side      what both sides share: the agent, the reports, the observer, their tasks
-    prefill   `PrefillSide`: holds, parked push requests, pushes whole or layer by layer
+    side      what both sides share: what they are built over (`Wiring`: the agent, the
+              reports, the observer, the proof) and the tasks they run
+    prefill   `PrefillSide`: holds, parked push requests, pushes whole or layer by layer; its
+              part of each step (sends, dropped, released)
     decode    `DecodeSide`: loads, their push requests and withdrawals, the wait that watches
-              the prefill engine
+              the prefill engine; its part of each step (loads, withdrawn, cancelled)
     facade    `Handoff`: both sides over one agent, behind the calls an engine integration makes
 
 Who does what:

@@ -40,7 +40,7 @@ log = logging.getLogger("kvray.handoff")
 
 @dataclass(frozen=True)
 class _TicketedInfo:
-    """What a prefill engine's ticket says of it (`kvray.notice.base.PeerAddress`): its id,
+    """What a prefill engine's ticket says of it (`kvray.transport.base.PeerAddress`): its id,
     incarnation, node and push-request inbox."""
 
     engine_id: str
@@ -51,7 +51,7 @@ class _TicketedInfo:
 
 @dataclass(frozen=True)
 class _Ticketed:
-    """A prefill engine as its ticket names it (`kvray.notice.base.Reachable`), for an inbox on
+    """A prefill engine as its ticket names it (`kvray.transport.base.Reachable`), for an inbox on
     this node that needs no lookup: no host."""
 
     info: _TicketedInfo
