@@ -8,14 +8,14 @@ the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`,
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvray.memory import Backing
+from kvray.memory import Backing, SourceReady
 from kvray.placement import Stored
 from kvray.plan import OffsetCache, OffsetKey, TransferPlan
-from kvray.transport.base import Peer, Transport
+from kvray.transport.base import OnStored, Peer, Transport
 from kvray.transport.cpu_copy import set_executor_fault
 from kvray.wire import EngineInfo
 
@@ -82,15 +82,22 @@ class ByteFlipper:
     def __call__(self, transport: Transport) -> None:
         write, write_then = transport.write, transport.write_then
 
-        async def flipped_write(plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
-            with self._flipped(plan, local):
-                return await write(plan, local, peer)
-
-        async def flipped_write_then(
-            plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        async def flipped_write(
+            plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
         ) -> Stored:
             with self._flipped(plan, local):
-                return await write_then(plan, local, peer, then)
+                return await write(plan, local, peer, ready=ready)
+
+        async def flipped_write_then(
+            plan: TransferPlan,
+            local: Backing,
+            peer: Peer,
+            then: OnStored,
+            *,
+            ready: SourceReady = None,
+        ) -> Stored:
+            with self._flipped(plan, local):
+                return await write_then(plan, local, peer, then, ready=ready)
 
         # Deliberately on the instance: only this agent's transport corrupts.
         patched: Any = transport

@@ -16,9 +16,8 @@ import mmap
 import os
 import sys
 from collections.abc import Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import msgspec
 import numpy as np
@@ -50,11 +49,12 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 
 
 #: The device work that produced the bytes a write is about to read, when the caller knows it
-#: better than "whatever the current stream has queued": a CUDA event recorded on the stream
-#: that wrote them (an engine's compute stream, right after a layer's attention). Transports
-#: that copy from GPU memory order their copies after it; unset, after the calling thread's
-#: current stream. Set it in the task that writes (`contextvars`), e.g. a layer's push.
-source_ready: ContextVar[Any] = ContextVar("kvray_source_ready", default=None)
+#: better than "whatever the current stream has queued": a CUDA event (`torch.cuda.Event`)
+#: recorded on the stream that wrote them (an engine's compute stream, right after a layer's
+#: attention). A push hands it to the transport's write (`KVAgent.push_layer(..., ready=)`);
+#: transports that copy from GPU memory order their copies after it, and after the calling
+#: thread's current stream where it is None. CPU transports have nothing to order.
+SourceReady: TypeAlias = Any
 
 
 #: Transports whose writers name a region by its virtual address in the owner's process (an

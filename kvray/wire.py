@@ -401,6 +401,10 @@ class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdra
     proof: Annotated[bytes, msgspec.Meta(max_length=MAX_PROOF_NBYTES)] = b""
 
 
+#: What a decode engine sends a prefill engine about one request.
+PushMessage = PushRequest | PushWithdrawn
+
+
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
     """One region of a decode engine as its RDMA memory region exposes it."""
 
@@ -459,7 +463,7 @@ T = TypeVar("T")
 Tagged = TypeVar("Tagged", WriteOps, WriteClaim, PushRequest)
 
 
-def decode_push_message(data: bytes) -> PushRequest | PushWithdrawn:
+def decode_push_message(data: bytes) -> PushMessage:
     """What a decode engine sends a prefill engine's push inbox: a request or a withdrawal."""
     message = _decode(_tagged_decoder, data, "push request", MAX_PUSH_REQUEST_BYTES)
     if not isinstance(message, (PushRequest, PushWithdrawn)):

@@ -17,7 +17,7 @@ from kvray.config import Settings
 from kvray.content import landed_between
 from kvray.errors import AgentNotRunningError
 from kvray.integrity import THREAD_MIN_BYTES
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.wire import EngineInfo, Role
 
@@ -102,17 +102,19 @@ async def landed_in(
     dst_region: npt.NDArray[np.int64],
     dst_offset: npt.NDArray[np.int64],
     nbytes: npt.NDArray[np.int64],
+    ready: SourceReady = None,
 ) -> int | None:
     """The landed digest (`kvray.content.landed_between`) of bytes in `backing`'s memory: on a
-    worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing; None where
-    that kernel cannot run (GPU memory without Triton)."""
+    worker thread when large, on the GPU by the `cuda_ipc` op kernel storing nothing (after
+    `ready`, what says a writer's source bytes are written); None where that kernel cannot run
+    (GPU memory without Triton)."""
     if backing.kind is MemoryKind.CUDA:
         if importlib.util.find_spec("triton") is None:
             return None
         from kvray.transport.cuda_ipc.ops import landed_digest
 
         tensors = [region.tensor for region in backing.regions]
-        return await landed_digest(tensors, src_region, src_offset, dst_region, dst_offset, nbytes)
+        return await landed_digest(tensors, src_region, src_offset, dst_region, dst_offset, nbytes, ready)
     regions = [region.tensor.numpy() for region in backing.regions]
     arguments = (regions, src_region, src_offset, dst_region, dst_offset, nbytes)
     if int(nbytes.sum()) < THREAD_MIN_BYTES:

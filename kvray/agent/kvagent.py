@@ -10,23 +10,24 @@ import asyncio
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvray.agent.directory import Directory, directory_service
-from kvray.agent.engine import Blocks, Engine, node_id
+from kvray.agent.engine import Blocks, Engine, node_address, node_id
 from kvray.agent.push import Pusher, PushResult
 from kvray.agent.receive import Completion, Receiving
 from kvray.agent.transports import TransportSet
 from kvray.config import Settings
 from kvray.errors import MetadataError, NotExpectedError, PlanError
 from kvray.layout import KVLayout
-from kvray.memory import Backing, MemoryKind
-from kvray.metrics import EngineMetrics, MetricsSink
+from kvray.memory import Backing, MemoryKind, SourceReady
+from kvray.metrics import DropReason, EngineMetrics, MetricsSink
 from kvray.notice import NoticeSet
-from kvray.notice.base import NoticeChannel
+from kvray.notice.base import Mailbox, NoticeChannel
 from kvray.plan import OffsetCache
 from kvray.transport import Peer, Transport
 from kvray.wire import EngineInfo, Reservation, Role, TransportKind
@@ -102,6 +103,9 @@ class KVAgent:
         )
         self._notices = NoticeSet(settings, self._engine.metrics, notices)
         self._notices.node_id = self._engine.node_id
+        # Its own figures: the agent's notice counters count completion notices alone.
+        self._push_mail = NoticeSet(settings, mailbox=Mailbox.PUSH_REQUESTS)
+        self._push_mail.node_id = self._engine.node_id
         service = directory_service(coordinator) if coordinator is not None else None
         self._directory = Directory(engine_id, settings, service, self._engine.metrics, self._forget)
         self._pusher = Pusher(self._engine, self._directory, self._notices, self._transports, self._cache)
@@ -144,6 +148,7 @@ class KVAgent:
         """Where the engine says it runs (set before `start`; tests place engines on nodes)."""
         self._engine.node_id = value
         self._notices.node_id = value
+        self._push_mail.node_id = value
 
     @property
     def stats(self) -> Counter[str]:
@@ -200,6 +205,11 @@ class KVAgent:
         receiving = self._receiving
         if decode:
             endpoints.update(await receiving.start())
+        if self._push_requests is not None:
+            mailbox = _PushRequestMailbox(
+                engine.engine_id, engine.incarnation, node_address(), self._push_requests
+            )
+            endpoints.update(await self._push_mail.listen(mailbox))
         info = engine.backing.engine_info(
             engine.engine_id, engine.incarnation, engine.role, engine.node_id, regions, endpoints
         )
@@ -228,6 +238,7 @@ class KVAgent:
             task.cancel()
         await self._directory.deregister()
         self._receiving.close()
+        self._push_mail.close()
         await self._transports.close()
         self._notices.close()
         engine.backing.close()
@@ -262,6 +273,7 @@ class KVAgent:
     def _forget(self, engine_id: str) -> None:
         self._cache.forget(engine_id)
         self._notices.forget(engine_id)
+        self._push_mail.forget(engine_id)
         self._transports.forget(engine_id)
 
     def choose_transport(self, peer: Peer) -> TransportKind:
@@ -297,13 +309,22 @@ class KVAgent:
         self._pusher.forget_digests(local_blocks)
 
     async def push_layer(
-        self, reservation: Reservation, layer: str, local_blocks: Blocks, *, timeout: float | None = None
+        self,
+        reservation: Reservation,
+        layer: str,
+        local_blocks: Blocks,
+        *,
+        timeout: float | None = None,
+        ready: SourceReady = None,
     ) -> int:
         """Write one layer of a request now (as prefill produces it); `finish` completes it.
+        `ready`: what says the layer's KV is written, where the caller knows it better than the
+        calling thread's current stream (`kvray.memory.SourceReady`: a CUDA event recorded on the
+        engine's compute stream after the layer); the write's copies wait for it on the device.
 
         Once one layer of a request has failed, its later layers are refused (the decode side
         has been told and may have freed the blocks): `finish` or `abort` the request."""
-        return await self._pusher.push_layer(reservation, layer, local_blocks, timeout=timeout)
+        return await self._pusher.push_layer(reservation, layer, local_blocks, ready, timeout=timeout)
 
     async def finish(self, request_id: str, *, timeout: float | None = None) -> PushResult:
         """Complete a layer-wise push: the decode side's `wait_for_kv` resolves."""
@@ -388,6 +409,33 @@ class KVAgent:
         self._push_requests(message)
 
     def serve_push_requests(self, handler: Callable[[bytes], None]) -> None:
-        """Hand the push requests peers send this engine (`request_push`) to `handler`, called
-        on the agent's loop; the engine answers each with the push itself, or a refusal."""
+        """Hand the push requests and withdrawals peers send this engine to `handler`, called on
+        the agent's loop; the engine answers each with the push itself, or a refusal. They come
+        through the engine's host (`request_push`) and, when this is called before `start`,
+        through the push-request mailbox the agent then opens on each notice channel (an inbox
+        for engines on this node, a TCP listener for others), whose endpoints it publishes."""
         self._push_requests = handler
+
+    @property
+    def push_requests(self) -> NoticeSet:
+        """The push-request mailboxes' channels: `send` carries a push request or withdrawal to
+        a prefill engine (`Peer`) through the first that reaches it, `listening` tells whether
+        its inbox is still read."""
+        return self._push_mail
+
+
+@dataclass(frozen=True)
+class _PushRequestMailbox:
+    """The engine the push-request mailbox's channels serve (`NoticeReceiver`), as it starts:
+    each message goes to the handler `KVAgent.serve_push_requests` named. A refusal goes to the
+    reservation the message names, never back along the channel, so every message reads as
+    taken."""
+
+    engine_id: str
+    incarnation: int
+    node_address: str | None
+    handler: Callable[[bytes], None]
+
+    def receive(self, message: bytes, /) -> DropReason | None:
+        self.handler(message)
+        return None

@@ -42,7 +42,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, writer_checksums
-from kvray.memory import MemoryKind
+from kvray.memory import MemoryKind, SourceReady
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
@@ -235,6 +235,7 @@ class Pusher:
         reservation: Reservation,
         layer: str,
         local_blocks: Blocks,
+        ready: SourceReady,
         *,
         timeout: float | None = None,
     ) -> int:
@@ -264,9 +265,9 @@ class Pusher:
             fused = plan.hashed and (state.reference is not None or not state.layers)
             reference = landed = None
             if fused:
-                reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
+                reference = await self._reference(plan, local_blocks, remote_ids, peer, transport, ready)
             elif self._checked(reservation) and (state.landed is not None or not state.layers):
-                landed = await self._landed(plan, local_blocks, remote_ids, peer)
+                landed = await self._landed(plan, local_blocks, remote_ids, peer, ready)
             checksums = await self._checksums(
                 reservation,
                 plan,
@@ -279,7 +280,7 @@ class Pusher:
             state.idle.clear()
             try:
                 async with self._claim(peer, reservation, transport):
-                    stored = await self._write(reservation, peer, transport, plan)
+                    stored = await self._write(reservation, peer, transport, plan, ready=ready)
             finally:
                 state.writing -= 1
                 if state.writing == 0:
@@ -622,18 +623,24 @@ class Pusher:
         remote_ids: npt.NDArray[np.int64],
         peer: Peer,
         transport: Transport,
+        ready: SourceReady = None,
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
         layouts: from the digests held for them when there are (`hold_digests`), else by
-        hashing them where they are (`Transport.reference`)."""
+        hashing them where they are (`Transport.reference`, after `ready`)."""
         stretches = self._stretches(plan, local_blocks, remote_ids, peer)
         value = None if self._held is None else self._held.digest(stretches)
         if value is not None:
             return value
-        return await transport.reference(stretches, self.engine.backing)
+        return await transport.reference(stretches, self.engine.backing, ready=ready)
 
     async def _landed(
-        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+        self,
+        plan: TransferPlan,
+        local_blocks: Blocks,
+        remote_ids: npt.NDArray[np.int64],
+        peer: Peer,
+        ready: SourceReady = None,
     ) -> int | None:
         """For a checked transfer whose copy does not hash: the landed digest the decode engine
         must find (`kvray.content.Stretches.landed`), hashed here from this engine's memory: on
@@ -648,6 +655,7 @@ class Pusher:
             found.dst_region,
             found.dst_start,
             found.nbytes,
+            ready,
         )
 
     async def _checksums(
@@ -866,11 +874,14 @@ class Pusher:
         transport: Transport,
         plan: TransferPlan,
         then: Callable[[Stored], None] | None = None,
+        *,
+        ready: SourceReady = None,
     ) -> Stored:
-        """Write `plan`; what its executor reports (`Transport.write`)."""
+        """Write `plan` (its source bytes written once `ready` is: `kvray.memory.SourceReady`);
+        what its executor reports (`Transport.write`)."""
         if then is None:
-            return await transport.write(plan, self.engine.backing, peer)
-        return await transport.write_then(plan, self.engine.backing, peer, then)
+            return await transport.write(plan, self.engine.backing, peer, ready=ready)
+        return await transport.write_then(plan, self.engine.backing, peer, then, ready=ready)
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1

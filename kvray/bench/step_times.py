@@ -57,17 +57,18 @@ def _wrap(owner: Any, name: str, label: str) -> None:
 def install() -> None:
     """Record the hand-off's steps in this process from now on."""
     from kvray.agent import handoff, kvagent, push
+    from kvray.agent.handoff import decode, prefill
     from kvray.integrations.vllm import worker
 
     for owner, name, label in [
         (worker.ConnectorWorker, "begin", "begin"),
         (handoff.Handoff, "step", "step"),
         (kvagent.KVAgent, "expect", "expect"),
-        (handoff.PushRequestMail, "send", "mail"),
-        (handoff.Handoff, "_wait_while_prefill_lives", "wait"),
+        (decode.DecodeSide, "ask", "mail"),
+        (decode.DecodeSide, "_wait_while_prefill_lives", "wait"),
         (kvagent.KVAgent, "release", "release"),
         (worker._Results, "loaded", "loaded"),
-        (handoff.Handoff, "take", "take"),
+        (prefill.PrefillSide, "take", "take"),
         (push.Pusher, "push", "push"),
         (push.Pusher, "_plan", "plan"),
         (push.Pusher, "_write", "write"),

@@ -5,7 +5,8 @@ calls on it: writes over `ray`, notices and claims from other nodes, RDMA connec
 push requests. Where the agent lives decides which host answers them:
 
     calls      `PeerCall`, the one table of peer calls (entry point, arguments, answer, the
-               agent method that serves it); every host's entry points are made from it
+               agent method that serves it); every host's entry points are made from it, and
+               the notice channels call a host through it (`kvray.notice.actor.call_host`)
     actor      `AgentHost`: the agent lives in a Ray actor of its own (kvray's workers, your
                actor); mix it in and the actor's handle is the agent's host
     forwarded  the agent lives in a process that is not such an actor (a Serve replica, whose

@@ -1,6 +1,8 @@
 """Notice channels, their registry and the set an agent sends through (seventh step, completion):
 channels are imported lazily, by name, when first opened; `NoticeSet` sends each notice through
-the first of an agent's channels that reaches the peer, and holds the agent's claims."""
+the first of an agent's channels that reaches the peer, and holds the agent's claims. An agent
+has a second set for its push-request mailbox (`Mailbox.PUSH_REQUESTS`): decode engines' push
+requests reach a prefill engine the same way, through the first channel that reaches it."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from kvray.config import Settings
 from kvray.errors import TransportError, TransportUnavailableError
 from kvray.metrics import EngineMetrics
 from kvray.notice.actor import deadline
-from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt, ThreadNotice
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt, ThreadNotice
 from kvray.notice.claims import Claims
-from kvray.transport.base import Peer
+from kvray.transport.base import Peer, Reachable
 from kvray.wire import Notice, Reservation, encode
 
 #: Every channel kvray ships.
@@ -41,24 +43,33 @@ class NoticeSet:
     peer, asked per notice: a channel's `reaches` looks only at what the peer published and
     at what the channel keeps per peer (a `PeerCache`), so a listener that could not be
     reached is passed over until it is worth trying again. The agent closes every channel
-    (injected ones too) when it closes."""
+    (injected ones too) when it closes. Every channel of a set serves its `mailbox`."""
 
     def __init__(
         self,
         settings: Settings,
         metrics: EngineMetrics | None = None,
         injected: Sequence[NoticeChannel] = (),
+        mailbox: Mailbox = Mailbox.COMPLETIONS,
     ) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else EngineMetrics.detached()
+        self.mailbox = mailbox
         kinds = [channel.kind for channel in injected]
         if len(set(kinds)) != len(kinds):
             raise TransportUnavailableError(
                 "two notice channels of one kind were given; give one of each kind",
                 channels=[kind.value for kind in kinds],
             )
+        if any(channel.mailbox is not mailbox for channel in injected):
+            raise TransportUnavailableError(
+                f"a notice channel given for the {mailbox.value} mailbox serves another one",
+                channels=[channel.mailbox.value for channel in injected],
+            )
         registry = [
-            channel_class(kind)(settings, self.metrics) for kind in DEFAULT_KINDS if kind not in kinds
+            channel_class(kind)(settings, self.metrics, mailbox)
+            for kind in DEFAULT_KINDS
+            if kind not in kinds
         ]
         self.channels: tuple[NoticeChannel, ...] = (*injected, *registry)
         self.claims = Claims(settings)
@@ -76,7 +87,7 @@ class NoticeSet:
         for channel in self.channels:
             channel.node_id = value
 
-    def reaching(self, peer: Peer) -> NoticeChannel | None:
+    def reaching(self, peer: Reachable) -> NoticeChannel | None:
         """The first channel that reaches `peer` now."""
         for channel in self.channels:
             if channel.reaches(peer):
@@ -85,15 +96,17 @@ class NoticeSet:
 
     # ---- writer end -------------------------------------------------------------------
 
-    async def send(self, peer: Peer, notice: Notice) -> None:
-        """Deliver a notice to the decode engine, through the first channel that reaches it and
-        takes it, each within `notify_timeout_s`; the engine's refusal raises as its kvray error."""
+    async def send(self, peer: Reachable, notice: Mail, *, timeout_s: float | None = None) -> None:
+        """Deliver a notice to the engine (a push request to a prefill engine's mailbox), through
+        the first channel that reaches it and takes it, each within `timeout_s` (default
+        `notify_timeout_s`); the engine's refusal raises as its kvray error."""
         what = f"a {type(notice).__name__} notice"
         message = encode(notice)
+        bound = self.settings.notify_timeout_s if timeout_s is None else timeout_s
         for channel in self.channels:
             if not channel.reaches(peer):
                 continue
-            async with deadline(peer, what, self.settings.notify_timeout_s):
+            async with deadline(peer, what, bound):
                 if await channel.send(peer, notice, message):
                     return
         raise TransportError(
@@ -123,7 +136,13 @@ class NoticeSet:
         channel = self.reaching(peer)
         return None if channel is None else channel.early(peer, encode(notice))
 
-    def prepare(self, peer: Peer) -> None:
+    def listening(self, peer: Reachable) -> bool | None:
+        """Whether the peer's receiver end is still there, as the first channel that reaches it
+        can tell (its inbox on this node has a reader); None where it cannot tell."""
+        channel = self.reaching(peer)
+        return None if channel is None else channel.listening(peer)
+
+    def prepare(self, peer: Reachable) -> None:
         """Start what a notice to `peer` will need (e.g. a connection to its listener) while the
         bytes move, awaiting nothing."""
         channel = self.reaching(peer)
@@ -153,6 +172,8 @@ class NoticeSet:
 
 __all__ = [
     "DEFAULT_KINDS",
+    "Mail",
+    "Mailbox",
     "NoticeChannel",
     "NoticeKind",
     "NoticeReceiver",

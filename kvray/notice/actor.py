@@ -1,6 +1,7 @@
 """`actor` notice channel (completion anywhere Ray runs): a notice is a call on the Ray actor
-hosting the decode engine's agent (`kvray_notify`), the way left where no faster channel reaches
-it. `call_host` is also how a writer on another node claims a request (`kvray.notice.claims`)."""
+hosting the decode engine's agent (`PeerCall.NOTIFY`), a push request one on the prefill
+engine's (`PeerCall.REQUEST_PUSH`), the way left where no faster channel reaches it. `call_host`
+is also how a writer on another node claims a request (`kvray.notice.claims`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from kvray.errors import KvrayError, TransferTimeoutError, TransportError
-from kvray.notice.base import NoticeChannel, NoticeKind
-from kvray.transport.base import Peer
-from kvray.wire import Notice
+from kvray.host.calls import PeerCall
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind
+from kvray.transport.base import Reachable
+
+#: The peer call that takes each mailbox's messages on the engine's host.
+CALLS = {Mailbox.COMPLETIONS: PeerCall.NOTIFY, Mailbox.PUSH_REQUESTS: PeerCall.REQUEST_PUSH}
 
 
 @contextlib.asynccontextmanager
-async def deadline(peer: Peer, what: str, timeout_s: float) -> AsyncIterator[None]:
+async def deadline(peer: Reachable, what: str, timeout_s: float) -> AsyncIterator[None]:
     """`timeout_s` for one message to a peer; passing it is `TransferTimeoutError`."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -30,8 +34,9 @@ async def deadline(peer: Peer, what: str, timeout_s: float) -> AsyncIterator[Non
         ) from error
 
 
-async def call_host(peer: Peer, what: str, method: str, message: bytes, timeout_s: float) -> None:
-    """One call to the actor hosting a peer's agent, within `timeout_s`: a kvray error the peer
+async def call_host(peer: Reachable, what: str, call: PeerCall, message: bytes, timeout_s: float) -> None:
+    """One peer call (`call`, of the one table) to the actor hosting a peer's agent, within
+    `timeout_s`: a kvray error the peer
     raised comes back as itself, a timeout as `TransferTimeoutError`, anything else (its actor
     died) as `TransportError`."""
     if peer.host is None:
@@ -42,7 +47,7 @@ async def call_host(peer: Peer, what: str, method: str, message: bytes, timeout_
         )
     try:
         async with deadline(peer, what, timeout_s):
-            await getattr(peer.host, method).remote(message)
+            await getattr(peer.host, call.host_method).remote(message)
     except KvrayError:
         raise
     except Exception as error:  # e.g. the peer's actor died
@@ -56,17 +61,18 @@ async def call_host(peer: Peer, what: str, method: str, message: bytes, timeout_
 
 
 class ActorChannel(NoticeChannel):
-    """Notices through the actor hosting each peer's agent; the engine's own actor host takes
-    them in (`AgentHost.kvray_notify`), so there is nothing to listen on or publish."""
+    """Notices (or push requests) through the actor hosting each peer's agent; the engine's own
+    actor host takes them in (`AgentHost.kvray_notify`, `kvray_request_push`), so there is
+    nothing to listen on or publish."""
 
     kind = NoticeKind.ACTOR
 
-    def reaches(self, peer: Peer) -> bool:
+    def reaches(self, peer: Reachable) -> bool:
         return peer.host is not None
 
-    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+    async def send(self, peer: Reachable, notice: Mail, message: bytes) -> bool:
         if peer.host is None:
             return False
         what = f"a {type(notice).__name__} notice"
-        await call_host(peer, what, "kvray_notify", message, self.settings.notify_timeout_s)
+        await call_host(peer, what, CALLS[self.mailbox], message, self.settings.notify_timeout_s)
         return True

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvray.config import Settings
 from kvray.errors import BackpressureError, NotExpectedError, TransportError
+from kvray.host.calls import PeerCall
 from kvray.notice.actor import call_host
 from kvray.owned import BOARD_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.transport.base import Peer, PeerCache
@@ -330,7 +331,7 @@ class Claims:
             dst_incarnation=reservation.incarnation,
         )
         what = f"the claim of {reservation.request_id!r}"
-        await call_host(peer, what, "kvray_claim", encode(claim), self.settings.notify_timeout_s)
+        await call_host(peer, what, PeerCall.CLAIM, encode(claim), self.settings.notify_timeout_s)
         self._remote.add(key)
 
     def forget(self, engine_id: str) -> None:

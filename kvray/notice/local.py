@@ -5,7 +5,8 @@ The decode agent binds a Unix datagram socket inside a private folder (mode 0700
 this user can send to it) next to its shared-memory files and publishes the path in its
 `EngineInfo.endpoints`. A writer on the same node sends the msgspec-encoded notice there (from
 its copy thread where the transport allows, `DatagramNotice`); the inbox path is only a claim,
-checked once per path by `kvray.owned.open_peer`.
+checked once per path by `kvray.owned.open_peer`. A prefill engine's push-request inbox is one
+more such inbox, published under its own key (`ENDPOINTS`).
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from collections.abc import Callable
 from kvray.config import Settings
 from kvray.errors import MetadataError, TransportError
 from kvray.metrics import EngineMetrics
-from kvray.notice.base import NoticeChannel, NoticeKind, NoticeReceiver, Receipt
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt
 from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.placement import Stored, filled
-from kvray.transport.base import Peer
+from kvray.transport.base import Reachable
 from kvray.transport.cpu_copy import resolve_once
-from kvray.wire import Notice
 
 #: Key of the inbox path in `EngineInfo.endpoints`.
 ENDPOINT = "completion_socket"
+#: Key of a prefill engine's push-request inbox in `EngineInfo.endpoints`.
+PUSH_ENDPOINT = "push_requests"
+#: The key each mailbox's inbox is published under.
+ENDPOINTS = {Mailbox.COMPLETIONS: ENDPOINT, Mailbox.PUSH_REQUESTS: PUSH_ENDPOINT}
 _MAX_MESSAGE = 64 * 1024
 #: Inbox paths an outbox remembers as checked (a few per peer engine on the node).
 _MAX_CHECKED_PATHS = 1024
@@ -294,30 +298,37 @@ def taken() -> Receipt:
 
 
 class LocalChannel(NoticeChannel):
-    """Notices to decode engines on this node, into their inboxes; this engine's own inbox."""
+    """Notices to decode engines on this node, into their inboxes; this engine's own inbox (of
+    its mailbox: push requests have an inbox of their own)."""
 
     kind = NoticeKind.LOCAL
 
-    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
-        super().__init__(settings, metrics)
+    def __init__(
+        self, settings: Settings, metrics: EngineMetrics | None = None, mailbox: Mailbox = Mailbox.COMPLETIONS
+    ) -> None:
+        super().__init__(settings, metrics, mailbox)
         self._outbox: CompletionOutbox | None = None
         #: This decode engine's inbox, once it listens.
         self.inbox: CompletionInbox | None = None
+        self._closed = False
 
     def outbox(self) -> CompletionOutbox:
+        if self._closed:
+            # A task that outlived its agent sends nothing, and opens no socket nobody closes.
+            raise TransportError("this agent's notice channels are closed")
         if self._outbox is None:
             self._outbox = CompletionOutbox(self.settings.shm_dir)
         return self._outbox
 
-    def inbox_of(self, peer: Peer) -> str | None:
+    def inbox_of(self, peer: Reachable) -> str | None:
         """The peer's inbox, when it is on this node."""
-        inbox = peer.info.endpoints.get(ENDPOINT)
+        inbox = peer.info.endpoints.get(ENDPOINTS[self.mailbox])
         return inbox if inbox and peer.info.node_id == self.node_id else None
 
-    def reaches(self, peer: Peer) -> bool:
+    def reaches(self, peer: Reachable) -> bool:
         return self.inbox_of(peer) is not None
 
-    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+    async def send(self, peer: Reachable, notice: Mail, message: bytes) -> bool:
         inbox = self.inbox_of(peer)
         if inbox is None:
             return False
@@ -331,23 +342,28 @@ class LocalChannel(NoticeChannel):
             ) from error
         return True
 
-    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+    def send_now(self, peer: Reachable, notice: Mail, message: bytes) -> Receipt | None:
         inbox = self.inbox_of(peer)
-        if inbox is None or not self.outbox().send_now(inbox, message):
+        if inbox is None or self._closed or not self.outbox().send_now(inbox, message):
             return None
         return taken()
 
-    def early(self, peer: Peer, message: bytes) -> DatagramNotice | None:
+    def listening(self, peer: Reachable) -> bool | None:
         inbox = self.inbox_of(peer)
-        return None if inbox is None else DatagramNotice(self.outbox(), inbox, message)
+        return None if inbox is None or self._closed else self.outbox().listening(inbox)
+
+    def early(self, peer: Reachable, message: bytes) -> DatagramNotice | None:
+        inbox = self.inbox_of(peer)
+        return None if inbox is None or self._closed else DatagramNotice(self.outbox(), inbox, message)
 
     async def listen(self, receiver: NoticeReceiver) -> None:
         self.inbox = CompletionInbox(self.settings.shm_dir, receiver.receive)
 
     def publish(self) -> dict[str, str]:
-        return {} if self.inbox is None else {ENDPOINT: self.inbox.path}
+        return {} if self.inbox is None else {ENDPOINTS[self.mailbox]: self.inbox.path}
 
     def close(self) -> None:
+        self._closed = True
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None

@@ -19,9 +19,8 @@ import asyncio
 
 from kvray.config import Settings
 from kvray.metrics import EngineMetrics
-from kvray.notice.base import NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
-from kvray.transport.base import Peer
-from kvray.wire import Notice
+from kvray.notice.base import Mail, NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
+from kvray.transport.base import Reachable
 
 
 class NoticeNetwork:
@@ -61,17 +60,17 @@ class LoopbackChannel(NoticeChannel):
         self.network = network if network is not None else NoticeNetwork()
         self._joined: tuple[str, int] | None = None
 
-    def reaches(self, peer: Peer) -> bool:
+    def reaches(self, peer: Reachable) -> bool:
         return self.network.handler(peer.info.engine_id, peer.info.incarnation) is not None
 
-    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+    async def send(self, peer: Reachable, notice: Mail, message: bytes) -> bool:
         receipt = self.send_now(peer, notice, message)
         if receipt is None:
             return False
         await receipt
         return True
 
-    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+    def send_now(self, peer: Reachable, notice: Mail, message: bytes) -> Receipt | None:
         info = peer.info
         handler = self.network.handler(info.engine_id, info.incarnation)
         if handler is None:

@@ -34,6 +34,7 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import logging
 import secrets
 import socket
 import struct
@@ -48,13 +49,32 @@ from kvray.errors import (
     TransportUnavailableError,
 )
 from kvray.metrics import ConnectionEvent, DropReason, EngineMetrics, ListenerRefusal, NoticeSend
-from kvray.notice.base import NoticeChannel, NoticeHandler, NoticeKind, NoticeReceiver, Receipt, refusal
-from kvray.transport.base import Peer, PeerCache
-from kvray.wire import MAX_NOTICE_BYTES, Notice
+from kvray.notice.base import (
+    Mail,
+    Mailbox,
+    NoticeChannel,
+    NoticeHandler,
+    NoticeKind,
+    NoticeReceiver,
+    Receipt,
+    refusal,
+)
+from kvray.transport.base import PeerCache, Reachable
+from kvray.wire import MAX_NOTICE_BYTES
+
+log = logging.getLogger("kvray.notice")
 
 #: Keys of the listener's address and key in `EngineInfo.endpoints`.
 ADDRESS_ENDPOINT = "completion_tcp"
 KEY_ENDPOINT = "completion_tcp_key"
+#: Those of a prefill engine's push-request listener.
+PUSH_ADDRESS_ENDPOINT = "push_tcp"
+PUSH_KEY_ENDPOINT = "push_tcp_key"
+#: The keys (address, key) each mailbox's listener is published under.
+ENDPOINTS = {
+    Mailbox.COMPLETIONS: (ADDRESS_ENDPOINT, KEY_ENDPOINT),
+    Mailbox.PUSH_REQUESTS: (PUSH_ADDRESS_ENDPOINT, PUSH_KEY_ENDPOINT),
+}
 
 MAGIC = b"kvrayN1\n"
 KEY_NBYTES = 32
@@ -224,9 +244,10 @@ class NoticeListener:
         listener.address = format_address(str(bound_host), int(bound_port))
         return listener
 
-    def endpoints(self) -> dict[str, str]:
-        """What the engine publishes for writers to reach this listener."""
-        return {ADDRESS_ENDPOINT: self.address, KEY_ENDPOINT: self.key.hex()}
+    def endpoints(self, mailbox: Mailbox = Mailbox.COMPLETIONS) -> dict[str, str]:
+        """What the engine publishes for writers to reach this listener (of `mailbox`)."""
+        address_key, key_key = ENDPOINTS[mailbox]
+        return {address_key: self.address, key_key: self.key.hex()}
 
     @property
     def connections(self) -> int:
@@ -560,12 +581,15 @@ UNREACHABLE_S = 30.0
 class TcpChannel(NoticeChannel):
     """Notices to decode engines that publish a notice listener, over one connection per
     engine incarnation (at most `max_cached_peers`, least recently used closed first); this
-    engine's own listener, on `notice_host` or the node's address (off with `notice_tcp`)."""
+    engine's own listener, on `notice_host` or the node's address (off with `notice_tcp`). A
+    push-request mailbox's listener is one more, on a port of its own."""
 
     kind = NoticeKind.TCP
 
-    def __init__(self, settings: Settings, metrics: EngineMetrics | None = None) -> None:
-        super().__init__(settings, metrics)
+    def __init__(
+        self, settings: Settings, metrics: EngineMetrics | None = None, mailbox: Mailbox = Mailbox.COMPLETIONS
+    ) -> None:
+        super().__init__(settings, metrics, mailbox)
         #: Connections to listeners, each an opening task until it is up.
         self._connections: PeerCache[None, asyncio.Task[NoticeConnection]] = PeerCache(
             settings.max_cached_peers, _close_opening
@@ -575,22 +599,23 @@ class TcpChannel(NoticeChannel):
         #: This decode engine's listener, once it listens.
         self.listener: NoticeListener | None = None
 
-    def _target(self, peer: Peer) -> tuple[str, str] | None:
+    def _target(self, peer: Reachable) -> tuple[str, str] | None:
         """(address, key) of the peer's listener, if it publishes one and this writer may use it."""
         if not self.settings.notice_tcp:
             return None
-        address = peer.info.endpoints.get(ADDRESS_ENDPOINT)
-        key = peer.info.endpoints.get(KEY_ENDPOINT)
+        address_key, key_key = ENDPOINTS[self.mailbox]
+        address = peer.info.endpoints.get(address_key)
+        key = peer.info.endpoints.get(key_key)
         return (address, key) if address and key else None
 
-    def _left_alone(self, peer: Peer) -> bool:
+    def _left_alone(self, peer: Reachable) -> bool:
         until = self._unreachable.get(peer.info.engine_id, peer.info.incarnation, None)
         return until is not None and until > time.monotonic()
 
-    def reaches(self, peer: Peer) -> bool:
+    def reaches(self, peer: Reachable) -> bool:
         return self._target(peer) is not None and not self._left_alone(peer)
 
-    def prepare(self, peer: Peer) -> None:
+    def prepare(self, peer: Reachable) -> None:
         target = self._target(peer)
         info = peer.info
         if target is None or self._left_alone(peer):
@@ -601,10 +626,12 @@ class TcpChannel(NoticeChannel):
                 # Its failure is counted when a notice first needs it (`_connection`).
                 opening.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def send(self, peer: Peer, notice: Notice, message: bytes) -> bool:
+    async def send(self, peer: Reachable, notice: Mail, message: bytes) -> bool:
         info = peer.info
         target = self._target(peer)
-        if target is None or self._left_alone(peer):
+        # A listener closes a connection whose message is longer than it reads (a push request
+        # for a long prompt may be): such a message goes the next way (the peer's host).
+        if target is None or self._left_alone(peer) or len(message) > MAX_NOTICE_NBYTES:
             return False
         connection = await self._connection(peer, *target)
         if connection is None:
@@ -622,11 +649,11 @@ class TcpChannel(NoticeChannel):
             raise refused
         return True
 
-    def send_now(self, peer: Peer, notice: Notice, message: bytes) -> Receipt | None:
+    def send_now(self, peer: Reachable, notice: Mail, message: bytes) -> Receipt | None:
         """Over the connection this writer keeps open to the peer's listener; None where there
         is none open yet (`send` opens one)."""
         info = peer.info
-        if self._target(peer) is None:
+        if self._target(peer) is None or len(message) > MAX_NOTICE_NBYTES:
             return None
         opening = self._connections.get(info.engine_id, info.incarnation, None)
         if opening is None or not opening.done() or opening.cancelled() or opening.exception() is not None:
@@ -638,7 +665,7 @@ class TcpChannel(NoticeChannel):
         self.metrics.notice_sent(self.kind.value, NoticeSend.AT_ONCE)
         return _receipt(verdict, info.engine_id, notice.request_id)
 
-    async def _connection(self, peer: Peer, address: str, listener_key: str) -> NoticeConnection | None:
+    async def _connection(self, peer: Reachable, address: str, listener_key: str) -> NoticeConnection | None:
         """The open connection to a listener, opened now if needed (None if it cannot be)."""
         info = peer.info
         opening = self._connections.get(info.engine_id, info.incarnation, None)
@@ -659,7 +686,9 @@ class TcpChannel(NoticeChannel):
             self._unreachable.put(info.engine_id, info.incarnation, None, time.monotonic() + UNREACHABLE_S)
             return None
 
-    def _opening(self, peer: Peer, address: str, listener_key: str) -> asyncio.Task[NoticeConnection] | None:
+    def _opening(
+        self, peer: Reachable, address: str, listener_key: str
+    ) -> asyncio.Task[NoticeConnection] | None:
         """Start opening a connection to a listener (None, marked unusable, if what the peer
         published is not an address and a key)."""
         info = peer.info
@@ -689,17 +718,24 @@ class TcpChannel(NoticeChannel):
         host = settings.notice_host or receiver.node_address
         if not settings.notice_tcp or not host:
             return
-        self.listener = await NoticeListener.open(
-            host,
-            settings.notice_port,
-            receiver.receive,
-            handshake_s=settings.notify_timeout_s,
-            metrics=self.metrics,
-            ports=settings.notice_ports,
-        )
+        try:
+            self.listener = await NoticeListener.open(
+                host,
+                settings.notice_port,
+                receiver.receive,
+                handshake_s=settings.notify_timeout_s,
+                metrics=self.metrics,
+                ports=settings.notice_ports,
+            )
+        except TransportUnavailableError as error:
+            if self.mailbox is Mailbox.COMPLETIONS:
+                raise
+            # The completion listener took the only port the settings allow: push requests
+            # from other nodes take the engine's host instead, as they may anyway.
+            log.warning("kvray: no TCP listener for push requests (%s); they come through Ray calls", error)
 
     def publish(self) -> dict[str, str]:
-        return {} if self.listener is None else self.listener.endpoints()
+        return {} if self.listener is None else self.listener.endpoints(self.mailbox)
 
     def close(self) -> None:
         self._connections.clear()

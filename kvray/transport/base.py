@@ -32,7 +32,7 @@ import abc
 import asyncio
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -45,7 +45,7 @@ from kvray.content import Stretches
 from kvray.errors import RegionError, StaleIncarnationError, TransportError
 from kvray.integrity import THREAD_MIN_BYTES
 from kvray.layout import Int64Array
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import Stored, ranges_digest
 from kvray.plan import TransferPlan, check_op_table, check_rows
@@ -53,6 +53,8 @@ from kvray.wire import EngineInfo, RegionDescriptor, TransferDone, TransportKind
 
 #: Raises unless every op (region, offset, nbytes) lies inside what one request may change.
 OpsCheck = Callable[[Int64Array, Int64Array, Int64Array], None]
+#: What `Transport.write_then` calls once every byte of a write is in the peer's memory.
+OnStored = Callable[[Stored], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,36 @@ class Peer:
     info: EngineInfo
     #: Ray actor hosting the peer's agent (an `AgentHost`), or None outside Ray.
     host: Any = None
+
+
+class PeerAddress(Protocol):
+    """What a notice channel reads of what a peer published (an `EngineInfo` has it all)."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+    @property
+    def node_id(self) -> str:
+        """The node it runs on (a same-node channel compares it with its own agent's)."""
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Where its receiving ends are (an inbox's path, a listener's address and key)."""
+
+
+class Reachable(Protocol):
+    """A peer as a notice channel sees it (`kvray.notice`; a `Peer` is one, and so is a prefill
+    engine as its ticket names it): what it published, and the actor hosting its agent (None:
+    none)."""
+
+    @property
+    def info(self) -> PeerAddress: ...
+
+    @property
+    def host(self) -> Any: ...
 
 
 class Reach(enum.Enum):
@@ -159,15 +191,19 @@ class Transport(abc.ABC):
         return backing.region_descriptors(engine_id, incarnation, self.kind, remote_writable=remote_writable)
 
     @abc.abstractmethod
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         """Issue every op of `plan`; return once the bytes are in the peer's memory, with what
         its executor reports of the ranges it stored to (`kvray.placement.Stored`), taken where
         it stores: their placement digest and, where it hashed the bytes as it copied them, their
         content digest (`Stored(0, 0)` where the receiving side's executor reports instead:
-        `Receiver.landed`)."""
+        `Receiver.landed`). `ready`: what says the source bytes are written
+        (`kvray.memory.SourceReady`); a transport that reads device memory orders its reads
+        after it."""
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: OnStored, *, ready: SourceReady = None
     ) -> Stored:
         """`write`, calling `then(stored)` once, as soon as every byte is in the peer's memory: a
         transport whose copy finishes on a thread of its own calls it there, before this
@@ -175,13 +211,14 @@ class Transport(abc.ABC):
         side a trip through this event loop; a `DatagramNotice` may even be sent without
         Python, by the C copy pool's thread). `then` must be quick, thread-safe and must not
         raise. Here: after `write` returns, on the loop."""
-        stored = await self.write(plan, local, peer)
+        stored = await self.write(plan, local, peer, ready=ready)
         then(stored)
         return stored
 
-    async def reference(self, stretches: Stretches, local: Backing) -> int:
+    async def reference(self, stretches: Stretches, local: Backing, *, ready: SourceReady = None) -> int:
         """The writer's own content digest of `stretches` (`kvray.content`), hashing them in
-        `local`'s memory now: what the decode side compares with the digest the copy reports.
+        `local`'s memory now (after `ready`, as `write` reads them): what the decode side
+        compares with the digest the copy reports.
         Here: host memory, on a worker thread when large (the hash releases the GIL); a
         transport whose sources are on a device hashes them there."""
         regions = [region.tensor.numpy() for region in local.regions]

@@ -39,7 +39,7 @@ import torch
 
 from kvray.errors import TransportError, WriteFailedError
 from kvray.layout import Int64Array, ceil_div
-from kvray.memory import Backing
+from kvray.memory import Backing, SourceReady
 from kvray.plan import OpTable, split_ops
 from kvray.transport.cpu_copy import scatter_copy_async
 
@@ -280,17 +280,24 @@ class StagedChunk:
 
 class DeviceGathers:
     """`Gathers` from GPU tensors (`sources`, by local region) on one GPU. The copies run on
-    kvray's copy stream for that GPU, ordered after the work queued on the GPU's current stream
-    when this object is made (the model that wrote the KV)."""
+    kvray's copy stream for that GPU, ordered after `ready` (`kvray.memory.SourceReady`), else
+    after the work queued on the GPU's current stream when this object is made (the model that
+    wrote the KV)."""
 
-    def __init__(self, sources: Sequence[torch.Tensor], device: torch.device, slots: PinnedSlots) -> None:
+    def __init__(
+        self,
+        sources: Sequence[torch.Tensor],
+        device: torch.device,
+        slots: PinnedSlots,
+        ready: SourceReady = None,
+    ) -> None:
         from kvray.transport.cuda_ipc.streams import copy_stream, follow_current
 
         self._sources = sources
         self._device = device
         self._slots = slots
         self._stream = copy_stream(_index(device))
-        follow_current(_index(device), self._stream)
+        follow_current(_index(device), self._stream, ready)
 
     def start(self, chunk: OpTable) -> StagedChunk:
         nbytes = chunk.total_nbytes
@@ -326,11 +333,14 @@ class DeviceGathers:
         self._slots.give_back(gather.slot, self._device)
 
 
-def device_gathers(local: Backing, ops: OpTable, slots: PinnedSlots) -> DeviceGathers:
-    """The gathers of a write from the CUDA backing `local` (whose regions the ops read)."""
+def device_gathers(
+    local: Backing, ops: OpTable, slots: PinnedSlots, ready: SourceReady = None
+) -> DeviceGathers:
+    """The gathers of a write from the CUDA backing `local` (whose regions the ops read), after
+    `ready` (`kvray.memory.SourceReady`)."""
     sources = [region.tensor for region in local.regions]
     device = one_device(sources[index] for index in np.unique(ops.local_region).tolist())
-    return DeviceGathers(sources, device, slots)
+    return DeviceGathers(sources, device, slots, ready)
 
 
 async def receive_payload(

@@ -19,7 +19,7 @@ import torch
 from kvray.config import Settings
 from kvray.errors import StaleIncarnationError, TransportError
 from kvray.layout import Int64Array
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import NOTHING, Stored, ranges_digest, region_salt
 from kvray.plan import TransferPlan
@@ -109,7 +109,9 @@ class LoopbackTransport(Transport):
         destination = self.network.receiver(peer.info).backing
         return MemoryKind.CUDA not in (local.kind, destination.kind)
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         receiver = self.network.receiver(peer.info)
         check_write(plan, local, peer)
         ops = plan.ops

@@ -31,7 +31,7 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.layout import Int64Array
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import NOTHING, Stored, ranges_digest, region_salt
 from kvray.plan import OpTable, TransferPlan, check_ops
@@ -114,7 +114,9 @@ class RayTransport(Transport):
         # The receiver hashes what it scatters (or, into a GPU, the payload it uploads).
         return local.kind is not MemoryKind.CUDA
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         if peer.host is None:
             raise TransportError(
                 f"engine {peer.info.engine_id!r} has no Ray actor to deliver to; the ray transport "
@@ -123,7 +125,7 @@ class RayTransport(Transport):
             )
         check_write(plan, local, peer)
         if local.kind is MemoryKind.CUDA:
-            await self._write_from_device(plan, local, peer)
+            await self._write_from_device(plan, local, peer, ready)
             return NOTHING  # the receiver's scatter reports what it stored (`Receiver.landed`)
         ops = plan.ops
         payload = self._staging.take(ops.total_nbytes)
@@ -158,7 +160,9 @@ class RayTransport(Transport):
             raise failure from error
         return NOTHING  # the receiver's scatter reports what it stored (`Receiver.landed`)
 
-    async def _write_from_device(self, plan: TransferPlan, local: Backing, peer: Peer) -> None:
+    async def _write_from_device(
+        self, plan: TransferPlan, local: Backing, peer: Peer, ready: SourceReady
+    ) -> None:
         """A CUDA source: the plan's ops in chunks of about a layer, each gathered on the GPU into
         a pinned buffer and delivered while the next chunk's copy runs; every delivery is
         awaited before this returns (and abandoned, as a whole write is, when it fails or is
@@ -177,7 +181,7 @@ class RayTransport(Transport):
             deliveries.append(asyncio.ensure_future(delivery) if inspect.iscoroutine(delivery) else delivery)
 
         try:
-            await send_in_order(chunks, device_gathers(local, ops, self._pinned), submit)
+            await send_in_order(chunks, device_gathers(local, ops, self._pinned, ready), submit)
             for delivery in deliveries:
                 await delivery
         except asyncio.CancelledError:

@@ -41,12 +41,12 @@ from kvray.errors import (
     TransportError,
     WriteFailedError,
 )
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
 from kvray.placement import NOTHING, Stored, region_salt
 from kvray.plan import TransferPlan
-from kvray.transport.base import Peer, PeerCache, Reach, Transport, check_write, region_pairs
+from kvray.transport.base import OnStored, Peer, PeerCache, Reach, Transport, check_write, region_pairs
 from kvray.transport.cpu_copy import Hashing, scatter_copy_async
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
@@ -170,11 +170,13 @@ class ShmTransport(Transport):
     def hashes(self, local: Backing, peer: Peer) -> bool:
         return local.kind is not MemoryKind.CUDA
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         return await self._copy(plan, local, peer, None)
 
     async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: Callable[[Stored], None]
+        self, plan: TransferPlan, local: Backing, peer: Peer, then: OnStored, *, ready: SourceReady = None
     ) -> Stored:
         return await self._copy(plan, local, peer, then)
 

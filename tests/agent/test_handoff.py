@@ -25,9 +25,9 @@ from kvray.agent.handoff import (
     LayerwiseSpec,
     LoadSpec,
     PrefillAddress,
-    PushRequestMail,
     SendSpec,
 )
+from kvray.agent.handoff.decode import departed
 from kvray.agent.kvagent import KVAgent
 from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
@@ -59,10 +59,10 @@ class Recorder:
 
 
 class Engine:
-    """One side: an agent, its mail, its hand-off and what it reported."""
+    """One side: an agent, its hand-off and what it reported."""
 
-    def __init__(self, agent: KVAgent, handoff: Handoff, mail: PushRequestMail, reports: Recorder) -> None:
-        self.agent, self.handoff, self.mail, self.reports = agent, handoff, mail, reports
+    def __init__(self, agent: KVAgent, handoff: Handoff, reports: Recorder) -> None:
+        self.agent, self.handoff, self.reports = agent, handoff, reports
 
     def fill(self, values: dict[int, float]) -> None:
         """Every layer's block `b` filled with `values[b]` plus the layer's index."""
@@ -103,17 +103,15 @@ async def engines(
                 else settings
             )
             agent = KVAgent(name, role, LAYOUT, settings=bounded, use_coordinator=False)
-            mail = PushRequestMail(settings.shm_dir)
             recorder = Recorder()
             observer = DigestLog(str(tmp_path / f"{name}.jsonl")) if observe else None
-            handoff = Handoff(agent, mail, recorder, lease_s=lease_s, observer=observer, proof=proof)
-            built.append(Engine(agent, handoff, mail, recorder))
-            await agent.start(endpoints=mail.endpoints)
+            handoff = Handoff(agent, recorder, lease_s=lease_s, observer=observer, proof=proof)
+            built.append(Engine(agent, handoff, recorder))
+            await agent.start()
         yield built[0], built[1]
     finally:
         for engine in built:
             engine.handoff.close()
-            engine.mail.close()
             await engine.agent.close()
 
 
@@ -382,7 +380,7 @@ async def test_a_load_fails_soon_after_its_prefill_engine_goes_away(tmp_path: Pa
     async with engines(tmp_path, heartbeat_s=0.1) as (prefill, decode):
         decode.handoff.load(load_from(prefill, "d-1", KEY, (2, 3)))
         await until(lambda: prefill.handoff.parked() == 1)
-        prefill.mail.close()
+        prefill.agent.push_requests.close()  # its push-request inbox, as a dead engine's
         started = time.monotonic()
         await until(lambda: "d-1" in decode.reports.loads, timeout_s=5.0)
         assert time.monotonic() - started < 2.0
@@ -407,8 +405,8 @@ async def test_a_load_waits_for_a_prefill_engine_that_is_slow_but_there(tmp_path
 
 
 class Directory:
-    """What `PushRequestMail.gone` asks of an agent whose prefill engine is on another node: the
-    coordinator's list of departed engines (here, a set), or no answer at all."""
+    """What `kvray.agent.handoff.decode.departed` asks of an agent whose prefill engine is on
+    another node: the coordinator's list of departed engines (here, a set), or no answer at all."""
 
     def __init__(self, departed: set[tuple[str, int]], *, answers: bool = True) -> None:
         self.node_id = "node-d"
@@ -422,22 +420,18 @@ class Directory:
 
 
 async def test_a_prefill_engine_on_another_node_is_gone_once_the_coordinator_drops_it(tmp_path: Path) -> None:
-    mail = PushRequestMail(str(tmp_path))
-    try:
-        there = PrefillAddress("p", 7, "node-p", "")
-        agent: Any = Directory(set())
-        assert await mail.gone(agent, there, joined=True) == ""
-        agent = Directory({("p", 7)})
-        assert "no longer lists" in await mail.gone(agent, there, joined=True)
-        # A restarted engine (another incarnation) is not the one the request waits on.
-        restarted: Any = Directory({("p", 8)})
-        assert await mail.gone(restarted, there, joined=True) == ""
-        # No coordinator to ask (not joined), or no answer in time: no news, the deadline rules.
-        assert await mail.gone(agent, there, joined=False) == ""
-        silent: Any = Directory({("p", 7)}, answers=False)
-        assert await mail.gone(silent, there, joined=True) == ""
-    finally:
-        mail.close()
+    there = PrefillAddress("p", 7, "node-p", "")
+    agent: Any = Directory(set())
+    assert await departed(agent, there, joined=True) == ""
+    agent = Directory({("p", 7)})
+    assert "no longer lists" in await departed(agent, there, joined=True)
+    # A restarted engine (another incarnation) is not the one the request waits on.
+    restarted: Any = Directory({("p", 8)})
+    assert await departed(restarted, there, joined=True) == ""
+    # No coordinator to ask (not joined), or no answer in time: no news, the deadline rules.
+    assert await departed(agent, there, joined=False) == ""
+    silent: Any = Directory({("p", 7)}, answers=False)
+    assert await departed(silent, there, joined=True) == ""
 
 
 DEPLOYMENT = HandoffKey.from_hex(new_key_hex())

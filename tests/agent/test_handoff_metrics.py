@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvray.agent.handoff import NO_BLOCK, Handoff, LoadSpec, PushRequestMail, SendSpec
+from kvray.agent.handoff import NO_BLOCK, Handoff, LoadSpec, SendSpec
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.layout import Geometry, KVLayout, LayerSpec
@@ -38,16 +38,15 @@ async def test_an_expired_lease_is_counted_and_the_blocks_held_follow_the_holds(
     agent = KVAgent(
         "lease-p", Role.PREFILL, LAYOUT, settings=settings, use_coordinator=False, metrics_sink=sink
     )
-    mail = PushRequestMail(settings.shm_dir)
     freed = Freed()
-    handoff = Handoff(agent, mail, freed, lease_s=60.0)
+    handoff = Handoff(agent, freed, lease_s=60.0)
     try:
         # Two groups; the window's past (NO_BLOCK) is not a block held.
         handoff.hold(SendSpec("kept", ((1, 2, NO_BLOCK), (3,)), key="a"))
         assert sink.value(BLOCKS_HELD.name, engine="lease-p") == 3
         handoff.expire()
         assert sink.value(LEASES_EXPIRED.name) == 0
-        handoff.lease_s = 0.0  # the next hold's lease has ended by the next check
+        handoff.prefill.lease_s = 0.0  # the next hold's lease has ended by the next check
         handoff.hold(SendSpec("unasked", ((4, 5),), key="b"))
         assert sink.value(BLOCKS_HELD.name) == 5
         handoff.expire()
@@ -62,5 +61,4 @@ async def test_an_expired_lease_is_counted_and_the_blocks_held_follow_the_holds(
         assert sink.value(BLOCKS_HELD.name) == 0
     finally:
         handoff.close()
-        mail.close()
         await agent.close()

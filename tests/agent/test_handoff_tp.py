@@ -21,7 +21,6 @@ from kvray.agent.handoff import (
     PUSH_ENDPOINT,
     Handoff,
     LoadSpec,
-    PushRequestMail,
     SendSpec,
     rank_engine_id,
 )
@@ -56,7 +55,6 @@ class Recorder:
 class Rank:
     agent: KVAgent
     handoff: Handoff
-    mail: PushRequestMail
     reports: Recorder
 
     @property
@@ -116,11 +114,10 @@ async def engine(
             agent = KVAgent(
                 rank_engine_id(name, rank), role, layout(tp), settings=settings, use_coordinator=False
             )
-            mail = PushRequestMail(settings.shm_dir)
             recorder = Recorder()
-            handoff = Handoff(agent, mail, recorder, lease_s=lease_s)
-            ranks.append(Rank(agent, handoff, mail, recorder))
-            await agent.start(endpoints=mail.endpoints)
+            handoff = Handoff(agent, recorder, lease_s=lease_s)
+            ranks.append(Rank(agent, handoff, recorder))
+            await agent.start()
             if role is Role.DECODE:
                 for view in agent.backing.views.values():
                     view.fill_(UNWRITTEN)
@@ -128,7 +125,6 @@ async def engine(
     finally:
         for rank_ in ranks:
             rank_.handoff.close()
-            rank_.mail.close()
             await rank_.agent.close()
 
 
@@ -210,7 +206,9 @@ async def test_asks_that_come_before_the_hold_are_parked_per_rank_then_pushed(tm
         spec = load(prefill, "d-1", (1, 2))
         for rank in decode:
             rank.handoff.load(spec)
-        await until(lambda: prefill[0].handoff.parked() == 1 and len(prefill[0].handoff._parked[KEY]) == 2)
+        await until(
+            lambda: prefill[0].handoff.parked() == 1 and len(prefill[0].handoff.prefill._parked[KEY]) == 2
+        )
         prefill[0].handoff.hold(SendSpec("r-1", (blocks,), key=KEY))
         await until(lambda: all("d-1" in rank.reports.loads for rank in decode))
         assert [rank.reports.loads for rank in decode] == [{"d-1": False}] * 2
@@ -233,7 +231,6 @@ async def test_a_dead_prefill_rank_fails_the_load_on_every_decode_rank_and_every
         spec = load(prefill, "d-1", (2,))
         dead = prefill[1]
         dead.handoff.close()
-        dead.mail.close()
         await dead.agent.close()
         started = time.monotonic()
         decode[0].handoff.load(spec)

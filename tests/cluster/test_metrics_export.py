@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvray.agent.handoff import Handoff, LoadSpec, PushRequestMail, SendSpec
+from kvray.agent.handoff import Handoff, LoadSpec, SendSpec
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.layout import mixed
@@ -191,11 +191,9 @@ class LeaseHolder:
 
     async def hold(self, blocks: list[int], lease_s: float) -> None:
         """Hold a request of `blocks` for `lease_s`, then check the leases."""
-        if self.handoff is None:  # made on the actor's event loop, where its push-request inbox listens
-            self.handoff = Handoff(
-                self.agent, PushRequestMail(self.agent.settings.shm_dir), self, lease_s=lease_s
-            )
-        self.handoff.lease_s = lease_s
+        if self.handoff is None:  # made on the actor's event loop, where its tasks run
+            self.handoff = Handoff(self.agent, self, lease_s=lease_s)
+        self.handoff.prefill.lease_s = lease_s
         self.handoff.hold(SendSpec(f"request-{blocks[0]}", (tuple(blocks),)))
         self.handoff.expire()
 

@@ -19,8 +19,9 @@ TIERS: list[tuple[str, ...]] = [
     ("kvray.layout", "kvray.placement"),
     # which KV heads TP ranks exchange (arithmetic on layouts)
     ("kvray.tensor_parallel",),
-    # what engines publish (descriptors, engine info and its checks) and the shm folder's entries
-    ("kvray.wire", "kvray.validation", "kvray.owned"),
+    # what engines publish (descriptors, engine info and its checks), the shm folder's entries,
+    # and the table of peer calls (names and arguments, no Ray: channels and hosts read it)
+    ("kvray.wire", "kvray.validation", "kvray.owned", "kvray.host.calls"),
     ("kvray.memory",),
     ("kvray.coordinator",),
     ("kvray.plan",),
@@ -30,7 +31,7 @@ TIERS: list[tuple[str, ...]] = [
     # completion: notice channels and claims
     ("kvray.notice",),
     ("kvray.agent",),
-    # how peers reach an agent: the table of peer calls and the hosts made from it
+    # how peers reach an agent: the hosts made from the table of peer calls
     ("kvray.host",),
     # what is built on the agent: ready workers, the model, Serve, the command line, engines
     (
@@ -145,6 +146,42 @@ def test_no_module_imports_itself_back() -> None:
         for name, targets in graph.items()
     }
     assert cycles(graph) == []
+
+
+#: Modules of plain values and arithmetic: they import no event loop, Ray or device library, and
+#: of kvray only modules as pure.
+PURE = {"kvray.agent.handoff.specs"}
+IMPURE_LIBRARIES = {"asyncio", "ray", "torch"}
+
+
+def stdlib_and_third_party_imports(path: Path) -> set[str]:
+    """The top-level packages of everything a file imports that is not kvray's."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found - {"kvray"}
+
+
+def test_pure_modules_import_nothing_that_waits_or_touches_a_device() -> None:
+    modules = sources()
+    for name in sorted(PURE):
+        path = modules[name]
+        assert stdlib_and_third_party_imports(path) & IMPURE_LIBRARIES == set(), name
+        assert imports_of(path, top_level_only=False) - PURE - {name} == set(), name
+
+
+def test_the_hand_off_imports_no_engine_integration_and_no_instrumentation() -> None:
+    handoff = {name: path for name, path in sources().items() if name.startswith("kvray.agent.handoff")}
+    assert "kvray.agent.handoff.specs" in handoff and "kvray.agent.handoff.facade" in handoff
+    for name, path in handoff.items():
+        imported = imports_of(path, top_level_only=False)
+        assert not {
+            target for target in imported if target.startswith(("kvray.integrations", "kvray.bench"))
+        }, name
 
 
 def test_the_checks_catch_what_they_look_for() -> None:

@@ -31,14 +31,14 @@ def test_the_timeline_is_the_median_offset_of_each_steps_first_stamp() -> None:
 
 
 def test_installing_stamps_the_steps_once() -> None:
-    from kvray.agent import handoff
+    from kvray.agent.handoff.prefill import PrefillSide
 
-    before = handoff.Handoff.take
+    before = PrefillSide.take
     try:
         step_times.install()
-        wrapped = handoff.Handoff.take
+        wrapped = PrefillSide.take
         step_times.install()
-        assert handoff.Handoff.take is wrapped and wrapped is not before
+        assert PrefillSide.take is wrapped and wrapped is not before
     finally:
-        handoff.Handoff.take = before  # type: ignore[method-assign]
+        PrefillSide.take = before  # type: ignore[method-assign]
         step_times.taken()

@@ -282,18 +282,16 @@ def test_a_layers_push_runs_after_what_the_forward_said_its_kv_is_ready_by(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a GPU `save_kv_layer` records a CUDA event on the forward's stream; the layer's push
-    runs with it as `kvray.memory.source_ready`, which the GPU transports order their copies
-    after (here, on the CPU, any object stands for the event)."""
-    from kvray.memory import source_ready
-
+    is given it (`KVAgent.push_layer(..., ready=)`, a `kvray.memory.SourceReady`), which the GPU
+    transports order their copies after (here, on the CPU, any object stands for the event)."""
     prefill, decode, _, _ = worker_pair(tmp_path, GQA, "LBHNC", "LBHNC")
     seen: dict[str, object] = {}
     agent = prefill.agent
     original = agent.push_layer
 
-    async def recording(reservation: object, layer: str, blocks: object) -> int:
-        seen[layer] = source_ready.get()
-        return await original(reservation, layer, blocks)  # type: ignore[arg-type]
+    async def recording(reservation: object, layer: str, blocks: object, *, ready: object = None) -> int:
+        seen[layer] = ready
+        return await original(reservation, layer, blocks, ready=ready)  # type: ignore[arg-type]
 
     monkeypatch.setattr(agent, "push_layer", recording)
     events = {name: object() for name in GQA.names()}
@@ -308,7 +306,6 @@ def test_a_layers_push_runs_after_what_the_forward_said_its_kv_is_ready_by(
         prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1, 2),), key="p-1")}))
         assert received_within(decode, "d-1", 15) == set()
         assert seen == events
-        assert source_ready.get() is None  # only the push tasks saw it
     finally:
         prefill.shutdown()
         decode.shutdown()

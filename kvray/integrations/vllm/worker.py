@@ -26,7 +26,6 @@ from kvray.agent.handoff import (
     HandoffStep,
     LayerwiseSpec,
     LoadSpec,
-    PushRequestMail,
     table_blocks,
 )
 from kvray.agent.kvagent import KVAgent
@@ -375,7 +374,6 @@ class ConnectorWorker:
         self._cuda_pool: object | None = None
         self._agent: KVAgent | None = None
         self._handoff: Handoff | None = None
-        self._mail: PushRequestMail | None = None
         self._loop: AgentLoop | None = None
         self._results = _Results()
         #: The agent's records of `kvray.metrics.OPERATOR_METRICS` since vLLM last asked
@@ -516,7 +514,6 @@ class ConnectorWorker:
             stopped.set()
 
     def _new_agent(self, backing: Backing, coordinator: Any = None) -> KVAgent:
-        assert self._mail is not None
         agent = KVAgent(
             self.engine_id,
             self.role,
@@ -531,7 +528,6 @@ class ConnectorWorker:
         agent.metrics.tap(self.figures)
         self._handoff = Handoff(
             agent,
-            self._mail,
             self._results,
             lease_s=self.lease_s,
             joined=coordinator is not None,
@@ -541,19 +537,15 @@ class ConnectorWorker:
         return agent
 
     async def _start(self, backing: Backing) -> EngineInfo:
-        # Every engine may prefill (kv_both too): decode engines on this node reach it through
-        # its push-request inbox (others through its host actor, when it has joined Ray).
-        mail = self._mail = PushRequestMail(self.settings.shm_dir)
+        # Every engine may prefill (kv_both too): its hand-off serves the push requests its
+        # agent's mailboxes take, which the agent publishes as it starts.
         if self.ray_address is None:
             self._agent = self._new_agent(backing)
-            return await self._agent.start(endpoints=mail.endpoints)
+            return await self._agent.start()
         from kvray.host.forwarded import ForwardedAgent
 
         self._replica = await ForwardedAgent.start_agent(
-            lambda directory: self._new_agent(backing, directory),
-            self.settings,
-            endpoints=mail.endpoints,
-            on_push_request=mail.take,
+            lambda directory: self._new_agent(backing, directory), self.settings
         )
         self._agent = self._replica.agent
         return self._agent.info
@@ -584,8 +576,6 @@ class ConnectorWorker:
     async def _close(self) -> None:
         if self._handoff is not None:
             self._handoff.close()
-        if self._mail is not None:
-            self._mail.close()
         if self._replica is not None:
             await self._replica.close()  # closes the agent, then its host
         elif self._agent is not None:

@@ -17,7 +17,7 @@ import torch
 
 from kvray.content import Stretches, StretchRows, pair_salts, region_seeds
 from kvray.layout import Int64Array
-from kvray.memory import source_ready
+from kvray.memory import SourceReady
 from kvray.placement import REGION_SHIFT, Stored
 from kvray.plan import RequestRows
 from kvray.transport.cuda_ipc import ops
@@ -211,12 +211,12 @@ class StretchTables:
 
 
 def hash_stretches(
-    stretches: Stretches, regions: Sequence[torch.Tensor], tables: StretchTables
+    stretches: Stretches, regions: Sequence[torch.Tensor], tables: StretchTables, ready: SourceReady = None
 ) -> list[RowCopy]:
     """The writer's reference (`kvray.content.Stretches`) hashed on the GPU by the row kernel
     without storing (a captured graph replayed, as a copy's), one per source region, on kvray's
-    copy stream after the work that wrote the KV: each one's digest is there once it is done
-    (`RowCopy.digest`, then `release`)."""
+    copy stream after the work that wrote the KV (`ready`, as `start_rows` takes it): each one's
+    digest is there once it is done (`RowCopy.digest`, then `release`)."""
     hashes: list[RowCopy] = []
     rows = stretches.rows
     if not stretches.local.size:
@@ -225,7 +225,15 @@ def hash_stretches(
         region = regions[source]
         table = tables.table(rows, source, region.device)
         hashes.append(
-            start_rows(region, region, stretches.local, stretches.remote, table, digests=Digests.REFERENCE)
+            start_rows(
+                region,
+                region,
+                stretches.local,
+                stretches.remote,
+                table,
+                digests=Digests.REFERENCE,
+                ready=ready,
+            )
         )
     return hashes
 
@@ -376,9 +384,11 @@ def copy_rows(
     *,
     replay: bool = True,
     digests: Digests = Digests.NONE,
+    ready: SourceReady = None,
 ) -> RowCopy:
     """`copy_ops` for a plan's rows, direct path only (one GPU, or two with peer access): the
-    copy waits for the work queued on the source GPU's current stream, and the returned `done`
+    copy waits for `ready` (`kvray.memory.SourceReady`), else for the work queued on the source
+    GPU's current stream, and the returned `done`
     completes when every byte is in `dst`. With `replay`, the ids go into an idle captured row
     copy's pinned buffer and that graph is replayed (no allocation, no upload, no
     kernel dispatch on the host); without, or when every captured copy of this shape is busy,
@@ -388,7 +398,9 @@ def copy_rows(
     if ops.executor_fault and remote_ids.size >= 2:
         remote_ids = remote_ids.copy()
         remote_ids[-1] = remote_ids[-2]
-    return start_rows(dst, src, rows.local_ids, remote_ids, table, replay=replay, digests=digests)
+    return start_rows(
+        dst, src, rows.local_ids, remote_ids, table, replay=replay, digests=digests, ready=ready
+    )
 
 
 def start_rows(
@@ -400,6 +412,7 @@ def start_rows(
     *,
     replay: bool = True,
     digests: Digests = Digests.NONE,
+    ready: SourceReady = None,
 ) -> RowCopy:
     """`copy_rows` for block ids given as they are (`Digests.REFERENCE`: hash `src` only)."""
     source_device = src.device.index or 0
@@ -412,18 +425,18 @@ def start_rows(
         graph.staging[0] = count
         graph.staging[1 : 1 + count] = local_ids
         graph.staging[1 + capacity : 1 + capacity + count] = remote_ids
-        if source_ready.get() is None and source_device == target_device == torch.cuda.current_device():
+        if ready is None and source_device == target_device == torch.cuda.current_device():
             _replay_rows(graph, target_device, target_stream)
         else:
             # The graph waits for `produced`, recorded after what wrote the source.
             with torch.cuda.device(src.device):
-                record_after_source(graph.produced, source_device)
+                record_after_source(graph.produced, source_device, ready)
             with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
                 graph.graph.replay()
         reporting = digests is not Digests.NONE
         graph.held = reporting
         return RowCopy(graph.done, graph.cell, graph if reporting else None, digests)
-    follow_current(source_device, target_stream)
+    follow_current(source_device, target_stream, ready)
     cell = None if digests is Digests.NONE else take_cell(dst.device)
     with torch.cuda.device(dst.device), torch.cuda.stream(target_stream):
         ids = upload_table(dst.device, np.array([count], dtype=np.int64), local_ids, remote_ids)

@@ -14,6 +14,7 @@ import torch
 from kvray.content import pair_salt, region_seed
 from kvray.errors import TransportError
 from kvray.layout import Int64Array
+from kvray.memory import SourceReady
 from kvray.placement import MASK64, region_salt
 from kvray.plan import split_ops
 from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
@@ -178,10 +179,12 @@ def copy_ops(
     *,
     direct: bool = True,
     hashing: Hashing | None = None,
+    ready: SourceReady = None,
 ) -> torch.cuda.Event:
     """Copy the ops from `src` into `dst`, on one GPU or across two, and return an event that
-    completes when every byte is in `dst`. The copies wait for the work already queued on the
-    source GPU's current stream (the model that wrote the KV).
+    completes when every byte is in `dst`. The copies wait for `ready`
+    (`kvray.memory.SourceReady`), else for the work already queued on the source GPU's current
+    stream (the model that wrote the KV).
 
     One GPU, or two GPUs with peer access (NVLink) and `direct`: one kernel on the destination
     GPU, loading the source over the link. That is a pull by the writer's own process into
@@ -194,7 +197,7 @@ def copy_ops(
     source_device = src.device.index or 0
     target_device = dst.device.index or 0
     target_stream = copy_stream(target_device)
-    follow_current(source_device, target_stream)
+    follow_current(source_device, target_stream, ready)
     if executor_fault and dst_offsets.size >= 2:
         dst_offsets = dst_offsets.copy()
         dst_offsets[-1] = dst_offsets[-2]
@@ -208,7 +211,7 @@ def copy_ops(
         total = int(nbytes.sum())
         staged = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
         source_stream = copy_stream(source_device)
-        follow_current(source_device, source_stream)
+        follow_current(source_device, source_stream, ready)
         with torch.cuda.stream(source_stream):
             outgoing = torch.empty(total, dtype=torch.uint8, device=src.device)
             gathering = None if hashing is None else hashing._replace(bound=dst_offsets)
@@ -233,11 +236,13 @@ async def landed_digest(
     dst_region: Int64Array,
     dst_offset: Int64Array,
     nbytes: Int64Array,
+    ready: SourceReady = None,
 ) -> int:
     """The landed digest (`kvray.content.landed_digest`) of bytes in GPU memory: the bytes at
     `src_offset` of `tensors[src_region]` as if they sat at `dst_offset` of region `dst_region`
     (a writer's blocks as they must land; a decode engine's own, `src` = `dst`), hashed by the
-    op kernel storing nothing, on kvray's copy stream after the work queued on each GPU."""
+    op kernel storing nothing, on kvray's copy stream after `ready` (a writer's, as its write
+    takes it), else after the work queued on each GPU."""
     cells: list[DigestCell] = []
     events = []
     pairs = np.unique(np.stack([src_region, dst_region]), axis=1).T.tolist() if nbytes.size else []
@@ -246,7 +251,7 @@ async def landed_digest(
         tensor = tensors[source]
         device = tensor.device.index or 0
         stream = copy_stream(device)
-        follow_current(device, stream)
+        follow_current(device, stream, ready)
         cells.append(take_cell(tensor.device))
         hashing = Hashing(cells[-1], source, target, at_bound=True, bound=dst_offset[select])
         with torch.cuda.device(tensor.device), torch.cuda.stream(stream):

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from kvray.errors import TransportError
-from kvray.memory import source_ready
+from kvray.memory import SourceReady
 
 #: How long a write polls its copies' event from the event loop before a thread waits for it:
 #: this much, plus the time the bytes take at `POLL_BYTES_PER_S` (a third of NVLink's rate).
@@ -54,13 +54,12 @@ def capture_stream(device: int) -> torch.cuda.Stream:
 _thread_events = threading.local()
 
 
-def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
-    """Order `stream` after the work that wrote the KV: the event the writing task was given
-    (`kvray.memory.source_ready`: e.g. recorded on an engine's compute stream after a layer),
+def follow_current(source_device: int, stream: torch.cuda.Stream, ready: SourceReady = None) -> None:
+    """Order `stream` after the work that wrote the KV: `ready`, the event the write was given
+    (`kvray.memory.SourceReady`: e.g. recorded on an engine's compute stream after a layer),
     else the work queued so far on `source_device`'s current stream. A wait takes the event's
     state when it is queued, so one event per thread and device serves every write; per thread,
     so no other thread records it between this record and this wait."""
-    ready = source_ready.get()
     if ready is not None:
         stream.wait_event(ready)
         return
@@ -69,11 +68,10 @@ def follow_current(source_device: int, stream: torch.cuda.Stream) -> None:
     stream.wait_event(produced)
 
 
-def record_after_source(event: torch.cuda.Event, source_device: int) -> None:
-    """Record `event` after the work that wrote the KV on `source_device`: after the event the
-    writing task was given (`kvray.memory.source_ready`), on kvray's copy stream, else on the
-    device's current stream."""
-    ready = source_ready.get()
+def record_after_source(event: torch.cuda.Event, source_device: int, ready: SourceReady = None) -> None:
+    """Record `event` after the work that wrote the KV on `source_device`: after `ready`, the
+    event the write was given (`kvray.memory.SourceReady`), on kvray's copy stream, else on
+    the device's current stream."""
     if ready is None:
         event.record(torch.cuda.current_stream(source_device))
         return

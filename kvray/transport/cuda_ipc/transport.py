@@ -21,7 +21,7 @@ from kvray.errors import (
     WireDecodeError,
     WriteFailedError,
 )
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import MASK64, NOTHING, Stored
 from kvray.plan import PartRows, RequestRows, TransferPlan
@@ -144,11 +144,11 @@ class CudaIpcTransport(Transport):
         # Every copy is a kernel of kvray's, which hashes as it moves the bytes.
         return True
 
-    async def reference(self, stretches: Stretches, local: Backing) -> int:
+    async def reference(self, stretches: Stretches, local: Backing, *, ready: SourceReady = None) -> int:
         if local.kind is not MemoryKind.CUDA:
             return await super().reference(stretches, local)
         regions = [region.tensor for region in local.regions]
-        hashes = hash_stretches(stretches, regions, self._stretch_tables)
+        hashes = hash_stretches(stretches, regions, self._stretch_tables, ready)
         digest = 0
         try:
             await wait_for_events([copy.done for copy in hashes], stretches.nbytes_total)
@@ -159,7 +159,9 @@ class CudaIpcTransport(Transport):
                 copy.release(completed=copy.done.query())  # type: ignore[no-untyped-call]
         return digest & MASK64
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         # Every copy reports where it stored (its placement digest) and, for a checked request,
         # the content digest of what it moved (`kvray.content`).
         check_write(plan, local, peer)
@@ -170,7 +172,9 @@ class CudaIpcTransport(Transport):
                 source, opened, table = direct
                 digests = Digests.CONTENT if plan.hashed else Digests.PLACEMENT
                 try:
-                    copy = copy_rows(opened.region, source, rows, table, replay=self._replay, digests=digests)
+                    copy = copy_rows(
+                        opened.region, source, rows, table, replay=self._replay, digests=digests, ready=ready
+                    )
                 except Exception as error:
                     raise WriteFailedError(
                         f"copy into engine {peer.info.engine_id!r} failed: {error}",
@@ -206,6 +210,7 @@ class CudaIpcTransport(Transport):
                         ops.local_offset[select],
                         ops.nbytes[select],
                         hashing=Hashing(cells[-1], local_index, remote_index, content=plan.hashed),
+                        ready=ready,
                     )
                 )
             except Exception as error:

@@ -11,7 +11,7 @@ import msgspec
 
 from kvray.config import Settings
 from kvray.errors import TransportError
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.placement import Stored
 from kvray.plan import TransferPlan
@@ -183,7 +183,9 @@ class VerbsTransport(Transport):
             for descriptor, mr in zip(descriptors, registration.mrs, strict=True)
         )
 
-    async def write(self, plan: TransferPlan, local: Backing, peer: Peer) -> Stored:
+    async def write(
+        self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
+    ) -> Stored:
         check_write(plan, local, peer)
         in_flight = self._start_poller()
         connection = await self._connect(peer, (plan.src_engine, plan.src_incarnation))
