@@ -21,7 +21,7 @@ import torch
 
 from kvray.errors import BoundsError, NotExpectedError, StaleIncarnationError
 from kvray.layout import BlockOrder, KVLayout, mixed
-from kvray.memory import Backing, MemoryKind
+from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.plan import OpTable
 from kvray.transport import choose_transport, cuda_staging, transport_class
 from kvray.transport import ray as ray_transport
@@ -94,7 +94,9 @@ class FakeDevice:
     gathers: list[CpuGathers] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
 
-    def device_gathers(self, local: Backing, ops: OpTable, slots: PinnedSlots) -> CpuGathers:
+    def device_gathers(
+        self, local: Backing, ops: OpTable, slots: PinnedSlots, ready: SourceReady = None
+    ) -> CpuGathers:
         gathers = CpuGathers([region.tensor for region in local.regions])
         self.gathers.append(gathers)
         return gathers
@@ -394,7 +396,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         assert all(event.recorded for event in events), "waited for an event never recorded"
 
     monkeypatch.setattr(streams, "copy_stream", lambda device: "copy stream")
-    monkeypatch.setattr(streams, "follow_current", lambda device, stream: None)
+    monkeypatch.setattr(streams, "follow_current", lambda device, stream, ready=None: None)
     monkeypatch.setattr(streams, "wait_for_events", wait_for_events)
     monkeypatch.setattr(ops, "launch_copy", _launch_copy)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
