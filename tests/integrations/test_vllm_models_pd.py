@@ -35,7 +35,9 @@ require_vllm()
 
 import ray  # noqa: E402 - after the check that they are installed
 
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR  # noqa: E402 - after the check that they are installed
 from kvray.config import Settings  # noqa: E402 - after the check that they are installed
+from kvray.faults import SEED_BUG_CONNECTOR  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that they are installed
     MODELS,
     TINY_DEEPSEEK,
@@ -44,6 +46,7 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     tiny_model,
 )
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
+    ConnectorClass,
     Engine,
     decode_first,
     prefill_then_decode,
@@ -107,8 +110,10 @@ def engines(
     actor = ray.remote(num_cpus=0)(Engine)
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
-    def start(name: str, node: str, **more: Any) -> Any:
-        config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl"), **more})
+    def start(name: str, node: str, connector: ConnectorClass = DIGEST_LOG_CONNECTOR, **more: Any) -> Any:
+        config = transfer_config(
+            {**extra, "digest_log": str(logs / f"{name}.jsonl"), **more}, connector=connector
+        )
         placed = actor.options(resources={node: 1})
         return placed.remote(model, config, max_model_len=1024, engine_options=options)
 
@@ -117,7 +122,7 @@ def engines(
         # At the defaults: no request's checksums sampled (the tests' environment samples every
         # request's), so only the placement and content digests can refuse its writes.
         rate = Settings().integrity_sample_rate
-        started["seed_bug"] = start("bug", "node_b", seed_bug=True, integrity_sample_rate=rate)
+        started["seed_bug"] = start("bug", "node_b", SEED_BUG_CONNECTOR, integrity_sample_rate=rate)
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs, "shape": shape}
     for engine in started.values():

@@ -164,7 +164,7 @@ def helper_configs(tmp_path: Path) -> list[Any]:
     return [
         pd.transfer_config(),
         pd.transfer_config({"transfer_timeout_s": 30.0}, kv_role="kv_consumer"),
-        serve_llm.kv_transfer_config({"digest_every": 1}),
+        serve_llm.kv_transfer_config({"lease_s": 30.0}),
         *(d.init_kwargs["llm_config"].model_dump() for d in (decode, prefill)),
     ]
 
@@ -316,9 +316,9 @@ def check_backend(backend_class: type, base: type) -> None:
     key = tickets.HandoffKey.from_hex(KEY)
     handoff = tickets.read_hold(key, prefill.kv_transfer_params)
     assert prefill.max_tokens == 1 and not prefill.stream
-    assert handoff == tickets.Hold(handoff.request, decode_engine=engine)  # this replica decodes
+    assert handoff == tickets.Hold(handoff.handoff_id, decode_engine=engine)  # this replica decodes
     assert tickets.read_load(key, decode.kv_transfer_params) == tickets.Load(
-        engine=engine, request=handoff.request, decode_engine=engine
+        engine=engine, handoff_id=handoff.handoff_id, decode_engine=engine
     )
     too_long = CompletionRequest(model="m", prompt="x", max_tokens=65)
     backend.prepare_prefill_request(request=too_long, peer=None)
