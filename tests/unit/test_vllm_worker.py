@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from kvray.agent.handoff import NO_BLOCK, PUSH_ENDPOINT, LayerwiseSpec, LoadSpec, SendSpec
+from kvray.agent.handoff import NO_BLOCK, PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import BackpressureError, ConfigError, RegionError, TransferTimeoutError, WireDecodeError
 from kvray.integrations.vllm.cache_layout import layout_of
@@ -186,7 +186,7 @@ def test_blocks_a_writer_may_still_write_into_stay_out_of_vllms_pool(
     monkeypatch.setattr(agent, "release", held_release)
     load = load_from(prefill, "d-1", "p-1", (2, 3))
     try:
-        decode.begin({"d-1": load}, {})
+        decode.begin(HandoffStep(loads={"d-1": load}))
         deadline = time.monotonic() + 20
         while not agent.quarantined and time.monotonic() < deadline:
             prefill.finished()  # expires the early push request: the refusal reaches the decode side
@@ -231,18 +231,18 @@ def test_a_load_vllm_ends_stops_waiting_and_frees_its_blocks_without_load_errors
     prefill, decode = registered_pair(tmp_path)
     load = load_from(prefill, "d-1", "p-1", (2, 3))
     try:
-        decode.begin({"d-1": load}, {})
+        decode.begin(HandoffStep(loads={"d-1": load}))
         time.sleep(0.5)  # the push request is on its way or parked at the prefill engine
         assert decode.finished()[1] == set()
         started = time.monotonic()
-        decode.begin({}, {}, cancelled={"d-1"})
+        decode.begin(HandoffStep(cancelled={"d-1"}))
         assert reported_within(decode, "d-1", 5.0) == (set(), set())
         assert time.monotonic() - started < 5.0
         # Released: the same request id is reserved again (else that load fails at once).
         again = load_from(prefill, "d-1", "p-2", (2, 3))
-        decode.begin({"d-1": again}, {})
+        decode.begin(HandoffStep(loads={"d-1": again}))
         time.sleep(0.5)
-        decode.begin({}, {}, cancelled={"d-1"})
+        decode.begin(HandoffStep(cancelled={"d-1"}))
         assert reported_within(decode, "d-1", 5.0) == (set(), set())
     finally:
         prefill.shutdown()
@@ -259,13 +259,13 @@ def test_a_push_request_for_a_prefill_request_that_ended_without_kv_is_refused_a
     first = load_from(prefill, "d-1", "p-1", (2, 3))
     later = load_from(prefill, "d-2", "p-1", (4,))
     try:
-        decode.begin({"d-1": first}, {})
+        decode.begin(HandoffStep(loads={"d-1": first}))
         time.sleep(0.5)
         assert decode.finished()[1] == set()
         started = time.monotonic()
-        prefill.begin({}, {}, dropped={"p-1"})
+        prefill.begin(HandoffStep(dropped={"p-1"}))
         assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2, 3})
-        decode.begin({"d-2": later}, {})
+        decode.begin(HandoffStep(loads={"d-2": later}))
         assert reported_within(decode, "d-2", 5.0) == ({"d-2"}, {4})
         assert time.monotonic() - started < 10.0
     finally:
@@ -362,10 +362,10 @@ def test_a_load_cancelled_in_the_turn_it_is_handed_over_is_reported_every_time(t
             request_id = f"d-{index}"
             load = load_from(prefill, request_id, f"p-{index}", (2, 3))
             if index % 2:
-                decode.begin({request_id: load}, {}, cancelled={request_id})
+                decode.begin(HandoffStep(loads={request_id: load}, cancelled={request_id}))
             else:
-                decode.begin({request_id: load}, {})
-                decode.begin({}, {}, cancelled={request_id})
+                decode.begin(HandoffStep(loads={request_id: load}))
+                decode.begin(HandoffStep(cancelled={request_id}))
         reported: set[str] = set()
         failed: set[str] = set()
         errors: set[int] = set()
@@ -392,19 +392,19 @@ def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_
     prefill, decode = registered_pair(tmp_path)
     fill_blocks(prefill, {1: 1.0, 4: 4.0})
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
-        prefill.begin({}, {"r-2": SendSpec("r-2", ((4,),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1,),), key=KEY)}))
+        prefill.begin(HandoffStep(sends={"r-2": SendSpec("r-2", ((4,),), key=KEY)}))
         sent_within(prefill, "r-2", 5.0)  # the newcomer's blocks go back to vLLM at once
-        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2,))}, {})
+        decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", KEY, (2,))}))
         assert reported_within(decode, "d-1", 10.0) == (set(), set())
         assert block_values(decode, 2) == block_values(prefill, 1)  # the first request's KV
         for canary in (0, 1, 3, 4, 5):
             assert block_values(decode, canary) == [{0.0}] * 3
         sent_within(prefill, "r-1", 5.0)
         # The id is spent: another ask for it is refused at once, and so is another hold.
-        decode.begin({"d-2": load_from(prefill, "d-2", KEY, (3,))}, {})
+        decode.begin(HandoffStep(loads={"d-2": load_from(prefill, "d-2", KEY, (3,))}))
         assert reported_within(decode, "d-2", 5.0) == ({"d-2"}, {3})
-        prefill.begin({}, {"r-3": SendSpec("r-3", ((5,),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-3": SendSpec("r-3", ((5,),), key=KEY)}))
         sent_within(prefill, "r-3", 5.0)
     finally:
         prefill.shutdown()
@@ -414,12 +414,12 @@ def test_a_second_hold_under_a_held_hand_off_id_ends_at_once_and_never_replaces_
 def test_a_released_hold_is_freed_at_once_and_its_ask_refused(tmp_path: Path) -> None:
     prefill, decode = registered_pair(tmp_path, lease_s=60.0)
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1,),), key=KEY)}))
         started = time.monotonic()
-        prefill.begin({}, {}, released={KEY})
+        prefill.begin(HandoffStep(released={KEY}))
         sent_within(prefill, "r-1", 5.0)
         assert time.monotonic() - started < 5.0
-        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2,))}, {})
+        decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", KEY, (2,))}))
         assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2})
     finally:
         prefill.shutdown()
@@ -429,7 +429,7 @@ def test_a_released_hold_is_freed_at_once_and_its_ask_refused(tmp_path: Path) ->
 def test_a_load_whose_ticket_was_refused_fails_at_once_with_its_blocks_as_load_errors(tmp_path: Path) -> None:
     prefill, decode = registered_pair(tmp_path)
     try:
-        decode.begin({"d-1": LoadSpec.refused("d-1", ((2, 3),), "not signed")}, {})
+        decode.begin(HandoffStep(loads={"d-1": LoadSpec.refused("d-1", ((2, 3),), "not signed")}))
         assert reported_within(decode, "d-1", 5.0) == ({"d-1"}, {2, 3})
         reserve(decode, "d-1", [2, 3])  # nothing was reserved
     finally:
@@ -446,7 +446,7 @@ def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_p
     fill_blocks(prefill, {0: 1.0, 1: 2.0})
     layers = prefill.agent.layout.layer_names
     try:
-        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
+        decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", KEY, (2, 3))}))
         deadline = time.monotonic() + 10
         while not prefill.handoff.parked() and time.monotonic() < deadline:  # the ask is parked
             time.sleep(0.01)
@@ -456,7 +456,7 @@ def test_a_preempted_layerwise_request_is_pushed_whole_from_its_new_blocks(tmp_p
         prefill.preempt({KEY})
         fill_blocks(prefill, {0: 7.0, 1: 7.0, 4: 1.0, 5: 2.0})  # reused; the request's KV recomputed
         assert decode.finished()[1] == set()
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((4, 5),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((4, 5),), key=KEY)}))
         assert reported_within(decode, "d-1", 10.0) == (set(), set())
         assert block_values(decode, 2) == block_values(prefill, 4)
         assert block_values(decode, 3) == block_values(prefill, 5)
@@ -475,13 +475,15 @@ def test_a_load_withdrawn_before_it_began_frees_the_prefill_engines_hold(tmp_pat
     prefill, decode = registered_pair(tmp_path, lease_s=60.0)
     other = "0" * 31 + "2"
     try:
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1,),), key=KEY)}))
         started = time.monotonic()
-        decode.begin({}, {}, withdrawn=[load_from(prefill, "d-1", KEY, ())])
+        decode.begin(HandoffStep(withdrawn=[load_from(prefill, "d-1", KEY, ())]))
         sent_within(prefill, "r-1", 5.0)
-        decode.begin({}, {}, withdrawn=[load_from(prefill, "d-2", other, ())])
+        decode.begin(HandoffStep(withdrawn=[load_from(prefill, "d-2", other, ())]))
         time.sleep(0.5)
-        prefill.begin({}, {"r-2": SendSpec("r-2", ((2,),), key=other)})  # finished after the withdrawal
+        prefill.begin(
+            HandoffStep(sends={"r-2": SendSpec("r-2", ((2,),), key=other)})
+        )  # finished after the withdrawal
         sent_within(prefill, "r-2", 5.0)
         assert time.monotonic() - started < 10.0
     finally:
@@ -492,17 +494,17 @@ def test_a_load_withdrawn_before_it_began_frees_the_prefill_engines_hold(tmp_pat
 def test_a_cancelled_load_withdraws_its_ask_so_a_later_hold_is_freed_at_once(tmp_path: Path) -> None:
     prefill, decode = registered_pair(tmp_path, lease_s=60.0)
     try:
-        decode.begin({"d-1": load_from(prefill, "d-1", KEY, (2, 3))}, {})
+        decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", KEY, (2, 3))}))
         deadline = time.monotonic() + 10
         while not prefill.handoff.parked() and time.monotonic() < deadline:  # the ask is parked
             time.sleep(0.01)
-        decode.begin({}, {}, cancelled={"d-1"})
+        decode.begin(HandoffStep(cancelled={"d-1"}))
         assert reported_within(decode, "d-1", 5.0) == (set(), set())
         deadline = time.monotonic() + 10
         while prefill.handoff.parked() and time.monotonic() < deadline:  # the withdrawal takes the ask back
             time.sleep(0.01)
         assert not prefill.handoff.parked()
-        prefill.begin({}, {"r-1": SendSpec("r-1", ((1,),), key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", ((1,),), key=KEY)}))
         sent_within(prefill, "r-1", 5.0)
     finally:
         prefill.shutdown()
@@ -536,10 +538,14 @@ def test_layers_queued_past_the_agents_bound_wait_for_room_instead_of_failing(
         for layer in prefill.agent.layout.layer_names:
             prefill.save_layer(layer)
         decode.begin(
-            {f"d-{i}": load_from(prefill, f"d-{i}", key, (i + 3,)) for i, key in enumerate(keys)}, {}
+            HandoffStep(
+                loads={f"d-{i}": load_from(prefill, f"d-{i}", key, (i + 3,)) for i, key in enumerate(keys)}
+            )
         )
         time.sleep(0.5)  # every ask has come: 9 layers queued at once
-        prefill.begin({}, {f"r-{i}": SendSpec(f"r-{i}", ((i,),), key=key) for i, key in enumerate(keys)})
+        prefill.begin(
+            HandoffStep(sends={f"r-{i}": SendSpec(f"r-{i}", ((i,),), key=key) for i, key in enumerate(keys)})
+        )
         received: set[str] = set()
         deadline = time.monotonic() + 15
         while len(received) < 3 and time.monotonic() < deadline:
@@ -670,14 +676,14 @@ def test_a_shared_layer_is_pushed_once_every_vllm_layer_on_it_was_saved(tmp_path
             ((NO_BLOCK, 4), (5, 1)),
             0,
         )
-        decode.begin({"d-1": load}, {})
+        decode.begin(HandoffStep(loads={"d-1": load}))
         time.sleep(0.3)  # the ask reaches the prefill engine before the forward
         prefill.save_layer(names[0])  # its tensor is layer 1's too, which is not saved yet
         time.sleep(0.3)
         assert not any(bool((t != 0).any()) for t in destination.values())
         for name in names[1:]:
             prefill.save_layer(name)
-        prefill.begin({}, {"r-1": SendSpec("r-1", held, key=KEY)})
+        prefill.begin(HandoffStep(sends={"r-1": SendSpec("r-1", held, key=KEY)}))
         failed, errors = reported_within(decode, "d-1", 10)
         assert not failed and not errors
         received = list({id(t): t for t in destination.values()}.values())

@@ -1,6 +1,7 @@
 """The worker side of `KvrayConnector` (runs in each vLLM worker process): the engine's KV cache
-as one kvray backing, a kvray agent on an event loop of its own, and the hand-off
-(`kvray.agent.handoff.Handoff`) fed with the scheduler's decisions of each step.
+(as `cache_layout` reads it) as one kvray backing, a kvray agent on an event loop of its own,
+and the hand-off (`kvray.agent.handoff.Handoff`) fed with the scheduler's decisions of each step
+(`KvrayMetadata`, read, never written: what the worker has begun of a step it records itself).
 
 vLLM's forward path never waits for kvray: every agent call is submitted to the agent's loop
 thread, and results come back through thread-safe sets that `get_finished` drains.
