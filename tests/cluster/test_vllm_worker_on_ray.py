@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from kvray.agent.handoff import PUSH_ENDPOINT, LoadSpec, SendSpec
+from kvray.agent.handoff import PUSH_ENDPOINT, HandoffStep, LoadSpec, SendSpec
 from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
 from kvray.integrations.vllm.worker import ConnectorWorker
@@ -72,7 +72,7 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
         decode.register(destination, NUM_BLOCKS, BLOCK_SIZE)
         assert len(decode.info.regions) == LAYERS  # one region per storage
         held, reserved = (1, 2, 3), (6, 0, 4)
-        prefill.begin({}, {"p-request": SendSpec("p-request", (held,))})
+        prefill.begin(HandoffStep(sends={"p-request": SendSpec("p-request", (held,))}))
         load = LoadSpec(
             request_id="d-request",
             prefill_engine=prefill.info.engine_id,
@@ -83,7 +83,7 @@ def test_separate_storages_take_a_push_over_the_ray_transport(local_ray: Any, tm
             block_ids=(reserved,),
             first_block=0,
         )
-        decode.begin({"d-request": load}, {})
+        decode.begin(HandoffStep(loads={"d-request": load}))
         assert not wait_reported(decode, "d-request", 1)
         wait_reported(prefill, "p-request", 0)
     finally:
