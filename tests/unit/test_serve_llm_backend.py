@@ -345,3 +345,21 @@ def test_the_backend_on_newer_rays_engine_neutral_connector_base(monkeypatch: py
     assert not hasattr(base.BaseConnectorBackend, "kv_transfer_config")
     newer = serve_llm_over(base, monkeypatch)
     check_backend(newer.KvrayConnectorBackend, base.BaseConnectorBackend)
+
+
+@pytest.mark.parametrize(
+    ("config", "kvray"),
+    [
+        ({"kv_connector": "KvrayConnector"}, True),
+        ({"kv_connector": "DigestLogConnector", "kv_connector_module_path": "kvray.bench.handoff_log"}, True),
+        ({"kv_connector": "SeedBugConnector", "kv_connector_module_path": "kvray.faults"}, True),
+        ({"kv_connector": "KvrayConnector", "kv_connector_module_path": "kvray.bench.handoff_timing"}, True),
+        ({"kv_connector": "NixlConnector"}, False),
+        ({"kv_connector": "KvrayConnector", "kv_connector_module_path": "kvray.no_such_module"}, False),
+        ({"kv_connector": "DigestLog", "kv_connector_module_path": "kvray.bench.handoff_log"}, False),
+    ],
+)
+def test_the_back_end_takes_kvrays_connector_and_its_subclasses_only(
+    config: dict[str, Any], kvray: bool
+) -> None:
+    assert serve_llm.is_kvray_connector(config) is kvray

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib
 import json
 import os
 import threading
@@ -106,17 +107,13 @@ def register(connector: str = CONNECTOR) -> None:
 def is_kvray_connector(config: Mapping[str, Any]) -> bool:
     """Whether a `kv_transfer_config` names `KvrayConnector` or a subclass of it (`kv_connector`
     in `kv_connector_module_path`, kvray's connector module by default)."""
-    import importlib
-
     from kvray.integrations.vllm.connector import KvrayConnector
 
-    name = config.get("kv_connector")
-    if name == CONNECTOR and config.get("kv_connector_module_path", CONNECTOR_MODULE) == CONNECTOR_MODULE:
-        return True
-    if not isinstance(name, str):
+    name, module_path = config.get("kv_connector"), config.get("kv_connector_module_path", CONNECTOR_MODULE)
+    if not isinstance(name, str) or not isinstance(module_path, str):
         return False
     try:
-        module = importlib.import_module(str(config.get("kv_connector_module_path", CONNECTOR_MODULE)))
+        module = importlib.import_module(module_path)
     except ImportError:
         return False
     named = getattr(module, name, None)
@@ -463,16 +460,16 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         return {ENGINE_KEY: self._engine}
 
     def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
-        handoff = mint_handoff_id()
+        handoff_id = mint_handoff_id()
         # The same request object comes to `prepare_decode_request` next; holding it keeps
         # its id from being reused meanwhile.
-        self._unpaired[id(request)] = (request, handoff)
+        self._unpaired[id(request)] = (request, handoff_id)
         while len(self._unpaired) > MAX_UNPAIRED:
             self._unpaired.popitem(last=False)
         prefill = request.model_copy(deep=True)
         prefill.kv_transfer_params = {
             **base_prefill_kv_transfer_params(),
-            **hold_params(self._signing_key(), handoff, decode_engine=self._engine),
+            **hold_params(self._signing_key(), handoff_id, decode_engine=self._engine),
         }
         clamp_request_to_single_token(prefill)
         return prefill
