@@ -21,7 +21,7 @@ import random
 import string
 import sys
 import types
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,16 @@ VLLM_ERROR = (
     '"param": null, "code": 500}}\n\n'
 )
 DONE = "data: [DONE]\n\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running() -> Iterator[None]:
+    """Building Ray Serve LLM's app here starts a Ray in this process; the tests after this
+    module start Ray their own way."""
+    running = ray.is_initialized()
+    yield
+    if not running and ray.is_initialized():
+        ray.shutdown()
 
 
 class Answer:
