@@ -1,5 +1,6 @@
-"""vLLM's KV cache as kvray reads it, at start-up: tokens per block and KV heads from vLLM's
-configuration (`block_size_of`, `kv_heads_of`, `tp_rank`), and the layout of vLLM's real
+"""vLLM's KV cache as kvray reads it, at start-up: tokens per block, blocks and KV cache groups
+(`cache_config_of`), KV heads and this worker's rank (`kv_heads_of`, `tp_rank`) from vLLM's
+configuration, and the layout of vLLM's real
 per-layer cache tensors (their shapes, strides and KV cache groups) as kvray layers
 (`layout_of`, `block_runs`). Whatever kvray cannot move is refused here, naming the layer or
 the setting."""

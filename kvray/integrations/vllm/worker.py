@@ -410,10 +410,9 @@ class ConnectorWorker:
 
     def preempt(self, handoff_ids: Collection[str]) -> None:
         """vLLM preempted the layer-wise requests of these hand-off ids (before the step's
-        forward): return once no
-        layer copy reads their blocks, or after `preempt_wait_s`, a step's budget: a request
-        whose copies still run then has its push aborted (`Handoff.preempt`), so vLLM's thread
-        never waits on a slow copy."""
+        forward): return once no layer copy reads their blocks, or after `preempt_wait_s`, a
+        step's budget: a request whose copies still run then has its push aborted
+        (`Handoff.preempt`), so vLLM's thread never waits on a slow copy."""
         if self._loop is None or self._handoff is None or not handoff_ids:
             return
         try:
