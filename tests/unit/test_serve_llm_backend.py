@@ -298,6 +298,10 @@ def serve_llm_over(base: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> t
 
 @pytest.fixture
 def in_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    act_as_replica(monkeypatch)
+
+
+def act_as_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a Serve replica's back-end reads of Ray: its cluster and node, and the key."""
     context = types.SimpleNamespace(gcs_address="127.0.0.1:6379", get_node_id=lambda: "node-a")
     monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
@@ -373,3 +377,34 @@ def test_the_back_end_takes_kvrays_connector_and_its_subclasses_only(
     config: dict[str, Any], kvray: bool
 ) -> None:
     assert serve_llm.is_kvray_connector(config) is kvray
+
+
+def test_an_app_of_an_instrumented_connector_is_served_by_kvrays_back_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
+
+    # A key named here: no process or cluster key is looked up or made.
+    logs = {"digest_log": str(tmp_path / "log.jsonl"), "handoff_key": KEY}
+    app = serve_llm.build_pd_app(
+        str(tmp_path), prefill_extra=logs, decode_extra=logs, connector=DIGEST_LOG_CONNECTOR
+    )
+    decode = app._bound_deployment.init_kwargs["llm_deployments"]["smollm2"]._bound_deployment
+    prefill = decode.init_kwargs["prefill_server"]._bound_deployment
+    for deployment in (decode, prefill):
+        transfer = deployment.init_kwargs["llm_config"].engine_kwargs["kv_transfer_config"]
+        assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (
+            "DigestLogConnector",
+            "kvray.bench.handoff_log",
+        )
+    assert (
+        KVConnectorBackendFactory.get_backend_class("DigestLogConnector") is serve_llm.KvrayConnectorBackend
+    )
+    act_as_replica(monkeypatch)  # the app is built; its replica sets up
+    backend = serve_llm.KvrayConnectorBackend(
+        types.SimpleNamespace(engine_kwargs={"kv_transfer_config": dict(transfer)})
+    )
+    backend.setup()
+    assert backend.replica_metadata()[serve_llm.ENGINE_KEY].startswith("vllm-serve-")
