@@ -67,6 +67,7 @@ import ray
 from ray import serve
 
 from kvray.bench import handoff_timing
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
 from kvray.integrations.vllm.model import MODELS
 from kvray.integrations.vllm.prompts import load_prompts
 from kvray.integrations.vllm.serve_llm import register, wait_until_serving
@@ -156,17 +157,20 @@ def build_app(
     if name == SINGLE:
         return build_openai_app({"llm_configs": [llm_config(model, max_model_len, transfer=None, env={})]})
     contender = CONTENDERS[name]
+    # kvray's pushes are checked through the digest-logging subclass of its connector.
+    logged = check_transport and contender.transport is not None
+    connector = DIGEST_LOG_CONNECTOR.name if logged else contender.connector
     if contender.connector == "KvrayConnector":
-        register()
+        register(connector)
 
     def side(role: str, port_base: int) -> Any:
         transfer = {
-            "kv_connector": contender.connector,
+            "kv_connector": connector,
             "kv_connector_module_path": handoff_timing.__name__,
             "kv_role": "kv_both",
             "kv_connector_extra_config": dict(contender.extra),
         }
-        if check_transport and contender.transport is not None:
+        if logged:
             transfer["kv_connector_extra_config"].update(
                 digest_log=str(times_dir / f"{name}-{role}-pushes.jsonl"), digest_every=1 << 30
             )

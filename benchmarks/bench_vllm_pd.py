@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
 from kvray.integrations.vllm.model import smollm2
 from kvray.integrations.vllm.pd import Engine, decode_first, prefill_then_decode, transfer_config
 
@@ -102,13 +103,18 @@ def main() -> int:
     checked = {"integrity_sample_rate": 0.0}
     prefill = actor.remote(
         model,
-        transfer_config({**digests, **checked, "digest_log": str(logs / "p.jsonl")}),
+        transfer_config(
+            {**digests, **checked, "digest_log": str(logs / "p.jsonl")}, connector=DIGEST_LOG_CONNECTOR
+        ),
         max_model_len=max_model_len,
     )
     # Each writer's setting decides whether its requests are checked: the decode engine asks none.
     decode = actor.remote(
         model,
-        transfer_config({**digests, **checked, "integrity": False, "digest_log": str(logs / "d.jsonl")}),
+        transfer_config(
+            {**digests, **checked, "integrity": False, "digest_log": str(logs / "d.jsonl")},
+            connector=DIGEST_LOG_CONNECTOR,
+        ),
         max_model_len=max_model_len,
     )
     single = actor.remote(model, None, max_model_len=max_model_len)
@@ -121,7 +127,9 @@ def main() -> int:
             "integrity": False,
             "integrity_sample_rate": 0.0,
         }
-        unchecked = actor.remote(model, transfer_config(config), max_model_len=max_model_len)
+        unchecked = actor.remote(
+            model, transfer_config(config, connector=DIGEST_LOG_CONNECTOR), max_model_len=max_model_len
+        )
         engines.append(unchecked)
     ray.get([engine.processes.remote() for engine in engines])
     rng = np.random.default_rng(0)

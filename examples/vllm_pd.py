@@ -24,6 +24,7 @@ from pathlib import Path
 
 import ray
 
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
 from kvray.integrations.vllm.model import smollm2
 from kvray.integrations.vllm.pd import Engine, decode_first, prefill_then_decode, transfer_config
 from kvray.integrations.vllm.prompts import load_prompts
@@ -51,8 +52,12 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="kvray-vllm-"))
     actor = ray.remote(num_cpus=0)(Engine)
     started = time.perf_counter()
-    prefill = actor.remote(model, transfer_config({"digest_log": str(logs / "prefill.jsonl")}))
-    decode = actor.remote(model, transfer_config({"digest_log": str(logs / "decode.jsonl")}))
+    prefill = actor.remote(
+        model, transfer_config({"digest_log": str(logs / "prefill.jsonl")}, connector=DIGEST_LOG_CONNECTOR)
+    )
+    decode = actor.remote(
+        model, transfer_config({"digest_log": str(logs / "decode.jsonl")}, connector=DIGEST_LOG_CONNECTOR)
+    )
     alone = actor.remote(model, None)
     ray.get([engine.processes.remote() for engine in (prefill, decode, alone)])
     print(f"prefill, decode and single vLLM engines up in {time.perf_counter() - started:.0f} s ({model})")

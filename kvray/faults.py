@@ -1,17 +1,26 @@
 """Deliberate faults, for demonstrations and for tests that prove kvray's checks can fail.
 
-Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`, `seed_bug` in
-the vLLM connector's `kv_connector_extra_config`, which calls `inject_seed_bug`, a
-`ByteFlipper` given to an agent as its `transport_hook`, or `executor_offset_bug`).
+Nothing here is used unless asked for by name (`kvray demo --inject-seed-bug`, a
+`ByteFlipper` given to an agent as its `transport_hook`, `executor_offset_bug`, or the vLLM
+connector `SeedBugConnector`, loaded by module path: `KvrayConnector` with a digest log when
+`digest_log` asks for one, as `kvray.bench.handoff_log.DigestLogConnector`, whose agents plan
+with `SeedBugOffsetCache`):
+
+    --kv-transfer-config '{"kv_connector": "SeedBugConnector",
+                           "kv_connector_module_path": "kvray.faults", "kv_role": "kv_both"}'
+
+(`SEED_BUG_CONNECTOR` for `pd.transfer_config`.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvray.integrations.vllm.pd import ConnectorClass
 from kvray.memory import Backing, SourceReady
 from kvray.placement import Stored
 from kvray.plan import OffsetCache, OffsetKey, TransferPlan
@@ -59,6 +68,40 @@ class BuildsAgents(Protocol):
 def inject_seed_bug(target: BuildsAgents) -> None:
     """Make the agent `target` builds next plan with `SeedBugOffsetCache`."""
     target.offset_cache = SeedBugOffsetCache()
+
+
+#: The vLLM connector with the seed bug, as a `kv_transfer_config` names it.
+SEED_BUG_CONNECTOR = ConnectorClass("SeedBugConnector", __name__)
+
+
+class SeedBug:
+    """The seed-bug half of `SeedBugConnector`, first in its bases: once the connector has built
+    its worker side, the agent that worker starts plans with `SeedBugOffsetCache`."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        parent: Any = super()
+        parent.__init__(vllm_config, role, kv_cache_config)
+        worker = parent.worker
+        if worker is not None:
+            inject_seed_bug(worker)
+
+
+@functools.cache
+def seed_bug_connector() -> type:
+    """`SeedBugConnector`: the digest-logging connector with `SeedBug` (built on first use, so
+    that importing this module imports no vLLM)."""
+    from kvray.bench.handoff_log import digest_log_connector
+
+    name = SEED_BUG_CONNECTOR.name
+    namespace = {"__module__": __name__, "__qualname__": name}
+    return type(name, (SeedBug, digest_log_connector()), namespace)
+
+
+def __getattr__(name: str) -> type:
+    # vLLM loads the connector as `getattr(module, kv_connector)`.
+    if name == SEED_BUG_CONNECTOR.name:
+        return seed_bug_connector()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass

@@ -1,6 +1,17 @@
 """A digest log of hand-offs: a `HandoffObserver` (`kvray.agent.handoff`) that appends one JSON
 line per event on one engine, with per-layer digests of the KV each side sent and received, to
-compare both sides, and each side's time (the vLLM connector's `digest_log`).
+compare both sides, and each side's time.
+
+In vLLM, `DigestLogConnector` (`KvrayConnector` with this log) is loaded by module path, with
+every key of kvray's connector and two of its own: `digest_log` (the file) and `digest_every`
+(hash one request in this many; 1 by default):
+
+    --kv-transfer-config '{"kv_connector": "DigestLogConnector",
+                           "kv_connector_module_path": "kvray.bench.handoff_log",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"digest_log": "/tmp/p.jsonl"}}'
+
+(`DIGEST_LOG_CONNECTOR` for `pd.transfer_config` and `serve_llm.build_pd_app`.) The log's lines:
 
     {"side": "sent", "request": id, "prefill_request": hand-off id, "seconds": s,
      "transport": "shm", "layerwise": false, "tail_seconds": null, "layers": {name: digest},
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import zlib
 from typing import Any
@@ -24,8 +36,14 @@ import torch
 import xxhash
 
 from kvray.agent.handoff import BlockTable, HandoffEvent, Moved
+from kvray.integrations.vllm.pd import ConnectorClass
 from kvray.memory import Backing
 from kvray.tensor_parallel import head_runs
+
+#: The digest-logging vLLM connector, as a `kv_transfer_config` names it.
+DIGEST_LOG_CONNECTOR = ConnectorClass("DigestLogConnector", __name__)
+#: The `kv_connector_extra_config` keys it reads beyond `KvrayConnector`'s.
+DIGEST_LOG_KEYS = frozenset({"digest_log", "digest_every"})
 
 
 class DigestLog:
@@ -120,3 +138,36 @@ def _digest(memory: torch.Tensor, runs: list[tuple[int, int]]) -> str:
         pieces = [memory[start : start + nbytes] for start, nbytes in runs]
         data = torch.cat(pieces).cpu().numpy().tobytes() if pieces else b""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+class DigestLogging:
+    """The digest-log half of `DigestLogConnector`, first in its bases: once `KvrayConnector`
+    has built its worker side, a `DigestLog` watches its hand-offs (when `digest_log` names a
+    file), before vLLM registers the KV cache and the agent starts."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        parent: Any = super()
+        parent.__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        worker = parent.worker
+        if worker is not None and extra.get("digest_log"):
+            worker.observer = DigestLog(str(extra["digest_log"]), int(extra.get("digest_every", 1)))
+
+
+@functools.cache
+def digest_log_connector() -> type:
+    """`DigestLogConnector`: `KvrayConnector` with `DigestLogging` (built on first use, so that
+    importing this module imports no vLLM)."""
+    from kvray.integrations.vllm.connector import KvrayConnector
+
+    name = DIGEST_LOG_CONNECTOR.name
+    keys = KvrayConnector.extra_config_keys | DIGEST_LOG_KEYS
+    namespace = {"__module__": __name__, "__qualname__": name, "extra_config_keys": keys}
+    return type(name, (DigestLogging, KvrayConnector), namespace)
+
+
+def __getattr__(name: str) -> type:
+    # vLLM loads the connector as `getattr(module, kv_connector)`.
+    if name == DIGEST_LOG_CONNECTOR.name:
+        return digest_log_connector()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,9 @@
 way for every connector, so that connectors can be compared (`benchmarks/bench_connectors.py`).
 
 Name this module as `kv_connector_module_path` and keep the connector's own name in
-`kv_connector` (`KvrayConnector`, `NixlConnector`, `MooncakeConnector`): vLLM takes the class of
-that name from here, a subclass of the real connector that only adds timestamps, so everything
+`kv_connector` (`KvrayConnector`, `DigestLogConnector`, `NixlConnector`, `MooncakeConnector`):
+vLLM takes the class of that name from here, a subclass of the real connector that only adds
+timestamps, so everything
 that looks the connector up by name (vLLM's config checks, Ray Serve LLM's back-ends) sees it
 unchanged. Each engine appends JSON lines to the file named by the `KV_HANDOFF_TIMES`
 environment variable (one file per engine; no variable, no records):
@@ -51,6 +52,7 @@ KEEP_AFFINITY_ENV = "KV_HANDOFF_KEEP_AFFINITY"
 #: The connectors this module wraps: name -> the module defining the real class.
 CONNECTOR_MODULES = {
     "KvrayConnector": "kvray.integrations.vllm.connector",
+    "DigestLogConnector": "kvray.bench.handoff_log",
     "NixlConnector": "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
     "MooncakeConnector": "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector",
 }

@@ -112,8 +112,9 @@ def mla_decode_engine(engines: ModuleEngines, digest_log: Path) -> Any:
     """The engine two modules share: a TP-1 decode engine of `kvray model tiny-deepseek` on
     `node_b` (`test_vllm_models_pd.py`'s decode engine for the MLA model, and
     `test_vllm_tp.py`'s TP-1 MLA engine)."""
+    from handoff_logs import digest_logged
+
     from kvray.integrations.vllm.model import MODELS, TINY_DEEPSEEK, tiny_model
-    from kvray.integrations.vllm.pd import transfer_config
 
     extra = {
         "transfer_timeout_s": 30.0,
@@ -124,7 +125,7 @@ def mla_decode_engine(engines: ModuleEngines, digest_log: Path) -> Any:
     }
     return engines.start(
         str(tiny_model(TINY_DEEPSEEK)),
-        transfer_config(extra),
+        digest_logged(extra),
         node="node_b",
         shared=True,
         max_model_len=1024,

@@ -1,15 +1,24 @@
-"""Reading the vLLM connector's digest logs (`digest_log`: one JSON line per hand-off event on
-one engine, written by `kvray.bench.handoff_log.DigestLog`) in the vLLM tests."""
+"""The vLLM connector's digest logs in the vLLM tests: engines that write them (`digest_logged`:
+`kvray.bench.handoff_log.DigestLogConnector`, whose `digest_log` gets one JSON line per hand-off
+event on one engine, written by `DigestLog`), and reading them."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kvray.agent.handoff import HandoffEvent
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
+from kvray.integrations.vllm.pd import transfer_config
+
+
+def digest_logged(extra: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+    """`pd.transfer_config(extra, **options)` of an engine with the digest-logging connector
+    (`digest_log` and `digest_every` among `extra`)."""
+    return transfer_config(extra, connector=DIGEST_LOG_CONNECTOR, **options)
 
 
 def digests(path: Path) -> dict[tuple[str, str], dict[str, str]]:

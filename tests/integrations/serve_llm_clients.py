@@ -99,12 +99,13 @@ def serving(
     **app_options: Any,
 ) -> Iterator[dict[str, Any]]:
     """A local Ray of `num_cpus` logical CPUs with Ray Serve LLM's P/D app over the test model
-    (SmolLM2 unless `model` names a model folder; `extra`: both sides' connector settings, each
-    side's digest log in `logs` unless None; `app_options`: more `build_pd_app` arguments,
-    `model_id` among them) and a reference engine without kvray: {"url", "reference", "logs"}.
-    For a module fixture (vLLM must be installed)."""
+    (SmolLM2 unless `model` names a model folder; `extra`: both sides' connector settings,
+    each side's digest log in `logs` unless None, by `DigestLogConnector`; `app_options`: more
+    `build_pd_app` arguments, `model_id` among them) and a reference engine without kvray:
+    {"url", "reference", "logs"}. For a module fixture (vLLM must be installed)."""
     from ray import serve
 
+    from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
     from kvray.integrations.vllm.model import smollm2
     from kvray.integrations.vllm.pd import Engine
     from kvray.integrations.vllm.serve_llm import build_pd_app, wait_until_serving
@@ -129,6 +130,7 @@ def serving(
             model_id=app_options.pop("model_id", MODEL_ID),
             prefill_extra={**extra, **({"digest_log": str(logs / "p.jsonl")} if logs else {})},
             decode_extra={**extra, **({"digest_log": str(logs / "d.jsonl")} if logs else {})},
+            **({"connector": DIGEST_LOG_CONNECTOR} if logs else {}),
             **app_options,
         ),
         blocking=False,

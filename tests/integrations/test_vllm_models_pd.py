@@ -36,7 +36,9 @@ require_vllm()
 
 import ray  # noqa: E402 - after the check that they are installed
 
+from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR  # noqa: E402 - after the check that they are installed
 from kvray.config import Settings  # noqa: E402 - after the check that they are installed
+from kvray.faults import SEED_BUG_CONNECTOR  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that they are installed
     MODELS,
     TINY_DEEPSEEK,
@@ -45,6 +47,7 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     tiny_model,
 )
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
+    ConnectorClass,
     decode_first,
     prefill_then_decode,
     transfer_config,
@@ -106,8 +109,10 @@ def engines(
     options = dict(MODELS[shape.model.name].engine_options)
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
-    def start(name: str, node: str, **more: Any) -> Any:
-        config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl"), **more})
+    def start(name: str, node: str, connector: ConnectorClass = DIGEST_LOG_CONNECTOR, **more: Any) -> Any:
+        config = transfer_config(
+            {**extra, "digest_log": str(logs / f"{name}.jsonl"), **more}, connector=connector
+        )
         return vllm_pool.start(model, config, node=node, max_model_len=1024, engine_options=options)
 
     if shape.model is TINY_DEEPSEEK:
@@ -118,7 +123,7 @@ def engines(
         # At the defaults: no request's checksums sampled (the tests' environment samples every
         # request's), so only the placement and content digests can refuse its writes.
         rate = Settings().integrity_sample_rate
-        started["seed_bug"] = start("bug", "node_b", seed_bug=True, integrity_sample_rate=rate)
+        started["seed_bug"] = start("bug", "node_b", SEED_BUG_CONNECTOR, integrity_sample_rate=rate)
     ray.get([engine.processes.remote() for engine in started.values()])  # every engine is up
     yield {**started, "logs": logs, "shape": shape}
     vllm_pool.stop(*started.values())

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from handoff_logs import asked, by_request, digests, failures, records
+from handoff_logs import asked, by_request, digest_logged, digests, failures, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -29,6 +29,7 @@ require_vllm()
 import ray  # noqa: E402 - after the check that they are installed
 
 from kvray.config import Settings  # noqa: E402 - after the check that they are installed
+from kvray.faults import SEED_BUG_CONNECTOR  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
     decode_first,
@@ -41,7 +42,7 @@ from kvray.integrations.vllm.tickets import (  # noqa: E402 - after the check th
     HandoffKey,
     hold_params,
     load_params,
-    mint_handoff,
+    mint_handoff_id,
 )
 
 NEW_TOKENS = 32
@@ -69,8 +70,8 @@ def engines(vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "digest_every": DIGEST_EVERY,
     }
     started = {
-        "prefill": vllm_pool.start(model, transfer_config({**extra, "digest_log": str(logs / "p.jsonl")})),
-        "decode": vllm_pool.start(model, transfer_config({**extra, "digest_log": str(logs / "d.jsonl")})),
+        "prefill": vllm_pool.start(model, digest_logged({**extra, "digest_log": str(logs / "p.jsonl")})),
+        "decode": vllm_pool.start(model, digest_logged({**extra, "digest_log": str(logs / "d.jsonl")})),
         # At the defaults: no request's checksums sampled (the tests' environment samples every
         # request's), so only the placement and content digests can refuse its writes.
         "seed_bug": vllm_pool.start(
@@ -79,17 +80,17 @@ def engines(vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 {
                     **extra,
                     "digest_log": str(logs / "bug.jsonl"),
-                    "seed_bug": True,
                     "integrity_sample_rate": DEFAULT_SAMPLE_RATE,
-                }
+                },
+                connector=SEED_BUG_CONNECTOR,
             ),
         ),
-        "recompute": vllm_pool.start(model, transfer_config(extra, failure_policy="recompute")),
+        "recompute": vllm_pool.start(model, digest_logged(extra, failure_policy="recompute")),
         # A prefill engine of 20 blocks of 128 tokens: requests that keep generating preempt
         # each other.
         "small": vllm_pool.start(
             model,
-            transfer_config({**extra, "digest_every": 1, "digest_log": str(logs / "small.jsonl")}),
+            digest_logged({**extra, "digest_every": 1, "digest_log": str(logs / "small.jsonl")}),
             engine_options={"num_gpu_blocks_override": 20},
         ),
     }
@@ -198,9 +199,9 @@ def test_decode_first_pushes_each_layer_as_the_prefill_forward_saves_it(engines:
     single = ray.get(engines["decode"].generate.remote(prompts, NEW_TOKENS))
     logs = engines["logs"]
     # Digests are taken for one request in DIGEST_EVERY, chosen by its id: make the first one of them.
-    handoffs = [mint_handoff() for _ in prompts]
+    handoffs = [mint_handoff_id() for _ in prompts]
     while zlib.crc32(handoffs[0].encode()) % DIGEST_EVERY:
-        handoffs[0] = mint_handoff()
+        handoffs[0] = mint_handoff_id()
     handoff = decode_first(
         engines["prefill"],
         engines["decode"],
@@ -238,9 +239,9 @@ def test_layerwise_requests_vllm_preempts_are_pushed_whole_from_where_they_ran_a
     small, decode, logs = engines["small"], engines["decode"], engines["logs"]
     single = ray.get(decode.generate.remote(prompts, NEW_TOKENS))
     key = HandoffKey.from_hex(deployment_key())
-    handoffs = [mint_handoff() for _ in prompts]
+    handoffs = [mint_handoff_id() for _ in prompts]
     while zlib.crc32(handoffs[0].encode()) % DIGEST_EVERY:  # the decode side hashes this one
-        handoffs[0] = mint_handoff()
+        handoffs[0] = mint_handoff_id()
     engine = ray.get(small.kv_engine_id.remote())
     prefilling = small.generate.remote(prompts, 60, [hold_params(key, h) for h in handoffs], ignore_eos=True)
     # The engine's actor is busy generating: its digest log says when a request is preempted.

@@ -23,12 +23,10 @@ from vllm.v1.request import RequestStatus  # noqa: E402 - after the check that v
 from kvray.agent.handoff import NO_BLOCK  # noqa: E402 - after the check that vLLM is installed
 from kvray.errors import ConfigError  # noqa: E402 - after the check that vLLM is installed
 from kvray.integrations.vllm import tickets  # noqa: E402 - after the check that vLLM is installed
-from kvray.integrations.vllm.connector import (  # noqa: E402 - after the check
-    KvrayConnector,
-    KvrayHandshake,
-    _Scheduler,
-    block_size_of,
-)
+from kvray.integrations.vllm.cache_layout import block_size_of  # noqa: E402 - after the check
+from kvray.integrations.vllm.connector import KvrayConnector  # noqa: E402 - after the check
+from kvray.integrations.vllm.metadata import KvrayHandshake  # noqa: E402 - after the check
+from kvray.integrations.vllm.scheduler import ConnectorScheduler  # noqa: E402 - after the check
 
 KEY = tickets.HandoffKey.from_hex(tickets.new_key_hex())
 BLOCK_SIZE = 16
@@ -69,13 +67,13 @@ def request(request_id: str, params: Any, tokens: int = 40) -> SimpleNamespace:
     )
 
 
-def scheduler() -> _Scheduler:
-    sched = _Scheduler("vllm-p", BLOCK_SIZE, KEY)
+def scheduler() -> ConnectorScheduler:
+    sched = ConnectorScheduler("vllm-p", BLOCK_SIZE, KEY)
     sched.handshake = KvrayHandshake("vllm-p", 5, "node-1", "/dev/shm/kvray-inbox")
     return sched
 
 
-def run_decode(sched: _Scheduler, req: SimpleNamespace) -> Any:
+def run_decode(sched: ConnectorScheduler, req: SimpleNamespace) -> Any:
     """vLLM's scheduler calls for a decode request: match, allocate, build the step's metadata."""
     count, asynchronous = sched.matched(req, 0)
     if count:
@@ -94,7 +92,7 @@ def test_a_prefill_engine_mints_the_hand_off_id_and_answers_only_what_the_decode
         held, params = sched.finished(req, ([1, 2],))
         assert held
         answers.append(params)
-    ids = [tickets.read_held(KEY, params).request for params in answers]
+    ids = [tickets.read_held(KEY, params).handoff_id for params in answers]
     assert ids[0] != ids[1] and "dup" not in ids[0]
     assert set(answers[0]) == HELD_FIELDS
     meta = sched.step(NOTHING_NEW)
@@ -106,7 +104,7 @@ def test_a_decode_engine_loads_by_a_signed_ticket() -> None:
     held_req = request("p-1", {"do_remote_decode": True})
     prefill.allocated(held_req, Blocks([1, 2, 3]), 0)
     _, params = prefill.finished(held_req, ([1, 2, 3],))
-    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    decode = ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)
     count, asynchronous, meta = run_decode(decode, request("d-1", dict(params)))
     assert (count, asynchronous) == (40, True)
     spec = meta.step.loads["d-1"]
@@ -148,7 +146,7 @@ def test_a_release_names_this_engines_own_held_ticket() -> None:
     req = request("p-1", {"do_remote_decode": True})
     sched.allocated(req, Blocks([1]), 0)
     _, params = sched.finished(req, ([1],))
-    key = tickets.read_held(KEY, params).request
+    key = tickets.read_held(KEY, params).handoff_id
     sched.step(NOTHING_NEW)
     forged = {**tickets.release_params(params), tickets.PREFILL_REQUEST: "c" * 32}
     for params_sent in (forged, tickets.release_params(params)):
@@ -179,8 +177,8 @@ def test_no_kv_transfer_params_raise_inside_the_scheduler(params: Any) -> None:
 
 
 def test_a_load_that_ends_before_its_blocks_are_allocated_is_withdrawn() -> None:
-    handoff = tickets.mint_handoff()
-    sched = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    handoff = tickets.mint_handoff_id()
+    sched = ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)
     req = request("d-1", tickets.load_params(KEY, "vllm-p", handoff))
     assert sched.matched(req, 0) == (40, True)  # no blocks free yet: it waits, then is aborted
     sched.finished(req, ())
@@ -219,7 +217,7 @@ def test_several_kv_cache_groups_keep_their_blocks_apart_and_nulls_hold_no_block
     (send,) = prefill.step(NOTHING_NEW).step.sends.values()
     assert send.block_ids == ((NO_BLOCK, 6, 7), (8, 9, 10))
 
-    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    decode = ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)
     load = request("d-1", dict(params), tokens=40)
     count, _ = decode.matched(load, BLOCK_SIZE)  # its first block is in its own prefix cache
     assert count == 40 - BLOCK_SIZE
@@ -241,13 +239,13 @@ def test_kv_cache_groups_of_different_block_sizes_are_refused_at_start_up() -> N
 
 
 def test_a_held_ticket_expires_with_the_lease_and_a_decode_first_hold_binds_its_decode_engine() -> None:
-    sched = _Scheduler("vllm-p", BLOCK_SIZE, KEY, lease_s=5.0)
+    sched = ConnectorScheduler("vllm-p", BLOCK_SIZE, KEY, lease_s=5.0)
     sched.handshake = KvrayHandshake("vllm-p", 5, "node-1", "/dev/shm/kvray-inbox")
     req = request("p-1", {"do_remote_decode": True})
     sched.allocated(req, Blocks([1]), 0)
     _, params = sched.finished(req, ([1],))
     assert time.time() + 5 <= params[tickets.EXPIRES] <= time.time() + 7
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     bound = request("p-2", tickets.hold_params(KEY, handoff, decode_engine="vllm-d"))
     sched.allocated(bound, Blocks([2]), 0)
     sched.finished(bound, ([2],))
@@ -256,8 +254,8 @@ def test_a_held_ticket_expires_with_the_lease_and_a_decode_first_hold_binds_its_
 
 
 def test_a_decode_engine_refuses_a_ticket_for_another_decode_engine() -> None:
-    handoff = tickets.mint_handoff()
-    decode = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+    handoff = tickets.mint_handoff_id()
+    decode = ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)
     _, _, meta = run_decode(
         decode, request("d-1", tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-x"))
     )
@@ -284,12 +282,17 @@ json_values = st.recursive(
     max_leaves=5,
 )
 _HELD = tickets.Held(
-    engine="vllm-p", incarnation=5, request=tickets.mint_handoff(), node="node-1", inbox="/x", expires=2**40
+    engine="vllm-p",
+    incarnation=5,
+    handoff_id=tickets.mint_handoff_id(),
+    node="node-1",
+    inbox="/x",
+    expires=2**40,
 )
 genuine = [
-    tickets.hold_params(KEY, tickets.mint_handoff()),
-    tickets.hold_params(KEY, tickets.mint_handoff(), decode_engine="vllm-d"),
-    tickets.load_params(KEY, "vllm-p", tickets.mint_handoff()),
+    tickets.hold_params(KEY, tickets.mint_handoff_id()),
+    tickets.hold_params(KEY, tickets.mint_handoff_id(), decode_engine="vllm-d"),
+    tickets.load_params(KEY, "vllm-p", tickets.mint_handoff_id()),
     tickets.held_params(KEY, _HELD),
     tickets.release_params(tickets.held_params(KEY, _HELD)),
 ]
@@ -310,7 +313,7 @@ def test_every_kvray_field_of_a_genuine_ticket_set_to_any_json_value_raises_noth
     client can send), through every scheduler hook, on a prefill and a decode engine: nothing
     raises, and a load vLLM waits for is issued (refused, or by a ticket that verified)."""
     altered = json.loads(json.dumps({**params, **changes}))
-    for sched in (scheduler(), _Scheduler("vllm-d", BLOCK_SIZE, KEY)):
+    for sched in (scheduler(), ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)):
         req = request("r-1", altered)
         count, asynchronous = sched.matched(req, 0)
         sched.allocated(req, Blocks([1, 2, 3]), count)
@@ -324,7 +327,7 @@ class _Broken:
     """A scheduler side whose every reader fails unexpectedly."""
 
     def __init__(self) -> None:
-        self.inner = _Scheduler("vllm-d", BLOCK_SIZE, KEY)
+        self.inner = ConnectorScheduler("vllm-d", BLOCK_SIZE, KEY)
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self.inner.matched(request, num_computed_tokens)
@@ -344,7 +347,7 @@ def test_an_unexpected_error_in_a_hook_ends_as_that_requests_failure_not_the_eng
     connector = KvrayConnector.__new__(KvrayConnector)
     broken = _Broken()
     connector._scheduler = broken  # type: ignore[assignment]
-    req = request("d-1", tickets.load_params(KEY, "vllm-p", tickets.mint_handoff()))
+    req = request("d-1", tickets.load_params(KEY, "vllm-p", tickets.mint_handoff_id()))
     assert connector.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here instead
     # A load vLLM was promised (the match ran before the error): it fails at once.
     broken.inner.matched(req, 0)

@@ -338,8 +338,8 @@ def test_any_json_value_in_any_kvray_field_fails_only_its_own_request(servers: d
     genuine = {
         "held": (decode, spare),
         "release": (prefill, tickets.release_params(spare)),
-        "hold": (prefill, tickets.hold_params(key, tickets.mint_handoff())),
-        "load": (decode, tickets.load_params(key, ticket["kvray_prefill_engine"], tickets.mint_handoff())),
+        "hold": (prefill, tickets.hold_params(key, tickets.mint_handoff_id())),
+        "load": (decode, tickets.load_params(key, ticket["kvray_prefill_engine"], tickets.mint_handoff_id())),
     }
     chooser = random.Random(43)
     sent = 0

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from engine_pool import mla_decode_engine
 from generations import departures
-from handoff_logs import failures, head_digests, records
+from handoff_logs import digest_logged, failures, head_digests, records
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -35,7 +35,6 @@ from kvray.integrations.vllm.model import (  # noqa: E402 - after the check that
     TINY_LLAMA_GQA,
     tiny_model,
 )
-from kvray.integrations.vllm.pd import transfer_config  # noqa: E402
 from kvray.integrations.vllm.prompts import load_prompts  # noqa: E402
 
 NEW_TOKENS = 16
@@ -61,7 +60,7 @@ def engines(vllm_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     extra = {"transfer_timeout_s": DEADLINE_S, "notify_timeout_s": 5.0, "lease_s": 120.0, "digest_every": 1}
 
     def start(name: str, model: Any, tp: int, node: str = "node_a") -> Any:
-        config = transfer_config({**extra, "digest_log": str(logs / f"{name}.jsonl")})
+        config = digest_logged({**extra, "digest_log": str(logs / f"{name}.jsonl")})
         options = {
             **MODELS[model.name].engine_options,
             "tensor_parallel_size": tp,

@@ -1,6 +1,8 @@
 """kvray's own imports follow the data flow (layout -> backing -> region -> coordinator -> plan ->
-transport -> notice (completion) -> agent -> workers / serve / demo) and have no cycle: read from the
-source with `ast`, so a new import against the flow fails here before it is reviewed."""
+transport -> notice (completion) -> agent -> workers / serve / demo), the engine integrations import
+no instrumentation or fault (those subclass the integrations' classes from outside), and no two
+modules import each other, not even behind a deferred import: read from the source with `ast`, so
+a new import against the flow fails here before it is reviewed."""
 
 from __future__ import annotations
 
@@ -50,12 +52,26 @@ TIERS: list[tuple[str, ...]] = [
 ]
 
 
+#: Imports forbidden inside the last tier: (importer, imported), each a module or package.
+#: Instrumentation (`kvray.bench`: digest logs, timing) and deliberate faults (`kvray.faults`)
+#: subclass an integration's classes and are loaded by module path (`DigestLogConnector`,
+#: `SeedBugConnector`); the integrations never reach up for them.
+FORBIDDEN: list[tuple[str, str]] = [
+    ("kvray.integrations", "kvray.bench"),
+    ("kvray.integrations", "kvray.faults"),
+]
+
+
+def within(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
 def tier_of(module: str) -> int:
     """The tier of a kvray module: that of the longest listed name it is or lies under."""
     best, best_length = -1, -1
     for index, names in enumerate(TIERS):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best_length:
+            if within(module, name) and len(name) > best_length:
                 best, best_length = index, len(name)
     if best < 0:
         raise AssertionError(f"{module} is in no tier of the data flow: add it to TIERS")
@@ -105,6 +121,32 @@ def against_the_flow(graph: dict[str, set[str]]) -> list[str]:
     ]
 
 
+def forbidden(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} imports {target} (forbidden: {importer} -> {imported})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        for importer, imported in FORBIDDEN
+        if within(module, importer) and within(target, imported)
+    ]
+
+
+def import_graph(*, top_level_only: bool) -> dict[str, set[str]]:
+    """Each kvray module's imports of other kvray modules. A package importing its own
+    submodules to re-export them is left out; what matters is a submodule that needs its
+    package's __init__ while that is still running it, or two modules each other."""
+    modules = sources()
+    graph = {
+        name: {target for target in imports_of(path, top_level_only=top_level_only) if target in modules}
+        - {name}
+        for name, path in modules.items()
+    }
+    return {
+        name: {target for target in targets if not name.startswith(target + ".")}
+        for name, targets in graph.items()
+    }
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every import cycle found by a depth-first walk (each reported once, from where it closes)."""
     found: list[list[str]] = []
@@ -133,19 +175,21 @@ def test_every_import_follows_the_data_flow() -> None:
     assert against_the_flow(graph) == []
 
 
+def test_the_integrations_import_no_instrumentation_and_no_fault() -> None:
+    graph = {name: imports_of(path, top_level_only=False) - {name} for name, path in sources().items()}
+    assert forbidden(graph) == []
+
+
 def test_no_module_imports_itself_back() -> None:
-    modules = sources()
-    graph = {
-        name: {target for target in imports_of(path, top_level_only=True) if target in modules} - {name}
-        for name, path in modules.items()
-    }
-    # A package imports its submodules to re-export them; what matters is a submodule that
-    # needs its package's __init__ while that is still running it, or two modules each other.
-    graph = {
-        name: {target for target in targets if not name.startswith(target + ".")}
-        for name, targets in graph.items()
-    }
+    assert cycles(import_graph(top_level_only=True)) == []
+
+
+def test_no_cycle_hides_behind_a_deferred_import() -> None:
+    # An import inside a function only moves a cycle to run time (the verbs transport's
+    # connections and write modules once needed each other that way).
+    graph = import_graph(top_level_only=False)
     assert cycles(graph) == []
+    assert "kvray.transport.verbs.write" not in graph["kvray.transport.verbs.connections"]
 
 
 #: Modules of plain values and arithmetic: they import no event loop, Ray or device library, and
@@ -189,6 +233,13 @@ def test_the_checks_catch_what_they_look_for() -> None:
         "kvray.plan (tier 6) imports kvray.agent.push (tier 10)"
     ]
     assert against_the_flow({"kvray.agent.push": {"kvray.plan"}}) == []
+    assert forbidden({"kvray.integrations.vllm.connector": {"kvray.bench.handoff_log", "kvray.faults"}}) == [
+        "kvray.integrations.vllm.connector imports kvray.bench.handoff_log "
+        "(forbidden: kvray.integrations -> kvray.bench)",
+        "kvray.integrations.vllm.connector imports kvray.faults "
+        "(forbidden: kvray.integrations -> kvray.faults)",
+    ]
+    assert forbidden({"kvray.bench.handoff_log": {"kvray.integrations.vllm.connector"}}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     with pytest.raises(AssertionError, match="no tier"):
         tier_of("elsewhere.module")

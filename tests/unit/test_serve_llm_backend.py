@@ -21,7 +21,7 @@ import random
 import string
 import sys
 import types
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,16 @@ VLLM_ERROR = (
     '"param": null, "code": 500}}\n\n'
 )
 DONE = "data: [DONE]\n\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running() -> Iterator[None]:
+    """Building Ray Serve LLM's app here starts a Ray in this process; the tests after this
+    module start Ray their own way."""
+    running = ray.is_initialized()
+    yield
+    if not running and ray.is_initialized():
+        ray.shutdown()
 
 
 class Answer:
@@ -164,7 +174,7 @@ def helper_configs(tmp_path: Path) -> list[Any]:
     return [
         pd.transfer_config(),
         pd.transfer_config({"transfer_timeout_s": 30.0}, kv_role="kv_consumer"),
-        serve_llm.kv_transfer_config({"digest_every": 1}),
+        serve_llm.kv_transfer_config({"lease_s": 30.0}),
         *(d.init_kwargs["llm_config"].model_dump() for d in (decode, prefill)),
     ]
 
@@ -288,6 +298,10 @@ def serve_llm_over(base: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> t
 
 @pytest.fixture
 def in_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    act_as_replica(monkeypatch)
+
+
+def act_as_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a Serve replica's back-end reads of Ray: its cluster and node, and the key."""
     context = types.SimpleNamespace(gcs_address="127.0.0.1:6379", get_node_id=lambda: "node-a")
     monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
@@ -316,9 +330,9 @@ def check_backend(backend_class: type, base: type) -> None:
     key = tickets.HandoffKey.from_hex(KEY)
     handoff = tickets.read_hold(key, prefill.kv_transfer_params)
     assert prefill.max_tokens == 1 and not prefill.stream
-    assert handoff == tickets.Hold(handoff.request, decode_engine=engine)  # this replica decodes
+    assert handoff == tickets.Hold(handoff.handoff_id, decode_engine=engine)  # this replica decodes
     assert tickets.read_load(key, decode.kv_transfer_params) == tickets.Load(
-        engine=engine, request=handoff.request, decode_engine=engine
+        engine=engine, handoff_id=handoff.handoff_id, decode_engine=engine
     )
     too_long = CompletionRequest(model="m", prompt="x", max_tokens=65)
     backend.prepare_prefill_request(request=too_long, peer=None)
@@ -345,3 +359,52 @@ def test_the_backend_on_newer_rays_engine_neutral_connector_base(monkeypatch: py
     assert not hasattr(base.BaseConnectorBackend, "kv_transfer_config")
     newer = serve_llm_over(base, monkeypatch)
     check_backend(newer.KvrayConnectorBackend, base.BaseConnectorBackend)
+
+
+@pytest.mark.parametrize(
+    ("config", "kvray"),
+    [
+        ({"kv_connector": "KvrayConnector"}, True),
+        ({"kv_connector": "DigestLogConnector", "kv_connector_module_path": "kvray.bench.handoff_log"}, True),
+        ({"kv_connector": "SeedBugConnector", "kv_connector_module_path": "kvray.faults"}, True),
+        ({"kv_connector": "KvrayConnector", "kv_connector_module_path": "kvray.bench.handoff_timing"}, True),
+        ({"kv_connector": "NixlConnector"}, False),
+        ({"kv_connector": "KvrayConnector", "kv_connector_module_path": "kvray.no_such_module"}, False),
+        ({"kv_connector": "DigestLog", "kv_connector_module_path": "kvray.bench.handoff_log"}, False),
+    ],
+)
+def test_the_back_end_takes_kvrays_connector_and_its_subclasses_only(
+    config: dict[str, Any], kvray: bool
+) -> None:
+    assert serve_llm.is_kvray_connector(config) is kvray
+
+
+def test_an_app_of_an_instrumented_connector_is_served_by_kvrays_back_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
+
+    # A key named here: no process or cluster key is looked up or made.
+    logs = {"digest_log": str(tmp_path / "log.jsonl"), "handoff_key": KEY}
+    app = serve_llm.build_pd_app(
+        str(tmp_path), prefill_extra=logs, decode_extra=logs, connector=DIGEST_LOG_CONNECTOR
+    )
+    decode = app._bound_deployment.init_kwargs["llm_deployments"]["smollm2"]._bound_deployment
+    prefill = decode.init_kwargs["prefill_server"]._bound_deployment
+    for deployment in (decode, prefill):
+        transfer = deployment.init_kwargs["llm_config"].engine_kwargs["kv_transfer_config"]
+        assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (
+            "DigestLogConnector",
+            "kvray.bench.handoff_log",
+        )
+    assert (
+        KVConnectorBackendFactory.get_backend_class("DigestLogConnector") is serve_llm.KvrayConnectorBackend
+    )
+    act_as_replica(monkeypatch)  # the app is built; its replica sets up
+    backend = serve_llm.KvrayConnectorBackend(
+        types.SimpleNamespace(engine_kwargs={"kv_transfer_config": dict(transfer)})
+    )
+    backend.setup()
+    assert backend.replica_metadata()[serve_llm.ENGINE_KEY].startswith("vllm-serve-")

@@ -36,7 +36,7 @@ OTHER = HandoffKey.from_hex(tickets.new_key_hex())
 HELD = Held(
     engine="vllm-p",
     incarnation=7,
-    request=tickets.mint_handoff(),
+    handoff_id=tickets.mint_handoff_id(),
     node="n1",
     inbox="/dev/shm/kvray-x",
     expires=tickets.expiry(7 * 24 * 3600),  # outlives any test run: tests of expiry pass `now`
@@ -44,29 +44,29 @@ HELD = Held(
 
 
 def test_minted_ids_are_fresh_and_hand_off_shaped() -> None:
-    ids = {tickets.mint_handoff() for _ in range(1000)}
+    ids = {tickets.mint_handoff_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(handoff) == 32 and int(handoff, 16) >= 0 for handoff in ids)
 
 
 def test_each_kind_of_ticket_reads_back_what_was_signed() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     assert tickets.read_hold(KEY, tickets.hold_params(KEY, handoff)) == Hold(handoff)
     assert tickets.read_hold(KEY, tickets.hold_params(KEY, handoff, decode_engine="vllm-d")) == Hold(
         handoff, "vllm-d"
     )
     load = tickets.read_load(KEY, tickets.load_params(KEY, "vllm-p", handoff))
-    assert (load.engine, load.request, load.held, load.decode_engine) == ("vllm-p", handoff, None, "")
+    assert (load.engine, load.handoff_id, load.held, load.decode_engine) == ("vllm-p", handoff, None, "")
     load = tickets.read_load(KEY, tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-d"))
     assert load.decode_engine == "vllm-d"
     load = tickets.read_load(KEY, tickets.held_params(KEY, HELD))
-    assert load.held == HELD and load.request == HELD.request
+    assert load.held == HELD and load.handoff_id == HELD.handoff_id
     assert tickets.read_release(KEY, tickets.release_params(tickets.held_params(KEY, HELD))) == HELD
     assert tickets.read_hold(KEY, {"do_remote_decode": True}) is None  # the engine mints its own
 
 
 def test_a_ticket_is_only_its_own_kind() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     hold = tickets.hold_params(KEY, handoff)
     with pytest.raises(TicketError):  # a hold ticket does not open a load of the same id
         tickets.read_load(KEY, {**hold, PREFILL_ENGINE: "vllm-p"})
@@ -96,7 +96,7 @@ def test_an_altered_ticket_is_refused(change: dict[str, Any]) -> None:
 HELD_TP = Held(
     engine="vllm-p",
     incarnation=7,
-    request=tickets.mint_handoff(),
+    handoff_id=tickets.mint_handoff_id(),
     node="n1",
     inbox="/dev/shm/kvray-x",
     ranks=((8, "/dev/shm/kvray-y"), (9, "/dev/shm/kvray-z")),
@@ -126,7 +126,7 @@ def test_a_tensor_parallel_engines_ticket_names_every_rank_and_one_of_one_rank_i
 
 
 def test_a_ticket_signed_under_another_key_or_unsigned_is_refused() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     for params in (
         tickets.load_params(OTHER, "vllm-p", handoff),
         {"do_remote_prefill": True, PREFILL_ENGINE: "vllm-p", HANDOFF: handoff, tickets.EXPIRES: 2**40},
@@ -144,7 +144,7 @@ def test_a_client_request_id_is_not_a_hand_off_id() -> None:
 
 
 def test_a_ticket_is_honoured_until_it_expires_give_or_take_the_clocks_skew() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     hold = tickets.hold_params(KEY, handoff, ttl_s=60)
     load = tickets.load_params(KEY, "vllm-p", handoff, ttl_s=60)
     held = tickets.held_params(KEY, HELD)
@@ -166,7 +166,7 @@ def test_a_ticket_is_honoured_until_it_expires_give_or_take_the_clocks_skew() ->
         with pytest.raises(TicketError):
             tickets.read_load(KEY, without) if params is not hold else tickets.read_hold(KEY, without)
     with pytest.raises(ValueError):
-        tickets.held_params(KEY, Held(engine="e", incarnation=1, request=handoff, node="", inbox=""))
+        tickets.held_params(KEY, Held(engine="e", incarnation=1, handoff_id=handoff, node="", inbox=""))
 
 
 def test_only_the_proxy_can_release_the_decode_leg_sees_no_release_tag() -> None:
@@ -182,7 +182,7 @@ def test_only_the_proxy_can_release_the_decode_leg_sees_no_release_tag() -> None
 
 
 def test_a_decode_first_ticket_names_its_decode_engine_under_the_tag() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     for params, read in (
         (tickets.hold_params(KEY, handoff, decode_engine="vllm-d"), tickets.read_hold),
         (tickets.load_params(KEY, "vllm-p", handoff, decode_engine="vllm-d"), tickets.read_load),
@@ -193,13 +193,13 @@ def test_a_decode_first_ticket_names_its_decode_engine_under_the_tag() -> None:
 
 
 def test_an_ask_proof_names_its_key_engine_and_hand_off() -> None:
-    handoff = tickets.mint_handoff()
+    handoff = tickets.mint_handoff_id()
     proof = KEY.ask_proof("vllm-p", handoff)
     assert len(proof) == 32 and proof == KEY.ask_proof("vllm-p", handoff)
     assert proof not in (
         OTHER.ask_proof("vllm-p", handoff),
         KEY.ask_proof("vllm-p-tp1", handoff),
-        KEY.ask_proof("vllm-p", tickets.mint_handoff()),
+        KEY.ask_proof("vllm-p", tickets.mint_handoff_id()),
     )
 
 
@@ -242,8 +242,8 @@ json_values = st.recursive(
     max_leaves=5,
 )
 genuine = [
-    tickets.hold_params(KEY, tickets.mint_handoff(), decode_engine="vllm-d"),
-    tickets.load_params(KEY, "vllm-p", tickets.mint_handoff()),
+    tickets.hold_params(KEY, tickets.mint_handoff_id(), decode_engine="vllm-d"),
+    tickets.load_params(KEY, "vllm-p", tickets.mint_handoff_id()),
     tickets.held_params(KEY, HELD_TP),
     tickets.release_params(tickets.held_params(KEY, HELD)),
 ]

@@ -14,7 +14,8 @@ import torch
 from kvray.agent.handoff import PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import ConfigError
-from kvray.integrations.vllm.worker import ConnectorWorker, block_runs, layout_of
+from kvray.integrations.vllm.cache_layout import block_runs, layout_of
+from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.memory import Backing
 from kvray.wire import Role
 from tests.vllm_layouts import KV_CACHE_LAYOUTS, CacheShape, block_of, layout_views, legacy_views

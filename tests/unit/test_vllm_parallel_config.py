@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="the connector module needs vllm: pip install -e '.[vllm]'")
 
 from kvray.errors import ConfigError
-from kvray.integrations.vllm.connector import kv_heads_of
+from kvray.integrations.vllm.cache_layout import kv_heads_of
 
 
 def config(tp: int = 1, kv_heads: int = 4, *, mla: bool = False, **parallel: int) -> Any:

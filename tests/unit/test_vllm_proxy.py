@@ -26,7 +26,7 @@ KEY = tickets.HandoffKey.from_hex(tickets.new_key_hex())
 HELD = tickets.held_params(
     KEY,
     tickets.Held(
-        engine="vllm-p", incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x",
+        engine="vllm-p", incarnation=1, handoff_id=tickets.mint_handoff_id(), node="", inbox="/x",
         expires=int(time.time()) + 7 * 24 * 3600,
     ),
 )  # fmt: skip
@@ -151,7 +151,7 @@ async def test_a_decode_leg_that_fails_hands_the_ticket_back_to_the_prefill_serv
     released = upstreams.releases()
     assert (
         len(released) == 1
-        and tickets.read_held(KEY, released[0]).request == tickets.read_held(KEY, HELD).request
+        and tickets.read_held(KEY, released[0]).handoff_id == tickets.read_held(KEY, HELD).handoff_id
     )
 
 

@@ -149,7 +149,7 @@ def held_ticket(engine: str) -> dict[str, Any]:
     return tickets.held_params(
         KEY,
         tickets.Held(
-            engine=engine, incarnation=1, request=tickets.mint_handoff(), node="", inbox="/x",
+            engine=engine, incarnation=1, handoff_id=tickets.mint_handoff_id(), node="", inbox="/x",
             expires=int(time.time()) + 7 * 24 * 3600,
         ),
     )  # fmt: skip
@@ -821,7 +821,7 @@ async def test_a_decode_server_that_ends_the_request_with_an_error_before_a_toke
     assert (error["leg"], error["cause"]) == (Leg.DECODE, Cause.KV_LOAD_FAILED)
     released = upstreams.releases()
     assert len(released) == 1, "the ticket goes back"
-    assert tickets.read_held(KEY, released[0]).request == tickets.read_held(KEY, HELD).request
+    assert tickets.read_held(KEY, released[0]).handoff_id == tickets.read_held(KEY, HELD).handoff_id
 
 
 async def test_a_stream_that_ends_with_an_error_after_a_token_ends_with_an_error_event() -> None:
@@ -986,9 +986,8 @@ async def test_a_held_ticket_goes_back_to_the_prefill_server_that_issued_it() ->
     assert len(released) == 4
     assert {server for server, _ in released} == {P1, P2}
     for server, ticket in released:
-        assert tickets.read_held(KEY, ticket).request == tickets.read_held(KEY, issued[server]).request, (
-            server
-        )
+        handoff_id = tickets.read_held(KEY, issued[server]).handoff_id
+        assert tickets.read_held(KEY, ticket).handoff_id == handoff_id, server
 
 
 # ---- 11. /health ---------------------------------------------------------------------------------

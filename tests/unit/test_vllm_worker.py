@@ -17,7 +17,8 @@ import torch
 from kvray.agent.handoff import NO_BLOCK, PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
 from kvray.errors import BackpressureError, ConfigError, RegionError, TransferTimeoutError, WireDecodeError
-from kvray.integrations.vllm.worker import ConnectorWorker, layout_of, settings_from
+from kvray.integrations.vllm.cache_layout import layout_of
+from kvray.integrations.vllm.worker import ConnectorWorker, settings_from
 from kvray.memory import Backing, MemoryKind
 from kvray.owned import is_owned_name
 from kvray.wire import (
@@ -273,12 +274,20 @@ def test_a_push_request_for_a_prefill_request_that_ended_without_kv_is_refused_a
 
 
 def test_settings_come_from_the_extra_config_and_unknown_keys_are_errors() -> None:
-    settings = settings_from({"transfer_timeout_s": 7.5, "lease_s": 3.0, "digest_log": "x"})
+    settings = settings_from({"transfer_timeout_s": 7.5, "lease_s": 3.0, "preempt_wait_s": 0.2})
     assert settings.transfer_timeout_s == 7.5
     with pytest.raises(ConfigError, match="bogus"):
         settings_from({"bogus": 1})
     with pytest.raises(ConfigError):
         settings_from({"transfer_timeout_s": "soon"})
+
+
+def test_an_instrumentation_key_names_the_connector_that_reads_it() -> None:
+    with pytest.raises(ConfigError, match=r"DigestLogConnector.*kvray\.bench\.handoff_log"):
+        settings_from({"digest_log": "x"})
+    with pytest.raises(ConfigError, match=r"SeedBugConnector.*kvray\.faults"):
+        settings_from({"seed_bug": True})
+    settings_from({"digest_log": "x", "digest_every": 4}, {"digest_log", "digest_every"})  # its own keys
 
 
 @pytest.mark.parametrize("transport", ["auto", "shm", "ray"])

@@ -15,6 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 CONNECTOR_MODULE = "kvray.integrations.vllm.connector"
+
+
+@dataclass(frozen=True)
+class ConnectorClass:
+    """A vLLM KV connector class as a `kv_transfer_config` names it: the class `name`
+    (`kv_connector`) in the module vLLM imports (`kv_connector_module_path`)."""
+
+    name: str
+    module: str
+
+
+#: kvray's connector. Instrumented ones (a digest log, the seed bug) subclass it elsewhere:
+#: `kvray.bench.handoff_log.DIGEST_LOG_CONNECTOR`, `kvray.faults.SEED_BUG_CONNECTOR`.
+KVRAY_CONNECTOR = ConnectorClass("KvrayConnector", CONNECTOR_MODULE)
 #: vLLM's CPU worker processes' OpenMP cores, one `|`-separated list per rank (vLLM reads it in
 #: the engine core, as its multiprocessing executor starts the workers).
 THREADS_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
@@ -89,9 +103,14 @@ def kept_cluster_key() -> str | None:
 
 
 def transfer_config(
-    extra: Mapping[str, Any] | None = None, *, kv_role: str = "kv_both", failure_policy: str = "fail"
+    extra: Mapping[str, Any] | None = None,
+    *,
+    kv_role: str = "kv_both",
+    failure_policy: str = "fail",
+    connector: ConnectorClass = KVRAY_CONNECTOR,
 ) -> dict[str, Any]:
-    """The `--kv-transfer-config` of an engine using `KvrayConnector`. It holds no hand-off key
+    """The `--kv-transfer-config` of an engine using `KvrayConnector` (or `connector`, a
+    subclass of it, loaded by module path). It holds no hand-off key
     (vLLM prints the config at start-up): the engines take this process's (`deployment_key`)
     from their environment, processes started from here by inheriting KVRAY_HANDOFF_KEY, an
     `Engine` in a Ray actor from the cluster, so engines configured by one process trust each
@@ -100,8 +119,8 @@ def transfer_config(
     if not names_key(extra):
         deployment_key()
     return {
-        "kv_connector": "KvrayConnector",
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector": connector.name,
+        "kv_connector_module_path": connector.module,
         "kv_role": kv_role,
         "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": extra,
@@ -390,10 +409,10 @@ def decode_first(
     `prefill`/`decode` are `Engine` Ray actor handles."""
     import ray
 
-    from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff
+    from kvray.integrations.vllm.tickets import HandoffKey, hold_params, load_params, mint_handoff_id
 
     key = HandoffKey.from_hex(deployment_key())
-    handoffs = list(handoffs) if handoffs is not None else [mint_handoff() for _ in prompts]
+    handoffs = list(handoffs) if handoffs is not None else [mint_handoff_id() for _ in prompts]
     engine, decoder = ray.get([prefill.kv_engine_id.remote(), decode.kv_engine_id.remote()])
     started = time.perf_counter()
     decoding = decode.generate.remote(

