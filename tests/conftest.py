@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ray_starts import start_local_ray
 
 from kvray.wire import EngineInfo
 
@@ -107,13 +108,7 @@ class SessionRay:
             return self.cluster
         self.stop()
         if kind == "local":
-            ray.init(
-                address="local",
-                num_cpus=8,
-                include_dashboard=False,
-                log_to_driver=False,
-                namespace="kvray-tests",
-            )
+            start_local_ray(num_cpus=8)
         else:
             from ray.cluster_utils import Cluster
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import ray
+from ray_starts import start_local_ray
 
 from kvray.agent.handoff import Handoff, LoadSpec, SendSpec
 from kvray.agent.kvagent import KVAgent
@@ -47,15 +48,7 @@ def _free_port() -> int:
 def metrics_url() -> Iterator[str]:
     """A local Ray whose metrics agent serves Prometheus text on a known port, reporting often."""
     port = _free_port()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="kvray-tests",
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 500},
-    )
+    start_local_ray(num_cpus=4, _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 500})
     yield f"http://127.0.0.1:{port}/metrics"
     ray.shutdown()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from ray_starts import start_local_ray
 
 from kvray.wire import Role
 from kvray.workers import DECODE_RESOURCE, PREFILL_RESOURCE, DecodeActor, placement_options
@@ -25,14 +26,7 @@ def test_no_resource_asked_without_ray() -> None:
 def typed_ray() -> Iterator[None]:
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        resources={PREFILL_RESOURCE: 2, DECODE_RESOURCE: 2},
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="kvray-tests",
-    )
+    start_local_ray(num_cpus=4, resources={PREFILL_RESOURCE: 2, DECODE_RESOURCE: 2})
     yield
     ray.shutdown()
 
