@@ -152,6 +152,7 @@ async def test_every_other_answer_passes_unchanged() -> None:
         await answered(Answer(error=wrapped), stream=False)
 
 
+@pytest.mark.usefixtures("own_ray")  # building the app starts a Ray in this process
 def test_build_pd_app_gives_rays_builder_kvrays_decode_server(tmp_path: Path) -> None:
     from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
 
@@ -179,6 +180,7 @@ def helper_configs(tmp_path: Path) -> list[Any]:
     ]
 
 
+@pytest.mark.usefixtures("own_ray")  # building the app starts a Ray in this process
 def test_no_config_kvrays_helpers_make_holds_the_hand_off_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -379,6 +381,7 @@ def test_the_back_end_takes_kvrays_connector_and_its_subclasses_only(
     assert serve_llm.is_kvray_connector(config) is kvray
 
 
+@pytest.mark.usefixtures("own_ray")  # building the app starts a Ray in this process
 def test_an_app_of_an_instrumented_connector_is_served_by_kvrays_back_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
