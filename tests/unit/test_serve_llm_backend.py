@@ -411,3 +411,33 @@ def test_an_app_of_an_instrumented_connector_is_served_by_kvrays_back_end(
     )
     backend.setup()
     assert backend.replica_metadata()[serve_llm.ENGINE_KEY].startswith("vllm-serve-")
+
+
+def test_the_back_end_is_registered_again_with_each_ray_the_process_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ray's registry answers "registered" from this process's cache: an app built after the
+    # process left one Ray for another would be served without kvray's back-end there.
+    from ray.experimental import internal_kv
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+    from ray.llm._internal.serve.utils import registry
+
+    cluster: dict[bytes, bytes] = {}  # the internal KV of the Ray the process is connected to
+    for module in (registry, internal_kv):
+        monkeypatch.setattr(module, "_internal_kv_initialized", lambda: True)
+        monkeypatch.setattr(module, "_internal_kv_exists", lambda key, **_: key in cluster)
+    monkeypatch.setattr(registry, "_internal_kv_put", lambda key, value, **_: cluster.__setitem__(key, value))
+    monkeypatch.setattr(registry, "_internal_kv_get", lambda key, **_: cluster.get(key))
+    monkeypatch.setattr(registry, "_internal_kv_del", lambda key, **_: cluster.pop(key, None))
+    name = "KvrayRegisteredTwiceConnector"
+    key = registry._make_key(serve_llm.BACKEND_CATEGORY, name)
+    try:
+        serve_llm.register(name)
+        assert key in cluster
+        serve_llm.register(name)  # the same Ray: nothing to do
+        cluster.clear()  # another Ray
+        serve_llm.register(name)
+        assert key in cluster
+        assert KVConnectorBackendFactory.get_backend_class(name) is serve_llm.KvrayConnectorBackend
+    finally:
+        KVConnectorBackendFactory.unregister_backend(name)

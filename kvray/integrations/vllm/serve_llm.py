@@ -77,6 +77,8 @@ from kvray.integrations.vllm.pd import (
 )
 from kvray.integrations.vllm.tickets import HandoffKey, hold_params, key_from, load_params, mint_handoff_id
 
+#: The category of Ray Serve LLM's registry its connector back-ends are kept under.
+BACKEND_CATEGORY = "kv_connector_backend"
 #: The connector's name in `kv_transfer_config` and Ray Serve LLM's back-end registry.
 CONNECTOR = "KvrayConnector"
 #: The key of a prefill replica's kvray engine id in its `replica_metadata`.
@@ -100,8 +102,26 @@ def register(connector: str = CONNECTOR) -> None:
     the `kv_connector` name `connector`: `KvrayConnector`, or a subclass of it."""
     from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 
-    if not KVConnectorBackendFactory.is_registered(connector):
-        KVConnectorBackendFactory.register_backend(connector, f"{__name__}:KvrayConnectorBackend")
+    if KVConnectorBackendFactory.is_registered(connector):
+        if not _missing_from_cluster(connector):
+            return
+        # Registered by this process for a Ray it has since left: Ray's registry answers from
+        # its own cache, so the Ray running now would never hear of it, and its replicas would
+        # serve the app without kvray's back-end (prefill first, the KV pushed whole).
+        KVConnectorBackendFactory.unregister_backend(connector)
+    KVConnectorBackendFactory.register_backend(connector, f"{__name__}:KvrayConnectorBackend")
+
+
+def _missing_from_cluster(connector: str) -> bool:
+    """Whether the Ray this process is connected to lacks the back-end registration of
+    `connector` in its internal KV (where each of its processes looks it up)."""
+    from ray.experimental import internal_kv
+    from ray.llm._internal.serve.utils import registry
+
+    if not internal_kv._internal_kv_initialized():  # type: ignore[no-untyped-call]
+        return False
+    key = registry._make_key(BACKEND_CATEGORY, connector)
+    return not internal_kv._internal_kv_exists(key)
 
 
 def is_kvray_connector(config: Mapping[str, Any]) -> bool:
