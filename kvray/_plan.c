@@ -36,6 +36,12 @@
  *   largest id of that side. A side's rows are 4 x rows: region, base, stride, bytes. True when
  *   every check passes; False when one fails, or the ids are not 1-D (the numpy twin then says
  *   which).
+ * placement_digest(region, start, nbytes, stride, blocks, shift) -> int
+ *   The placement digest (kvray.placement) of the ranges [start + b * stride, + nbytes) of
+ *   `region`, for every run (region, start, nbytes, stride: one entry a run) at every block id
+ *   b of `blocks`: the sum over them of F(end) - F(start) mod 2**64, F SplitMix64's finalizer
+ *   of the address mixed with (region + 1) << shift. `stride` and `blocks` None: the digest of
+ *   the ranges themselves. Addresses wrap mod 2**64 as numpy's uint64 does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -486,7 +492,68 @@ done:
     return result;
 }
 
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static PyObject *placement_digest(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    unsigned int shift;
+    if (!PyArg_ParseTuple(args, "OOOOOI", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+                          &shift)) {
+        return NULL;
+    }
+    if (shift >= 64) {
+        PyErr_SetString(PyExc_ValueError, "kvray._plan: a region shift of 64 bits or more");
+        return NULL;
+    }
+    /* stride None: every run's stride 0; blocks None: one block, 0 (the ranges themselves). */
+    int strided = objects[3] != Py_None, blocked = objects[4] != Py_None;
+    Array a[5];
+    memset(a, 0, sizeof(a));
+    if (!take_all(objects, a, 3, 0) || (strided && !take(objects[3], &a[3], 0))) {
+        give_back(a, 5);
+        return NULL;
+    }
+    if (blocked && !take(objects[4], &a[4], 0)) {
+        give_back(a, 5);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t runs = a[0].len;
+    if (!lengths_are(a, strided ? 4 : 3, runs)) {
+        goto done;
+    }
+    static const int64_t block_zero = 0;
+    const int64_t *region = a[0].data, *start = a[1].data, *nbytes = a[2].data;
+    const int64_t *stride = strided ? a[3].data : NULL;
+    const int64_t *blocks = blocked ? a[4].data : &block_zero;
+    Py_ssize_t count = blocked ? a[4].len : 1;
+    uint64_t sum = 0;
+    /* Let go of the GIL only for long work: taking it back may wait for another thread's turn. */
+    PyThreadState *saved = (double)count * (double)runs >= 65536.0 ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t block = (uint64_t)blocks[i];
+        for (Py_ssize_t r = 0; r < runs; r++) {
+            uint64_t salt = ((uint64_t)region[r] + 1) << shift;
+            uint64_t begin = (uint64_t)start[r] + (stride != NULL ? block * (uint64_t)stride[r] : 0);
+            uint64_t end = begin + (uint64_t)nbytes[r];
+            sum += mix64(salt ^ end) - mix64(salt ^ begin);
+        }
+    }
+    if (saved != NULL) {
+        PyEval_RestoreThread(saved);
+    }
+    result = PyLong_FromUnsignedLongLong(sum);
+done:
+    give_back(a, 5);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"placement_digest", placement_digest, METH_VARARGS, "The placement digest of runs at blocks."},
     {"sort_blocks", sort_blocks, METH_VARARGS,
      "Check both sides' block ids and order the pairs by local id (None when the ids are bad)."},
     {"expand_ops", expand_ops, METH_VARARGS, "One op per (row, block); True when sorted by local offset."},

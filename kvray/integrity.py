@@ -47,7 +47,7 @@ import torch
 from kvray.errors import KVIntegrityError, MetadataError
 from kvray.layout import Int64Array, KVLayout, LayerPlacement, TensorParallel
 from kvray.memory import Backing
-from kvray.placement import ranges_digest
+from kvray.placement import runs_digest
 from kvray.plan import TransferPlan
 from kvray.tensor_parallel import head_runs, shared_heads
 
@@ -163,9 +163,7 @@ class PlacementTable:
         self.stride = np.array(stride, dtype=np.int64)
 
     def digest(self, blocks: Int64Array) -> int:
-        starts = self.start[None, :] + blocks[:, None] * self.stride[None, :]
-        count = blocks.size
-        return ranges_digest(np.tile(self.region, count), starts.ravel(), np.tile(self.nbytes, count))
+        return runs_digest(self.region, self.start, self.nbytes, self.stride, blocks)
 
 
 def _runs(

@@ -17,12 +17,19 @@ as often as it was stored to.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvray.layout import Int64Array
+
+_native: ModuleType | None
+try:
+    from kvray import _plan as _native
+except ImportError:  # built by `pip install`; a source checkout without a build uses numpy alone
+    _native = None
 
 MASK64: Final = (1 << 64) - 1
 #: Region r's addresses are mixed with (r + 1) << 48: regions are shorter than 2**48 bytes.
@@ -53,6 +60,38 @@ def mix_array(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 def ranges_digest(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> int:
     """The placement digest of the ranges [start, start + nbytes) of `region` (arrays of one
     length): what an executor that stored to exactly these ranges reports."""
+    if start.size == 0:
+        return 0
+    if _native is not None:
+        return int(
+            _native.placement_digest(_int64(region), _int64(start), _int64(nbytes), None, None, REGION_SHIFT)
+        )
+    return ranges_digest_numpy(region, start, nbytes)
+
+
+def runs_digest(
+    region: Int64Array, start: Int64Array, nbytes: Int64Array, stride: Int64Array, blocks: Int64Array
+) -> int:
+    """The placement digest of runs (region, start, nbytes, stride: one entry a run) repeated at
+    each block id b of `blocks`, the ranges [start + b * stride, + nbytes): where a layout puts
+    a request's bytes, without building the ranges."""
+    if _native is not None:
+        return int(
+            _native.placement_digest(
+                _int64(region), _int64(start), _int64(nbytes), _int64(stride), _int64(blocks), REGION_SHIFT
+            )
+        )
+    count = blocks.size
+    starts = start[None, :] + blocks[:, None] * stride[None, :]
+    return ranges_digest_numpy(np.tile(region, count), starts.ravel(), np.tile(nbytes, count))
+
+
+def _int64(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def ranges_digest_numpy(region: Int64Array, start: Int64Array, nbytes: Int64Array) -> int:
+    """`ranges_digest` in numpy: the C twin's reference, and the digest where it is not built."""
     if start.size == 0:
         return 0
     salt = (region.astype(np.uint64) + np.uint64(1)) << np.uint64(REGION_SHIFT)

@@ -437,3 +437,42 @@ def test_a_plan_in_a_pool_of_a_million_blocks_is_the_same_both_ways(
         plan_transfer(
             local, remote, [*blocks, blocks[0]], [*remote_blocks, 12], cache=cache(local, remote, None, True)
         )
+
+
+# --- placement digests (kvray.placement) ------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.integers(-(2**62), 2**62),
+            st.integers(0, 2**40),
+            st.integers(-(2**40), 2**40),
+        ),
+        max_size=12,
+    ),
+    blocks=st.lists(st.integers(-(2**20), 2**31), max_size=9),
+)
+def test_the_placement_digests_equal_their_numpy_twins(
+    runs: list[tuple[int, int, int, int]], blocks: list[int]
+) -> None:
+    import kvray.placement as placement
+
+    region, start, nbytes, stride = (np.array([run[i] for run in runs], dtype=np.int64) for i in range(4))
+    ids = np.array(blocks, dtype=np.int64)
+    native = (
+        placement.ranges_digest(region, start, nbytes),
+        placement.runs_digest(region, start, nbytes, stride, ids),
+    )
+    saved, placement._native = placement._native, None
+    try:
+        twin = (
+            placement.ranges_digest(region, start, nbytes),
+            placement.runs_digest(region, start, nbytes, stride, ids),
+        )
+    finally:
+        placement._native = saved
+    assert native == twin
+    assert native[0] == placement.ranges_digest_numpy(region, start, nbytes)
