@@ -4,6 +4,10 @@ DeepSeek-V3's MLA cache (61 layers of 576 bf16 per token, 64 tokens a block, vLL
 views), against a same-GPU device copy of the same bytes measured in the same run.
 
     python benchmarks/bench_gpu_connector.py [--repeat 10] [--tokens 4096 16384] [--json out.json]
+    PYTHONPATH=tests/gpu python benchmarks/bench_gpu_connector.py --device cpu [--tokens 64 1024]
+
+`--device cpu` runs the same hand-off over CPU caches (the decode engine's in a shared-memory
+file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
 
 Per prompt length:
 - `one request`: the prefill engine holds the request; the decode engine's step hands over the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -37,7 +42,9 @@ POLL_S = 100e-6
 class Engine:
     """A `VllmGpuWorker` with timing loops (runs in a Ray GPU actor)."""
 
-    def __init__(self, engine_id: str, num_blocks: int, producer: bool, breakdown: bool = False) -> None:
+    def __init__(
+        self, engine_id: str, num_blocks: int, producer: bool, breakdown: bool = False, device: str = "cuda"
+    ) -> None:
         from connector_actors import VllmGpuWorker
 
         if breakdown:
@@ -50,7 +57,8 @@ class Engine:
 
         shape = CacheShape(LAYERS, num_blocks, BLOCK_SIZE, 1, 576, torch.bfloat16)
         settings = Settings(transfer_timeout_s=60.0, max_concurrent_transfers=STREAM)
-        self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer)
+        self.device = device
+        self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer, device=device)
 
     def setup(self, seed: int) -> dict[str, Any]:
         self.engine.fill(seed)
@@ -94,14 +102,17 @@ class Engine:
         return step_times.taken()
 
     def device_copy(self, nbytes: int, repeat: int) -> list[float]:
-        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        target = torch.empty_like(source)
+        source = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        target = torch.zeros_like(source)
+        cuda = self.device == "cuda"
         times = []
         for _ in range(repeat + 2):
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             target.copy_(source)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
         return times[2:]
 
@@ -117,15 +128,17 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def run(tokens: int, repeat: int, remote: Any, breakdown: bool = False) -> dict[str, Any]:
+def run(
+    tokens: int, repeat: int, remote: Any, breakdown: bool = False, device: str = "cuda"
+) -> dict[str, Any]:
     import ray
 
     per_request = tokens // BLOCK_SIZE
     runs = repeat + 2  # two warm-up runs of each
     # Both engines have room for one stream; the decode engine's blocks are reused once a
     # hand-off into them is reported (as vLLM reuses them).
-    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True, breakdown)
-    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False, breakdown)
+    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True, breakdown, device)
+    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False, breakdown, device)
     p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
     nbytes = per_request * LAYERS * BLOCK_SIZE * 576 * 2
 
@@ -134,11 +147,26 @@ def run(tokens: int, repeat: int, remote: Any, breakdown: bool = False) -> dict[
 
     singles = [[(f"one-{tokens}-{i}", blocks(0))] for i in range(runs)]
     streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
-    for batch in [*singles, *streams]:
-        for key, taken in batch:
-            ray.get(prefill.hold.remote(key, taken))
+    def handoffs(batches: list[list[tuple[str, list[int]]]]) -> list[float]:
+        """Each batch held by the prefill engine (as its requests finish), then handed over."""
+        if device == "cuda":
+            for batch in batches:
+                for key, taken in batch:
+                    ray.get(prefill.hold.remote(key, taken))
+            return list(ray.get(decode.handoffs.remote(p_info, batches)))
+        # On the CPU a hold takes its blocks' content digests on a thread (the push's check
+        # then reads no source byte; on a GPU the copy hashes them): each batch is held just
+        # before it is handed over, as a finished request's blocks are, and given the time
+        # the digests take, so that a push never reads the digests of an earlier hold.
+        times = []
+        for batch in batches:
+            ray.get([prefill.hold.remote(key, taken) for key, taken in batch])
+            time.sleep(0.02 + len(batch) * nbytes / 2e9)
+            times += ray.get(decode.handoffs.remote(p_info, [batch]))
+        return times
+
     ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
-    one = ray.get(decode.handoffs.remote(p_info, singles))[2:]
+    one = handoffs(singles)[2:]
     steps: list[tuple[str, float]] = []
     if breakdown:
         from kvray.bench.step_times import timeline
@@ -147,7 +175,7 @@ def run(tokens: int, repeat: int, remote: Any, breakdown: bool = False) -> dict[
     landed = ray.get(decode.digests.remote(blocks(0)))
     assert landed == ray.get(prefill.digests.remote(blocks(0))), "a hand-off's bytes differ"
     ray.get(decode.setup_fill.remote(3))  # scrubbed: the stream's bytes must land again
-    many = ray.get(decode.handoffs.remote(p_info, streams))[2:]
+    many = handoffs(streams)[2:]
     every = [block for index in range(STREAM) for block in blocks(index)]
     assert ray.get(decode.digests.remote(every)) == ray.get(prefill.digests.remote(every)), (
         "a stream's bytes differ"
@@ -172,14 +200,24 @@ def run(tokens: int, repeat: int, remote: Any, breakdown: bool = False) -> dict[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", help="prompt lengths (4096 16384; on the CPU 64 1024)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the same hand-off over CPU caches (shm), where a short request's time is host time",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--breakdown", action="store_true", help="also time the hand-off's steps (kvray.bench.step_times)"
     )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    cpu = args.device == "cpu"
+    tokens = args.tokens or ([64, 1024] if cpu else [4096, 16384])
+    if not cpu and not torch.cuda.is_available():
+        print("needs a CUDA device (or --device cpu)")
         return 2
     import connector_actors
     import ray
@@ -187,13 +225,15 @@ def main() -> int:
 
     import tests.vllm_layouts
 
-    ray.init(address="local", num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, num_gpus=0 if cpu else 1, include_dashboard=False, log_to_driver=False
+    )
     for module in (connector_actors, tests.vllm_layouts):
         ray.cloudpickle.register_pickle_by_value(module)
-    remote = ray.remote(num_gpus=0.5)(Engine)
-    results = [run(tokens, args.repeat, remote, args.breakdown) for tokens in args.tokens]
+    remote = ray.remote(num_cpus=1)(Engine) if cpu else ray.remote(num_gpus=0.5)(Engine)
+    results = [run(count, args.repeat, remote, args.breakdown, args.device) for count in tokens]
     ray.shutdown()
-    device = torch.cuda.get_device_name(0)
+    device = f"CPU ({os.cpu_count()} cores)" if cpu else torch.cuda.get_device_name(0)
     print(f"kvray connector hand-off on one {device}, DeepSeek-V3 MLA cache, {args.repeat} runs each")
     print(f"{'tokens':>7} {'MiB':>6} {'copy ms':>8} {'one ms':>8} {'one x':>6} {'16 ms':>8} {'16 x':>6}")
     for row in results:

@@ -29,6 +29,7 @@ from tests.vllm_layouts import CacheShape, block_of, layout_views, legacy_views
 
 #: What fills the decode allocation's bytes outside the KV cache (int8).
 CANARY = -91
+PAGE = 4096
 
 
 def load_specs(prefill: dict[str, Any], loads: list[tuple[str, str, list[int]]]) -> dict[str, LoadSpec]:
@@ -60,11 +61,20 @@ class VllmGpuWorker:
         producer: bool = False,
         legacy: str = "",
         order: str = "NHD",
+        device: str = "cuda",
     ) -> None:
         self.shape = shape
+        #: "cuda", or "cpu" for the same hand-off over a CPU cache (the decode engine's in a
+        #: shared-memory file, the `shm` transport): no forward, no CUDA stream.
+        self.device = device
         self.worker = ConnectorWorker(engine_id, Role.PREFILL if producer else Role.DECODE, settings, 30.0)
         with self.worker.allocation_context():  # vLLM's `get_mem_pool_context()`
-            buffer = torch.zeros(shape.nbytes, dtype=torch.int8, device="cuda")
+            if device == "cuda":
+                buffer = torch.zeros(shape.nbytes, dtype=torch.int8, device=device)
+            else:  # page-aligned inside the allocation, as a registered CPU region must be
+                padded = torch.zeros(shape.nbytes + 2 * PAGE, dtype=torch.int8)
+                start = -padded.data_ptr() % PAGE
+                buffer = padded[start : start + shape.nbytes]
         self.buffer = buffer
         self.kv_axis_first = legacy == "flash_attn"
         if legacy:
@@ -72,7 +82,7 @@ class VllmGpuWorker:
         else:
             self.caches = layout_views(buffer, shape, layout)
         #: vLLM's compute stream.
-        self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        self.stream = torch.cuda.Stream() if device == "cuda" else None  # type: ignore[no-untyped-call]
         self._weights: torch.Tensor | None = None
         self._gate: asyncio.Event | None = None
         self._holding = 0
@@ -82,16 +92,19 @@ class VllmGpuWorker:
     def fill(self, seed: int) -> None:
         """Every byte of the cache from a seeded generator; the rest of the decode engine's own
         CUDA allocation with canaries."""
-        generator = torch.Generator(device="cuda").manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         self.buffer.copy_(
-            torch.randint(-128, 128, self.buffer.shape, generator=generator, device="cuda", dtype=torch.int8)
+            torch.randint(
+                -128, 128, self.buffer.shape, generator=generator, device=self.device, dtype=torch.int8
+            )
         )
         if self.worker._cuda_buffer is not None:
             pool = self.worker._cuda_buffer.view(torch.int8)
             start = self.buffer.data_ptr() - pool.data_ptr()
             pool[:start].fill_(CANARY)
             pool[start + self.buffer.numel() :].fill_(CANARY)
-        torch.cuda.synchronize()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
     def canaries_hold(self) -> bool:
         if self.worker._cuda_buffer is None:
@@ -173,7 +186,7 @@ class VllmGpuWorker:
             ]
             stacked = torch.stack(rows).to(torch.int64)
             if self._weights is None or self._weights.numel() != stacked.shape[1]:
-                positions = torch.arange(stacked.shape[1], device="cuda", dtype=torch.int64)
+                positions = torch.arange(stacked.shape[1], device=self.device, dtype=torch.int64)
                 self._weights = (positions * 2654435761) % 2147483647 + 1
             out[name] = (stacked * self._weights).sum(dim=1).tolist()
         return out
