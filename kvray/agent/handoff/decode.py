@@ -10,7 +10,6 @@ the protocol.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -29,7 +28,13 @@ from kvray.agent.handoff.specs import (
     table_blocks,
 )
 from kvray.agent.kvagent import KVAgent
-from kvray.errors import KvrayError, NotExpectedError, StaleIncarnationError, TransportError
+from kvray.errors import (
+    KvrayError,
+    NotExpectedError,
+    RequestCancelledError,
+    StaleIncarnationError,
+    TransportError,
+)
 from kvray.notice.local import PUSH_ENDPOINT
 from kvray.tensor_parallel import source_ranks
 from kvray.transport.base import Reachable
@@ -160,9 +165,13 @@ class DecodeSide(Side):
                 for prefill, _, request in asks:
                     await self.ask(prefill, request, timeout_s=deadline)
             remaining = max(deadline - (time.perf_counter() - asked), 0.001)
-            await _all_or_first_error(
-                self._wait_while_prefill_lives(prefill, part, remaining) for prefill, part, _ in asks
-            )
+            if len(asks) == 1:  # in this task: the completion resumes it directly
+                prefill, part, _ = asks[0]
+                await self._wait_while_prefill_lives(prefill, part, remaining)
+            else:
+                await _all_or_first_error(
+                    self._wait_while_prefill_lives(prefill, part, remaining) for prefill, part, _ in asks
+                )
             ok = True
             waited = time.perf_counter() - asked
             await self._moved(
@@ -228,24 +237,37 @@ class DecodeSide(Side):
         """`wait_for_kv`, ended early with `TransportError` once the prefill engine is seen gone
         (asked every `heartbeat_s`): one that took the push request and then died would
         otherwise leave the request waiting until its deadline. The request stays reserved
-        either way; the caller releases it."""
-        waiting = asyncio.ensure_future(self.agent.wait_for_kv(request_id, timeout=timeout))
-        try:
-            while not (await asyncio.wait({waiting}, timeout=self.settings.heartbeat_s))[0]:
+        either way; the caller releases it.
+
+        The wait runs in the calling task, so the completion resumes it with no task between;
+        a watcher beside it ends the wait once the prefill engine is gone (`KVAgent.cancel`,
+        which leaves a wait whose KV is in as it is)."""
+        gone = ""
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                await asyncio.sleep(self.settings.heartbeat_s)
                 why = await self.gone(prefill)
-                if why and not waiting.done():
-                    raise TransportError(
-                        f"prefill engine {prefill.engine_id!r} went away while request {request_id!r} "
-                        f"waited for its KV: {why}",
-                        engine_id=prefill.engine_id,
-                        request_id=request_id,
-                    )
-            waiting.result()
+                if why:
+                    gone = why
+                    self.agent.cancel(request_id)
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.agent.wait_for_kv(request_id, timeout=timeout)
+        except RequestCancelledError:
+            if not gone:
+                raise
+            raise TransportError(
+                f"prefill engine {prefill.engine_id!r} went away while request {request_id!r} "
+                f"waited for its KV: {gone}",
+                engine_id=prefill.engine_id,
+                request_id=request_id,
+            ) from None
         finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError, KvrayError):
-                    await waiting
+            watcher.cancel()
 
     async def _prefill_ranks(self, spec: LoadSpec) -> list[PrefillAddress]:
         """Where the prefill engine's ranks take push requests: as its own ticket names them,
