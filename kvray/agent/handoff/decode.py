@@ -186,15 +186,18 @@ class DecodeSide(Side):
                 )
             ok = True
             waited = time.perf_counter() - asked
-            await self._moved(
-                Moved(
-                    HandoffEvent.RECEIVED,
-                    spec.prefill_request_id,
-                    spec.prefill_request_id,
-                    tuple(tuple(block for block in group if block != NO_BLOCK) for group in spec.block_ids),
-                    waited,
+            if self.wiring.observer is not None:  # its block lists are built for it alone
+                await self._moved(
+                    Moved(
+                        HandoffEvent.RECEIVED,
+                        spec.prefill_request_id,
+                        spec.prefill_request_id,
+                        tuple(
+                            tuple(block for block in group if block != NO_BLOCK) for group in spec.block_ids
+                        ),
+                        waited,
+                    )
                 )
-            )
         except asyncio.CancelledError:
             # The engine ended the request while its KV loaded: release as below, report no
             # errors, and tell the prefill engine not to keep the request for a push no one takes.
