@@ -60,6 +60,11 @@ class Engine:
         self.device = device
         self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer, device=device)
 
+    def kvray_file(self) -> str:
+        import kvray
+
+        return str(kvray.__file__)
+
     def setup(self, seed: int) -> dict[str, Any]:
         self.engine.fill(seed)
         return self.engine.register()
@@ -140,6 +145,7 @@ def run(
     prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True, breakdown, device)
     decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False, breakdown, device)
     p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
+    kvray_file = ray.get(decode.kvray_file.remote())
     nbytes = per_request * LAYERS * BLOCK_SIZE * 576 * 2
 
     def blocks(index: int) -> list[int]:
@@ -147,6 +153,7 @@ def run(
 
     singles = [[(f"one-{tokens}-{i}", blocks(0))] for i in range(runs)]
     streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
+
     def handoffs(batches: list[list[tuple[str, list[int]]]]) -> list[float]:
         """Each batch held by the prefill engine (as its requests finish), then handed over."""
         if device == "cuda":
@@ -194,6 +201,7 @@ def run(
         "one_request_ratio": copy_s / statistics.median(one),
         "stream_ratio": STREAM * copy_s / statistics.median(many),
         "one_request_steps_ms": steps,
+        "kvray": kvray_file,
     }
 
 
@@ -235,6 +243,7 @@ def main() -> int:
     ray.shutdown()
     device = f"CPU ({os.cpu_count()} cores)" if cpu else torch.cuda.get_device_name(0)
     print(f"kvray connector hand-off on one {device}, DeepSeek-V3 MLA cache, {args.repeat} runs each")
+    print(f"kvray from {results[0]['kvray']}")
     print(f"{'tokens':>7} {'MiB':>6} {'copy ms':>8} {'one ms':>8} {'one x':>6} {'16 ms':>8} {'16 x':>6}")
     for row in results:
         print(
