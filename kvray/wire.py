@@ -66,8 +66,6 @@ MAX_NOTICE_BYTES = 64 * 1024
 #: KV cache groups a push request's block table may name (an engine's groups share their blocks'
 #: memory; each group has its own block ids, see `PushRequest.groups`).
 MAX_BLOCK_GROUPS = 8
-#: Push requests one `PushRequests` message carries at most.
-MAX_BATCHED_ASKS = 256
 #: Its reservation's blocks, and as many again in its block table (5 bytes each at most).
 MAX_PUSH_REQUEST_BYTES = MAX_REQUEST_BLOCKS * 10 + MAX_ENGINE_INFO_BYTES + MAX_NOTICE_BYTES
 #: Largest encoded `WriteOps` header: 16 bytes an op (a region index, an offset past 4 GiB in
@@ -403,22 +401,8 @@ class PushWithdrawn(msgspec.Struct, frozen=True, kw_only=True, tag="push_withdra
     proof: Annotated[bytes, msgspec.Meta(max_length=MAX_PROOF_NBYTES)] = b""
 
 
-class PushRequests(msgspec.Struct, frozen=True, kw_only=True, tag="push_requests"):
-    """Several push requests of one decode engine to one prefill engine in one message (the
-    loads one step of the decode engine hands over): each is taken as if it came alone, with
-    the batch's `decode_info` where its own is empty (sent once, not once per request)."""
-
-    requests: Annotated[tuple[PushRequest, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCHED_ASKS)]
-    decode_info: bytes = b""
-
-    @property
-    def request_id(self) -> str:
-        """The first request's id: what a channel names the message by in a refusal."""
-        return self.requests[0].request_id
-
-
-#: What a decode engine sends a prefill engine about one request (or, batched, several).
-PushMessage = PushRequest | PushWithdrawn | PushRequests
+#: What a decode engine sends a prefill engine about one request.
+PushMessage = PushRequest | PushWithdrawn
 
 
 class VerbsRegionKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -471,7 +455,6 @@ _tagged_decoder = msgspec.msgpack.Decoder(
     | WriteClaim
     | PushRequest
     | PushWithdrawn
-    | PushRequests
     | VerbsConnect
     | VerbsAccept
 )
@@ -481,10 +464,9 @@ Tagged = TypeVar("Tagged", WriteOps, WriteClaim, PushRequest)
 
 
 def decode_push_message(data: bytes) -> PushMessage:
-    """What a decode engine sends a prefill engine's push inbox: a request, a withdrawal, or
-    a step's requests batched."""
+    """What a decode engine sends a prefill engine's push inbox: a request or a withdrawal."""
     message = _decode(_tagged_decoder, data, "push request", MAX_PUSH_REQUEST_BYTES)
-    if not isinstance(message, (PushRequest, PushWithdrawn, PushRequests)):
+    if not isinstance(message, (PushRequest, PushWithdrawn)):
         tag = type(message).__struct_config__.tag
         raise WireDecodeError(
             f"invalid kvray push request: got a {tag!r} message - at `$.type`", field="$.type"
@@ -500,8 +482,7 @@ def encode(
     | VerbsHandshake
     | WriteClaim
     | PushRequest
-    | PushWithdrawn
-    | PushRequests,
+    | PushWithdrawn,
 ) -> bytes:
     return _message_encoder.encode(value)
 

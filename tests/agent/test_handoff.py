@@ -28,23 +28,12 @@ from kvray.agent.handoff import (
     SendSpec,
 )
 from kvray.agent.handoff.decode import departed
-from kvray.agent.handoff.specs import HandoffStep
 from kvray.agent.kvagent import KVAgent
 from kvray.bench.handoff_log import DigestLog
 from kvray.config import Settings
-from kvray.errors import KvrayError, TransferTimeoutError
 from kvray.integrations.vllm.tickets import HandoffKey, new_key_hex
 from kvray.layout import Geometry, KVLayout, LayerSpec
-from kvray.wire import (
-    MAX_BATCHED_ASKS,
-    PushRequest,
-    PushRequests,
-    PushWithdrawn,
-    Reservation,
-    Role,
-    decode_push_message,
-    encode,
-)
+from kvray.wire import PushRequest, PushWithdrawn, Role, encode
 
 GEOMETRY = Geometry(block_size=4, entry_shape=(8,), dtype="float32")
 LAYOUT = KVLayout(
@@ -538,103 +527,3 @@ async def test_a_preemption_waits_at_most_its_budget_and_a_copy_outlasting_it_fa
             assert decode.block(canary) == [{0.0}] * 3
         prefill.handoff.hold(SendSpec("r-1", ((4, 5),), key=KEY))
         assert prefill.reports.freed == ["r-1"]  # spent: its blocks go back at once
-
-
-async def test_a_steps_loads_ask_their_prefill_engine_in_one_message(tmp_path: Path) -> None:
-    keys = [f"{index:032x}" for index in range(1, 4)]
-    async with engines(tmp_path) as (prefill, decode):
-        prefill.fill({1: 1.0, 2: 2.0, 3: 3.0})
-        for index, key in enumerate(keys, start=1):
-            prefill.handoff.hold(SendSpec(f"r-{index}", ((index,),), key=key))
-        mailbox = decode.agent.push_requests
-        sent: list[bytes] = []
-        send = mailbox.send
-
-        async def counted(peer: Any, notice: Any, *, timeout_s: float | None = None) -> None:
-            sent.append(encode(notice))
-            await send(peer, notice, timeout_s=timeout_s)
-
-        mailbox.send = counted  # type: ignore[method-assign]
-        loads = {f"d-{i}": load_from(prefill, f"d-{i}", key, (4 + i,)) for i, key in enumerate(keys, start=1)}
-        decode.handoff.step(HandoffStep(loads=loads))
-        await until(lambda: len(decode.reports.loads) == 3)
-        assert decode.reports.loads == {"d-1": False, "d-2": False, "d-3": False}
-        for index in (1, 2, 3):
-            assert decode.block(4 + index) == prefill.block(index)
-        for canary in (0, 1, 2, 3, 4):
-            assert decode.block(canary) == [{0.0}] * 3
-        # One message for the three asks, carrying the decode engine's info once.
-        (message,) = sent
-        batch = decode_push_message(message)
-        assert isinstance(batch, PushRequests) and [r.request_id for r in batch.requests] == keys
-        assert batch.decode_info and not any(r.decode_info for r in batch.requests)
-
-
-async def test_a_batched_ask_without_its_proof_is_dropped_and_the_others_are_pushed(tmp_path: Path) -> None:
-    good, forged = "0" * 31 + "a", "0" * 31 + "b"
-    async with engines(tmp_path, proof=DEPLOYMENT) as (prefill, decode):
-        prefill.fill({1: 1.0, 2: 2.0})
-        prefill.handoff.hold(SendSpec("r-1", ((1,),), key=good))
-        prefill.handoff.hold(SendSpec("r-2", ((2,),), key=forged))
-        info = prefill.agent.info
-        wanted, victim = decode.agent.expect("g", [5]), decode.agent.expect("f", [6])
-
-        def ask(key: str, reservation: Any, proof: bytes) -> PushRequest:
-            return PushRequest(
-                request_id=key,
-                src_engine=info.engine_id,
-                src_incarnation=info.incarnation,
-                reservation=reservation,
-                proof=proof,
-            )
-
-        batch = PushRequests(
-            requests=(
-                ask(good, wanted, DEPLOYMENT.ask_proof(info.engine_id, good)),
-                ask(forged, victim, HandoffKey.from_hex(new_key_hex()).ask_proof(info.engine_id, forged)),
-            ),
-            decode_info=encode(decode.agent.info),
-        )
-        prefill.handoff.take(encode(batch))
-        await decode.agent.wait_for_kv("g", 5.0)
-        assert decode.block(5) == prefill.block(1)
-        with pytest.raises(TransferTimeoutError):  # never pushed
-            await decode.agent.wait_for_kv("f", 0.3)
-        assert decode.block(6) == [{0.0}] * 3
-        # An empty batch is malformed: dropped unread.
-        with pytest.raises(KvrayError):
-            decode_push_message(encode(PushRequests(requests=(), decode_info=b"")))
-
-
-def test_asks_are_batched_within_a_datagram_and_the_batch_limit() -> None:
-    from kvray.agent.handoff.decode import ASK_BATCH_NBYTES, _batched, _batches
-
-    reservation = Reservation(
-        request_id="r", engine_id="d", incarnation=1, blocks=tuple(range(2000)), token=1
-    )
-    info = b"i" * 12_000
-    asks = [
-        (
-            PushRequest(
-                request_id=f"{i:032x}",
-                src_engine="p",
-                src_incarnation=1,
-                reservation=reservation,
-                decode_info=info,
-            ),
-            None,
-        )
-        for i in range(40)
-    ]
-    batches = _batches(asks, info)  # type: ignore[arg-type]
-    assert len(batches) > 1 and [item for batch in batches for item in batch] == asks
-    for batch in batches:
-        assert len(encode(_batched([request for request, _ in batch]))) <= ASK_BATCH_NBYTES
-    tiny = PushRequest(
-        request_id="r",
-        src_engine="p",
-        src_incarnation=1,
-        reservation=msgspec.structs.replace(reservation, blocks=(1,)),
-    )
-    counted = _batches([(tiny, None)] * 320, b"")  # type: ignore[list-item]
-    assert [len(batch) for batch in counted] == [MAX_BATCHED_ASKS, 320 - MAX_BATCHED_ASKS]

@@ -17,8 +17,6 @@ from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvray.agent.handoff.events import HandoffEvent, Moved
 from kvray.agent.handoff.side import Side, Wiring, reason_of
 from kvray.agent.handoff.specs import (
@@ -40,15 +38,7 @@ from kvray.errors import (
 from kvray.notice.local import PUSH_ENDPOINT
 from kvray.tensor_parallel import source_ranks
 from kvray.transport.base import Reachable
-from kvray.wire import (
-    MAX_BATCHED_ASKS,
-    EngineInfo,
-    PushMessage,
-    PushRequest,
-    PushRequests,
-    PushWithdrawn,
-    encode,
-)
+from kvray.wire import EngineInfo, PushMessage, PushRequest, PushWithdrawn, encode
 
 log = logging.getLogger("kvray.handoff")
 
@@ -89,8 +79,6 @@ class DecodeSide(Side):
         self._loads_begun: set[str] = set()
         #: This engine's info and its encoding (`_encoded_info`).
         self._info_bytes: tuple[EngineInfo, bytes] | None = None
-        #: Push requests asked in this turn of the event loop, by prefill engine (`ask`).
-        self._asking: dict[tuple[str, int], _Asks] = {}
 
     def step(self, step: HandoffStep) -> None:
         """This side's part of a step: loads to start, loads that ended before they began
@@ -335,47 +323,9 @@ class DecodeSide(Side):
     ) -> None:
         """Send a push request or withdrawal to the prefill engine at `prefill`, through the
         first push-request channel that reaches it (`KVAgent.push_requests`), within
-        `timeout_s` (default `notify_timeout_s`).
-
-        Push requests to one prefill engine asked in one turn of the event loop (the loads one
-        step hands over start together) go as one message (`PushRequests`), sent once the turn
-        ends: one hop for the step, not one per request."""
+        `timeout_s` (default `notify_timeout_s`)."""
         peer = await self._reached(prefill)
-        if not isinstance(message, PushRequest):
-            await self.agent.push_requests.send(peer, message, timeout_s=timeout_s)
-            return
-        loop = asyncio.get_running_loop()
-        key = (prefill.engine_id, prefill.incarnation)
-        asks = self._asking.get(key)
-        if asks is None:
-            asks = self._asking[key] = _Asks(peer, timeout_s)
-            loop.call_soon(self._send_asks, key)
-        sent = loop.create_future()
-        asks.requests.append((message, sent))
-        await sent
-
-    def _send_asks(self, key: tuple[str, int]) -> None:
-        asks = self._asking.pop(key, None)
-        if asks is not None:
-            self._spawn(self._deliver(asks))
-
-    async def _deliver(self, asks: _Asks) -> None:
-        """Send a turn's push requests to one prefill engine, as few messages as fit a datagram
-        (one where they all do), and tell each asker how its message fared."""
-        for batch in _batches(asks.requests, self._encoded_info()):
-            message = batch[0][0] if len(batch) == 1 else _batched([request for request, _ in batch])
-            error: BaseException | None = None
-            try:
-                await self.agent.push_requests.send(asks.peer, message, timeout_s=asks.timeout_s)
-            except Exception as failed:
-                error = failed
-            for _, sent in batch:
-                if sent.done():  # its asker was cancelled: the message is out all the same
-                    continue
-                if error is None:
-                    sent.set_result(None)
-                else:
-                    sent.set_exception(error)
+        await self.agent.push_requests.send(peer, message, timeout_s=timeout_s)
 
     async def _reached(self, prefill: PrefillAddress) -> Reachable:
         """The prefill engine as its push requests reach it: as its ticket names it where that
@@ -444,54 +394,6 @@ class DecodeSide(Side):
                 prefill.engine_id,
                 reason_of(error),
             )
-
-
-@dataclass
-class _Asks:
-    """Push requests to one prefill engine waiting for the end of this turn of the loop, each
-    with the future its asker awaits."""
-
-    peer: Reachable
-    timeout_s: float | None
-    requests: list[tuple[PushRequest, asyncio.Future[None]]] = field(default_factory=list)
-
-
-#: The most bytes a batch of push requests is let grow to: one datagram holds it
-#: (`kvray.notice.local`'s inbox takes up to 64 KiB).
-ASK_BATCH_NBYTES = 56 * 1024
-
-
-def _batches(
-    requests: list[tuple[PushRequest, asyncio.Future[None]]], info: bytes
-) -> list[list[tuple[PushRequest, asyncio.Future[None]]]]:
-    """`requests` in order, cut into batches of at most `MAX_BATCHED_ASKS` whose message (the
-    requests without the decode engine's info, and the info once) stays within
-    `ASK_BATCH_NBYTES`; a request too big for any batch goes alone, as it would unbatched."""
-    batches: list[list[tuple[PushRequest, asyncio.Future[None]]]] = []
-    batch: list[tuple[PushRequest, asyncio.Future[None]]] = []
-    nbytes = len(info)
-    for item in requests:
-        size = len(encode(item[0])) - len(item[0].decode_info)
-        if batch and (nbytes + size > ASK_BATCH_NBYTES or len(batch) >= MAX_BATCHED_ASKS):
-            batches.append(batch)
-            batch, nbytes = [], len(info)
-        batch.append(item)
-        nbytes += size
-    if batch:
-        batches.append(batch)
-    return batches
-
-
-def _batched(requests: list[PushRequest]) -> PushRequests:
-    """One message for several push requests: the decode engine's info once, in the batch."""
-    info = requests[0].decode_info
-    return PushRequests(
-        requests=tuple(
-            msgspec.structs.replace(request, decode_info=b"") if request.decode_info == info else request
-            for request in requests
-        ),
-        decode_info=info,
-    )
 
 
 async def _all_or_first_error(waits: Iterable[Coroutine[Any, Any, None]]) -> None:

@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from kvray.agent.handoff.events import HandoffEvent, Moved
@@ -38,7 +37,6 @@ from kvray.metrics import DropReason
 from kvray.wire import (
     EngineInfo,
     PushRequest,
-    PushRequests,
     PushWithdrawn,
     Reservation,
     decode_engine_info,
@@ -245,22 +243,12 @@ class PrefillSide(Side):
     # ---- prefill side: push requests ------------------------------------------------------
 
     def take(self, message: bytes) -> None:
-        """A decode engine's push request or withdrawal, or a step's push requests batched
-        (each taken as if it came alone)."""
+        """A decode engine's push request or withdrawal."""
         try:
-            decoded = decode_push_message(message)
+            request = decode_push_message(message)
         except KvrayError as error:
             log.warning("kvray: dropped a malformed push request: %s", error)
             return
-        if not isinstance(decoded, PushRequests):
-            self._take(decoded)
-            return
-        for request in decoded.requests:
-            if decoded.decode_info and not request.decode_info:
-                request = msgspec.structs.replace(request, decode_info=decoded.decode_info)
-            self._take(request)
-
-    def _take(self, request: PushRequest | PushWithdrawn) -> None:
         if self.wiring.proof is not None and not hmac.compare_digest(
             request.proof, self.wiring.proof.ask_proof(self.agent.engine_id, request.request_id)
         ):
