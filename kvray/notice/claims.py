@@ -72,11 +72,6 @@ def _lock(fd: int, kind: int, slot: int, *, wait: bool = False) -> bool:
     return True
 
 
-#: How long a slot being closed is polled every `_FINE_PAUSE_S` before the pause grows.
-_FINE_POLL_S = 2e-3
-_FINE_PAUSE_S = 40e-6
-
-
 class ClaimBoard:
     """The decode engine's side: opens a slot per expected request and closes it once no
     writer holds it. Not thread-safe: one event loop owns it."""
@@ -137,20 +132,14 @@ class ClaimBoard:
         # An aligned 8-byte store, read whole by writers that check it under their shared lock.
         self._table[slot, 1] = _CLOSING
         # Polled: a lock gives the event loop nothing to wait on, and a thread blocked in
-        # F_OFD_SETLKW could not be abandoned at the deadline. Often (every vLLM hand-off) a
-        # request is released as soon as its completion notice is in, sent by the writer's copy
-        # the moment its last byte landed: the writer lets go a moment later, once its event
-        # loop has seen the copy end. So the first milliseconds are polled finely (a try is one
-        # fcntl call), then ever more coarsely.
+        # F_OFD_SETLKW could not be abandoned at the deadline.
         deadline = time.monotonic() + timeout
-        fine_until = time.monotonic() + _FINE_POLL_S
-        pause = _FINE_PAUSE_S
+        pause = 50e-6
         while time.monotonic() < deadline:
             await asyncio.sleep(pause)
             if self.try_close(slot):
                 return True
-            if time.monotonic() >= fine_until:
-                pause = min(pause * 2, 5e-3)
+            pause = min(pause * 2, 5e-3)
         return False
 
     def dispose(self) -> None:

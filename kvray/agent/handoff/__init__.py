@@ -39,11 +39,10 @@ How push requests and withdrawals travel: like completion notices, through the f
 channel that reaches the prefill engine (`KVAgent.push_requests`, a `kvray.notice.NoticeSet` of
 the `PUSH_REQUESTS` mailbox): its datagram inbox on this node (named by its ticket, no lookup),
 else, for engines that joined Ray, its TCP listener or a `PeerCall.REQUEST_PUSH` call on its
-host, as the coordinator lists them. The push requests a step's loads send one prefill engine go as
-one message (`PushRequests`: asked in one turn of the agent's loop, the decode engine's info
-once), each taken on arrival as if it came alone. The prefill side serves them
-(`KVAgent.serve_push_requests`), and the agent opens and publishes those mailboxes as it starts.
-Releases come from the engine's scheduler (`HandoffStep.released`), not from a peer.
+host, as the coordinator lists them. The prefill side serves them (`KVAgent.serve_push_requests`),
+and the agent opens and publishes those mailboxes as it starts. Each push request travels alone,
+so a prefill engine starts pushing the first of a step's requests while the decode engine still
+reserves the next. Releases come from the engine's scheduler (`HandoffStep.released`), not from a peer.
 
 A hand-off id whose request is gone (pushed, dropped, released, withdrawn, or its lease ended)
 is spent for a lease: push requests and holds under it are refused at once, so a second request
