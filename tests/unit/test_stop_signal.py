@@ -22,6 +22,10 @@ CHILD = textwrap.dedent(
     import os, signal, threading, time
     from kvray.serve import wait_for_stop_signal
 
+    # As a driver started from a terminal has it: a process started in the background by a
+    # shell without job control (a CI script's `cmd &`) begins with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def send(signum):
         # Only once the wait has installed its handler: before that, SIGTERM would end the
         # process and SIGINT raise KeyboardInterrupt, as they should.
