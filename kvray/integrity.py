@@ -257,8 +257,9 @@ def check(
     landed = landed_checksums(
         regions, layout, placements, blocks, expected.layers, writer_tp, expected.algorithm
     )
+    layer_names = layout.layer_names
     wrong = [
-        layout.layer_names[index]
+        layer_names[index]
         for index, want, got in zip(expected.layers, expected.values, landed, strict=True)
         if want != got
     ]

@@ -14,7 +14,7 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -262,7 +262,8 @@ async def _pool_copy(
     hashing: Hashing | None,
 ) -> Stored:
     assert _start_copy is not None
-    notice = then if isinstance(then, Datagram) else None
+    # Duck-typed: an isinstance check against a runtime protocol walks its members every call.
+    notice = cast(Datagram, then) if callable(getattr(then, "datagram", None)) else None
     datagram = None
     if notice is not None:
         fd, path, message = notice.datagram()
