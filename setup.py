@@ -5,7 +5,17 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvray._copy_pool", sources=["kvray/_copy_pool.c"], extra_compile_args=["-O2"]),
-        Extension("kvray._plan", sources=["kvray/_plan.c"], extra_compile_args=["-O2", "-Wall"]),
+        Extension(
+            "kvray._copy_pool",
+            sources=["kvray/_copy_pool.c"],
+            depends=["kvray/_placement.h"],
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "kvray._plan",
+            sources=["kvray/_plan.c"],
+            depends=["kvray/_placement.h"],
+            extra_compile_args=["-O2", "-Wall"],
+        ),
     ]
 )

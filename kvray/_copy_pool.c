@@ -27,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
 #include <Python.h>
+#include "_placement.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <stddef.h>
@@ -94,17 +95,6 @@ static void stream_sse2(char *dst, const char *src, size_t body, const char *nex
 }
 #endif
 
-/* Placement digests (kvray/placement.py has the definition and why): a range is worth
- * F(end) - F(start), F SplitMix64's finalizer of the address mixed with the region's salt. */
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t range_worth(uint64_t salt, uint64_t start, uint64_t n) {
-    return mix64(salt ^ (start + n)) - mix64(salt ^ start);
-}
 
 /* Faults only (kvray.faults.ExecutorOffsetBug, through set_executor_fault): an executor bug
  * under a correct plan. The last op of a batch of two or more is stored over the one before

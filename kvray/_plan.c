@@ -45,6 +45,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_placement.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -492,12 +493,6 @@ done:
     return result;
 }
 
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
 static PyObject *placement_digest(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     unsigned int shift;
@@ -539,8 +534,7 @@ static PyObject *placement_digest(PyObject *self, PyObject *args) {
         for (Py_ssize_t r = 0; r < runs; r++) {
             uint64_t salt = ((uint64_t)region[r] + 1) << shift;
             uint64_t begin = (uint64_t)start[r] + (stride != NULL ? block * (uint64_t)stride[r] : 0);
-            uint64_t end = begin + (uint64_t)nbytes[r];
-            sum += mix64(salt ^ end) - mix64(salt ^ begin);
+            sum += range_worth(salt, begin, (uint64_t)nbytes[r]);
         }
     }
     if (saved != NULL) {

@@ -257,12 +257,8 @@ def check(
     landed = landed_checksums(
         regions, layout, placements, blocks, expected.layers, writer_tp, expected.algorithm
     )
-    layer_names = layout.layer_names
-    wrong = [
-        layer_names[index]
-        for index, want, got in zip(expected.layers, expected.values, landed, strict=True)
-        if want != got
-    ]
+    compared = zip(expected.layers, expected.values, landed, strict=True)
+    wrong = layout.names_at(index for index, want, got in compared if want != got)
     if wrong:
         raise KVIntegrityError(
             f"the KV of request {request_id!r} from {writer!r} did not land as it was sent: "

@@ -12,7 +12,7 @@ import enum
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, NamedTuple, overload
 
 import msgspec
@@ -311,6 +311,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def layer_names(self) -> tuple[str, ...]:
         return tuple(layer.name for layer in self.layers)
+
+    def names_at(self, indices: Iterable[int]) -> list[str]:
+        """The names of the layers at `indices` (`layer_names` builds its tuple on each access:
+        once here, not once per index)."""
+        names = self.layer_names
+        return [names[index] for index in indices]
 
     def layer(self, name: str) -> LayerSpec:
         for spec in self.layers:

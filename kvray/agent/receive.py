@@ -608,8 +608,7 @@ class Receiving:
         if sorted(layers) != list(expected):
             engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
             covered = set(layers)
-            layer_names = layout.layer_names  # a tuple built per access: once, not per layer
-            missing = [layer_names[index] for index in expected if index not in covered]
+            missing = layout.names_at(index for index in expected if index not in covered)
             why = f"covers {len(layers)} layer(s), not the {len(expected)} it expects; missing"
             return _refusal(engine.engine_id, message, why, missing)
         try:
@@ -622,8 +621,7 @@ class Receiving:
             if len(self._placements) >= 256:
                 self._placements.clear()
             table = self._placements[key] = PlacementTable(layout, engine.backing.placements, layers, heads)
-        layer_names = layout.layer_names  # a tuple built per access: once, not per layer
-        names = [layer_names[index] for index in layers]
+        names = layout.names_at(layers)
         stored = (message.placement + expectation.landed.placement) & MASK64
         if stored == table.digest(expectation.blocks):
             return self._unchecked_content(message, expectation, names)
@@ -748,8 +746,7 @@ class Receiving:
         engine = self.engine
         backing = engine.backing
         layout = backing.layout
-        layer_names = layout.layer_names  # a tuple built per access: once, not per layer
-        names = [layer_names[index] for index in message.layers]
+        names = layout.names_at(message.layers)
         heads = writer_heads(layout, message.src_tp)
         pieces = [
             landed_pieces(layout, backing.placements[name], expectation.blocks, name, heads) for name in names

@@ -14,7 +14,7 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +55,6 @@ def set_executor_fault(on: bool) -> None:
         _set_executor_fault(on)
 
 
-@runtime_checkable
 class Datagram(Protocol):
     """A `then` the C pool's thread can send itself, without Python, once the last byte is
     copied (`kvray.notice.local.DatagramNotice`): the socket, the inbox path and the message;
@@ -262,7 +261,7 @@ async def _pool_copy(
     hashing: Hashing | None,
 ) -> Stored:
     assert _start_copy is not None
-    # Duck-typed: an isinstance check against a runtime protocol walks its members every call.
+    # Duck-typed: an isinstance check against a protocol walks its members on every call.
     notice = cast(Datagram, then) if callable(getattr(then, "datagram", None)) else None
     datagram = None
     if notice is not None:
