@@ -357,16 +357,49 @@ class ExpandedStretches(NamedTuple):
         return _weighted_total(self.src_region, self.dst_region, self.dst_start - self.src_start, sums)
 
 
+class HeldRows(NamedTuple):
+    """What `HeldDigests` hashes of each block, one row per (layer, part) of an engine's layout:
+    block b's part lies at start[r] + b * stride[r] of region region[r], nbytes[r] long."""
+
+    layer: Int64Array
+    part: Int64Array
+    region: Int64Array
+    start: Int64Array
+    stride: Int64Array
+    nbytes: Int64Array
+
+
+def held_rows(layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> HeldRows:
+    """The rows `HeldDigests` hashes per block, for `layout`'s engine."""
+    columns: list[list[int]] = [[] for _ in range(6)]
+    for at, name in enumerate(layout.layer_names):
+        placement = placements[name]
+        for part in range(placement.parts):
+            values = (
+                at,
+                part,
+                placement.region,
+                placement.offset + part * placement.part_stride,
+                placement.block_stride,
+                placement.part_nbytes,
+            )
+            for column, value in zip(columns, values, strict=True):
+                column.append(value)
+    return HeldRows(*(np.array(column, dtype=np.int64) for column in columns))
+
+
 class HeldDigests:
     """The content sums of an engine's own blocks, per (layer, part, block), taken when the
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
     those blocks needs no read of their bytes. A push uses them once and drops them; `forget`
     drops them when the blocks go back to the engine, which may write them again (a take still
-    hashing them then keeps nothing of them)."""
+    hashing them then keeps nothing of them). Hashed here (`take`) or elsewhere, e.g. on the
+    GPU that holds them: `epochs` before the hash, `keep` after it."""
 
     def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
         self.layout = layout
         self.placements = placements
+        self.rows = held_rows(layout, placements)
         parts = max(placements[name].parts for name in layout.layer_names)
         shape = (len(layout.layers), parts, layout.num_blocks)
         self.sums = np.zeros(shape, dtype=np.uint64)
@@ -375,23 +408,34 @@ class HeldDigests:
         self._epoch = np.zeros(layout.num_blocks, dtype=np.int64)
         self._lock = threading.Lock()
 
+    def epochs(self, blocks: Int64Array) -> Int64Array:
+        """What `keep` needs of `blocks`, read before their bytes are hashed."""
+        with self._lock:
+            return self._epoch[blocks].copy()
+
+    def keep(self, blocks: Int64Array, epochs: Int64Array, sums: npt.NDArray[np.uint64]) -> None:
+        """Keep `sums` (one per row of `rows` and block of `blocks`) of the blocks not forgotten
+        since `epochs` was read."""
+        rows = self.rows
+        with self._lock:
+            kept = self._epoch[blocks] == epochs
+            taken = blocks[kept]
+            self.sums[rows.layer[:, None], rows.part[:, None], taken[None, :]] = sums[:, kept]
+            self.held[rows.layer[:, None], rows.part[:, None], taken[None, :]] = True
+
     def take(self, regions: Sequence[npt.NDArray[np.uint8]], blocks: Int64Array) -> None:
         """Hash every layer's parts of `blocks` now (C, GIL released; from any thread)."""
-        with self._lock:
-            epoch = self._epoch[blocks].copy()
-        for at, name in enumerate(self.layout.layer_names):
-            placement = self.placements[name]
-            seed = region_seed(placement.region)
-            for part in range(placement.parts):
-                starts = placement.offset + part * placement.part_stride + blocks * placement.block_stride
-                nbytes = np.full(blocks.size, placement.part_nbytes, dtype=np.int64)
-                values = np.array(
-                    hash_ranges(regions[placement.region], starts, nbytes, seed), dtype=np.uint64
-                )
-                with self._lock:
-                    kept = self._epoch[blocks] == epoch
-                    self.sums[at, part, blocks[kept]] = values[kept]
-                    self.held[at, part, blocks[kept]] = True
+        epochs = self.epochs(blocks)
+        rows = self.rows
+        sums = np.zeros((rows.layer.size, blocks.size), dtype=np.uint64)
+        for row in range(rows.layer.size):
+            region = int(rows.region[row])
+            starts = rows.start[row] + blocks * rows.stride[row]
+            nbytes = np.full(blocks.size, rows.nbytes[row], dtype=np.int64)
+            sums[row] = np.array(
+                hash_ranges(regions[region], starts, nbytes, region_seed(region)), dtype=np.uint64
+            )
+        self.keep(blocks, epochs, sums)
 
     def forget(self, blocks: Int64Array) -> None:
         """Drop the sums of `blocks` (they go back to the engine), and any a take still makes."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -157,6 +158,9 @@ class Pusher:
         self._transfer_count = 0
         #: Content digests of this engine's blocks taken as their KV was held (`hold_digests`).
         self._held: HeldDigests | None = None
+        #: The holds still hashing their blocks: a push of those blocks waits for them rather
+        #: than hash the same bytes a second time.
+        self._holding: dict[asyncio.Event, npt.NDArray[np.int64]] = {}
         #: Per (decode engine, incarnation, layers): the stretches' rows (`kvray.content`).
         self._stretch_rows: dict[tuple[str, int, tuple[str, ...]], StretchRows] = {}
         #: Per decode engine incarnation: its layers' indices by name (what notices name).
@@ -584,13 +588,29 @@ class Pusher:
 
     async def hold_digests(self, local_blocks: Blocks) -> None:
         backing = self.engine.backing
-        if backing.kind is MemoryKind.CUDA:
-            return  # hashed on the device at push time (`Transport.reference`)
         blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
         if self._held is None:
             self._held = HeldDigests(backing.layout, backing.placements)
-        held, regions = self._held, [region.tensor.numpy() for region in backing.regions]
-        await asyncio.to_thread(held.take, regions, blocks)
+        held = self._held
+        if backing.kind is MemoryKind.CUDA and importlib.util.find_spec("triton") is None:
+            return  # the push's own check reads them (the writer's checksums)
+        taken = asyncio.Event()
+        self._holding[taken] = blocks
+        try:
+            if backing.kind is MemoryKind.CUDA:
+                # Hashed by a kernel on the GPU that holds them.
+                from kvray.transport.cuda_ipc.held import held_sums
+
+                epochs = held.epochs(blocks)
+                sums = await held_sums([region.tensor for region in backing.regions], held.rows, blocks)
+                if sums is not None:
+                    held.keep(blocks, epochs, sums)
+            else:
+                regions = [region.tensor.numpy() for region in backing.regions]
+                await asyncio.to_thread(held.take, regions, blocks)
+        finally:
+            del self._holding[taken]
+            taken.set()
 
     def _stretches(
         self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
@@ -629,7 +649,19 @@ class Pusher:
         layouts: from the digests held for them when there are (`hold_digests`), else by
         hashing them where they are (`Transport.reference`, after `ready`)."""
         stretches = self._stretches(plan, local_blocks, remote_ids, peer)
-        value = None if self._held is None else self._held.digest(stretches)
+        held = self._held
+        if held is None:
+            return await transport.reference(stretches, self.engine.backing, ready=ready)
+        value = held.digest(stretches)
+        if value is None and self._holding and ready is None:
+            # A hold may be hashing these very blocks (a push asked for as its request
+            # finished): its sums come sooner than a second hash of the same bytes would.
+            holds = [
+                taken for taken, blocks in self._holding.items() if np.isin(stretches.local, blocks).any()
+            ]
+            if holds:
+                await asyncio.wait([asyncio.ensure_future(taken.wait()) for taken in holds])
+                value = held.digest(stretches)
         if value is not None:
             return value
         return await transport.reference(stretches, self.engine.backing, ready=ready)

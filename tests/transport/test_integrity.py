@@ -385,6 +385,42 @@ async def test_digests_held_before_the_push_check_it_and_a_block_written_after_f
     await _lands_exactly(pair, "rewritten")
 
 
+@pytest.mark.parametrize("kind", ["shm", "ray"])
+async def test_a_push_asked_for_while_its_hold_still_hashes_waits_for_those_digests(
+    make_pair: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that starts while the hold of its blocks is still hashing them (a decode engine
+    that asked before the request finished) takes the hold's digests, not a second hash of the
+    same bytes; a hold of other blocks does not hold it up; both pushes are checked."""
+    pair: Pair = await make_pair(kind, sample_rate=0.0)
+    prefill, decode = pair.prefill, pair.decode
+    transport = type(prefill._transports.choose(decode.info, prefill.node_id))
+    references: list[int] = []
+    reference = transport.reference
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> int:
+        references.append(1)
+        return await reference(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport, "reference", counted)
+    hold = asyncio.create_task(prefill.hold_digests(SRC))
+    await asyncio.sleep(0)  # the hold has begun hashing
+    reservation = decode.expect("asked-early", DST)
+    await prefill.push(reservation, SRC)
+    await hold
+    await decode.wait_for_kv("asked-early", timeout=10)
+    await decode.release("asked-early")
+    assert references == []
+    # A hold of other blocks in flight: the push hashes its own at once.
+    other = [block for block in range(prefill.layout.num_blocks) if block not in SRC][: len(SRC)]
+    hold = asyncio.create_task(prefill.hold_digests(other))
+    await asyncio.sleep(0)
+    await _lands_exactly(pair, "unheld")
+    await hold
+    assert references == [1]
+    assert pair.sink.value("kvray_integrity_checks", result="ok") == 2
+
+
 #: One layer of 64 KiB blocks: a push of 80 of them (5 MiB) is copied by the C pool's threads,
 #: whose last thread sends the completion notice itself, its digests filled in.
 POOLED = KVLayout(
