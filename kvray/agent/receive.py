@@ -148,6 +148,8 @@ class Receiving:
         self._unrecorded: list[TransferDone] = []
         #: Where transfers of some layers (with some heads) land: per (layers, heads).
         self._placements: dict[tuple[tuple[int, ...], tuple[int, int] | None], PlacementTable] = {}
+        #: Every layer of this engine's layout, in order: what the usual notice names.
+        self._every_layer = tuple(range(len(engine.backing.layout.layers)))
 
     async def start(self) -> dict[str, str]:
         """Start taking writers' claims and notices (a decode engine, once, at its start): the
@@ -597,20 +599,24 @@ class Receiving:
         engine = self.engine
         layout = engine.backing.layout
         layers = message.layers
-        if len(set(layers)) != len(layers) or any(not 0 <= index < len(layout.layers) for index in layers):
-            return MetadataError(
-                f"the notice for {message.request_id!r} from {message.src_engine!r} names a layer "
-                f"twice or one engine {engine.engine_id!r} lacks",
-                request_id=message.request_id,
-                engine_id=engine.engine_id,
-            )
-        expected = range(len(layout.layers)) if expectation.layers is None else expectation.layers
-        if sorted(layers) != list(expected):
-            engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
-            covered = set(layers)
-            missing = layout.names_at(index for index in expected if index not in covered)
-            why = f"covers {len(layers)} layer(s), not the {len(expected)} it expects; missing"
-            return _refusal(engine.engine_id, message, why, missing)
+        # The usual notice names every layer in order: one comparison says so.
+        if expectation.layers is not None or layers != self._every_layer:
+            if len(set(layers)) != len(layers) or any(
+                not 0 <= index < len(layout.layers) for index in layers
+            ):
+                return MetadataError(
+                    f"the notice for {message.request_id!r} from {message.src_engine!r} names a layer "
+                    f"twice or one engine {engine.engine_id!r} lacks",
+                    request_id=message.request_id,
+                    engine_id=engine.engine_id,
+                )
+            expected = range(len(layout.layers)) if expectation.layers is None else expectation.layers
+            if sorted(layers) != list(expected):
+                engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
+                covered = set(layers)
+                missing = layout.names_at(index for index in expected if index not in covered)
+                why = f"covers {len(layers)} layer(s), not the {len(expected)} it expects; missing"
+                return _refusal(engine.engine_id, message, why, missing)
         try:
             heads = writer_heads(layout, message.src_tp)
         except KvrayError as error:
@@ -621,10 +627,10 @@ class Receiving:
             if len(self._placements) >= 256:
                 self._placements.clear()
             table = self._placements[key] = PlacementTable(layout, engine.backing.placements, layers, heads)
-        names = layout.names_at(layers)
         stored = (message.placement + expectation.landed.placement) & MASK64
         if stored == table.digest(expectation.blocks):
-            return self._unchecked_content(message, expectation, names)
+            return self._unchecked_content(message, expectation)
+        names = layout.names_at(layers)
         if not message.checksum:  # else the checksums' check counts it, naming the layers
             engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
         why = (
@@ -642,9 +648,7 @@ class Receiving:
         if len(self._unrecorded) > _MAX_UNRECORDED:  # nobody waits: count them now
             self.record_completions()
 
-    def _unchecked_content(
-        self, message: TransferDone, expectation: _Expectation, names: list[str]
-    ) -> KvrayError | None:
+    def _unchecked_content(self, message: TransferDone, expectation: _Expectation) -> KvrayError | None:
         """Why the transfer's bytes cannot be taken (None: they can, or the slower checksums
         in the notice decide): its copy's content digest (`kvray.content`: the writer's
         executor's plus this engine's own) differs from the one the writer took from its blocks,
@@ -669,6 +673,7 @@ class Receiving:
             return None
         if message.checksum:
             return None  # the checksums name the layers that differ (`_check_integrity`)
+        names = engine.backing.layout.names_at(message.layers)
         engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), 0.0)
         why = (
             "its copy did not hash it" if content is None else "its content digest differs from the writer's"
