@@ -9,14 +9,12 @@ thread, and results come back through thread-safe sets that `get_finished` drain
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Collection, Coroutine, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +30,7 @@ from kvray.agent.handoff import (
 from kvray.agent.kvagent import KVAgent
 from kvray.config import Settings
 from kvray.errors import ConfigError
+from kvray.integrations.vllm.agent_loop import AgentLoop
 from kvray.integrations.vllm.cache_layout import CacheConfig, CacheLayout, layout_of
 from kvray.layout import TensorParallel, align_up
 from kvray.memory import Backing, create_shm_buffer, cuda_pool_buffer
@@ -44,32 +43,6 @@ if TYPE_CHECKING:
     from kvray.plan import OffsetCache
 
 log = logging.getLogger("kvray.vllm")
-
-T = TypeVar("T")
-
-
-class AgentLoop:
-    """An asyncio event loop on a daemon thread of its own, for the agent."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, work: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(work, self.loop)
-
-    def run(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run `work` on the loop and wait for it here (set-up and shut-down only)."""
-        return self.submit(work).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            # Releases the loop's selector and self-pipe; a loop whose thread did not stop in
-            # time is left to that daemon thread.
-            self.loop.close()
 
 
 @dataclass
