@@ -134,6 +134,16 @@ def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
     return np.fromiter(reservation.blocks, dtype=np.int64, count=len(reservation.blocks))
 
 
+async def _settled(task: asyncio.Task[Any]) -> None:
+    """`task` cancelled unless it is done, and ended (a hash on a device ends before the memory
+    it reads may go), its outcome retrieved."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()
+
+
 class Pusher:
     """One engine's pushes into decode engines."""
 
@@ -187,8 +197,15 @@ class Pusher:
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             fused = plan.hashed
             reference = landed = None
+            hashing: asyncio.Task[int] | None = None
             if fused:
-                reference = await self._reference(plan, local_blocks, remote_ids, peer, transport)
+                reference = self._held_reference(plan, local_blocks, remote_ids, peer)
+                if reference is None:
+                    # Hashed (or taken from a hold still hashing) while the bytes move: the
+                    # notice goes once both are done.
+                    hashing = asyncio.ensure_future(
+                        self._reference(plan, local_blocks, remote_ids, peer, transport)
+                    )
             elif self._checked(reservation):
                 landed = await self._landed(plan, local_blocks, remote_ids, peer)
             checksums = await self._checksums(
@@ -208,19 +225,23 @@ class Pusher:
                 peer,
                 self._indices(peer, plan.layers),
                 Stored(PLACEHOLDER, PLACEHOLDER if fused else None),
-                reference,
+                reference if hashing is None else 0,
                 landed,
             )
             try:
                 async with self._claim(peer, reservation, transport):
-                    early = self.notices.early(peer, notice)
+                    early = None if hashing is not None else self.notices.early(peer, notice)
                     stored = await self._write(reservation, peer, transport, plan, then=early)
                     if early is None or not early.sent:
                         content = stored.content if fused else None
                         sent = msgspec.structs.replace(notice, placement=stored.placement, content=content)
+                        if hashing is not None:
+                            sent = msgspec.structs.replace(sent, reference=await hashing)
                         await self.notices.send(peer, sent)
             finally:
                 self.notices.claims.end(reservation)
+                if hashing is not None:
+                    await _settled(hashing)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return PushResult(
                 request_id,
@@ -636,6 +657,14 @@ class Pusher:
             )
             self._held.forget(blocks)
 
+    def _held_reference(
+        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
+    ) -> int | None:
+        """`_reference` from the digests held for the blocks, at once (None: not all are held)."""
+        if self._held is None:
+            return None
+        return self._held.digest(self._stretches(plan, local_blocks, remote_ids, peer))
+
     async def _reference(
         self,
         plan: TransferPlan,
@@ -646,8 +675,9 @@ class Pusher:
         ready: SourceReady = None,
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
-        layouts: from the digests held for them when there are (`hold_digests`), else by
-        hashing them where they are (`Transport.reference`, after `ready`)."""
+        layouts: from the digests held for them when there are (`hold_digests`; a hold still
+        hashing them is waited for), else by hashing them where they are
+        (`Transport.reference`, after `ready`)."""
         stretches = self._stretches(plan, local_blocks, remote_ids, peer)
         held = self._held
         if held is None:
