@@ -42,6 +42,15 @@
  *   b of `blocks`: the sum over them of F(end) - F(start) mod 2**64, F SplitMix64's finalizer
  *   of the address mixed with (region + 1) << shift. `stride` and `blocks` None: the digest of
  *   the ranges themselves. Addresses wrap mod 2**64 as numpy's uint64 does.
+ * held_digest(sums, held, parts, num_blocks, layer, part, salt, src_start, src_stride,
+ *             dst_start, dst_stride, local_ids, remote_ids) -> int | None
+ *   The content digest (kvray.content) of a transfer from content sums held per (layer, part,
+ *   block): `sums` and `held` flat over (layers, parts, num_blocks) (int64 bit patterns, and
+ *   bools), one row per (layer, part) moved with its pair salt and both sides' start and
+ *   stride; block local_ids[i] goes to remote_ids[i]. None (and nothing changed) unless every
+ *   sum the transfer needs is held; else the sum over rows and blocks of sum * (SplitMix64(salt
+ *   ^ delta) | 1), delta the destination offset minus the source offset (mod 2**64), and those
+ *   sums are no longer held (a push uses them once). ValueError where an index lies outside.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -546,8 +555,98 @@ done:
     return result;
 }
 
+/* Borrow a C-contiguous buffer of bools (numpy's "?"), writable. */
+static int take_flags(PyObject *object, Py_buffer *view) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
+        return 0;
+    }
+    if (view->itemsize != 1 || view->format == NULL || strcmp(view->format, "?") != 0) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "kvray._plan takes held flags as an array of bools");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *held_digest(PyObject *self, PyObject *args) {
+    PyObject *objects[12];
+    long long parts, num_blocks;
+    if (!PyArg_ParseTuple(args, "OOLLOOOOOOOOO", &objects[0], &objects[11], &parts, &num_blocks, &objects[1],
+                          &objects[2], &objects[3], &objects[4], &objects[5], &objects[6], &objects[7],
+                          &objects[8], &objects[9])) {
+        return NULL;
+    }
+    Array a[10];
+    memset(a, 0, sizeof(a));
+    if (!take_all(objects, a, 10, 0)) {
+        return NULL;
+    }
+    Py_buffer flags;
+    if (!take_flags(objects[11], &flags)) {
+        give_back(a, 10);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t rows = a[1].len, count = a[8].len;
+    if (!lengths_are(&a[1], 7, rows) || a[9].len != count) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "kvray._plan: arrays of mismatched lengths");
+        }
+        goto done;
+    }
+    if (parts <= 0 || num_blocks <= 0 || a[0].len % (parts * num_blocks) != 0 || flags.len != a[0].len) {
+        PyErr_SetString(PyExc_ValueError, "kvray._plan: held sums of another shape");
+        goto done;
+    }
+    const long long layers = a[0].len / (parts * num_blocks);
+    const int64_t *layer = a[1].data, *part = a[2].data, *salt = a[3].data;
+    const int64_t *src_start = a[4].data, *src_stride = a[5].data, *dst_start = a[6].data;
+    const int64_t *dst_stride = a[7].data, *local = a[8].data, *remote = a[9].data;
+    const uint64_t *sums = (const uint64_t *)a[0].data;
+    char *held = (char *)flags.buf;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (layer[r] < 0 || layer[r] >= layers || part[r] < 0 || part[r] >= parts) {
+            PyErr_SetString(PyExc_ValueError, "kvray._plan: a row outside the held sums");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (local[i] < 0 || local[i] >= num_blocks) {
+            PyErr_SetString(PyExc_ValueError, "kvray._plan: a block outside the held sums");
+            goto done;
+        }
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const int64_t *at = local;
+        Py_ssize_t first = (Py_ssize_t)((layer[r] * parts + part[r]) * num_blocks);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (!held[first + at[i]]) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+        }
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        Py_ssize_t first = (Py_ssize_t)((layer[r] * parts + part[r]) * num_blocks);
+        uint64_t row_salt = (uint64_t)salt[r];
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint64_t source = (uint64_t)src_start[r] + (uint64_t)local[i] * (uint64_t)src_stride[r];
+            uint64_t target = (uint64_t)dst_start[r] + (uint64_t)remote[i] * (uint64_t)dst_stride[r];
+            total += sums[first + local[i]] * (mix64(row_salt ^ (target - source)) | 1);
+            held[first + local[i]] = 0;
+        }
+    }
+    result = PyLong_FromUnsignedLongLong(total);
+done:
+    PyBuffer_Release(&flags);
+    give_back(a, 10);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"placement_digest", placement_digest, METH_VARARGS, "The placement digest of runs at blocks."},
+    {"held_digest", held_digest, METH_VARARGS, "A transfer's content digest from held sums, or None."},
     {"sort_blocks", sort_blocks, METH_VARARGS,
      "Check both sides' block ids and order the pairs by local id (None when the ids are bad)."},
     {"expand_ops", expand_ops, METH_VARARGS, "One op per (row, block); True when sorted by local offset."},

@@ -52,3 +52,21 @@ def plan_ids(
     remote_rows: object,
     remote_lengths: object,
 ) -> bool: ...
+def placement_digest(
+    region: object, start: object, nbytes: object, stride: object | None, blocks: object | None, shift: int
+) -> int: ...
+def held_digest(
+    sums: object,
+    held: object,
+    parts: int,
+    num_blocks: int,
+    layer: object,
+    part: object,
+    salt: object,
+    src_start: object,
+    src_stride: object,
+    dst_start: object,
+    dst_stride: object,
+    local_ids: object,
+    remote_ids: object,
+) -> int | None: ...

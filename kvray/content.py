@@ -44,6 +44,11 @@ try:
     from kvray._copy_pool import hash_ranges as _hash_ranges
 except ImportError:  # a source checkout without a build: numpy computes the same
     _hash_ranges = None
+_held_digest: Callable[..., int | None] | None
+try:
+    from kvray._plan import held_digest as _held_digest
+except ImportError:
+    _held_digest = None
 
 _M1: Final = 0xBF58476D1CE4E5B9
 _M2: Final = 0x94D049BB133111EB
@@ -444,7 +449,35 @@ class HeldDigests:
             self.held[:, :, blocks] = False
 
     def digest(self, stretches: Stretches) -> int | None:
-        """The content digest from held sums, dropping them (None: some are not held)."""
+        """The content digest from held sums, dropping them (None: some are not held): one C
+        pass over the rows and blocks (`kvray._plan.held_digest`), else numpy."""
+        rows = stretches.rows
+        if not rows.whole_parts:
+            return None
+        if _held_digest is not None:
+            salts = pair_salts(rows.src_region, rows.dst_region).view(np.int64)
+            local = np.ascontiguousarray(stretches.local, dtype=np.int64)
+            remote = np.ascontiguousarray(stretches.remote, dtype=np.int64)
+            with self._lock:
+                return _held_digest(
+                    self.sums.reshape(-1).view(np.int64),
+                    self.held.reshape(-1),
+                    self.held.shape[1],
+                    self.held.shape[2],
+                    rows.layer,
+                    rows.part,
+                    salts,
+                    rows.src_start,
+                    rows.src_stride,
+                    rows.dst_start,
+                    rows.dst_stride,
+                    local,
+                    remote,
+                )
+        return self.digest_numpy(stretches)
+
+    def digest_numpy(self, stretches: Stretches) -> int | None:
+        """`digest` in numpy (the C pass's twin)."""
         if not stretches.rows.whole_parts:
             return None
         expanded = stretches.expanded

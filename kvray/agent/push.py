@@ -201,11 +201,13 @@ class Pusher:
             if fused:
                 reference = self._held_reference(plan, local_blocks, remote_ids, peer)
                 if reference is None:
-                    # Hashed (or taken from a hold still hashing) while the bytes move: the
-                    # notice goes once both are done.
-                    hashing = asyncio.ensure_future(
-                        self._reference(plan, local_blocks, remote_ids, peer, transport)
-                    )
+                    taking = self._reference(plan, local_blocks, remote_ids, peer, transport)
+                    if self._overlaps(plan):
+                        # Hashed (or taken from a hold still hashing) on a thread while the
+                        # copy's threads move the bytes: the notice goes once both are done.
+                        hashing = asyncio.ensure_future(taking)
+                    else:
+                        reference = await taking
             elif self._checked(reservation):
                 landed = await self._landed(plan, local_blocks, remote_ids, peer)
             checksums = await self._checksums(
@@ -656,6 +658,13 @@ class Pusher:
                 local_blocks, self.engine.backing.layout.num_blocks, "local", self.engine.engine_id
             )
             self._held.forget(blocks)
+
+    def _overlaps(self, plan: TransferPlan) -> bool:
+        """Whether a reference not held is hashed while the bytes move (host memory, large
+        enough to hash on a thread) rather than first: a GPU hashes on the stream that copies,
+        and a small request is hashed quicker than its notice would leave later than the copy's
+        own (`Transport.write_then`)."""
+        return self.engine.backing.kind is not MemoryKind.CUDA and plan.nbytes >= THREAD_MIN_BYTES
 
     def _held_reference(
         self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer

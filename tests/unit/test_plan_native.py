@@ -7,6 +7,7 @@ raises and words every error). The twin is forced here by setting `kvray.plan._n
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -476,3 +477,64 @@ def test_the_placement_digests_equal_their_numpy_twins(
         placement._native = saved
     assert native == twin
     assert native[0] == placement.ranges_digest_numpy(region, start, nbytes)
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_the_same_digest_from_held_sums_both_ways(data: st.DataObject) -> None:
+    """`HeldDigests.digest` in one C pass equals its numpy twin for any held sums, rows of any
+    pair salt, start and stride (near int64's ends: offsets wrap mod 2**64 alike), and blocks;
+    both answer None, changing nothing, while a sum the transfer needs is not held, and both
+    drop exactly the sums they used."""
+    from kvray.content import HeldDigests, Stretches, StretchRows
+
+    layers, parts, num_blocks = (data.draw(st.integers(1, 4)) for _ in range(3))
+    held = HeldDigests.__new__(HeldDigests)  # the sums alone: no layout needed to combine them
+    held.sums = np.asarray(
+        data.draw(
+            st.lists(
+                st.integers(0, 2**64 - 1),
+                min_size=layers * parts * num_blocks,
+                max_size=layers * parts * num_blocks,
+            )
+        ),
+        dtype=np.uint64,
+    ).reshape(layers, parts, num_blocks)
+    held.held = np.ones((layers, parts, num_blocks), dtype=bool)
+    held._lock = threading.Lock()
+    count = data.draw(st.integers(1, num_blocks))
+    local = np.asarray(data.draw(st.permutations(range(num_blocks)))[:count], dtype=np.int64)
+    remote = np.asarray(data.draw(st.lists(st.integers(0, 50), min_size=count, max_size=count)), np.int64)
+    size = data.draw(st.integers(1, 5))
+    values = st.one_of(edgy, st.integers(-64, 1 << 20))
+
+    def column(strategy: Any) -> np.ndarray:
+        return np.asarray(data.draw(st.lists(strategy, min_size=size, max_size=size)), dtype=np.int64)
+
+    rows = StretchRows(
+        src_region=column(st.integers(0, 3)),
+        src_start=column(values),
+        src_stride=column(values),
+        dst_region=column(st.integers(0, 3)),
+        dst_start=column(values),
+        dst_stride=column(values),
+        nbytes=column(st.integers(1, 64)),
+        layer=column(st.integers(0, layers - 1)),
+        part=column(st.integers(0, parts - 1)),
+        whole_parts=True,
+    )
+    unheld = data.draw(st.booleans())
+    if unheld:
+        row = data.draw(st.integers(0, size - 1))
+        held.held[rows.layer[row], rows.part[row], local[data.draw(st.integers(0, count - 1))]] = False
+    before = held.held.copy()
+    twin = held.digest_numpy(Stretches(rows, local, remote))
+    after_twin = held.held.copy()
+    held.held[:] = before
+    with np.errstate(over="ignore"):
+        native = held.digest(Stretches(rows, local, remote))
+    assert native == twin
+    assert np.array_equal(held.held, after_twin)
+    assert (native is None) == unheld
+    if unheld:
+        assert np.array_equal(held.held, before), "a digest that is not all held drops nothing"
