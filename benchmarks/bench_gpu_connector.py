@@ -10,9 +10,9 @@ views), against a same-GPU device copy of the same bytes measured in the same ru
 file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
 
 Per prompt length:
-- `one request`: the prefill engine holds the request (taking its blocks' content digests,
-  before the clock); the decode engine's step hands over the load (`bind_connector_metadata`);
-  timed until its `get_finished` reports the request received
+- `one request`: the prefill engine holds the request (on the CPU taking its blocks' content
+  digests, before the clock); the decode engine's step hands over the load
+  (`bind_connector_metadata`); timed until its `get_finished` reports the request received
   (the push request, the plan, the cuda_ipc copy and the completion all inside), one at a time;
 - `stream of 16`: 16 such loads handed over in one step, until all 16 are reported;
 - `device copy`: one `copy_` of the request's bytes between two plain allocations on the GPU.
@@ -157,10 +157,10 @@ def run(
 
     def handoffs(batches: list[list[tuple[str, list[int]]]]) -> list[float]:
         """Each batch held by the prefill engine just before it is handed over, as a finished
-        request's blocks are. A hold takes its blocks' content digests (`KVAgent.hold_digests`:
-        a kernel on the GPU, a thread on the CPU; the push's check then reads no source byte)
-        and is given the time they take, so that a push never reads the digests of an earlier
-        hold of the same blocks."""
+        request's blocks are. On the CPU a hold takes its blocks' content digests on a thread
+        (`KVAgent.hold_digests`: the push's check then reads no source byte; on a GPU the push
+        hashes them on the device) and is given the time they take, so that a push never reads
+        the digests of an earlier hold of the same blocks."""
         rate = 2e11 if device == "cuda" else 2e9
         times = []
         for batch in batches:

@@ -398,8 +398,8 @@ class HeldDigests:
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
     those blocks needs no read of their bytes. A push uses them once and drops them; `forget`
     drops them when the blocks go back to the engine, which may write them again (a take still
-    hashing them then keeps nothing of them). Hashed here (`take`) or elsewhere, e.g. on the
-    GPU that holds them: `epochs` before the hash, `keep` after it."""
+    hashing them then keeps nothing of them). `take` hashes them: `epochs` read before the
+    hash, `keep` after it."""
 
     def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
         self.layout = layout

@@ -201,10 +201,10 @@ class VllmGpuWorker:
         gate = self._gate = asyncio.Event()
         original = transport.wait_for_events
 
-        async def held(events: Any, nbytes: int, then: Any = None) -> None:
+        async def held(events: Any, nbytes: int) -> None:
             self._holding += 1
             await gate.wait()
-            await original(events, nbytes, then)
+            await original(events, nbytes)
 
         transport.wait_for_events = held  # type: ignore[assignment]
 

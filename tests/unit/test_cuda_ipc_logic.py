@@ -99,34 +99,6 @@ async def test_a_copy_running_past_the_poll_window_is_waited_for_on_a_thread(
     assert len(slow.synchronized_on) == 1 and slow.synchronized_on[0] != threading.get_ident()
 
 
-@pytest.mark.parametrize("path", ["done at once", "polled", "on a thread"])
-async def test_a_copys_callback_runs_once_as_it_is_seen_done_before_the_write_resumes(
-    monkeypatch: pytest.MonkeyPatch, path: str
-) -> None:
-    """`then` (how a `cuda_ipc` write sends its completion notice, `Transport.write_then`) runs
-    exactly once, on the loop, when the poller (or the thread's wait) sees the copy done, before
-    the waiting write resumes; a cancelled write's never runs."""
-    monkeypatch.setattr(streams, "POLL_FLOOR_S", 0.0 if path == "on a thread" else 30.0)
-    event = _Event(polls={"done at once": 0, "polled": 3, "on a thread": 10**9}[path])
-    seen: list[tuple[int, int]] = []
-    await wait_for_events(  # type: ignore[list-item]
-        [event], nbytes=0, then=lambda: seen.append((event.queries, threading.get_ident()))
-    )
-    seen.append((-1, 0))  # the write resumed
-    assert len(seen) == 2 and seen[0][1] == threading.get_ident(), seen
-    with pytest.raises(ValueError, match="one event"):
-        await wait_for_events([event, event], nbytes=0, then=lambda: None)  # type: ignore[list-item]
-    monkeypatch.setattr(streams, "POLL_FLOOR_S", 60.0)
-    running = _Event(polls=10**9)
-    called: list[int] = []
-    task = asyncio.create_task(wait_for_events([running], nbytes=0, then=lambda: called.append(1)))  # type: ignore[list-item]
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert called == []
-
-
 async def test_a_cancelled_write_returns_only_once_its_copies_are_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

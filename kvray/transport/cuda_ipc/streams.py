@@ -11,7 +11,6 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable
 
 import torch
 
@@ -106,27 +105,19 @@ def peer_reads(reader: int, owner: int) -> bool:
     return True
 
 
-async def wait_for_events(
-    events: list[torch.cuda.Event], nbytes: int, then: Callable[[], None] | None = None
-) -> None:
+async def wait_for_events(events: list[torch.cuda.Event], nbytes: int) -> None:
     """Return once every event has completed. The loop polls them between its other work for
     about as long as `nbytes` should take to copy, so the write resumes within one loop turn of
     the copy's end; a copy that runs past that (a busy or slow link) is waited for on a thread.
     A thread alone costs a wake-up on the way back: a pool thread, then the loop. One task per
     event loop polls every write's events (`_EventPoller`): many writes in flight cost one poll
-    per loop turn, not one task switch each. `then` (one event only): called on the loop the
-    moment the event is seen completed, before this coroutine resumes (a write's completion
-    notice goes out from there, `Transport.write_then`); quick, and it must not raise."""
-    if then is not None and len(events) != 1:
-        raise ValueError("a callback on completion is for the wait of one event")
+    per loop turn, not one task switch each."""
     deadline = time.perf_counter() + POLL_FLOOR_S + nbytes / POLL_BYTES_PER_S
     try:
         pending = [event for event in events if not event.query()]  # type: ignore[no-untyped-call]
         if pending:
             poller = _EventPoller.of(asyncio.get_running_loop())
-            await asyncio.gather(*(poller.watch(event, deadline, then) for event in pending))
-        elif then is not None:
-            then()
+            await asyncio.gather(*(poller.watch(event, deadline) for event in pending))
     except asyncio.CancelledError:
         # The GPU cannot be stopped mid-copy: let the cancellation through only once nothing
         # writes into the peer's memory any more (the copies are bounded, so this wait is too).
@@ -137,17 +128,12 @@ async def wait_for_events(
         raise
 
 
-#: An event watched, until when it is polled, the future its waiter awaits and what to call
-#: first when it completes.
-_Watched = tuple[torch.cuda.Event, float, asyncio.Future[None], Callable[[], None] | None]
-
-
 class _EventPoller:
     """The events writes of one event loop wait for: polled by one task, once per loop turn,
     each until its write's poll deadline, then handed to a thread that waits for it."""
 
     def __init__(self) -> None:
-        self._watched: list[_Watched] = []
+        self._watched: list[tuple[torch.cuda.Event, float, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         #: Threads' waits for events past their deadline (kept: a loop holds tasks weakly).
         self._waits: set[asyncio.Task[None]] = set()
@@ -159,13 +145,11 @@ class _EventPoller:
             poller = _POLLERS[loop] = cls()
         return poller
 
-    def watch(
-        self, event: torch.cuda.Event, deadline: float, then: Callable[[], None] | None = None
-    ) -> asyncio.Future[None]:
-        """A future resolved once `event` has completed (`then` called first)."""
+    def watch(self, event: torch.cuda.Event, deadline: float) -> asyncio.Future[None]:
+        """A future resolved once `event` has completed."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._watched.append((event, deadline, done, then))
+        self._watched.append((event, deadline, done))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._poll())
         return done
@@ -175,28 +159,23 @@ class _EventPoller:
             await asyncio.sleep(0)
             now = time.perf_counter()
             watched, self._watched = self._watched, []
-            for entry in watched:
-                event, deadline, done, then = entry
+            for event, deadline, done in watched:
                 if done.done():  # its write was cancelled
                     continue
                 if event.query():  # type: ignore[no-untyped-call]
-                    if then is not None:
-                        then()
                     done.set_result(None)
                 elif now >= deadline:
-                    wait = asyncio.get_running_loop().create_task(_on_thread(event, done, then))
+                    wait = asyncio.get_running_loop().create_task(_on_thread(event, done))
                     self._waits.add(wait)
                     wait.add_done_callback(self._waits.discard)
                 else:
-                    self._watched.append(entry)
+                    self._watched.append((event, deadline, done))
 
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _EventPoller] = weakref.WeakKeyDictionary()
 
 
-async def _on_thread(
-    event: torch.cuda.Event, done: asyncio.Future[None], then: Callable[[], None] | None
-) -> None:
+async def _on_thread(event: torch.cuda.Event, done: asyncio.Future[None]) -> None:
     try:
         await asyncio.to_thread(event.synchronize)
     except asyncio.CancelledError:
@@ -207,8 +186,6 @@ async def _on_thread(
             done.set_exception(error)
         return
     if not done.done():
-        if then is not None:
-            then()
         done.set_result(None)
 
 

@@ -26,7 +26,6 @@ from kvray.metrics import EngineMetrics
 from kvray.placement import MASK64, NOTHING, Stored
 from kvray.plan import PartRows, RequestRows, TransferPlan
 from kvray.transport.base import (
-    OnStored,
     Peer,
     PeerCache,
     Reach,
@@ -163,17 +162,6 @@ class CudaIpcTransport(Transport):
     async def write(
         self, plan: TransferPlan, local: Backing, peer: Peer, *, ready: SourceReady = None
     ) -> Stored:
-        return await self._write(plan, local, peer, None, ready)
-
-    async def write_then(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: OnStored, *, ready: SourceReady = None
-    ) -> Stored:
-        # A row copy's `then` runs from the event poller the moment it sees the copy done.
-        return await self._write(plan, local, peer, then, ready)
-
-    async def _write(
-        self, plan: TransferPlan, local: Backing, peer: Peer, then: OnStored | None, ready: SourceReady
-    ) -> Stored:
         # Every copy reports where it stored (its placement digest) and, for a checked request,
         # the content digest of what it moved (`kvray.content`).
         check_write(plan, local, peer)
@@ -193,15 +181,8 @@ class CudaIpcTransport(Transport):
                         engine_id=peer.info.engine_id,
                     ) from error
                 # `opened` (what the copy writes into) stays open until the copy has finished.
-                row_copy = copy
-
-                def stored_now() -> None:
-                    stored = row_copy.digest()
-                    if then is not None and stored is not None:
-                        then(stored)
-
                 try:
-                    await wait_for_events([copy.done], plan.nbytes, None if then is None else stored_now)
+                    await wait_for_events([copy.done], plan.nbytes)
                     stored = copy.digest()
                     assert stored is not None
                     return stored
@@ -243,8 +224,6 @@ class CudaIpcTransport(Transport):
         for cell in cells:
             stored = stored.plus(cell.value(content=plan.hashed))
             give_back(cell)
-        if then is not None:
-            then(stored)
         return stored
 
     def _direct_rows(
