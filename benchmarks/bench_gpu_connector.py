@@ -10,9 +10,8 @@ views), against a same-GPU device copy of the same bytes measured in the same ru
 file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
 
 Per prompt length:
-- `one request`: the prefill engine holds the request (on the CPU taking its blocks' content
-  digests, before the clock); the decode engine's step hands over the load
-  (`bind_connector_metadata`); timed until its `get_finished` reports the request received
+- `one request`: the prefill engine holds the request; the decode engine's step hands over the
+  load (`bind_connector_metadata`); timed until its `get_finished` reports the request received
   (the push request, the plan, the cuda_ipc copy and the completion all inside), one at a time;
 - `stream of 16`: 16 such loads handed over in one step, until all 16 are reported;
 - `device copy`: one `copy_` of the request's bytes between two plain allocations on the GPU.
@@ -156,16 +155,20 @@ def run(
     streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
 
     def handoffs(batches: list[list[tuple[str, list[int]]]]) -> list[float]:
-        """Each batch held by the prefill engine just before it is handed over, as a finished
-        request's blocks are. On the CPU a hold takes its blocks' content digests on a thread
-        (`KVAgent.hold_digests`: the push's check then reads no source byte; on a GPU the push
-        hashes them on the device) and is given the time they take, so that a push never reads
-        the digests of an earlier hold of the same blocks."""
-        rate = 2e11 if device == "cuda" else 2e9
+        """Each batch held by the prefill engine (as its requests finish), then handed over."""
+        if device == "cuda":
+            for batch in batches:
+                for key, taken in batch:
+                    ray.get(prefill.hold.remote(key, taken))
+            return list(ray.get(decode.handoffs.remote(p_info, batches)))
+        # On the CPU a hold takes its blocks' content digests on a thread (the push's check
+        # then reads no source byte; on a GPU the copy hashes them): each batch is held just
+        # before it is handed over, as a finished request's blocks are, and given the time
+        # the digests take, so that a push never reads the digests of an earlier hold.
         times = []
         for batch in batches:
             ray.get([prefill.hold.remote(key, taken) for key, taken in batch])
-            time.sleep(0.01 + len(batch) * nbytes / rate)
+            time.sleep(0.02 + len(batch) * nbytes / 2e9)
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 
