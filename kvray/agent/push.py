@@ -134,8 +134,8 @@ def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
 
 
 async def _settled(task: asyncio.Task[Any]) -> None:
-    """`task` cancelled unless it is done, and ended (a hash on a device ends before the memory
-    it reads may go), its outcome retrieved."""
+    """`task` cancelled unless it is done and waited for, its outcome retrieved (a hash still
+    running on a worker thread only reads this engine's backing, which outlives it)."""
     if not task.done():
         task.cancel()
         await asyncio.wait([task])
@@ -652,8 +652,8 @@ class Pusher:
     def _overlaps(self, plan: TransferPlan) -> bool:
         """Whether a reference not held is hashed while the bytes move (host memory, large
         enough to hash on a thread) rather than first: a GPU hashes on the stream that copies,
-        and a small request is hashed quicker than its notice would leave later than the copy's
-        own (`Transport.write_then`)."""
+        and a small request is hashed at once, so that its notice can leave from the copy's
+        own thread (`Transport.write_then`)."""
         return self.engine.backing.kind is not MemoryKind.CUDA and plan.nbytes >= THREAD_MIN_BYTES
 
     def _held_reference(
