@@ -617,10 +617,9 @@ static PyObject *held_digest(PyObject *self, PyObject *args) {
         }
     }
     for (Py_ssize_t r = 0; r < rows; r++) {
-        const int64_t *at = local;
         Py_ssize_t first = (Py_ssize_t)((layer[r] * parts + part[r]) * num_blocks);
         for (Py_ssize_t i = 0; i < count; i++) {
-            if (!held[first + at[i]]) {
+            if (!held[first + local[i]]) {
                 result = Py_NewRef(Py_None);
                 goto done;
             }

@@ -398,8 +398,7 @@ class HeldDigests:
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
     those blocks needs no read of their bytes. A push uses them once and drops them; `forget`
     drops them when the blocks go back to the engine, which may write them again (a take still
-    hashing them then keeps nothing of them). `take` hashes them: `epochs` read before the
-    hash, `keep` after it."""
+    hashing them then keeps nothing of them)."""
 
     def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
         self.layout = layout
@@ -413,25 +412,11 @@ class HeldDigests:
         self._epoch = np.zeros(layout.num_blocks, dtype=np.int64)
         self._lock = threading.Lock()
 
-    def epochs(self, blocks: Int64Array) -> Int64Array:
-        """What `keep` needs of `blocks`, read before their bytes are hashed."""
-        with self._lock:
-            return self._epoch[blocks].copy()
-
-    def keep(self, blocks: Int64Array, epochs: Int64Array, sums: npt.NDArray[np.uint64]) -> None:
-        """Keep `sums` (one per row of `rows` and block of `blocks`) of the blocks not forgotten
-        since `epochs` was read."""
-        rows = self.rows
-        with self._lock:
-            kept = self._epoch[blocks] == epochs
-            taken = blocks[kept]
-            self.sums[rows.layer[:, None], rows.part[:, None], taken[None, :]] = sums[:, kept]
-            self.held[rows.layer[:, None], rows.part[:, None], taken[None, :]] = True
-
     def take(self, regions: Sequence[npt.NDArray[np.uint8]], blocks: Int64Array) -> None:
         """Hash every layer's parts of `blocks` now (C, GIL released; from any thread)."""
-        epochs = self.epochs(blocks)
         rows = self.rows
+        with self._lock:
+            epoch = self._epoch[blocks].copy()
         sums = np.zeros((rows.layer.size, blocks.size), dtype=np.uint64)
         for row in range(rows.layer.size):
             region = int(rows.region[row])
@@ -440,7 +425,11 @@ class HeldDigests:
             sums[row] = np.array(
                 hash_ranges(regions[region], starts, nbytes, region_seed(region)), dtype=np.uint64
             )
-        self.keep(blocks, epochs, sums)
+        with self._lock:
+            kept = self._epoch[blocks] == epoch
+            where = (rows.layer[:, None], rows.part[:, None], blocks[kept][None, :])
+            self.sums[where] = sums[:, kept]
+            self.held[where] = True
 
     def forget(self, blocks: Int64Array) -> None:
         """Drop the sums of `blocks` (they go back to the engine), and any a take still makes."""

@@ -198,9 +198,10 @@ class Pusher:
             reference = landed = None
             hashing: asyncio.Task[int] | None = None
             if fused:
-                reference = self._held_reference(plan, local_blocks, remote_ids, peer)
+                stretches = self._stretches(plan, local_blocks, remote_ids, peer)
+                reference = self._held_reference(stretches)
                 if reference is None:
-                    taking = self._reference(plan, local_blocks, remote_ids, peer, transport)
+                    taking = self._hashed_reference(stretches, transport)
                     if self._overlaps(plan):
                         # Hashed (or taken from a hold still hashing) on a thread while the
                         # copy's threads move the bytes: the notice goes once both are done.
@@ -656,13 +657,10 @@ class Pusher:
         own thread (`Transport.write_then`)."""
         return self.engine.backing.kind is not MemoryKind.CUDA and plan.nbytes >= THREAD_MIN_BYTES
 
-    def _held_reference(
-        self, plan: TransferPlan, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], peer: Peer
-    ) -> int | None:
-        """`_reference` from the digests held for the blocks, at once (None: not all are held)."""
-        if self._held is None:
-            return None
-        return self._held.digest(self._stretches(plan, local_blocks, remote_ids, peer))
+    def _held_reference(self, stretches: Stretches) -> int | None:
+        """The content digest of `stretches` from the digests held for their blocks, at once
+        (`hold_digests`; None: not all are held)."""
+        return None if self._held is None else self._held.digest(stretches)
 
     async def _reference(
         self,
@@ -674,15 +672,21 @@ class Pusher:
         ready: SourceReady = None,
     ) -> int:
         """The content digest of `plan`'s transfer from this engine's own blocks and both
-        layouts: from the digests held for them when there are (`hold_digests`; a hold still
-        hashing them is waited for), else by hashing them where they are
-        (`Transport.reference`, after `ready`)."""
+        layouts: from the digests held for them when there are, else `_hashed_reference`."""
         stretches = self._stretches(plan, local_blocks, remote_ids, peer)
+        value = self._held_reference(stretches)
+        if value is not None:
+            return value
+        return await self._hashed_reference(stretches, transport, ready)
+
+    async def _hashed_reference(
+        self, stretches: Stretches, transport: Transport, ready: SourceReady = None
+    ) -> int:
+        """The content digest of `stretches` whose digests are not held: from a hold still
+        hashing their blocks once it is done, else by hashing them where they are
+        (`Transport.reference`, after `ready`)."""
         held = self._held
-        if held is None:
-            return await transport.reference(stretches, self.engine.backing, ready=ready)
-        value = held.digest(stretches)
-        if value is None and self._holding and ready is None:
+        if held is not None and self._holding and ready is None:
             # A hold may be hashing these very blocks (a push asked for as its request
             # finished): its sums come sooner than a second hash of the same bytes would.
             holds = [
@@ -691,8 +695,8 @@ class Pusher:
             if holds:
                 await asyncio.wait([asyncio.ensure_future(taken.wait()) for taken in holds])
                 value = held.digest(stretches)
-        if value is not None:
-            return value
+                if value is not None:
+                    return value
         return await transport.reference(stretches, self.engine.backing, ready=ready)
 
     async def _landed(
