@@ -5,6 +5,13 @@ views), against a same-GPU device copy of the same bytes measured in the same ru
 
     python benchmarks/bench_gpu_connector.py [--repeat 10] [--tokens 4096 16384] [--json out.json]
     PYTHONPATH=tests/gpu python benchmarks/bench_gpu_connector.py --device cpu [--tokens 64 1024]
+    PYTHONPATH=tests/gpu python benchmarks/bench_gpu_connector.py --device cpu --layers 1 --block-size 16 \
+        --pool 32768 --tokens 16384
+
+`--layers`, `--block-size` and `--pool` change the cache (61 layers, 64 tokens a block, a pool of
+one stream's blocks by default): a pool of an engine's real size, with each request's blocks
+scattered over it, shows what grows with the pool and with the blocks of a request rather than
+with its bytes.
 
 `--device cpu` runs the same hand-off over CPU caches (the decode engine's in a shared-memory
 file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
@@ -43,7 +50,14 @@ class Engine:
     """A `VllmGpuWorker` with timing loops (runs in a Ray GPU actor)."""
 
     def __init__(
-        self, engine_id: str, num_blocks: int, producer: bool, breakdown: bool = False, device: str = "cuda"
+        self,
+        engine_id: str,
+        num_blocks: int,
+        producer: bool,
+        breakdown: bool = False,
+        device: str = "cuda",
+        layers: int = LAYERS,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         from connector_actors import VllmGpuWorker
 
@@ -55,7 +69,7 @@ class Engine:
         from kvray.config import Settings
         from tests.vllm_layouts import CacheShape
 
-        shape = CacheShape(LAYERS, num_blocks, BLOCK_SIZE, 1, 576, torch.bfloat16)
+        shape = CacheShape(layers, num_blocks, block_size, 1, 576, torch.bfloat16)
         settings = Settings(transfer_timeout_s=60.0, max_concurrent_transfers=STREAM)
         self.device = device
         self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer, device=device)
@@ -134,22 +148,37 @@ def summary(seconds: list[float]) -> dict[str, float]:
 
 
 def run(
-    tokens: int, repeat: int, remote: Any, breakdown: bool = False, device: str = "cuda"
+    tokens: int,
+    repeat: int,
+    remote: Any,
+    breakdown: bool = False,
+    device: str = "cuda",
+    layers: int = LAYERS,
+    block_size: int = BLOCK_SIZE,
+    pool: int = 0,
 ) -> dict[str, Any]:
+    import random
+
     import ray
 
-    per_request = tokens // BLOCK_SIZE
+    per_request = tokens // block_size
     runs = repeat + 2  # two warm-up runs of each
-    # Both engines have room for one stream; the decode engine's blocks are reused once a
-    # hand-off into them is reported (as vLLM reuses them).
-    prefill = remote.remote(f"bench-p-{tokens}", per_request * STREAM, True, breakdown, device)
-    decode = remote.remote(f"bench-d-{tokens}", per_request * STREAM, False, breakdown, device)
+    # Both engines have room for one stream (or `pool` blocks); the decode engine's blocks are
+    # reused once a hand-off into them is reported (as vLLM reuses them).
+    num_blocks = max(pool, per_request * STREAM)
+    shape = (layers, block_size)
+    prefill = remote.remote(f"bench-p-{tokens}", num_blocks, True, breakdown, device, *shape)
+    decode = remote.remote(f"bench-d-{tokens}", num_blocks, False, breakdown, device, *shape)
     p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
     kvray_file = ray.get(decode.kvray_file.remote())
-    nbytes = per_request * LAYERS * BLOCK_SIZE * 576 * 2
+    nbytes = per_request * layers * block_size * 576 * 2
+    # A pool larger than a stream: each request's blocks scattered over it, as an engine's are.
+    order = list(range(num_blocks))
+    if num_blocks > per_request * STREAM:
+        random.Random(7).shuffle(order)
 
     def blocks(index: int) -> list[int]:
-        return list(range(index * per_request, (index + 1) * per_request))
+        return order[index * per_request : (index + 1) * per_request]
 
     singles = [[(f"one-{tokens}-{i}", blocks(0))] for i in range(runs)]
     streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
@@ -217,6 +246,11 @@ def main() -> int:
         default="cuda",
         help="cpu: the same hand-off over CPU caches (shm), where a short request's time is host time",
     )
+    parser.add_argument("--layers", type=int, default=LAYERS, help="layers of the cache (61)")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a block (64)")
+    parser.add_argument(
+        "--pool", type=int, default=0, help="blocks of each engine's cache (default: one stream's)"
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--breakdown", action="store_true", help="also time the hand-off's steps (kvray.bench.step_times)"
@@ -239,10 +273,15 @@ def main() -> int:
     for module in (connector_actors, tests.vllm_layouts):
         ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_cpus=1)(Engine) if cpu else ray.remote(num_gpus=0.5)(Engine)
-    results = [run(count, args.repeat, remote, args.breakdown, args.device) for count in tokens]
+    shape = (args.layers, args.block_size, args.pool)
+    results = [run(count, args.repeat, remote, args.breakdown, args.device, *shape) for count in tokens]
     ray.shutdown()
     device = f"CPU ({os.cpu_count()} cores)" if cpu else torch.cuda.get_device_name(0)
-    print(f"kvray connector hand-off on one {device}, DeepSeek-V3 MLA cache, {args.repeat} runs each")
+    pool = args.pool or "a stream's"
+    cache = "DeepSeek-V3 MLA cache"
+    if shape != (LAYERS, BLOCK_SIZE, 0):
+        cache = f"MLA cache of {args.layers} layers, {args.block_size} tokens a block, {pool} blocks"
+    print(f"kvray connector hand-off on one {device}, {cache}, {args.repeat} runs each")
     print(f"kvray from {results[0]['kvray']}")
     print(f"{'tokens':>7} {'MiB':>6} {'copy ms':>8} {'one ms':>8} {'one x':>6} {'16 ms':>8} {'16 x':>6}")
     for row in results:

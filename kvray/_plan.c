@@ -119,14 +119,34 @@ typedef struct {
     int64_t local, remote;
 } Pair;
 
-static int by_local(const void *a, const void *b) {
-    int64_t x = ((const Pair *)a)->local, y = ((const Pair *)b)->local;
-    return (x > y) - (x < y);
+/* Sort `pairs` (n of them) by `local` (every key in [0, 2**bits)), least significant byte first:
+ * a pass per byte of the largest key, each a count of 256 and one stable scatter through `spare`.
+ * Linear in n, where a comparison sort of a long request costs ten compares an id. */
+static void radix_sort_pairs(Pair *pairs, Pair *spare, Py_ssize_t n, int bits) {
+    for (int shift = 0; shift < bits; shift += 8) {
+        Py_ssize_t count[257] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) {
+            count[((uint64_t)pairs[i].local >> shift & 0xFF) + 1]++;
+        }
+        for (int d = 0; d < 256; d++) {
+            count[d + 1] += count[d];
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            spare[count[(uint64_t)pairs[i].local >> shift & 0xFF]++] = pairs[i];
+        }
+        Pair *sorted = spare;
+        spare = pairs;
+        pairs = sorted;
+    }
 }
 
-static int by_value(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
+/* How many bits the ids of a pool of `pool` blocks need (ids are below it). */
+static int id_bits(int64_t pool) {
+    int bits = 0;
+    while (bits < 63 && ((int64_t)1 << bits) < pool) {
+        bits++;
+    }
+    return bits;
 }
 
 /* Below this many pool slots per id, a count over the pool beats sorting the ids. */
@@ -187,24 +207,35 @@ static int sort_pairs(const int64_t *local, const int64_t *remote, Py_ssize_t n,
         free(seen);
         return ok;
     }
+    /* Pairs sorted by local id, then (their halves swapped) by remote id: a repeat on either
+     * side sits next to its twin. An even number of byte passes leaves each sort in `pairs`. */
+    int local_bits = (id_bits(local_pool) + 15) / 16 * 16, remote_bits = (id_bits(remote_pool) + 15) / 16 * 16;
     Pair *pairs = malloc((size_t)n * sizeof(Pair));
-    int64_t *remote_sorted = malloc((size_t)n * sizeof(int64_t));
-    if (pairs == NULL || remote_sorted == NULL) {
+    Pair *spare = malloc((size_t)n * sizeof(Pair));
+    if (pairs == NULL || spare == NULL) {
         free(pairs);
-        free(remote_sorted);
+        free(spare);
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        pairs[i].local = local[i];
-        pairs[i].remote = remote[i];
-        remote_sorted[i] = remote[i];
+        pairs[i].local = remote[i];
+        pairs[i].remote = 0;
     }
-    qsort(pairs, (size_t)n, sizeof(Pair), by_local);
-    qsort(remote_sorted, (size_t)n, sizeof(int64_t), by_value);
+    radix_sort_pairs(pairs, spare, n, remote_bits);
     int ok = 1;
     for (Py_ssize_t i = 1; i < n && ok; i++) {
-        ok = pairs[i].local != pairs[i - 1].local && remote_sorted[i] != remote_sorted[i - 1];
+        ok = pairs[i].local != pairs[i - 1].local;
+    }
+    if (ok) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            pairs[i].local = local[i];
+            pairs[i].remote = remote[i];
+        }
+        radix_sort_pairs(pairs, spare, n, local_bits);
+        for (Py_ssize_t i = 1; i < n && ok; i++) {
+            ok = pairs[i].local != pairs[i - 1].local;
+        }
     }
     if (ok) {
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -213,7 +244,7 @@ static int sort_pairs(const int64_t *local, const int64_t *remote, Py_ssize_t n,
         }
     }
     free(pairs);
-    free(remote_sorted);
+    free(spare);
     return ok;
 }
 

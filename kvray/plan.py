@@ -544,13 +544,27 @@ def block_ids(
             block=int(out_of_range[0]),
             num_blocks=num_blocks,
         )
-    counts = np.bincount(ids, minlength=num_blocks)
-    if counts.max() > 1:
-        repeated = int(np.flatnonzero(counts > 1)[0])
+    repeated = _first_repeat(ids, num_blocks)
+    if repeated is not None:
         raise BlockIdError(
             f"{side} block id {repeated} appears more than once", side=side, engine_id=engine, block=repeated
         )
     return ids
+
+
+#: Above this many pool slots per id, sorting the ids finds a repeat sooner than counting over
+#: the pool (whose count array grows with the engine, not with the request).
+_COUNT_SLOTS_PER_ID = 16
+
+
+def _first_repeat(ids: Int64Array, num_blocks: int) -> int | None:
+    """The smallest id that `ids` (each in [0, num_blocks)) holds more than once, or None."""
+    if num_blocks <= _COUNT_SLOTS_PER_ID * ids.size:
+        counts = np.bincount(ids, minlength=num_blocks)
+        return int(np.flatnonzero(counts > 1)[0]) if counts.max() > 1 else None
+    ordered = np.sort(ids)
+    repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+    return int(repeats[0]) if repeats.size else None
 
 
 def plan_transfer(

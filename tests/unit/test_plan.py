@@ -38,6 +38,7 @@ from kvray.plan import (
     OpTable,
     PartRows,
     TransferPlan,
+    block_ids,
     check_bounds,
     check_compatible,
     check_ops,
@@ -562,6 +563,25 @@ def test_block_ids_name_the_offending_block(make_info: MakeInfo) -> None:
     with pytest.raises(BlockIdError) as caught:
         plan_transfer(local_info, remote_info, [4, 1, 4], [0, 1, 2], cache=NoOffsetsCache())
     assert caught.value.block == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 5000), min_size=1, max_size=64),
+    num_blocks=st.sampled_from([64, 5001, 1 << 20]),
+)
+def test_a_repeated_block_id_is_named_the_same_whatever_the_pool(ids: list[int], num_blocks: int) -> None:
+    """`block_ids` counts over the pool when it is small next to the request and sorts the ids
+    when it is large: either way the smallest repeated id is the one named, and ids without
+    repeats pass as they came."""
+    ids = [block % num_blocks for block in ids]
+    counts = np.bincount(ids, minlength=num_blocks)
+    if counts.max() > 1:
+        with pytest.raises(BlockIdError) as caught:
+            block_ids(ids, num_blocks, "decode", "d")
+        assert caught.value.block == int(np.flatnonzero(counts > 1)[0])
+    else:
+        assert block_ids(ids, num_blocks, "decode", "d").tolist() == ids
 
 
 def test_different_block_counts_raise_before_any_op(make_info: MakeInfo) -> None:

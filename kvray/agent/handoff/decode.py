@@ -134,7 +134,7 @@ class DecodeSide(Side):
             prefills = await self._prefill_ranks(spec)
             sources = self._sources(len(prefills))
             own = agent.layout.tp
-            blocks = list(table_blocks(spec.block_ids))
+            blocks = table_blocks(spec.block_ids)
             asks: list[tuple[PrefillAddress, str, PushRequest]] = []
             for rank in sources:
                 prefill = prefills[rank]

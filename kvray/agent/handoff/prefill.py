@@ -32,6 +32,7 @@ from kvray.agent.handoff.specs import (
 )
 from kvray.agent.push import PushResult
 from kvray.errors import BackpressureError, KvrayError, NotExpectedError
+from kvray.layout import Int64Array
 from kvray.memory import SourceReady
 from kvray.metrics import DropReason
 from kvray.wire import (
@@ -61,6 +62,8 @@ class _Held:
 
     spec: SendSpec
     lease_ends: float
+    #: The request's blocks (`table_blocks` of its table), as the agent takes them.
+    blocks: Int64Array
     #: Decode ranks whose push is under way.
     pushing: set[int] = field(default_factory=set)
     #: Decode ranks that have answered: pushed into (or refused), or withdrew.
@@ -167,12 +170,15 @@ class PrefillSide(Side):
             self.wiring.reports.sent(spec.request_id)
             self.drop(key)
             return
-        held = self._held[key] = _Held(spec, time.monotonic() + self.lease_s)
+        blocks = table_blocks(spec.block_ids)
+        held = self._held[key] = _Held(
+            spec, time.monotonic() + self.lease_s, np.fromiter(blocks, dtype=np.int64, count=len(blocks))
+        )
         self._held_changed(held, began=True)
         # The content digests of its blocks (`KVAgent.hold_digests`), taken while no decode
         # engine has asked yet: its push then reads no block to check what it moves. They are
         # dropped when the hold ends (`_held_changed`).
-        self._spawn(self._hold_digests(spec.block_ids))
+        self._spawn(self._hold_digests(held.blocks))
         for message, _ in self._parked.pop(key, ()):
             if isinstance(message, PushRequest):
                 self._spawn(self._push(message))
@@ -181,9 +187,9 @@ class PrefillSide(Side):
                 held.answered.add(message.decode_rank)
         self._settle(key, held)
 
-    async def _hold_digests(self, table: BlockTable) -> None:
+    async def _hold_digests(self, blocks: Int64Array) -> None:
         with contextlib.suppress(KvrayError):  # a push without them reads the blocks itself
-            await self.agent.hold_digests(np.asarray(table_blocks(table), dtype=np.int64))
+            await self.agent.hold_digests(blocks)
 
     def drop(self, key: str) -> None:
         """Hand-off `key` will never have KV here: its parked ask is refused now, later ones
@@ -230,11 +236,11 @@ class PrefillSide(Side):
     def _held_changed(self, held: _Held, *, began: bool) -> None:
         """A hold began or ended: record the blocks held as it happens, before the end is
         reported (vLLM reads the figure as the step that hears of the end ends, maybe its last)."""
-        blocks = table_blocks(held.spec.block_ids)
-        self._blocks_held += len(blocks) if began else -len(blocks)
+        blocks = held.blocks
+        self._blocks_held += blocks.size if began else -blocks.size
         self.agent.metrics.blocks_held(self._blocks_held)
         if not began:  # the blocks go back to the engine: digests held of them are stale now
-            self.agent.forget_digests(np.asarray(blocks, dtype=np.int64))
+            self.agent.forget_digests(blocks)
 
     def _spend(self, key: str) -> None:
         """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
@@ -355,7 +361,10 @@ class PrefillSide(Side):
         try:
             self._learn_peer(request)  # first: a refusal below is told to the decode engine
             taken = _taken_blocks(request, held.spec.block_ids)
-            result = await self._push_when_room(reservation, table_blocks(taken), held.lease_ends)
+            # The usual push takes every block held: the array made when the hold began.
+            whole = len(taken) == 1 and len(taken[0]) == held.blocks.size
+            blocks = held.blocks if whole else np.asarray(table_blocks(taken), dtype=np.int64)
+            result = await self._push_when_room(reservation, blocks, held.lease_ends)
             await self._moved(_sent(result, key, taken, layerwise=False))
         except Exception as error:  # the push told the decode side, or this does
             log.warning("kvray: push of %s failed: %s", key, error)
@@ -367,14 +376,12 @@ class PrefillSide(Side):
             held.answered.add(rank)
             self._settle(key, held)
 
-    async def _push_when_room(
-        self, reservation: Reservation, blocks: Sequence[int], until: float
-    ) -> PushResult:
+    async def _push_when_room(self, reservation: Reservation, blocks: Int64Array, until: float) -> PushResult:
         """Push, waiting while the agent's queue of transfers is full (a batch of decode
         requests asks for many at once), up to the request's lease."""
         while True:
             try:
-                return await self.agent.push(reservation, np.asarray(blocks, dtype=np.int64))
+                return await self.agent.push(reservation, blocks)
             except BackpressureError:
                 if time.monotonic() >= until:
                     raise
@@ -569,6 +576,14 @@ def _taken_blocks(request: PushRequest, held: BlockTable) -> BlockTable:
     in the reservation's order). Refused (`NotExpectedError`) where the two sides' groups differ, the
     table does not name the reservation's blocks, or the decode engine wants a position this
     side no longer keeps."""
+    first = request.first_block
+    if not request.groups and len(held) == 1:
+        # One group (the usual table): the reservation names the decode engine's blocks
+        # (wire-checked ids, none of them NO_BLOCK), taken one to one from `first_block`.
+        wanted, kept = request.reservation.blocks, held[0]
+        have = kept[first : first + len(wanted)]
+        if len(have) == len(wanted) and NO_BLOCK not in have:
+            return (tuple(have),)
     asked = request.groups or one_group(request.reservation.blocks)
     request_id = request.request_id
     if len(asked) != len(held):
@@ -582,7 +597,6 @@ def _taken_blocks(request: PushRequest, held: BlockTable) -> BlockTable:
             f"request {request_id!r}: the push request's block table does not name its reservation's blocks",
             request_id=request_id,
         )
-    first = request.first_block
     taken: list[tuple[int, ...]] = []
     for group, (wanted, kept) in enumerate(zip(asked, held, strict=True)):
         have = kept[first : first + len(wanted)]

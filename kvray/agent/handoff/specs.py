@@ -26,6 +26,8 @@ def one_group(block_ids: Sequence[int]) -> BlockTable:
 
 def table_blocks(table: BlockTable) -> tuple[int, ...]:
     """A block table's blocks, group after group, in position order (`NO_BLOCK` left out)."""
+    if len(table) == 1 and NO_BLOCK not in table[0]:  # the usual table: one group, every block
+        return tuple(table[0])
     return tuple(block for group in table for block in group if block != NO_BLOCK)
 
 
