@@ -245,6 +245,8 @@ class StretchRows(NamedTuple):
     layer: Int64Array
     part: Int64Array
     whole_parts: bool
+    #: `pair_salts` of each row's regions, as int64 (None: computed where needed).
+    salts: Int64Array | None = None
 
 
 def stretch_rows(
@@ -291,6 +293,7 @@ def stretch_rows(
         layer_index,
         run,
         whole_parts=heads is None,
+        salts=pair_salts(src_region, dst_region).view(np.int64),
     )
 
 
@@ -444,7 +447,9 @@ class HeldDigests:
         if not rows.whole_parts:
             return None
         if _held_digest is not None:
-            salts = pair_salts(rows.src_region, rows.dst_region).view(np.int64)
+            salts = rows.salts
+            if salts is None:
+                salts = pair_salts(rows.src_region, rows.dst_region).view(np.int64)
             local = np.ascontiguousarray(stretches.local, dtype=np.int64)
             remote = np.ascontiguousarray(stretches.remote, dtype=np.int64)
             with self._lock:

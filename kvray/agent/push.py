@@ -172,8 +172,9 @@ class Pusher:
         self._holding: dict[asyncio.Event, npt.NDArray[np.int64]] = {}
         #: Per (decode engine, incarnation, layers): the stretches' rows (`kvray.content`).
         self._stretch_rows: dict[tuple[str, int, tuple[str, ...]], StretchRows] = {}
-        #: Per decode engine incarnation: its layers' indices by name (what notices name).
-        self._layer_indices: dict[tuple[str, int], dict[str, int]] = {}
+        #: Per (decode engine, incarnation, layers): those layers' indices in its layout (what
+        #: notices name).
+        self._layer_indices: dict[tuple[str, int, tuple[str, ...]], tuple[int, ...]] = {}
 
     @property
     def layerwise_requests(self) -> set[str]:
@@ -587,13 +588,14 @@ class Pusher:
     def _indices(self, peer: Peer, layers: Sequence[str]) -> tuple[int, ...]:
         """`layers`' indices in the decode engine's layout."""
         info = peer.info
-        key = (info.engine_id, info.incarnation)
-        index = self._layer_indices.get(key)
-        if index is None:
+        key = (info.engine_id, info.incarnation, tuple(layers))
+        indices = self._layer_indices.get(key)
+        if indices is None:
             if len(self._layer_indices) >= 1024:
                 self._layer_indices.clear()
-            index = self._layer_indices[key] = {name: at for at, name in enumerate(info.layout.layer_names)}
-        return tuple(index[name] for name in layers)
+            index = {name: at for at, name in enumerate(info.layout.layer_names)}
+            indices = self._layer_indices[key] = tuple(index[name] for name in layers)
+        return indices
 
     def _checked(self, reservation: Reservation) -> bool:
         """Whether the request's content is checked: this engine's setting, or its decode

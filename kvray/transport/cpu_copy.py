@@ -83,13 +83,15 @@ _CLAIM_NBYTES = 2**20
 _executor: ThreadPoolExecutor | None = None
 #: The most threads one copy uses.
 _MAX_THREADS = 4
+#: The machine's cores, read once (`os.cpu_count` reads a file each time).
+_CORES = os.cpu_count() or 1
 
 
 def copy_threads() -> int:
     """Threads a copy uses unless told (`Settings.copy_threads`): every core, 1 to 4. A further
     thread speeds a large copy only while a core is idle for it; engines that share their cores
     with a model's compute may want fewer."""
-    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
+    return max(1, min(_MAX_THREADS, _CORES))
 
 
 def native() -> bool:
