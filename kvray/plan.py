@@ -26,7 +26,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -523,6 +523,17 @@ def block_ids(
     blocks: Sequence[int] | npt.NDArray[np.integer], num_blocks: int, side: str, engine: str
 ) -> Int64Array:
     """Validated block ids of one side: 1-D, non-empty, in [0, num_blocks), no duplicates."""
+    if type(blocks) in (tuple, list) and 0 < len(blocks) <= _SHORT_REQUEST:
+        # A short request's ids checked in Python: each numpy call costs more than the whole
+        # check here, above all on a cold cache (a hand-off's first touch of this code).
+        plain = cast(Sequence[int], blocks)
+        if (
+            all(type(block) is int for block in plain)
+            and min(plain) >= 0
+            and max(plain) < num_blocks
+            and len(set(plain)) == len(plain)
+        ):
+            return np.array(plain, dtype=np.int64)
     try:
         ids = np.asarray(blocks)
     except (ValueError, TypeError) as error:
@@ -552,6 +563,8 @@ def block_ids(
     return ids
 
 
+#: Requests of at most this many blocks have their ids checked in Python (`block_ids`).
+_SHORT_REQUEST = 128
 #: Above this many pool slots per id, sorting the ids finds a repeat sooner than counting over
 #: the pool (whose count array grows with the engine, not with the request).
 _COUNT_SLOTS_PER_ID = 16
