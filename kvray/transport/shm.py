@@ -83,8 +83,8 @@ class _Mapping:
     array: np.ndarray
     length: int
     path: str
-    #: (device, inode) of the file when it was mapped.
-    file_id: tuple[int, int]
+    #: The file, open for as long as it is mapped: asked after, not looked up by its path.
+    fd: int
     #: One past the mapped span's last byte in the file: the file must keep at least this many.
     file_end: int
     users: int = 0
@@ -96,13 +96,14 @@ class _Mapping:
 
     def file_state(self) -> int | None:
         """The file's size, or None once the owner removed it (it closed, or a restart on this
-        node swept the dead life's files): writing into the mapping would reach memory nobody
-        reads. One `stat`, so it is cheap enough to ask before every write."""
+        node swept the dead life's files, and no name links to it any more): writing into the
+        mapping would reach memory nobody reads. One `fstat` of the open file (no walk of its
+        path), so it is cheap enough to ask before every write."""
         try:
-            status = os.stat(self.path)
+            status = os.fstat(self.fd)
         except OSError:
             return None
-        if (status.st_dev, status.st_ino) != self.file_id:
+        if status.st_nlink == 0:
             return None
         return status.st_size
 
@@ -119,6 +120,7 @@ class _Mapping:
     def _unmap(self) -> None:
         del self.array
         self.mm.close()
+        os.close(self.fd)
 
 
 class ShmTransport(Transport):
@@ -298,16 +300,10 @@ class ShmTransport(Transport):
                 mmap.PROT_READ | mmap.PROT_WRITE,
                 offset=region.handle_offset,
             )
-        finally:
+        except BaseException:
             os.close(fd)
-        mapping = _Mapping(
-            mm,
-            np.frombuffer(mm, dtype=np.uint8),
-            region.length,
-            path,
-            (status.st_dev, status.st_ino),
-            file_end,
-        )
+            raise
+        mapping = _Mapping(mm, np.frombuffer(mm, dtype=np.uint8), region.length, path, fd, file_end)
         self._mappings.put(info.engine_id, info.incarnation, index, mapping)
         return mapping
 
