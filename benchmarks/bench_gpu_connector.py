@@ -24,6 +24,10 @@ Per prompt length:
 - `device copy`: one `copy_` of the request's bytes between two plain allocations on the GPU.
 Ratios are the copy's time over the hand-off's (1.0: as fast as the copy), medians over the
 repeats. Every hand-off's blocks are compared by GPU digests afterwards: a wrong byte fails.
+Host CPU per hand-off: the CPU time of each engine's kvray event-loop thread over the timed
+hand-offs of a kind (the prefill side's hold of each included), divided by their number; the copy's
+threads (on the CPU) and the engine's own thread are not in it. A shared machine's noise moves
+it far less than it moves times on the wall clock.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -81,7 +86,15 @@ class Engine:
 
     def setup(self, seed: int) -> dict[str, Any]:
         self.engine.fill(seed)
-        return self.engine.register()
+        registered = self.engine.register()
+        loop = self.engine.worker._loop
+        assert loop is not None
+        self._loop_clock = time.pthread_getcpuclockid(loop.run(_thread_ident()))
+        return registered
+
+    def loop_cpu(self) -> float:
+        """CPU seconds kvray's event-loop thread of this engine has run so far."""
+        return time.clock_gettime(self._loop_clock)
 
     def setup_fill(self, seed: int) -> None:
         self.engine.fill(seed)
@@ -137,6 +150,10 @@ class Engine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+async def _thread_ident() -> int:
+    return threading.get_ident()
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -201,8 +218,18 @@ def run(
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 
+    def loop_cpu() -> list[float]:
+        return list(ray.get([prefill.loop_cpu.remote(), decode.loop_cpu.remote()]))
+
+    def per_handoff_us(before: list[float], after: list[float], count: int) -> dict[str, float]:
+        prefill_s, decode_s = (end - start for start, end in zip(before, after, strict=True))
+        return {"prefill_us": prefill_s / count * 1e6, "decode_us": decode_s / count * 1e6}
+
     ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
-    one = handoffs(singles)[2:]
+    handoffs(singles[:2])  # warm-ups (a pair's first hand-off maps, plans and caches)
+    before = loop_cpu()
+    one = handoffs(singles[2:])
+    one_cpu = per_handoff_us(before, loop_cpu(), len(one))
     steps: list[tuple[str, float]] = []
     if breakdown:
         from kvray.bench.step_times import timeline
@@ -211,7 +238,10 @@ def run(
     landed = ray.get(decode.digests.remote(blocks(0)))
     assert landed == ray.get(prefill.digests.remote(blocks(0))), "a hand-off's bytes differ"
     ray.get(decode.setup_fill.remote(3))  # scrubbed: the stream's bytes must land again
-    many = handoffs(streams)[2:]
+    handoffs(streams[:2])
+    before = loop_cpu()
+    many = handoffs(streams[2:])
+    many_cpu = per_handoff_us(before, loop_cpu(), len(many) * STREAM)
     every = [block for index in range(STREAM) for block in blocks(index)]
     assert ray.get(decode.digests.remote(every)) == ray.get(prefill.digests.remote(every)), (
         "a stream's bytes differ"
@@ -230,6 +260,8 @@ def run(
         "one_request_ratio": copy_s / statistics.median(one),
         "stream_ratio": STREAM * copy_s / statistics.median(many),
         "one_request_steps_ms": steps,
+        "one_request_loop_cpu": one_cpu,
+        "stream_loop_cpu": many_cpu,
         "kvray": kvray_file,
     }
 
@@ -289,6 +321,14 @@ def main() -> int:
             f"{row['tokens']:>7} {row['nbytes'] / 2**20:>6.0f} {row['device_copy']['median_ms']:>8.3f} "
             f"{row['one_request']['median_ms']:>8.3f} {row['one_request_ratio']:>6.2f} "
             f"{row['stream_of_16']['median_ms']:>8.3f} {row['stream_ratio']:>6.2f}"
+        )
+    print("host CPU per hand-off (us): kvray's event-loop thread of each engine, the prefill's hold included")
+    for row in results:
+        one, many = row["one_request_loop_cpu"], row["stream_loop_cpu"]
+        print(
+            f"{row['tokens']:>7} tokens: one request prefill {one['prefill_us']:.0f} + decode "
+            f"{one['decode_us']:.0f}; stream of 16 prefill {many['prefill_us']:.0f} + decode "
+            f"{many['decode_us']:.0f}"
         )
     for row in results:
         if row["one_request_steps_ms"]:

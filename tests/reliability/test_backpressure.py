@@ -37,16 +37,24 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def _late_pushes(prefill: Any, decode: Any, prefix: str, count: int) -> int:
+def _late_pushes(prefill: Any, decode: Any, prefix: str, count: int, *, parked: int = 0) -> int:
     """`count` pushes into the stalled decode with a 3 s deadline: all fail with
-    TransferTimeoutError, and the decode's waits for them fail (it frees their blocks)."""
+    TransferTimeoutError, and the decode's waits for them fail (it frees their blocks).
+    `parked`: that many of their deliveries reach the decode's gate before the deadline (on a
+    loaded machine a call still queued when its push gives up is dropped, not delivered)."""
     late = {}
     for i in range(count):
         request_id = f"{prefix}-{i}"
         ray.get(prefill.allocate.remote(request_id, BLOCKS_PER_REQUEST))
         reservation = ray.get(decode.reserve.remote(request_id, BLOCKS_PER_REQUEST))
         late[request_id] = (decode.wait.remote(request_id, 8.0), reservation)
-    pushes = [prefill.push.remote(reservation, timeout=3.0) for _, reservation in late.values()]
+    deadline = 3.0 if not parked else 8.0
+    pushes = [prefill.push.remote(reservation, timeout=deadline) for _, reservation in late.values()]
+    if parked:
+        wait_until(
+            lambda: ray.get(decode.deliveries.remote())["in_flight"] == parked,
+            what="the late deliveries parked at the decode",
+        )
     for ref in pushes:
         with pytest.raises(TransferTimeoutError):
             ray.get(ref, timeout=NEVER_HANG_S)
@@ -163,7 +171,7 @@ def test_flood_into_a_stalled_decode_is_bounded(
     ray.get(decode.fill_region.remote(12))
     before_late = ray.get(decode.snapshot.remote())[0][1]
     ray.get(decode.close_gate.remote(stubborn=True))
-    _late_pushes(prefill, decode, "stubborn", 1)
+    _late_pushes(prefill, decode, "stubborn", 1, parked=1)
     reused = ray.get(decode.reserve.remote("reuses-freed-blocks", BLOCKS_PER_REQUEST))
     ray.get(decode.open_gate.remote())
     wait_until(
