@@ -40,8 +40,9 @@ def _rss_mib(pid: int) -> float:
 def _late_pushes(prefill: Any, decode: Any, prefix: str, count: int, *, parked: int = 0) -> int:
     """`count` pushes into the stalled decode with a 3 s deadline: all fail with
     TransferTimeoutError, and the decode's waits for them fail (it frees their blocks).
-    `parked`: that many of their deliveries reach the decode's gate before the deadline (on a
-    loaded machine a call still queued when its push gives up is dropped, not delivered)."""
+    `parked`: that many of their deliveries reach the decode's gate first, waited for under an
+    8 s deadline instead (on a loaded machine a call still queued when its push gives up is
+    dropped, not delivered)."""
     late = {}
     for i in range(count):
         request_id = f"{prefix}-{i}"
