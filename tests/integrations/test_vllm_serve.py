@@ -84,10 +84,19 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
     raise AssertionError(f"vllm serve at {url} did not start within {START_S} s: {log.read_text()[-3000:]}")
 
 
+def listening_socket() -> socket.socket:
+    """A socket bound to a free port of the loopback and kept: a port merely probed free can be
+    taken by another process (a vLLM server's own ports) before the proxy binds it."""
+    bound = socket.socket()
+    bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    bound.bind(("127.0.0.1", 0))
+    return bound
+
+
 @contextlib.contextmanager
-def serving_in_thread(server: Any) -> Iterator[None]:
-    """A `uvicorn.Server` running on a thread of its own while the block runs."""
-    thread = threading.Thread(target=server.run, daemon=True)
+def serving_in_thread(server: Any, bound: socket.socket) -> Iterator[None]:
+    """A `uvicorn.Server` running on a thread of its own, on the socket given, while the block runs."""
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [bound]}, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive(), "the server did not start"
@@ -105,7 +114,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
     logs = tmp_path_factory.mktemp("vllm-serve")
     model = str(tiny_hybrid())
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    proxy_socket = listening_socket()
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": int(proxy_socket.getsockname()[1])}
     processes = {name: serve(model, ports[name], logs / f"{name}.log") for name in ("prefill", "decode")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     try:
@@ -118,9 +128,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
                 build_app(urls["prefill"], urls["decode"], limits=limits), limits, port=ports["proxy"]
             )
         )
-        with serving_in_thread(proxy):
+        with serving_in_thread(proxy, proxy_socket):
             yield {**urls, "model": model}
     finally:
+        proxy_socket.close()
         for process in processes.values():
             process.terminate()
         for process in processes.values():
@@ -282,7 +293,8 @@ def test_a_decode_leg_whose_kv_does_not_load_is_a_502_naming_the_leg_and_the_cau
             background=BackgroundTask(closed),
         )
 
-    shim_port, proxy_port = free_port(), free_port()
+    shim_socket, proxy_socket = listening_socket(), listening_socket()
+    shim_port, proxy_port = (int(bound.getsockname()[1]) for bound in (shim_socket, proxy_socket))
     shim = Starlette(routes=[Route("/v1/completions", spoil, methods=["POST"])])
     limits = ProxyLimits()
     spoiling = uvicorn.Server(uvicorn.Config(shim, port=shim_port, log_level="warning"))
@@ -293,7 +305,12 @@ def test_a_decode_leg_whose_kv_does_not_load_is_a_502_naming_the_leg_and_the_cau
     )
     url = f"http://127.0.0.1:{proxy_port}/v1/completions"
     body = {"model": model, "prompt": load_prompts()[5], "max_tokens": 8, "temperature": 0.0}
-    with serving_in_thread(spoiling), serving_in_thread(proxy):
+    with (
+        shim_socket,
+        proxy_socket,
+        serving_in_thread(spoiling, shim_socket),
+        serving_in_thread(proxy, proxy_socket),
+    ):
         for stream in (False, True):
             answer = httpx.post(url, json={**body, "stream": stream}, timeout=300.0)
             assert answer.status_code == 502, answer.text

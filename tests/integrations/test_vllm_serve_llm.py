@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,12 +52,6 @@ LONG_TOKENS = 96
 #: longest request, must fit in the rest), so that a few long generations at once
 #: run out of blocks and vLLM preempts some of them.
 DECODE_BLOCKS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 #: How long a prefill engine holds a finished request's blocks for a decode engine.
