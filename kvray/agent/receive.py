@@ -439,7 +439,12 @@ class Receiving:
         metrics = self.engine.metrics
         for message in unrecorded:
             metrics.received(message.src_engine, message.nbytes)
-            if not message.checksum and message.reference is None and message.landed is None:
+            if message.checksum:
+                continue  # counted as its checksums were checked
+            if message.reference is not None:
+                # Taken: its content digest matched the writer's (`_unchecked_content`).
+                metrics.integrity(message.src_engine, IntegrityCheck.OK)
+            elif message.landed is None:
                 metrics.integrity(message.src_engine, IntegrityCheck.UNCHECKED)
 
     def close(self) -> None:
@@ -668,8 +673,7 @@ class Receiving:
         landed = expectation.landed.content
         content = None if message.content is None or landed is None else (message.content + landed) & MASK64
         if content == message.reference:
-            if not message.checksum:  # else counted once the checksums are checked too
-                engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, 0.0)
+            # Counted with the completion, after the waiting task has resumed (`record_completions`).
             return None
         if message.checksum:
             return None  # the checksums name the layers that differ (`_check_integrity`)
