@@ -349,6 +349,10 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
 /* Ops a thread claims at a time: cheap to count, and the next op's source (usually this
  * thread's own) can be prefetched. */
 #define CLAIM_OPS 4
+/* A decode engine's claim board (kvray/notice/claims.py): slot i is bytes [16 i, 16 i + 16),
+ * the request's token then its state (1: open). */
+#define CLAIM_SLOT_NBYTES 16
+#define CLAIM_OPEN 1
 
 typedef struct {
     int64_t dst;
@@ -383,6 +387,9 @@ typedef struct job {
     size_t notice_len;
     int notice_result; /* atomic: -1 not sent (yet), 0 sent, else the errno of sendto */
     int notice_patch;  /* write the placement digest into the notice's last 8 bytes */
+    int inline_copy;   /* copied by the thread that started it (no test hook: it holds the loop) */
+    int claim_fd;      /* -1: no claim; else this job's descriptor of the claim board's file */
+    int64_t claim_slot; /* the slot whose shared lock the job holds until every thread is out */
 } job;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -392,6 +399,22 @@ static job *queue_tail = NULL;
 static int pool_threads = 0;
 /* Tests only (set_worker_hook): called with the GIL before a thread copies the ops it claimed. */
 static PyObject *worker_hook = NULL;
+
+/* Drop the shared lock the job holds on its request's claim slot (`start_rows`): every byte
+ * and the notice are out, so the decode engine may close the slot and reuse the blocks. */
+static void release_claim(job *j) {
+    if (j->claim_fd < 0) {
+        return;
+    }
+    struct flock lock = {0};
+    lock.l_type = F_UNLCK;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = (off_t)(j->claim_slot * CLAIM_SLOT_NBYTES);
+    lock.l_len = CLAIM_SLOT_NBYTES;
+    (void)fcntl(j->claim_fd, F_OFD_SETLK, &lock);
+    close(j->claim_fd);
+    j->claim_fd = -1;
+}
 
 static void job_unref(job *j) {
     if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) != 0) {
@@ -466,7 +489,8 @@ static void run_task(job *j) {
     for (int64_t first = __atomic_fetch_add(&j->next_op, CLAIM_OPS, __ATOMIC_RELAXED); first < count;
          first = __atomic_fetch_add(&j->next_op, CLAIM_OPS, __ATOMIC_RELAXED)) {
         int64_t last = first + CLAIM_OPS < count ? first + CLAIM_OPS : count;
-        if (__atomic_load_n(&worker_hook, __ATOMIC_ACQUIRE) != NULL && !hook_allows(j, first, last)) {
+        if (!j->inline_copy && __atomic_load_n(&worker_hook, __ATOMIC_ACQUIRE) != NULL &&
+            !hook_allows(j, first, last)) {
             continue; /* a test's hook refused these ops: the job ends incomplete */
         }
         uint64_t placement = 0, sum = 0;
@@ -498,6 +522,7 @@ static void run_task(job *j) {
         }
     }
     if (__atomic_sub_fetch(&j->active, 1, __ATOMIC_ACQ_REL) == 0) {
+        release_claim(j);
         uint64_t one = 1;
         ssize_t written;
         do {
@@ -663,6 +688,66 @@ done:
     return status;
 }
 
+/* Start job `j` (its ops, notice and claim filled in) on `threads` threads of the pool, or on
+ * the calling thread with the GIL released when `threads` is 0; the CopyJob that owns it, or
+ * NULL with a Python error (the job freed). */
+static CopyJob *launch(job *j, int threads) {
+    j->event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (j->event_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        job_unref(j);
+        return NULL;
+    }
+    CopyJob *handle = PyObject_New(CopyJob, &CopyJobType);
+    if (handle == NULL) {
+        job_unref(j);
+        return NULL;
+    }
+    handle->job = j;
+    int tasks = j->count < threads ? (int)j->count : threads;
+    if (j->count == 0 || threads == 0) {
+        /* Nothing to copy, or a copy small enough for this thread: done before returning. */
+        j->inline_copy = 1;
+        j->active = 1;
+        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
+        Py_BEGIN_ALLOW_THREADS
+        if (j->count == 0) {
+            send_notice(j);
+        }
+        run_task(j);
+        Py_END_ALLOW_THREADS
+        return handle;
+    }
+    j->active = tasks;
+    j->tasks_unstarted = tasks;
+    __atomic_add_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&pool_lock);
+    int failed = grow_pool(tasks);
+    if (failed && pool_threads == 0) {
+        pthread_mutex_unlock(&pool_lock);
+        j->active = 0;
+        __atomic_sub_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
+        release_claim(j);
+        Py_DECREF(handle); /* frees the job */
+        errno = failed;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    if (queue_tail != NULL) {
+        queue_tail->next_in_queue = j;
+    } else {
+        queue_head = j;
+    }
+    queue_tail = j;
+    if (tasks == 1) {
+        pthread_cond_signal(&pool_wake);
+    } else {
+        pthread_cond_broadcast(&pool_wake);
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return handle;
+}
+
 static PyObject *start_copy(PyObject *self, PyObject *args) {
     unsigned long long dst_base, src_base, salt = 0, base = 0, pair_salt = 0, content_base = 0;
     unsigned int seed = 0;
@@ -707,6 +792,7 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     j->event_fd = -1;
     j->notice_fd = -1;
     j->notice_result = -1;
+    j->claim_fd = -1;
     j->refs = 1;
     j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
     if (j->ops == NULL) {
@@ -737,57 +823,9 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     if (notice != Py_None && take_notice(j, notice) != 0) {
         goto fail;
     }
-    j->event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (j->event_fd < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto fail;
-    }
-    handle = PyObject_New(CopyJob, &CopyJobType);
-    if (handle == NULL) {
-        goto fail;
-    }
-    handle->job = j;
-    int tasks = count < threads ? (int)count : threads;
-    if (tasks == 0) {
-        /* Nothing to copy: done now. */
-        send_notice(j);
-        uint64_t one = 1;
-        if (write(j->event_fd, &one, sizeof one) < 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto fail_handle;
-        }
-        goto done;
-    }
-    j->active = tasks;
-    j->tasks_unstarted = tasks;
-    __atomic_add_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
-    pthread_mutex_lock(&pool_lock);
-    int failed = grow_pool(tasks);
-    if (failed && pool_threads == 0) {
-        pthread_mutex_unlock(&pool_lock);
-        j->active = 0;
-        __atomic_sub_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
-        errno = failed;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto fail_handle;
-    }
-    if (queue_tail != NULL) {
-        queue_tail->next_in_queue = j;
-    } else {
-        queue_head = j;
-    }
-    queue_tail = j;
-    if (tasks == 1) {
-        pthread_cond_signal(&pool_wake);
-    } else {
-        pthread_cond_broadcast(&pool_wake);
-    }
-    pthread_mutex_unlock(&pool_lock);
+    handle = launch(j, threads);
+    j = NULL; /* the handle owns it now, or it was freed */
     goto done;
-fail_handle:
-    Py_DECREF(handle); /* frees the job */
-    handle = NULL;
-    j = NULL;
 fail:
     if (j != NULL) {
         job_unref(j);
@@ -801,6 +839,181 @@ done:
         PyBuffer_Release(&logical);
     }
     return (PyObject *)handle;
+}
+
+/* Take the shared lock of a request's claim slot for job `j` and check that the slot is open
+ * under `token`: 0 taken (the job holds it until every thread is out), 1 the engine holds the
+ * slot (it is closing it: the caller may wait and ask again), -1 with a Python error (the slot
+ * is not open under the token: a LookupError, and nothing may be written). */
+static int take_claim(job *j, PyObject *claim) {
+    int fd;
+    long long slot, slots;
+    unsigned long long board, token;
+    if (!PyArg_ParseTuple(claim, "iLLKK", &fd, &slot, &slots, &board, &token)) {
+        return -1;
+    }
+    if (slot < 0 || slot >= slots || board == 0) {
+        PyErr_Format(PyExc_LookupError, "claim slot %lld is not one of the board's %lld", slot, slots);
+        return -1;
+    }
+    /* Our own descriptor of the board's open file description: its locks are the caller's. */
+    int claim_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (claim_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    struct flock lock = {0};
+    lock.l_type = F_RDLCK;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = (off_t)(slot * CLAIM_SLOT_NBYTES);
+    lock.l_len = CLAIM_SLOT_NBYTES;
+    if (fcntl(claim_fd, F_OFD_SETLK, &lock) != 0) {
+        int error = errno;
+        close(claim_fd);
+        if (error == EAGAIN || error == EACCES) {
+            return 1;
+        }
+        errno = error;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    j->claim_fd = claim_fd;
+    j->claim_slot = slot;
+    /* Only the engine writes the slot, and only while it holds the lock exclusively. */
+    const volatile uint64_t *words = (const volatile uint64_t *)(uintptr_t)board + 2 * slot;
+    if (words[0] != token || words[1] != CLAIM_OPEN) {
+        release_claim(j);
+        PyErr_SetString(PyExc_LookupError, "the request's claim slot is not open under its token");
+        return -1;
+    }
+    return 0;
+}
+
+/* start_rows: see kvray/_copy_pool.pyi. */
+static PyObject *start_rows(PyObject *self, PyObject *args) {
+    unsigned long long dst_base, src_base, salt = 0, pair_salt = 0;
+    long long src_len, dst_len, piece;
+    unsigned int seed = 0;
+    int threads, content = 0;
+    Py_buffer rows, ids;
+    PyObject *notice = Py_None, *claim = Py_None;
+    if (!PyArg_ParseTuple(args, "KKy*y*LLiLOOKpIK", &dst_base, &src_base, &rows, &ids, &src_len, &dst_len,
+                          &threads, &piece, &notice, &claim, &salt, &content, &seed, &pair_salt)) {
+        return NULL;
+    }
+    job *j = NULL;
+    PyObject *result = NULL;
+    if (rows.len % (5 * 8) != 0 || ids.len % (2 * 8) != 0 || rows.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "start_rows takes 5 columns of rows and 2 of ids, int64");
+        goto done;
+    }
+    if (threads < 0 || threads > MAX_POOL_THREADS || piece < 1 || src_len < 0 || dst_len < 0) {
+        PyErr_Format(PyExc_ValueError, "start_rows needs 0 to %d threads, pieces of at least one byte and "
+                     "region lengths", MAX_POOL_THREADS);
+        goto done;
+    }
+    const int64_t num_rows = (int64_t)(rows.len / 40), n = (int64_t)(ids.len / 16);
+    const int64_t *src_start = (const int64_t *)rows.buf, *src_stride = src_start + num_rows;
+    const int64_t *dst_start = src_stride + num_rows, *dst_stride = dst_start + num_rows;
+    const int64_t *lengths = dst_stride + num_rows;
+    const int64_t *local = (const int64_t *)ids.buf, *remote = local + n;
+    /* Every op inside both regions before a byte moves (the planner checked the same; this is
+     * the executor's own check, against the lengths it was given). */
+    int64_t count = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        if (lengths[r] < 0) {
+            PyErr_SetString(PyExc_ValueError, "start_rows got a row of negative length");
+            goto done;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int64_t from, to, from_end, to_end;
+            if (__builtin_mul_overflow(local[i], src_stride[r], &from) ||
+                __builtin_add_overflow(from, src_start[r], &from) ||
+                __builtin_mul_overflow(remote[i], dst_stride[r], &to) ||
+                __builtin_add_overflow(to, dst_start[r], &to) || __builtin_add_overflow(from, lengths[r], &from_end) ||
+                __builtin_add_overflow(to, lengths[r], &to_end) || from < 0 || to < 0 || from_end > src_len ||
+                to_end > dst_len) {
+                PyErr_Format(PyExc_ValueError, "start_rows: row %lld of block pair %lld leaves a region",
+                             (long long)r, (long long)i);
+                goto done;
+            }
+            count += (lengths[r] + piece - 1) / piece;
+        }
+    }
+    j = calloc(1, sizeof *j);
+    if (j == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    j->event_fd = -1;
+    j->notice_fd = -1;
+    j->notice_result = -1;
+    j->claim_fd = -1;
+    j->refs = 1;
+    j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
+    if (j->ops == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* One op per (row, block pair), each continuing the previous one at both ends merged into
+     * it, then cut into pieces. */
+    int64_t op = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        int64_t run_from = 0, run_to = 0, run_n = 0;
+        for (int64_t i = 0; i <= n; i++) {
+            int64_t from = 0, to = 0;
+            if (i < n) {
+                from = src_start[r] + local[i] * src_stride[r];
+                to = dst_start[r] + remote[i] * dst_stride[r];
+                if (run_n > 0 && from == run_from + run_n && to == run_to + run_n) {
+                    run_n += lengths[r];
+                    continue;
+                }
+            }
+            for (int64_t done = 0; done < run_n; done += piece) {
+                int64_t part = run_n - done < piece ? run_n - done : piece;
+                j->ops[op].dst = run_to + done;
+                j->ops[op].src = run_from + done;
+                j->ops[op].hsrc = run_from + done;
+                j->ops[op].nbytes = part;
+                op++;
+            }
+            run_from = from;
+            run_to = to;
+            run_n = i < n ? lengths[r] : 0;
+        }
+    }
+    j->count = op;
+    j->salt = salt;
+    j->content_on = content;
+    j->seed = seed;
+    j->pair_salt = pair_salt;
+    j->faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && op >= 2;
+    j->dst = (char *)(uintptr_t)dst_base;
+    j->src = (const char *)(uintptr_t)src_base;
+    if (notice != Py_None && take_notice(j, notice) != 0) {
+        goto done;
+    }
+    if (claim != Py_None) {
+        int taken = take_claim(j, claim);
+        if (taken < 0) {
+            goto done;
+        }
+        if (taken > 0) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    result = (PyObject *)launch(j, threads);
+    j = NULL; /* the handle owns it now, or it was freed */
+done:
+    if (j != NULL) {
+        release_claim(j);
+        job_unref(j);
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&ids);
+    return result;
 }
 
 static PyObject *set_worker_hook(PyObject *self, PyObject *hook) {
@@ -875,6 +1088,8 @@ static PyObject *set_executor_fault(PyObject *self, PyObject *on) {
 static PyMethodDef methods[] = {
     {"scatter_copy", scatter_copy, METH_VARARGS, "Copy many (dst, src, nbytes) ops with the GIL released."},
     {"start_copy", start_copy, METH_VARARGS, "Start a copy on the pool's threads; returns a CopyJob."},
+    {"start_rows", start_rows, METH_VARARGS,
+     "Start a copy of a request's rows and block ids under its claim slot; returns a CopyJob."},
     {"set_worker_hook", set_worker_hook, METH_O,
      "Tests only: hook(low, high, nbytes) -> bool runs (with the GIL) before a pool thread copies the ops "
      "it claimed (destination span [low, high), nbytes in all); False skips them."},

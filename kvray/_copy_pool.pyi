@@ -49,3 +49,19 @@ def start_copy(
 def hash_ranges(base: int, offsets: object, nbytes: object, seed: int, logical: object = ...) -> bytes: ...
 def set_executor_fault(on: bool) -> None: ...
 def set_worker_hook(hook: Callable[[int, int, int], bool] | None) -> None: ...
+def start_rows(
+    dst_base: int,
+    src_base: int,
+    rows: object,
+    ids: object,
+    src_nbytes: int,
+    dst_nbytes: int,
+    threads: int,
+    piece: int,
+    notice: tuple[int, bytes, bytes, int] | None,
+    claim: tuple[int, int, int, int, int] | None,
+    salt: int = 0,
+    content: bool = False,
+    seed: int = 0,
+    pair_salt: int = 0,
+) -> CopyJob | None: ...

@@ -593,7 +593,7 @@ def plan_transfer(
     # Blocks in ascending local order: each row's ops then come out sorted by local offset
     # (a layer's block stride is positive), which usually spares the merge its sort.
     known = cache.known_pairing(local, remote, layers)
-    ids = _checked_ids(known, local_blocks, remote_blocks) if known is not None else None
+    ids = paired_ids(known, local_blocks, remote_blocks) if known is not None else None
     if known is not None and ids is not None:
         pairing = known
         local_ids, remote_ids = ids[0], ids[1]
@@ -632,7 +632,7 @@ def plan_transfer(
     )
 
 
-def _checked_ids(
+def paired_ids(
     pairing: Pairing,
     local_blocks: Sequence[int] | npt.NDArray[np.integer],
     remote_blocks: Sequence[int] | npt.NDArray[np.integer],

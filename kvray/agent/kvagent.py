@@ -239,6 +239,7 @@ class KVAgent:
         await self._directory.deregister()
         self._receiving.close()
         self._push_mail.close()
+        self._pusher.close()
         await self._transports.close()
         self._notices.close()
         engine.backing.close()

@@ -42,14 +42,20 @@ from kvray.errors import (
     WriteFailedError,
 )
 from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, writer_checksums
+from kvray.layout import Int64Array
 from kvray.memory import MemoryKind, SourceReady
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet
 from kvray.notice.base import Receipt
+from kvray.notice.claims import ClaimClient
+from kvray.notice.local import DatagramNotice
 from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored
-from kvray.plan import OffsetCache, TransferPlan, block_ids, plan_transfer
+from kvray.plan import OffsetCache, Pairing, TransferPlan, block_ids, paired_ids, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
+from kvray.transport.base import PeerCache
+from kvray.transport.cpu_copy import notice_patch, rows_native
+from kvray.transport.shm import ShmTransport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
 #: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
@@ -128,9 +134,34 @@ class _Attempt:
     slotted: bool = False
 
 
+@dataclass
+class _RowPush:
+    """A decode engine incarnation this engine pushes into with one C call (`Pusher._push_rows`):
+    both sides keep their cache in one region, on one node, the `shm` transport between them.
+    The copy plans itself from the pair's rows and the request's paired block ids, and claims
+    the request's slot through a claim board client of its own."""
+
+    peer: Peer
+    transport: ShmTransport
+    pairing: Pairing
+    #: Five int64 columns of one row per (layer, part): this engine's start and block stride,
+    #: the decode engine's start and block stride, the row's bytes (`cpu_copy.copy_rows`).
+    rows: Int64Array
+    #: The bytes of one block pair, every layer.
+    block_nbytes: int
+    board: ClaimClient
+    layer_indices: tuple[int, ...]
+    stretch_rows: StretchRows
+
+
 def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
     """A reservation's block ids as the array the planner takes (it checks them)."""
     return np.fromiter(reservation.blocks, dtype=np.int64, count=len(reservation.blocks))
+
+
+def _close_row_push(entry: tuple[Peer, _RowPush | None]) -> None:
+    if entry[1] is not None:
+        entry[1].board.close()
 
 
 async def _settled(task: asyncio.Task[Any]) -> None:
@@ -175,6 +206,11 @@ class Pusher:
         #: Per (decode engine, incarnation, layers): those layers' indices in its layout (what
         #: notices name).
         self._layer_indices: dict[tuple[str, int, tuple[str, ...]], tuple[int, ...]] = {}
+        #: Per decode engine incarnation: the `Peer` the directory held and its `_RowPush`, or
+        #: None where pushes into it take the usual path.
+        self._row_pushes: PeerCache[None, tuple[Peer, _RowPush | None]] = PeerCache(
+            engine.settings.max_cached_peers, _close_row_push
+        )
 
     @property
     def layerwise_requests(self) -> set[str]:
@@ -193,6 +229,10 @@ class Pusher:
         async with self._transfer(reservation, timeout, call=PushCall.WHOLE) as attempt:
             started = time.perf_counter()
             remote_ids = _ids(reservation)
+            if layers is None:
+                rows_result = await self._push_rows(attempt, local_blocks, remote_ids, started)
+                if rows_result is not None:
+                    return rows_result
             peer, transport, plan = await self._plan(attempt, local_blocks, remote_ids, layers)
             transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
             fused = plan.hashed
@@ -920,7 +960,8 @@ class Pusher:
                 engine_id=remote_engine,
             )
         attempt.peer = peer
-        await self._take_slot(attempt)
+        if not attempt.slotted:  # `_push_rows` may have taken it before it gave way
+            await self._take_slot(attempt)
         # What the notice needs (a connection to a listener on another node) opens while the
         # bytes move.
         self.notices.prepare(peer)
@@ -949,6 +990,141 @@ class Pusher:
         if then is None:
             return await transport.write(plan, self.engine.backing, peer, ready=ready)
         return await transport.write_then(plan, self.engine.backing, peer, then, ready=ready)
+
+    async def _push_rows(
+        self, attempt: _Attempt, local_blocks: Blocks, remote_ids: npt.NDArray[np.int64], started: float
+    ) -> PushResult | None:
+        """A whole push in one C call where the pair allows (`_RowPush`): the copy checks the
+        paired ids' rows against both regions, claims the request's slot, copies (hashing what it
+        moves when the request is checked) and sends the notice from the thread that copies the
+        last byte. None, having written nothing, wherever the usual path has more to do: a pair
+        or a request this path does not take (a request sampled for checksums, a checked one
+        whose blocks' digests are not held, ids the one-call check refuses: the usual path says
+        what is wrong), or a slot the engine is closing (the usual path waits for it)."""
+        reservation = attempt.reservation
+        peer = self.directory.cached(reservation.engine_id)
+        if peer is None or peer.info.incarnation != reservation.incarnation:
+            return None
+        pair = self._row_push(peer)
+        if pair is None:
+            return None
+        request_id = reservation.request_id
+        checked = self._checked(reservation)
+        if sampled(request_id, self.engine.settings.integrity_sample_rate):
+            return None
+        ids = paired_ids(pair.pairing, local_blocks, remote_ids)
+        if ids is None:
+            return None
+        reference = None
+        if checked:
+            reference = self._held_reference(Stretches(pair.stretch_rows, ids[0], ids[1]))
+            if reference is None:
+                return None
+        attempt.peer = peer
+        attempt.transport = TransportKind.SHM
+        await self._take_slot(attempt)
+        transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
+        nbytes = pair.block_nbytes * int(ids.shape[1])
+        stored_as = Stored(PLACEHOLDER, PLACEHOLDER if checked else None)
+        layer_indices = pair.layer_indices
+        notice = self._done(
+            reservation, transfer_id, nbytes, 0, None, peer, layer_indices, stored_as, reference
+        )
+        early = self.notices.early(peer, notice)
+        datagram = None
+        if isinstance(early, DatagramNotice):
+            socket_fd, path, message = early.datagram()
+            datagram = (socket_fd, path, message, notice_patch(message, hashed=checked))
+        written = await pair.transport.write_rows(
+            peer,
+            self.engine.backing,
+            pair.rows,
+            ids,
+            nbytes,
+            pair.board.copy_slot(reservation.slot, reservation.token),
+            datagram,
+            hashed=checked,
+            request_id=request_id,
+        )
+        if written is None:
+            return None
+        stored, sent = written
+        if not sent:
+            # The inbox was full (or had gone): the usual send, under the claim, says which.
+            content = stored.content if checked else None
+            late = msgspec.structs.replace(notice, placement=stored.placement, content=content)
+            try:
+                async with self._claim(peer, reservation):
+                    await self.notices.send(peer, late)
+            finally:
+                self.notices.claims.end(reservation)
+        self._count_bytes(TransportKind.SHM, peer, nbytes)
+        return PushResult(
+            request_id,
+            transfer_id,
+            peer.info.engine_id,
+            peer.info.incarnation,
+            TransportKind.SHM,
+            nbytes,
+            int(ids.shape[1]) * int(pair.rows.shape[1]),
+            int(ids.shape[1]) * int(pair.rows.shape[1]),
+            time.perf_counter() - started,
+        )
+
+    def _row_push(self, peer: Peer) -> _RowPush | None:
+        """`peer`'s `_RowPush`, made on first use (None where pushes into it take the usual path);
+        dropped once the directory holds another `Peer` for the engine."""
+        info = peer.info
+        known = self._row_pushes.get(info.engine_id, info.incarnation, None)
+        if known is not None and known[0] is peer:
+            return known[1]
+        if known is not None:
+            self._row_pushes.pop(info.engine_id, info.incarnation, None)
+        pair = self._new_row_push(peer)
+        self._row_pushes.put(info.engine_id, info.incarnation, None, (peer, pair))
+        return pair
+
+    def _new_row_push(self, peer: Peer) -> _RowPush | None:
+        engine = self.engine
+        backing, info, local = engine.backing, peer.info, engine.info
+        if (
+            not rows_native()
+            or backing.kind is MemoryKind.CUDA
+            or len(backing.regions) != 1
+            or len(info.regions) != 1
+            or info.role is not Role.DECODE
+            or not info.regions[0].remote_writable
+        ):
+            return None
+        transport = self.transports.choose(info, engine.node_id)
+        path = self.notices.claims.board_path(peer)
+        # A transport whose writes something wraps (`KVAgent`'s `transport_hook`) is written
+        # through them: the usual path.
+        wrapped = "write" in vars(transport) or "write_then" in vars(transport)
+        if not isinstance(transport, ShmTransport) or path is None or wrapped:
+            return None
+        try:
+            if shared_heads(local.layout.tp, info.layout.tp) is not None:
+                return None  # each writer moves its heads of a block: the usual path
+            pairing = self.cache.pairing(local, info, None)
+        except KvrayError:
+            return None  # the usual path refuses the pair, saying why (and tells the peer)
+        mine, theirs = pairing.local, pairing.remote
+        if mine.region.any() or theirs.region.any() or not np.array_equal(mine.nbytes, theirs.nbytes):
+            return None
+        rows = np.ascontiguousarray(
+            np.stack([mine.base, mine.block_stride, theirs.base, theirs.block_stride, mine.nbytes]),
+            dtype=np.int64,
+        )
+        board = ClaimClient(path, info.engine_id, engine.settings.shm_dir)
+        layers = pairing.layers
+        stretches = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, layers)
+        indices = self._indices(peer, layers)
+        return _RowPush(peer, transport, pairing, rows, int(mine.nbytes.sum()), board, indices, stretches)
+
+    def close(self) -> None:
+        """Let go of what pushes keep per decode engine (claim boards of their own)."""
+        self._row_pushes.clear()
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1

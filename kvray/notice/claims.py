@@ -42,6 +42,7 @@ from kvray.host.calls import PeerCall
 from kvray.notice.actor import call_host
 from kvray.owned import BOARD_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.transport.base import Peer, PeerCache
+from kvray.transport.cpu_copy import ClaimSlot
 from kvray.wire import EngineInfo, Reservation, WriteClaim, encode
 
 #: Key of the claim board's path in `EngineInfo.endpoints`.
@@ -209,6 +210,14 @@ class ClaimClient:
         finally:
             self._let_go(slot)
 
+    def copy_slot(self, slot: int, token: int) -> ClaimSlot:
+        """The request's slot as the C copy claims it itself (`kvray.transport.cpu_copy.copy_rows`,
+        which checks the slot against the board's size): through this client's own open file,
+        so its locks are apart from any other client's of the same board."""
+        if self._closed:
+            raise TransportError(f"claim board of {self.engine_id!r} was closed", engine_id=self.engine_id)
+        return ClaimSlot(self._fd, slot, int(self._table.shape[0]), int(self._table.ctypes.data), token)
+
     def is_open(self, slot: int, token: int) -> bool:
         """Whether the slot is open under `token` now, read without its lock. Enough for a
         completion notice, which writes no byte into the request's blocks: the lock would tell
@@ -273,6 +282,10 @@ class Claims:
         self._boards: PeerCache[None, ClaimClient] = PeerCache(settings.max_cached_peers, ClaimClient.close)
         #: Requests (id, token) an engine on another node holds for this writer.
         self._remote: set[tuple[str, int]] = set()
+
+    def board_path(self, peer: Peer) -> str | None:
+        """The path of `peer`'s claim board, when it is on this writer's node (None elsewhere)."""
+        return self._board_path(peer)
 
     def _board_path(self, peer: Peer) -> str | None:
         path = peer.info.endpoints.get(ENDPOINT)

@@ -14,7 +14,7 @@ import os
 import select
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -32,15 +32,20 @@ from kvray.placement import (
 )
 from kvray.plan import split_ops
 
+if TYPE_CHECKING:
+    from kvray._copy_pool import CopyJob
+
 _scatter_copy: Callable[..., Any] | None
 _start_copy: Callable[..., Any] | None
+_start_rows: Callable[..., Any] | None
 _set_executor_fault: Callable[[bool], None] | None
 try:
     from kvray._copy_pool import scatter_copy as _scatter_copy
     from kvray._copy_pool import set_executor_fault as _set_executor_fault
     from kvray._copy_pool import start_copy as _start_copy
+    from kvray._copy_pool import start_rows as _start_rows
 except ImportError:  # built by `pip install`; a source checkout without a build falls back
-    _scatter_copy = _start_copy = _set_executor_fault = None
+    _scatter_copy = _start_copy = _start_rows = _set_executor_fault = None
 
 #: Faults only (`kvray.faults.ExecutorOffsetBug`): the Python fallback's copy of the C flag.
 _executor_fault = False
@@ -92,6 +97,11 @@ def copy_threads() -> int:
     thread speeds a large copy only while a core is idle for it; engines that share their cores
     with a model's compute may want fewer."""
     return max(1, min(_MAX_THREADS, _CORES))
+
+
+def rows_native() -> bool:
+    """True when the C copy can take a request's rows and block ids itself (`copy_rows`)."""
+    return native() and _start_rows is not None
 
 
 def native() -> bool:
@@ -268,12 +278,7 @@ async def _pool_copy(
     datagram = None
     if notice is not None:
         fd, path, message = notice.datagram()
-        # 1: the placement goes into the message's last 8 bytes; 2: the content digest too
-        # (where the message has its placeholder and this copy hashes).
-        patch = 0 if not message.endswith(PLACEHOLDER_BYTES) else 1
-        if patch and hashing is not None and message.endswith(CONTENT_TAIL):
-            patch = 2
-        datagram = (fd, path, message, patch)
+        datagram = (fd, path, message, notice_patch(message, hashed=hashing is not None))
     job = _start_copy(
         dst_base,
         src_base,
@@ -291,20 +296,7 @@ async def _pool_copy(
         base.content or 0,
         *_hash_offsets(hashing),
     )
-    loop = asyncio.get_running_loop()
-    over: asyncio.Future[None] = loop.create_future()
-    fileno = job.fileno()
-    try:
-        loop.add_reader(fileno, resolve_once, over)
-    except BaseException:
-        # The threads are copying already and the caller may release the memory once this
-        # raises: wait for them here (the copy is bounded) before letting the error through.
-        select.select([fileno], [], [])
-        raise
-    try:
-        await _until_over(over, lambda: bool(job.over))
-    finally:
-        loop.remove_reader(fileno)
+    await job_over(job)
     if not job.complete:
         raise RuntimeError("a copy thread left ops of the batch uncopied")
     content = None if hashing is None or base.content is None else int(job.content)
@@ -314,6 +306,100 @@ async def _pool_copy(
     elif then is not None:
         then(stored)
     return stored
+
+
+class ClaimSlot(NamedTuple):
+    """A request's slot in its decode engine's claim board (`kvray.notice.claims`), as the C copy
+    takes it: the board file's descriptor (its locks), the slot, the board's slots, the address
+    of its mapping, and the token the slot must be open under."""
+
+    fd: int
+    slot: int
+    slots: int
+    address: int
+    token: int
+
+
+async def copy_rows(
+    dst_base: int,
+    src_base: int,
+    rows: Int64Array,
+    ids: Int64Array,
+    src_nbytes: int,
+    dst_nbytes: int,
+    nbytes: int,
+    *,
+    threads: int,
+    notice: tuple[int, bytes, bytes, int] | None,
+    claim: ClaimSlot,
+    salt: int,
+    hashing: Hashing | None,
+) -> tuple[Stored, bool] | None:
+    """A request's copy planned by the C copy itself (`kvray._copy_pool.start_rows`): `rows`
+    holds five int64 columns of one source and one destination region (source start and block
+    stride, destination start and block stride, bytes), `ids` the local then the remote block
+    ids, paired. It checks every op against both regions' lengths, takes the request's claim
+    slot (`claim`) and holds it until its last thread is out, sending `notice` (socket, path,
+    message, `notice_patch`) from the thread that copies the last byte. A copy under
+    `_PARALLEL_THRESHOLD` bytes runs on this thread (the GIL released), larger ones on the pool.
+
+    Returns what it stored and whether the notice went; None when the engine holds the slot (it
+    is closing it): nothing was written. Raises `LookupError` (nothing written) when the slot
+    is not open under the token, `ValueError` when an op would leave a region."""
+    assert _start_rows is not None
+    threads = min(threads or copy_threads(), _MAX_THREADS)
+    job = _start_rows(
+        dst_base,
+        src_base,
+        rows,
+        ids,
+        src_nbytes,
+        dst_nbytes,
+        0 if nbytes < _PARALLEL_THRESHOLD else threads,
+        _CLAIM_NBYTES,
+        notice,
+        tuple(claim),
+        salt,
+        hashing is not None,
+        0 if hashing is None else hashing.seed,
+        0 if hashing is None else hashing.pair_salt,
+    )
+    if job is None:
+        return None
+    await job_over(job)
+    if not job.complete:
+        raise RuntimeError("a copy thread left ops of the request uncopied")
+    stored = Stored(int(job.placement), None if hashing is None else int(job.content))
+    return stored, bool(job.notice_sent)
+
+
+def notice_patch(message: bytes, *, hashed: bool) -> int:
+    """What the C copy writes into a notice datagram's placeholders (`kvray.placement`): 0
+    nothing, 1 the placement digest into its last 8 bytes, 2 the content digest too (where the
+    message has its placeholder and the copy hashes)."""
+    if not message.endswith(PLACEHOLDER_BYTES):
+        return 0
+    return 2 if hashed and message.endswith(CONTENT_TAIL) else 1
+
+
+async def job_over(job: CopyJob) -> None:
+    """Return once every thread of `job` has left it (at once for a job copied by its caller).
+    Cancelled meanwhile, it first waits for the threads (a copy is bounded): the caller may
+    release the memory they write the moment this raises."""
+    if job.over:
+        return
+    loop = asyncio.get_running_loop()
+    over: asyncio.Future[None] = loop.create_future()
+    fileno = job.fileno()
+    try:
+        loop.add_reader(fileno, resolve_once, over)
+    except BaseException:
+        select.select([fileno], [], [])
+        raise
+    try:
+        await _until_over(over, lambda: bool(job.over))
+    finally:
+        loop.remove_reader(fileno)
 
 
 async def _until_over(copies: asyncio.Future[Any], over: Callable[[], bool]) -> None:

@@ -36,18 +36,20 @@ from kvray.config import Settings
 from kvray.errors import (
     KvrayError,
     MetadataError,
+    NotExpectedError,
     RegionError,
     StaleIncarnationError,
     TransportError,
     WriteFailedError,
 )
+from kvray.layout import Int64Array
 from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import EngineMetrics
 from kvray.owned import PeerPath, open_peer, read_seal, seal_owned_file
 from kvray.placement import NOTHING, Stored, region_salt
 from kvray.plan import TransferPlan
 from kvray.transport.base import OnStored, Peer, PeerCache, Reach, Transport, check_write, region_pairs
-from kvray.transport.cpu_copy import Hashing, scatter_copy_async
+from kvray.transport.cpu_copy import ClaimSlot, Hashing, copy_rows, scatter_copy_async
 from kvray.wire import EngineInfo, RegionDescriptor, TransportKind
 
 
@@ -232,6 +234,71 @@ class ShmTransport(Transport):
             finally:
                 mapping.release()
         return stored
+
+    async def write_rows(
+        self,
+        peer: Peer,
+        local: Backing,
+        rows: Int64Array,
+        ids: Int64Array,
+        nbytes: int,
+        claim: ClaimSlot,
+        notice: tuple[int, bytes, bytes, int] | None,
+        *,
+        hashed: bool,
+        request_id: str,
+    ) -> tuple[Stored, bool] | None:
+        """A request's whole push between region 0 of each side, planned by the C copy from its
+        rows and paired block ids (`kvray.transport.cpu_copy.copy_rows`), which checks every op
+        against both regions, holds the request's claim slot until its last byte and `notice`
+        are out, and sends `notice` from the thread that copies the last byte. What it stored
+        and whether the notice went; None (nothing written) while the engine holds the slot."""
+        info = peer.info
+        if time.monotonic() - self._checked_at >= self.settings.heartbeat_s or (
+            self._mappings.get(info.engine_id, info.incarnation, 0) is None
+        ):
+            self._forget_departed(keep=info.engine_id)
+        mapping = self._map(peer, 0)
+        source = local.regions[0].tensor
+        mapping.users += 1
+        try:
+            return await copy_rows(
+                mapping.address,
+                source.data_ptr(),
+                rows,
+                ids,
+                local.regions[0].nbytes,
+                mapping.length,
+                nbytes,
+                threads=self.settings.copy_threads,
+                notice=notice,
+                claim=claim,
+                salt=region_salt(0),
+                hashing=Hashing.between(0, 0) if hashed else None,
+            )
+        except LookupError as error:
+            raise NotExpectedError(
+                f"engine {info.engine_id!r} no longer expects request {request_id!r} under this "
+                f"reservation (its wait ended, it was released, or the reservation is forged); nothing "
+                f"was written ({error})",
+                request_id=request_id,
+                engine_id=info.engine_id,
+            ) from None
+        except ValueError as error:
+            raise RegionError(
+                f"a push of {request_id!r} into engine {info.engine_id!r} would leave a region: {error}; "
+                "nothing was written",
+                request_id=request_id,
+                engine_id=info.engine_id,
+            ) from error
+        except (asyncio.CancelledError, KvrayError):
+            raise
+        except Exception as error:
+            raise WriteFailedError(
+                f"copy into engine {info.engine_id!r} region 0 failed: {error}", engine_id=info.engine_id
+            ) from error
+        finally:
+            mapping.release()
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
