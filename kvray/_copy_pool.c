@@ -21,6 +21,18 @@
  *   8 bytes first. When every thread has left the job, its `fileno()` (an eventfd) becomes
  *   readable: that is what an event loop waits on; `placement` is then the job's digest.
  *
+ * start_rows(dst_base, src_base, rows, ids, src_nbytes, dst_nbytes, threads, piece, notice, claim
+ *   [, salt[, content[, seed[, pair_salt]]]]) -> CopyJob | None
+ *   a request's whole copy planned here: `rows` holds five int64 columns (source start and block
+ *   stride, destination start and block stride, bytes) of one row per (layer, part), `ids` the
+ *   local then the remote block ids, paired. Every (row, pair) op is checked against both
+ *   regions' lengths before a byte moves (ValueError), ops continuing each other at both ends are
+ *   merged, and `claim` (board fd, slot, slots, board address, token) has the job take a shared
+ *   lock on the request's slot in the decode engine's claim board, check the slot is open under
+ *   the token (LookupError otherwise), and let go only once every thread is out, after the
+ *   notice. None, having written nothing, while the engine holds the slot. `threads` 0: copied on
+ *   the calling thread with the GIL released, before returning.
+ *
  * The pool's threads never take the GIL: a pthread woken on a condition variable starts copying
  * sooner than a Python pool worker, which must wake and then get the GIL.
  */

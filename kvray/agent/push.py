@@ -10,6 +10,14 @@ once its peer is known tells the peer in the background (`TransferFailed`, namin
 incarnation it planned against) after its last byte has stopped moving, so the decode side
 frees the request's blocks at once instead of at its deadline; a failed layer-wise push
 refuses its later layers until it is finished or aborted.
+
+Into a decode engine on this node over `shm`, a routine whole push is one C call (`_push_rows`,
+`kvray._copy_pool.start_rows`): the copy plans from the pair's rows and the request's block ids
+(checked first by the planner's C check), claims the request's slot, copies, hashes and sends the
+notice from the thread that copies the last byte. A pair or request that call does not take
+(regions of several, head slices, a request sampled for checksums, a checked one whose held
+digests do not cover it, a slot the engine is closing) goes the usual way: plan, claim, write,
+notify, step by step.
 """
 
 from __future__ import annotations
