@@ -230,7 +230,13 @@ class Directory:
     def add(self, peer: Peer) -> None:
         """Cache a peer; past `max_cached_peers`, the least recently used one is forgotten."""
         engine_id = peer.info.engine_id
-        if self._peers.get(engine_id) not in (None, peer):
+        known = self._peers.get(engine_id)
+        if known is not None and known == peer:
+            # The same peer told again (every push request carries its decode engine's info):
+            # the object cached stays, and with it what is kept per peer object.
+            self._peers.move_to_end(engine_id)
+            return
+        if known is not None:
             self.forget(engine_id)  # replaced: what was opened for the old info goes with it
         self._peers[engine_id] = peer
         self._peers.move_to_end(engine_id)
