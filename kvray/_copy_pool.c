@@ -700,6 +700,42 @@ done:
     return status;
 }
 
+/* A job with room for `count` ops and nothing else yet (no notice, claim or eventfd); NULL
+ * with a Python error. */
+static job *new_job(int64_t count) {
+    job *j = calloc(1, sizeof *j);
+    if (j == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    j->event_fd = -1;
+    j->notice_fd = -1;
+    j->notice_result = -1;
+    j->claim_fd = -1;
+    j->refs = 1;
+    j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
+    if (j->ops == NULL) {
+        PyErr_NoMemory();
+        free(j);
+        return NULL;
+    }
+    return j;
+}
+
+/* Append the copy of `nbytes` bytes from `src` to `dst` (content hashed at source offset `hsrc`)
+ * to `j`'s ops at index `op`, in pieces of at most `piece` bytes; the next free index. */
+static int64_t add_pieces(job *j, int64_t op, int64_t dst, int64_t src, int64_t hsrc, int64_t nbytes,
+                          int64_t piece) {
+    for (int64_t done = 0; done < nbytes; done += piece) {
+        j->ops[op].dst = dst + done;
+        j->ops[op].src = src + done;
+        j->ops[op].hsrc = hsrc + done;
+        j->ops[op].nbytes = nbytes - done < piece ? nbytes - done : piece;
+        op++;
+    }
+    return op;
+}
+
 /* Start job `j` (its ops, notice and claim filled in) on `threads` threads of the pool, or on
  * the calling thread with the GIL released when `threads` is 0; the CopyJob that owns it, or
  * NULL with a Python error (the job freed). */
@@ -796,31 +832,14 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < given; i++) {
         count += (lengths[i] + piece - 1) / piece;
     }
-    j = calloc(1, sizeof *j);
+    j = new_job(count);
     if (j == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    j->event_fd = -1;
-    j->notice_fd = -1;
-    j->notice_result = -1;
-    j->claim_fd = -1;
-    j->refs = 1;
-    j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
-    if (j->ops == NULL) {
-        PyErr_NoMemory();
         goto fail;
     }
     int64_t op = 0;
     for (Py_ssize_t i = 0; i < given; i++) {
-        for (int64_t done = 0; done < lengths[i]; done += piece) {
-            int64_t n = lengths[i] - done < piece ? lengths[i] - done : piece;
-            j->ops[op].dst = dst_off[i] + done;
-            j->ops[op].src = src_off[i] + done;
-            j->ops[op].hsrc = (hash_off != NULL ? hash_off[i] : src_off[i]) + done;
-            j->ops[op].nbytes = n;
-            op++;
-        }
+        int64_t hashed_at = hash_off != NULL ? hash_off[i] : src_off[i];
+        op = add_pieces(j, op, dst_off[i], src_off[i], hashed_at, lengths[i], piece);
     }
     j->count = count;
     j->salt = salt;
@@ -952,19 +971,8 @@ static PyObject *start_rows(PyObject *self, PyObject *args) {
             count += (lengths[r] + piece - 1) / piece;
         }
     }
-    j = calloc(1, sizeof *j);
+    j = new_job(count);
     if (j == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    j->event_fd = -1;
-    j->notice_fd = -1;
-    j->notice_result = -1;
-    j->claim_fd = -1;
-    j->refs = 1;
-    j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
-    if (j->ops == NULL) {
-        PyErr_NoMemory();
         goto done;
     }
     /* One op per (row, block pair), each continuing the previous one at both ends merged into
@@ -982,14 +990,7 @@ static PyObject *start_rows(PyObject *self, PyObject *args) {
                     continue;
                 }
             }
-            for (int64_t done = 0; done < run_n; done += piece) {
-                int64_t part = run_n - done < piece ? run_n - done : piece;
-                j->ops[op].dst = run_to + done;
-                j->ops[op].src = run_from + done;
-                j->ops[op].hsrc = run_from + done;
-                j->ops[op].nbytes = part;
-                op++;
-            }
+            op = add_pieces(j, op, run_to, run_from, run_from, run_n, piece);
             run_from = from;
             run_to = to;
             run_n = i < n ? lengths[r] : 0;

@@ -1033,10 +1033,9 @@ class Pusher:
         await self._take_slot(attempt)
         transfer_id = attempt.transfer_id = self._next_transfer_id(request_id)
         nbytes = pair.block_nbytes * int(ids.shape[1])
-        stored_as = Stored(PLACEHOLDER, PLACEHOLDER if checked else None)
-        layer_indices = pair.layer_indices
+        placeholders = Stored(PLACEHOLDER, PLACEHOLDER if checked else None)
         notice = self._done(
-            reservation, transfer_id, nbytes, 0, None, peer, layer_indices, stored_as, reference
+            reservation, transfer_id, nbytes, 0, None, peer, pair.layer_indices, placeholders, reference
         )
         early = self.notices.early(peer, notice)
         datagram = None
@@ -1067,6 +1066,7 @@ class Pusher:
             finally:
                 self.notices.claims.end(reservation)
         self._count_bytes(TransportKind.SHM, peer, nbytes)
+        ops = int(ids.shape[1]) * int(pair.rows.shape[1])  # one per (row, block pair), before merging
         return PushResult(
             request_id,
             transfer_id,
@@ -1074,8 +1074,8 @@ class Pusher:
             peer.info.incarnation,
             TransportKind.SHM,
             nbytes,
-            int(ids.shape[1]) * int(pair.rows.shape[1]),
-            int(ids.shape[1]) * int(pair.rows.shape[1]),
+            ops,
+            ops,
             time.perf_counter() - started,
         )
 

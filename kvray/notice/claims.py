@@ -285,9 +285,6 @@ class Claims:
 
     def board_path(self, peer: Peer) -> str | None:
         """The path of `peer`'s claim board, when it is on this writer's node (None elsewhere)."""
-        return self._board_path(peer)
-
-    def _board_path(self, peer: Peer) -> str | None:
         path = peer.info.endpoints.get(ENDPOINT)
         return path if path and peer.info.node_id == self.node_id else None
 
@@ -301,7 +298,7 @@ class Claims:
         `remote` (a transport whose writes the engine does not see land): ask it once per
         request to keep the blocks until this writer's notice. Other transports' receivers
         check each write themselves (`Receiver.admit`)."""
-        path = self._board_path(peer)
+        path = self.board_path(peer)
         if path is None:
             if remote:
                 await self._claim_remote(writer, peer, reservation)
@@ -322,7 +319,7 @@ class Claims:
         on the engine's node, its slot is open under the reservation's token in a board this
         writer has opened already (read without its lock: a notice writes no byte into the
         request's blocks); elsewhere the engine checks the notice's token itself."""
-        if self._board_path(peer) is None:
+        if self.board_path(peer) is None:
             return True
         board = self._boards.get(peer.info.engine_id, peer.info.incarnation, None)
         return board is not None and board.is_open(reservation.slot, reservation.token)

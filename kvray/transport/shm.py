@@ -191,13 +191,7 @@ class ShmTransport(Transport):
         ops = plan.ops
         pairs = region_pairs(ops.local_region, ops.remote_region)
         info = peer.info
-        # Before this write holds a mapping; a region to map is memory about to grow. The peer
-        # written keeps its own: `_map` tells its writer that peer is gone.
-        due = time.monotonic() - self._checked_at >= self.settings.heartbeat_s
-        if due or any(
-            self._mappings.get(info.engine_id, info.incarnation, remote) is None for (_, remote), _ in pairs
-        ):
-            self._forget_departed(keep=info.engine_id)
+        self._sweep_before_mapping(info, [remote for (_, remote), _ in pairs])
         # Every region is opened and checked before the first byte moves.
         mappings = {remote_index: self._map(peer, remote_index) for (_, remote_index), _ in pairs}
         stored = NOTHING
@@ -254,10 +248,7 @@ class ShmTransport(Transport):
         are out, and sends `notice` from the thread that copies the last byte. What it stored
         and whether the notice went; None (nothing written) while the engine holds the slot."""
         info = peer.info
-        if time.monotonic() - self._checked_at >= self.settings.heartbeat_s or (
-            self._mappings.get(info.engine_id, info.incarnation, 0) is None
-        ):
-            self._forget_departed(keep=info.engine_id)
+        self._sweep_before_mapping(info, [0])
         mapping = self._map(peer, 0)
         source = local.regions[0].tensor
         mapping.users += 1
@@ -299,6 +290,15 @@ class ShmTransport(Transport):
             ) from error
         finally:
             mapping.release()
+
+    def _sweep_before_mapping(self, info: EngineInfo, regions: list[int]) -> None:
+        """Before a write holds a mapping: a region to map is memory about to grow, so unmap the
+        peers that left first (and every `heartbeat_s` in any case). The peer written keeps its
+        own: `_map` tells its writer that peer is gone."""
+        due = time.monotonic() - self._checked_at >= self.settings.heartbeat_s
+        mapped = (self._mappings.get(info.engine_id, info.incarnation, index) for index in regions)
+        if due or any(mapping is None for mapping in mapped):
+            self._forget_departed(keep=info.engine_id)
 
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
