@@ -29,7 +29,7 @@
  *   regions' lengths before a byte moves (ValueError), ops continuing each other at both ends are
  *   merged, and `claim` (board fd, slot, slots, board address, token) has the job take a shared
  *   lock on the request's slot in the decode engine's claim board, check the slot is open under
- *   the token (LookupError otherwise), and let go only once every thread is out, after the
+ *   the token (LookupError otherwise), and let go once every byte is in place, before the
  *   notice. None, having written nothing, while the engine holds the slot. `threads` 0: copied on
  *   the calling thread with the GIL released, before returning.
  *
@@ -401,7 +401,7 @@ typedef struct job {
     int notice_patch;  /* write the placement digest into the notice's last 8 bytes */
     int inline_copy;   /* copied by the thread that started it (no test hook: it holds the loop) */
     int claim_fd;      /* -1: no claim; else this job's descriptor of the claim board's file */
-    int64_t claim_slot; /* the slot whose shared lock the job holds until every thread is out */
+    int64_t claim_slot; /* the slot whose shared lock the job holds until every byte is in place */
 } job;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -413,7 +413,10 @@ static int pool_threads = 0;
 static PyObject *worker_hook = NULL;
 
 /* Drop the shared lock the job holds on its request's claim slot (`start_rows`): every byte
- * and the notice are out, so the decode engine may close the slot and reuse the blocks. */
+ * is in place (or the job ends incomplete), so the decode engine may close the slot and reuse
+ * the blocks. Called once every op is done, by the thread that did the last, or once every
+ * thread has left: the first call closes the descriptor, so the second finds nothing to do (the
+ * thread of the first is still counted active when it calls). */
 static void release_claim(job *j) {
     if (j->claim_fd < 0) {
         return;
@@ -464,6 +467,14 @@ static void send_notice(job *j) {
                           (struct sockaddr *)&j->notice_addr, j->notice_addr_len);
     __atomic_store_n(&j->notice_result, sent == (ssize_t)j->notice_len ? 0 : (sent < 0 ? errno : EMSGSIZE),
                      __ATOMIC_RELEASE);
+}
+
+/* Every byte of the job is in place: let go of the claim first, then send the notice. The
+ * notice writes no byte into the request's blocks, and the decode engine that takes it closes
+ * the slot next: it finds the slot free rather than waiting for this job to leave. */
+static void all_in_place(job *j) {
+    release_claim(j);
+    send_notice(j);
 }
 
 static int hook_allows(const job *j, int64_t first, int64_t last) {
@@ -530,7 +541,7 @@ static void run_task(job *j) {
         __atomic_add_fetch(&j->placement, placement, __ATOMIC_RELEASE);
         __atomic_add_fetch(&j->content, sum, __ATOMIC_RELEASE);
         if (__atomic_add_fetch(&j->ops_done, last - first, __ATOMIC_ACQ_REL) == count) {
-            send_notice(j);
+            all_in_place(j);
         }
     }
     if (__atomic_sub_fetch(&j->active, 1, __ATOMIC_ACQ_REL) == 0) {
@@ -760,7 +771,7 @@ static CopyJob *launch(job *j, int threads) {
         __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
         Py_BEGIN_ALLOW_THREADS
         if (j->count == 0) {
-            send_notice(j);
+            all_in_place(j);
         }
         run_task(j);
         Py_END_ALLOW_THREADS
@@ -873,7 +884,7 @@ done:
 }
 
 /* Take the shared lock of a request's claim slot for job `j` and check that the slot is open
- * under `token`: 0 taken (the job holds it until every thread is out), 1 the engine holds the
+ * under `token`: 0 taken (the job holds it until every byte is in place), 1 the engine holds the
  * slot (it is closing it: the caller may wait and ask again), -1 with a Python error (the slot
  * is not open under the token: a LookupError, and nothing may be written). */
 static int take_claim(job *j, PyObject *claim) {

@@ -339,9 +339,9 @@ async def copy_rows(
     holds five int64 columns of one source and one destination region (source start and block
     stride, destination start and block stride, bytes), `ids` the local then the remote block
     ids, paired. It checks every op against both regions' lengths, takes the request's claim
-    slot (`claim`) and holds it until its last thread is out, sending `notice` (socket, path,
-    message, `notice_patch`) from the thread that copies the last byte. A copy under
-    `_PARALLEL_THRESHOLD` bytes runs on this thread (the GIL released), larger ones on the pool.
+    slot (`claim`) and holds it until the last byte is in place; the thread that copies that
+    byte lets go of the claim and then sends `notice` (socket, path, message, `notice_patch`).
+    A copy under `_PARALLEL_THRESHOLD` bytes runs on this thread (the GIL released), larger ones on the pool.
 
     Returns what it stored and whether the notice went; None when the engine holds the slot (it
     is closing it): nothing was written. Raises `LookupError` (nothing written) when the slot

@@ -1,13 +1,15 @@
 """`kvray._copy_pool.start_rows` (through `kvray.transport.cpu_copy.copy_rows`): the C copy that
 plans a request from its rows and paired block ids. It checks every op against both regions
 before a byte moves, takes the request's claim slot (a shared lock) and holds it until its last
-thread is out, and reports the same digests as the ops it expands would give `scatter_copy`."""
+byte is in place (the notice goes after), and reports the same digests as the ops it expands
+would give `scatter_copy`."""
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
 import os
+import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +95,7 @@ async def _copy(
     *,
     threads: int = 1,
     big: bool = False,
+    notice: tuple[int, bytes, bytes, int] | None = None,
 ) -> tuple[object, bool] | None:
     nbytes = 1 << 30 if big else 1  # over or under the size copied on the calling thread
     return await copy_rows(
@@ -104,7 +107,7 @@ async def _copy(
         dst.size,
         nbytes,
         threads=threads,
-        notice=None,
+        notice=notice,
         claim=claim,
         salt=7 << 56,
         hashing=Hashing.between(0, 0),
@@ -143,7 +146,7 @@ async def test_rows_copy_as_their_ops_would_with_the_same_digests(
     )
     assert np.array_equal(dst, expected)
     assert stored == reference
-    # The claim went with the last thread: the engine may close the slot now.
+    # The claim went with the last byte: the engine may close the slot now.
     locked = board.try_lock_exclusive(1)
     assert locked is not None
     os.close(locked)
@@ -195,8 +198,44 @@ async def test_a_slot_the_engine_holds_is_given_way_to_and_nothing_written(board
     assert dst.any()
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["inline", "pool"])
+async def test_the_claim_is_let_go_before_the_notice_goes(board: Board, tmp_path: Path, big: bool) -> None:
+    """The decode engine that takes the notice may close the slot at once: the copy lets go of
+    the claim before it sends the notice, so whoever reads the notice finds the slot free."""
+    src, dst = _regions()
+    ids = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int64)
+    inbox_path = str(tmp_path / "inbox")
+    inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    inbox.bind(inbox_path)
+    inbox.settimeout(10)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    free_when_told: list[bool] = []
+
+    def read_notice() -> None:
+        inbox.recv(64)
+        locked = board.try_lock_exclusive(1)  # as the engine's release does, told it is done
+        free_when_told.append(locked is not None)
+        if locked is not None:
+            os.close(locked)
+
+    rounds = 500
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(rounds):
+            board.open_slot(1)
+            reader = loop.run_in_executor(None, read_notice)
+            notice = (sender.fileno(), inbox_path.encode(), b"done", 0)
+            done = await _copy(src, dst, ids, board.claim(1), threads=2, big=big, notice=notice)
+            assert done is not None and done[1]  # the notice went
+            await asyncio.wait_for(reader, 10)
+    finally:
+        inbox.close()
+        sender.close()
+    assert free_when_told == [True] * rounds
+
+
 async def test_the_claim_is_held_while_the_pool_copies(board: Board) -> None:
-    """A copy on the pool's threads holds the slot until every thread is out: a test hook
+    """A copy on the pool's threads holds the slot until its last byte is in place: a test hook
     parks the pool's thread, and the engine cannot take the slot until it lets go."""
     src, dst = _regions()
     ids = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int64)
