@@ -53,7 +53,7 @@ from kvray.integrity import THREAD_MIN_BYTES, Checksums, regions_of, sampled, wr
 from kvray.layout import Int64Array
 from kvray.memory import MemoryKind, SourceReady
 from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
-from kvray.notice import NoticeSet
+from kvray.notice import NoticeSet, QuickNotice
 from kvray.notice.base import Receipt
 from kvray.notice.claims import ClaimClient
 from kvray.notice.local import DatagramNotice
@@ -121,6 +121,8 @@ class _Layerwise:
     #: layer's push ends, so that `finish` only sends.
     notice: TransferDone | None = None
     message: bytes = b""
+    #: How `finish` sends it at once (`NoticeSet.quick`), kept for the peer it was made for.
+    quick: QuickNotice | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -381,6 +383,8 @@ class Pusher:
             state.busy_s += time.perf_counter() - started
             state.notice = self._layerwise_done(state, peer)
             state.message = encode(state.notice)
+            if state.quick is None or state.quick.peer is not peer:
+                state.quick = self.notices.quick(peer, reservation)
             self._count_bytes(transport.kind, peer, plan.nbytes)
             return plan.nbytes
 
@@ -417,6 +421,18 @@ class Pusher:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
         reservation = state.reservation
         started = time.perf_counter()
+        quick = state.quick
+        if (
+            quick is not None
+            and (timeout is None or self._valid_timeout(timeout))
+            and self.engine.running
+            and self.directory.cached(reservation.engine_id) is quick.peer
+            and quick.send_now(state.message)
+        ):
+            # Out through what the last layer's push looked up: nothing else to wait for.
+            self.notices.claims.end(reservation)
+            self._record_finish(state, Outcome.OK)
+            return self._finished(state, started)
         peer = self._current_peer(state, timeout)
         if peer is not None:
             notice, message = state.notice, state.message
@@ -468,14 +484,21 @@ class Pusher:
         the bookkeeping follows the notice, off the decode side's path."""
         engine = self.engine
         reservation = state.reservation
-        if timeout is not None:  # a bad timeout is refused the same way on every path
-            engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
+        if timeout is not None:
+            self._valid_timeout(timeout)
         if not engine.running:
             return None
         peer = self.directory.cached(reservation.engine_id)
         if peer is None or peer.info.incarnation != reservation.incarnation:
             return None
         return peer
+
+    def _valid_timeout(self, timeout: float) -> bool:
+        """True for a timeout a push may take; a bad one (`Settings.deadline`) is refused the same
+        way on every path."""
+        settings = self.engine.settings
+        settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
+        return True
 
     def _record_finish(self, state: _Layerwise, outcome: Outcome, error: BaseException | None = None) -> None:
         self.engine.metrics.transfer(

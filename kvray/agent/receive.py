@@ -90,6 +90,10 @@ class Completion:
 _MAX_UNRECORDED = 1024
 
 
+#: Which layers (indices) a transfer covers, and which heads (None: all of them).
+_PlacementKey = tuple[tuple[int, ...], tuple[int, int] | None]
+
+
 @dataclass
 class _Expectation:
     """A request a decode agent expects: what its writer must show, and where it may write."""
@@ -111,6 +115,9 @@ class _Expectation:
     landed: Stored = NOTHING
     #: The indices of the layers the request's KV must cover, ascending (None: every layer).
     layers: tuple[int, ...] | None = None
+    #: The placement digest a transfer of some (layers, heads) into the blocks must report, taken
+    #: while the request waits (`Receiving.wait_for_kv`) rather than once its notice is in.
+    placement: tuple[_PlacementKey, int] | None = None
 
 
 class Receiving:
@@ -147,7 +154,7 @@ class Receiving:
         #: counted after the waiter resumes, not between the notice and it.
         self._unrecorded: list[TransferDone] = []
         #: Where transfers of some layers (with some heads) land: per (layers, heads).
-        self._placements: dict[tuple[tuple[int, ...], tuple[int, int] | None], PlacementTable] = {}
+        self._placements: dict[_PlacementKey, PlacementTable] = {}
         #: Every layer of this engine's layout, in order: what the usual notice names.
         self._every_layer = tuple(range(len(engine.backing.layout.layers)))
 
@@ -379,6 +386,11 @@ class Receiving:
             )
         future = expectation.future
         deadline = engine.settings.deadline(timeout, engine.settings.transfer_timeout_s, "timeout")
+        if expectation.placement is None and not future.done():
+            # The usual transfer's placement digest (every layer, every head), while the writer
+            # writes: the notice then needs one comparison.
+            key = (self._every_layer, None) if expectation.layers is None else (expectation.layers, None)
+            expectation.placement = (key, self._placement_table(key).digest(expectation.blocks))
         started = time.perf_counter()
         outcome = Outcome.FAILED
         loop = asyncio.get_running_loop()
@@ -627,13 +639,13 @@ class Receiving:
         except KvrayError as error:
             return error
         key = (layers, heads)
-        table = self._placements.get(key)
-        if table is None:
-            if len(self._placements) >= 256:
-                self._placements.clear()
-            table = self._placements[key] = PlacementTable(layout, engine.backing.placements, layers, heads)
+        ahead = expectation.placement
+        if ahead is not None and ahead[0] == key:
+            wanted = ahead[1]
+        else:
+            wanted = self._placement_table(key).digest(expectation.blocks)
         stored = (message.placement + expectation.landed.placement) & MASK64
-        if stored == table.digest(expectation.blocks):
+        if stored == wanted:
             return self._unchecked_content(message, expectation)
         names = layout.names_at(layers)
         if not message.checksum:  # else the checksums' check counts it, naming the layers
@@ -644,6 +656,18 @@ class Receiving:
             "digest of its writes differs from that of the request's blocks in"
         )
         return _refusal(engine.engine_id, message, why, names)
+
+    def _placement_table(self, key: _PlacementKey) -> PlacementTable:
+        """Where a transfer of `key`'s layers (and heads) lands in a block, built once per key."""
+        table = self._placements.get(key)
+        if table is None:
+            if len(self._placements) >= 256:
+                self._placements.clear()
+            engine = self.engine
+            layers, heads = key
+            table = PlacementTable(engine.backing.layout, engine.backing.placements, layers, heads)
+            self._placements[key] = table
+        return table
 
     def _complete(self, message: TransferDone, future: asyncio.Future[Completion]) -> None:
         future.set_result(

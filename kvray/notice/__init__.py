@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvray.config import Settings
 from kvray.errors import TransportError, TransportUnavailableError
 from kvray.metrics import EngineMetrics
 from kvray.notice.actor import deadline
-from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt, ThreadNotice
-from kvray.notice.claims import Claims
+from kvray.notice.base import (
+    Mail,
+    Mailbox,
+    NoticeChannel,
+    NoticeKind,
+    NoticeReceiver,
+    QuickSend,
+    Receipt,
+    ThreadNotice,
+)
+from kvray.notice.claims import ClaimClient, Claims
 from kvray.transport.base import Peer, Reachable
 from kvray.wire import Notice, Reservation, encode
 
@@ -28,6 +38,27 @@ _CHANNELS: dict[NoticeKind, tuple[str, str]] = {
 #: The registry's channels every agent has, in the order they are tried (after injected ones):
 #: the fastest that can reach a peer first.
 DEFAULT_KINDS = (NoticeKind.LOCAL, NoticeKind.TCP, NoticeKind.ACTOR)
+
+
+@dataclass(frozen=True)
+class QuickNotice:
+    """Notices about one reservation sent at once to its engine (`NoticeSet.quick`): each only
+    while the request's slot in the engine's claim board on this node is open under its token
+    (read without its lock, as `Claims.open_now` does), through a sender kept for the peer."""
+
+    peer: Peer
+    #: The engine's claim board, when it is on this node (None: the engine checks the token).
+    board: ClaimClient | None
+    slot: int
+    token: int
+    send: QuickSend
+
+    def send_now(self, message: bytes) -> bool:
+        """True once `message` is out; False, having sent nothing, where `NoticeSet.send_now`
+        or the usual path must say why."""
+        if self.board is not None and not self.board.is_open(self.slot, self.token):
+            return False
+        return self.send(message)
 
 
 def channel_class(kind: NoticeKind) -> type[NoticeChannel]:
@@ -130,6 +161,22 @@ class NoticeSet:
             return None
         return channel.send_now(peer, notice, encode(notice) if message is None else message)
 
+    def quick(self, peer: Peer, reservation: Reservation) -> QuickNotice | None:
+        """`send_now` for notices about `reservation`, with what it looks up looked up once (a
+        layer-wise push keeps it for the notice its `finish` sends); None where the first
+        channel that reaches the peer has no such sender, or the peer's board on this node is
+        not open here yet."""
+        channel = self.reaching(peer)
+        send = None if channel is None else channel.sender(peer)
+        if send is None:
+            return None
+        board = None
+        if self.claims.board_path(peer) is not None:
+            board = self.claims.client(peer)
+            if board is None:
+                return None
+        return QuickNotice(peer, board, reservation.slot, reservation.token, send)
+
     def early(self, peer: Peer, notice: Notice) -> ThreadNotice | None:
         """A notice the transport may send from its copy thread the moment the last byte lands
         (see `Transport.write_then`); None where the peer's channel has none."""
@@ -178,5 +225,6 @@ __all__ = [
     "NoticeKind",
     "NoticeReceiver",
     "NoticeSet",
+    "QuickNotice",
     "channel_class",
 ]

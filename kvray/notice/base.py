@@ -6,7 +6,8 @@ A channel has two ends, each a handful of verbs:
 
     writer    `reaches` says whether the channel can carry a notice to a peer from here;
               `send` delivers one (returning once the engine took it, or raising its
-              refusal), `send_now` without awaiting where nothing on the way would wait;
+              refusal), `send_now` without awaiting where nothing on the way would wait,
+              `sender` the same with its lookups done once for a peer;
               `prepare` starts what a coming notice will need (a connection); `early` hands a
               transport a notice it may send from its copy thread; `listening` says whether
               the peer's receiving end is still there, where the channel can tell; `forget`
@@ -48,6 +49,10 @@ NoticeHandler = Callable[[bytes], DropReason | None]
 #: What `send_now` hands back for a notice it sent: resolves once the engine took it (already
 #: resolved where the channel needs no answer), or fails with its refusal as `send` raises it.
 Receipt = asyncio.Future[None]
+
+#: Sends a notice's bytes to one peer at once (`NoticeChannel.sender`): True once they are out
+#: (the engine sends no answer); False, having sent nothing, where they cannot go now.
+QuickSend = Callable[[bytes], bool]
 
 
 #: What a channel carries: a notice to a decode engine (`Mailbox.COMPLETIONS`), or a push request
@@ -177,6 +182,12 @@ class NoticeChannel(abc.ABC):
         """`send` from the event loop's thread without awaiting: the notice is out when this
         returns, with its receipt; None, having sent nothing, where the channel would have to
         wait (then `send` follows)."""
+        return None
+
+    def sender(self, peer: Reachable) -> QuickSend | None:
+        """`send_now` to `peer` with what it looks up (the peer's inbox, a connected socket)
+        looked up once, for a writer that keeps it for the notices it sends the peer; only where
+        the engine sends no answer. None where the channel has none."""
         return None
 
     def listening(self, peer: Reachable) -> bool | None:

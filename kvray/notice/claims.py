@@ -314,6 +314,10 @@ class Claims:
         ):
             yield
 
+    def client(self, peer: Peer) -> ClaimClient | None:
+        """This writer's view of `peer`'s board, if it has opened one (None: not yet)."""
+        return self._boards.get(peer.info.engine_id, peer.info.incarnation, None)
+
     def open_now(self, peer: Peer, reservation: Reservation) -> bool:
         """Whether a notice about `reservation` may go out at once, without taking the claim:
         on the engine's node, its slot is open under the reservation's token in a board this
@@ -321,7 +325,7 @@ class Claims:
         request's blocks); elsewhere the engine checks the notice's token itself."""
         if self.board_path(peer) is None:
             return True
-        board = self._boards.get(peer.info.engine_id, peer.info.incarnation, None)
+        board = self.client(peer)
         return board is not None and board.is_open(reservation.slot, reservation.token)
 
     def end(self, reservation: Reservation) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from kvray.config import Settings
 from kvray.errors import MetadataError, TransportError
 from kvray.metrics import EngineMetrics
-from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, Receipt
+from kvray.notice.base import Mail, Mailbox, NoticeChannel, NoticeKind, NoticeReceiver, QuickSend, Receipt
 from kvray.owned import INBOX_NAME, PeerPath, create_owned_folder, open_peer, remove_owned
 from kvray.placement import Stored, filled
 from kvray.transport.base import Reachable
@@ -166,6 +166,30 @@ class CompletionOutbox:
             self._disconnect(path)
             return False
         return True
+
+    def sender(self, path: str) -> QuickSend | None:
+        """`send_now` to one inbox with its checks done and its socket connected once (None
+        where they fail). A connection closed since (evicted, or the outbox closed) sends
+        nothing: the caller then takes `send_now`'s way."""
+        try:
+            self.check_inbox(path)
+            connected = self._connect(path)
+        except (MetadataError, TransportError):
+            return None
+        sock = connected.socket
+
+        def send(message: bytes) -> bool:
+            try:
+                sock.send(message)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                if self._connected.get(path) is connected:
+                    self._disconnect(path)
+                return False
+            return True
+
+        return send
 
     def _connect(self, path: str) -> _Connected:
         connected = self._connected.get(path)
@@ -347,6 +371,10 @@ class LocalChannel(NoticeChannel):
         if inbox is None or self._closed or not self.outbox().send_now(inbox, message):
             return None
         return taken()
+
+    def sender(self, peer: Reachable) -> QuickSend | None:
+        inbox = self.inbox_of(peer)
+        return None if inbox is None or self._closed else self.outbox().sender(inbox)
 
     def listening(self, peer: Reachable) -> bool | None:
         inbox = self.inbox_of(peer)

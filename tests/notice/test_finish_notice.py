@@ -7,10 +7,11 @@ exactly one way (KV, its own deadline, the request cancelled, or its caller canc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import os
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from kvray.errors import NotExpectedError, RequestCancelledError, TransferTimeou
 from kvray.layout import Geometry, KVLayout, LayerSpec
 from kvray.notice.claims import ENDPOINT as CLAIMS_ENDPOINT
 from kvray.notice.claims import SLOT_NBYTES, ClaimClient
+from kvray.notice.local import ENDPOINT as INBOX_ENDPOINT
+from kvray.transport.base import Peer
 
 LAYOUT = KVLayout(
     layers=tuple(
@@ -115,6 +118,45 @@ async def test_a_finish_is_refused_while_its_request_is_released(pair: tuple[KVA
         await prefill.finish("later", timeout=5)
     assert decode.stats["completions_ok"] == 0
     assert prefill.stats["transfers_finish_ok"] == 0
+
+
+async def test_finish_goes_out_the_way_its_layers_looked_up_and_the_usual_way_once_that_is_gone(
+    pair: tuple[KVAgent, KVAgent],
+) -> None:
+    """The last layer's push keeps how `finish` sends its notice (the inbox's connected socket
+    and the board); `finish` then sends through it. A connection closed meanwhile, or a peer
+    the directory no longer lists as it was, sends nothing that way: the usual path delivers."""
+    prefill, decode = pair
+    pusher = prefill._pusher
+    for request_id, spoil in (("kept", None), ("closed", "connection"), ("relisted", "peer")):
+        reservation = decode.expect(request_id, [1, 2])
+        for layer in LAYOUT.layer_names:
+            await prefill.push_layer(reservation, layer, [3, 4], timeout=5)
+        state = pusher._layerwise[request_id]
+        quick = state.quick
+        assert quick is not None and quick.board is not None
+        sent: list[bool] = []
+
+        def spy(message: bytes, send: Callable[[bytes], bool] = quick.send, sent: list[bool] = sent) -> bool:
+            sent.append(send(message))
+            return sent[-1]
+
+        state.quick = dataclasses.replace(quick, send=spy)
+        if spoil == "connection":
+            local = pusher.notices.reaching(quick.peer)
+            assert local is not None
+            local.outbox()._disconnect(decode.info.endpoints[INBOX_ENDPOINT])
+        elif spoil == "peer":
+            # The same engine listed anew (as after a lookup): not the peer the route was made for.
+            pusher.directory._peers[decode.engine_id] = Peer(quick.peer.info, quick.peer.host)
+        waiting = asyncio.ensure_future(decode.wait_for_kv(request_id, timeout=5))
+        result = await asyncio.wait_for(prefill.finish(request_id, timeout=5), 2.0)
+        completion = await asyncio.wait_for(waiting, 2.0)
+        assert (completion.transfer_id, completion.nbytes) == (result.transfer_id, result.nbytes)
+        assert sent == {None: [True], "connection": [False], "peer": []}[spoil], request_id
+        await decode.release(request_id)
+    assert prefill.stats["transfers_finish_ok"] == 3
+    assert decode.stats["completions_ok"] == 3
 
 
 async def test_a_slot_reads_open_only_under_its_token_until_release(pair: tuple[KVAgent, KVAgent]) -> None:

@@ -151,6 +151,7 @@ def test_the_outbox_sends_only_to_kvray_inboxes_in_its_folder(tmp_path: Path) ->
                 await outbox.send(str(path), b"forged")
             assert raised.value.path == str(path), why
             assert not outbox.try_send(str(path), b"forged"), why
+            assert outbox.sender(str(path)) is None, why
             with pytest.raises(MetadataError):
                 DatagramNotice(outbox, str(path), b"forged")
 
@@ -182,6 +183,36 @@ def test_the_outbox_still_reaches_a_real_inbox(tmp_path: Path) -> None:
 
     run_on(asyncio.new_event_loop, main())
     assert received == [b"early", b"late"]
+
+
+def test_a_kept_sender_sends_until_its_connection_closes_then_sends_nothing(tmp_path: Path) -> None:
+    """`CompletionOutbox.sender` checks the inbox and connects once; once that connection is
+    closed (evicted, or the outbox closed) it sends nothing and says so, and a new sender
+    connects again."""
+    received: list[bytes] = []
+
+    async def main() -> None:
+        inbox = CompletionInbox(str(tmp_path), received.append)
+        outbox = CompletionOutbox(str(tmp_path))
+        try:
+            send = outbox.sender(inbox.path)
+            assert send is not None
+            assert send(b"one") and send(b"two")
+            outbox._disconnect(inbox.path)  # as an eviction does
+            assert not send(b"lost")
+            again = outbox.sender(inbox.path)
+            assert again is not None and again(b"three")
+            async with asyncio.timeout(10):
+                while len(received) < 3:
+                    await asyncio.sleep(0.01)
+            outbox.close()
+            assert not again(b"closed")
+        finally:
+            outbox.close()
+            inbox.close()
+
+    run_on(asyncio.new_event_loop, main())
+    assert received == [b"one", b"two", b"three"]
 
 
 # ---- a decode agent meets a notice nested deeper than Python recurses ---------------------------
