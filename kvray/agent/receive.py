@@ -629,7 +629,8 @@ class Receiving:
                 )
             expected = range(len(layout.layers)) if expectation.layers is None else expectation.layers
             if sorted(layers) != list(expected):
-                engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
+                if not message.checksum:  # else the checksums' check counts it
+                    engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
                 covered = set(layers)
                 missing = layout.names_at(index for index in expected if index not in covered)
                 why = f"covers {len(layers)} layer(s), not the {len(expected)} it expects; missing"
@@ -648,7 +649,7 @@ class Receiving:
         if stored == wanted:
             return self._unchecked_content(message, expectation)
         names = layout.names_at(layers)
-        if not message.checksum:  # else the checksums' check counts it, naming the layers
+        if not message.checksum:  # else the checksums' check counts it (`_check_integrity`)
             engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(layers), 0.0)
         why = (
             "was not stored where this engine keeps it (a layer written over another, a block written "
@@ -699,10 +700,12 @@ class Receiving:
         if content == message.reference:
             # Counted with the completion, after the waiting task has resumed (`record_completions`).
             return None
-        if message.checksum:
-            return None  # the checksums name the layers that differ (`_check_integrity`)
+        # Refused even where checksums came too: those are taken from the writer's blocks as
+        # the push reads them, so they match bytes written after the reference was held (the
+        # checksums' check then counts it, and names the layers where the landed bytes differ).
         names = engine.backing.layout.names_at(message.layers)
-        engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), 0.0)
+        if not message.checksum:
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, len(names), 0.0)
         why = (
             "its copy did not hash it" if content is None else "its content digest differs from the writer's"
         )
@@ -717,8 +720,9 @@ class Receiving:
                 expectation.writer_done.set()
             misplaced = None if future.done() else self._misplaced(message, expectation)
             if message.checksum and not future.done():
-                # The checksums name the layers that differ, where the digests cannot.
-                await self._check_integrity(message, expectation)
+                # The checksums name the layers that differ, where the digests cannot; bytes that
+                # landed as the writer read them are still refused for what the digests say.
+                await self._check_integrity(message, expectation, misplaced)
             if misplaced is not None:
                 raise misplaced
             if message.landed is not None and not message.checksum and not future.done():
@@ -733,9 +737,13 @@ class Receiving:
         if not future.done():
             self._complete(message, future)
 
-    async def _check_integrity(self, message: TransferDone, expectation: _Expectation) -> None:
+    async def _check_integrity(
+        self, message: TransferDone, expectation: _Expectation, refused: KvrayError | None = None
+    ) -> None:
         """`KVIntegrityError` unless every layer the notice names hashes, as landed in the
-        request's blocks, to the writer's value (`kvray.integrity.check`), counted either way."""
+        request's blocks, to the writer's value (`kvray.integrity.check`), counted either way;
+        `refused`: what the digests already refuse the transfer for (then raised, and counted as
+        a mismatch, where the checksums find none)."""
         engine = self.engine
         backing = engine.backing
         # Called only for a notice that names an algorithm (the wire admits those kvray has).
@@ -768,7 +776,12 @@ class Receiving:
                 message.src_engine, IntegrityCheck.MISMATCH, layers, time.perf_counter() - started
             )
             raise
-        engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if refused is not None:
+            layers = len(refused.facts.get("layers", ()))
+            engine.metrics.integrity(message.src_engine, IntegrityCheck.MISMATCH, layers, seconds)
+            raise refused
+        engine.metrics.integrity(message.src_engine, IntegrityCheck.OK, 0, seconds)
 
     async def _check_landed(self, message: TransferDone, expectation: _Expectation) -> None:
         """The landed digest of the ranges the transfer filled in this engine's memory against

@@ -350,15 +350,18 @@ async def test_a_flipped_byte_is_caught_on_every_request_by_the_copys_own_digest
     assert pair.sink.value("kvray_integrity_checks", result="ok") == 1
 
 
+@pytest.mark.parametrize("sample_rate", [0.0, 1.0], ids=["digests", "sampled"])
 @pytest.mark.parametrize("kind", ["shm", "ray"])
 async def test_digests_held_before_the_push_check_it_and_a_block_written_after_fails_closed(
-    make_pair: Any, kind: str
+    make_pair: Any, kind: str, sample_rate: float
 ) -> None:
     """`hold_digests`: the writer takes its blocks' digests when their KV is held, and the push
     checks its copy against them without reading the blocks on its own path. A push uses them
     once. A block the engine writes after holding, without holding again, fails the request
-    (its copy hashes the new bytes, the held digest is of the old): never decoded wrong."""
-    pair: Pair = await make_pair(kind, sample_rate=0.0)
+    (its copy hashes the new bytes, the held digest is of the old): never decoded wrong. So
+    too where the request is sampled for checksums: those are taken at push time, of the new
+    bytes, and match what landed; the held digest still refuses it."""
+    pair: Pair = await make_pair(kind, sample_rate=sample_rate)
     prefill, decode = pair.prefill, pair.decode
     await prefill.hold_digests(SRC)
     reservation = decode.expect("held", DST)
@@ -376,6 +379,7 @@ async def test_digests_held_before_the_push_check_it_and_a_block_written_after_f
     with pytest.raises(KVIntegrityError, match="content digest"):
         await decode.wait_for_kv("stale", timeout=10)
     await decode.release("stale")
+    assert pair.sink.value("kvray_integrity_checks", result="mismatch") == 1
     # Used once: the next push reads the blocks itself and is taken.
     await _lands_exactly(pair, "fresh")
     # Held, then given back to the engine (`forget_digests`) and rewritten: the push reads the
