@@ -293,8 +293,9 @@ class Claims:
         self, writer: EngineInfo, peer: Peer, reservation: Reservation, *, remote: bool = False
     ) -> AsyncIterator[None]:
         """Make sure the decode engine still expects the request, and keeps its blocks, while
-        the body writes and notifies; a request it no longer expects is refused before a byte
-        moves. On its node: hold the request's slot in its claim board. Elsewhere, with
+        the body writes (a push sends its notice after the body; `finish` sends it inside); a
+        request it no longer expects is refused before a byte moves. On its node: hold the
+        request's slot in its claim board. Elsewhere, with
         `remote` (a transport whose writes the engine does not see land): ask it once per
         request to keep the blocks until this writer's notice. Other transports' receivers
         check each write themselves (`Receiver.admit`)."""
