@@ -42,6 +42,11 @@
  *   b of `blocks`: the sum over them of F(end) - F(start) mod 2**64, F SplitMix64's finalizer
  *   of the address mixed with (region + 1) << shift. `stride` and `blocks` None: the digest of
  *   the ranges themselves. Addresses wrap mod 2**64 as numpy's uint64 does.
+ * check_ids(blocks, out, num_blocks) -> bool
+ *   One side's block ids as `block_ids` checks them, from a list or tuple of Python ints: each
+ *   an int in [0, num_blocks), none twice, written into `out` (int64, as long as `blocks`).
+ *   False (with `out` partly written) where one is not, or `blocks` is empty or neither a list
+ *   nor a tuple: the numpy twin then says which.
  * held_digest(sums, held, parts, num_blocks, layer, part, salt, src_start, src_stride,
  *             dst_start, dst_stride, local_ids, remote_ids) -> int | None
  *   The content digest (kvray.content) of a transfer from content sums held per (layer, part,
@@ -533,6 +538,56 @@ done:
     return result;
 }
 
+static PyObject *check_ids(PyObject *self, PyObject *args) {
+    PyObject *blocks, *out_object;
+    long long num_blocks;
+    if (!PyArg_ParseTuple(args, "OOL", &blocks, &out_object, &num_blocks)) {
+        return NULL;
+    }
+    if (!(PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) || num_blocks <= 0) {
+        Py_RETURN_FALSE;
+    }
+    Array out;
+    if (!take(out_object, &out, 1)) {
+        return NULL;
+    }
+    /* A list the caller still holds cannot change under us: nothing here runs Python code. */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    PyObject **items = PySequence_Fast_ITEMS(blocks);
+    int ok = n > 0 && out.len == n;
+    uint64_t *seen = NULL;
+    if (ok) {
+        seen = calloc((size_t)((num_blocks + 63) / 64), sizeof(uint64_t));
+        if (seen == NULL) {
+            give_back(&out, 1);
+            return PyErr_NoMemory();
+        }
+    }
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item)) {
+            ok = 0;
+            break;
+        }
+        int overflow = 0;
+        long long id = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || id < 0 || id >= num_blocks) {
+            ok = 0;
+            break;
+        }
+        uint64_t bit = 1ULL << (id & 63);
+        if (seen[id >> 6] & bit) {
+            ok = 0;
+            break;
+        }
+        seen[id >> 6] |= bit;
+        out.data[i] = (int64_t)id;
+    }
+    free(seen);
+    give_back(&out, 1);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *placement_digest(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     unsigned int shift;
@@ -675,6 +730,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"check_ids", check_ids, METH_VARARGS, "One side's block ids checked into an int64 array."},
     {"placement_digest", placement_digest, METH_VARARGS, "The placement digest of runs at blocks."},
     {"held_digest", held_digest, METH_VARARGS, "A transfer's content digest from held sums, or None."},
     {"sort_blocks", sort_blocks, METH_VARARGS,

@@ -1,5 +1,6 @@
 """The planner's C loops (kvray/_plan.c); each array is C-contiguous native int64."""
 
+def check_ids(blocks: object, out: object, num_blocks: int) -> bool: ...
 def sort_blocks(
     local_ids: object,
     remote_ids: object,

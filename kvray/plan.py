@@ -534,6 +534,12 @@ def block_ids(
             and len(set(plain)) == len(plain)
         ):
             return np.array(plain, dtype=np.int64)
+    elif _native is not None and type(blocks) in (tuple, list):
+        # A long request's ids checked in one C pass (no pool-sized count, no sort); anything
+        # it does not take is the numpy twin's below, which says what is wrong.
+        checked = np.empty(len(blocks), dtype=np.int64)
+        if _native.check_ids(blocks, checked, num_blocks):
+            return checked
     try:
         ids = np.asarray(blocks)
     except (ValueError, TypeError) as error:

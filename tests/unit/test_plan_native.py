@@ -538,3 +538,48 @@ def test_the_same_digest_from_held_sums_both_ways(data: st.DataObject) -> None:
     assert (native is None) == unheld
     if unheld:
         assert np.array_equal(held.held, before), "a digest that is not all held drops nothing"
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_long_block_id_lists_are_checked_the_same_both_ways(data: st.DataObject) -> None:
+    """`block_ids` of a list or tuple longer than the short path's: the C pass
+    (`kvray._plan.check_ids`) gives the numpy twin's array, or the twin's error word for word
+    (a repeat, an id outside the pool, a negative one, a bool, a float, one too large for int64)."""
+    num_blocks = data.draw(st.integers(1, 4096))
+    count = data.draw(st.integers(plan_module._SHORT_REQUEST + 1, plan_module._SHORT_REQUEST + 300))
+    ids: list[Any] = list(np.random.default_rng(data.draw(st.integers(0, 2**32))).permutation(4096)[:count])
+    ids = [int(block) for block in ids]
+    spoil = data.draw(st.sampled_from(["none", "repeat", "outside", "negative", "bool", "float", "huge"]))
+    at = data.draw(st.integers(0, count - 1))
+    if spoil == "repeat":
+        ids[at] = ids[(at + 1) % count]
+    elif spoil == "outside":
+        ids[at] = num_blocks + data.draw(st.integers(0, 10))
+    elif spoil == "negative":
+        ids[at] = -data.draw(st.integers(1, 10))
+    elif spoil == "bool":
+        ids[at] = True
+    elif spoil == "float":
+        ids[at] = float(ids[at])
+    elif spoil == "huge":
+        ids[at] = 2**64 + 3
+    blocks = tuple(ids) if data.draw(st.booleans()) else ids
+    native, twin = both_ways(lambda: plan_module.block_ids(blocks, num_blocks, "decode", "e"))
+    if isinstance(twin, Exception):
+        same_error(native, twin)
+    else:
+        assert isinstance(native, np.ndarray) and native.dtype == np.int64
+        assert np.array_equal(native, twin)
+
+
+def test_check_ids_takes_lists_and_tuples_of_ints_alone() -> None:
+    out = np.empty(200, dtype=np.int64)
+    assert NATIVE.check_ids(list(range(200)), out, 200) and out.tolist() == list(range(200))
+    assert NATIVE.check_ids(tuple(range(200)), out, 200)
+    assert not NATIVE.check_ids(np.arange(200), out, 200)  # arrays take numpy's way
+    assert not NATIVE.check_ids([], np.empty(0, dtype=np.int64), 200)
+    assert not NATIVE.check_ids(list(range(200)), np.empty(199, dtype=np.int64), 200)
+    assert not NATIVE.check_ids(list(range(200)), out, 0)
+    with pytest.raises(TypeError):
+        NATIVE.check_ids(list(range(200)), np.empty(200, dtype=np.int32), 200)
