@@ -45,8 +45,8 @@
  * check_ids(blocks, out, num_blocks) -> bool
  *   One side's block ids as `block_ids` checks them, from a list or tuple of Python ints: each
  *   an int in [0, num_blocks), none twice, written into `out` (int64, as long as `blocks`).
- *   False (with `out` partly written) where one is not, or `blocks` is empty or neither a list
- *   nor a tuple: the numpy twin then says which.
+ *   False (with `out` partly written) where one is not, `blocks` is empty or neither a list
+ *   nor a tuple, or the pool is past 2**24 blocks: the numpy twin then says which.
  * held_digest(sums, held, parts, num_blocks, layer, part, salt, src_start, src_stride,
  *             dst_start, dst_stride, local_ids, remote_ids) -> int | None
  *   The content digest (kvray.content) of a transfer from content sums held per (layer, part,
@@ -538,13 +538,19 @@ done:
     return result;
 }
 
+/* The largest pool check_ids keeps a bitmap of (2 MiB). */
+#define CHECK_IDS_MAX_POOL (1LL << 24)
+
 static PyObject *check_ids(PyObject *self, PyObject *args) {
     PyObject *blocks, *out_object;
     long long num_blocks;
     if (!PyArg_ParseTuple(args, "OOL", &blocks, &out_object, &num_blocks)) {
         return NULL;
     }
-    if (!(PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) || num_blocks <= 0) {
+    /* The bitmap is the pool's size: a pool past CHECK_IDS_MAX_POOL (a peer's claim, say) is
+     * the numpy twin's, which sorts the ids instead. */
+    if (!(PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) || num_blocks <= 0 ||
+        num_blocks > CHECK_IDS_MAX_POOL) {
         Py_RETURN_FALSE;
     }
     Array out;

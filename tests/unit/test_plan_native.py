@@ -581,5 +581,8 @@ def test_check_ids_takes_lists_and_tuples_of_ints_alone() -> None:
     assert not NATIVE.check_ids([], np.empty(0, dtype=np.int64), 200)
     assert not NATIVE.check_ids(list(range(200)), np.empty(199, dtype=np.int64), 200)
     assert not NATIVE.check_ids(list(range(200)), out, 0)
+    assert not NATIVE.check_ids(list(range(200)), out, 2**60)  # a claimed pool: no bitmap that large
+    ids = plan_module.block_ids(list(range(200)), 2**60, "remote", "e")  # the twin takes it
+    assert ids.tolist() == list(range(200))
     with pytest.raises(TypeError):
         NATIVE.check_ids(list(range(200)), np.empty(200, dtype=np.int32), 200)
