@@ -421,20 +421,17 @@ class Pusher:
             raise PlanError(f"request {request_id!r} has no layer-wise push to finish", request_id=request_id)
         reservation = state.reservation
         started = time.perf_counter()
-        quick = state.quick
-        if (
-            quick is not None
-            and (timeout is None or self._valid_timeout(timeout))
-            and self.engine.running
-            and self.directory.cached(reservation.engine_id) is quick.peer
-            and quick.send_now(state.message)
-        ):
-            # Out through what the last layer's push looked up: nothing else to wait for.
-            self.notices.claims.end(reservation)
-            self._record_finish(state, Outcome.OK)
-            return self._finished(state, started)
-        peer = self._current_peer(state, timeout)
+        if timeout is not None:  # a bad timeout is refused the same way on every path
+            settings = self.engine.settings
+            settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
+        peer = self._current_peer(state)
         if peer is not None:
+            quick = state.quick
+            if quick is not None and quick.peer is peer and quick.send_now(state.message):
+                # Out through what the last layer's push looked up: nothing else to wait for.
+                self.notices.claims.end(reservation)
+                self._record_finish(state, Outcome.OK)
+                return self._finished(state, started)
             notice, message = state.notice, state.message
             if notice is None:  # no layer pushed
                 notice = self._done(reservation, state.transfer_id, state.nbytes, state.arrival_proofs)
@@ -475,7 +472,7 @@ class Pusher:
                 self.notices.claims.end(reservation)
             return self._finished(state, started)
 
-    def _current_peer(self, state: _Layerwise, timeout: float | None) -> Peer | None:
+    def _current_peer(self, state: _Layerwise) -> Peer | None:
         """The decode engine `finish` may notify at once, without a slot or a lookup: cached and
         at the reservation's incarnation (None: the usual path, which looks it up, must run).
         `finish`'s notice goes out at once when nothing on its way would wait: into the engine's
@@ -484,21 +481,12 @@ class Pusher:
         the bookkeeping follows the notice, off the decode side's path."""
         engine = self.engine
         reservation = state.reservation
-        if timeout is not None:
-            self._valid_timeout(timeout)
         if not engine.running:
             return None
         peer = self.directory.cached(reservation.engine_id)
         if peer is None or peer.info.incarnation != reservation.incarnation:
             return None
         return peer
-
-    def _valid_timeout(self, timeout: float) -> bool:
-        """True for a timeout a push may take; a bad one (`Settings.deadline`) is refused the same
-        way on every path."""
-        settings = self.engine.settings
-        settings.deadline(timeout, settings.transfer_timeout_s, "timeout")
-        return True
 
     def _record_finish(self, state: _Layerwise, outcome: Outcome, error: BaseException | None = None) -> None:
         self.engine.metrics.transfer(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections import OrderedDict
@@ -153,43 +154,38 @@ class CompletionOutbox:
         peer's inbox, False if it could not be queued right now (full, gone, not kvray's) - the
         caller then sends it with `send`, which waits or raises as the case may be. Through the
         inbox's connected socket, which skips the path lookup of an addressed `sendto`."""
-        try:
-            self.check_inbox(path)
-            connected = self._connect(path)
-        except (MetadataError, TransportError):
-            return False
-        try:
-            connected.socket.send(message)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            self._disconnect(path)
-            return False
-        return True
+        connected = self._checked_connection(path)
+        return connected is not None and self._send_on(path, connected, message)
 
     def sender(self, path: str) -> QuickSend | None:
         """`send_now` to one inbox with its checks done and its socket connected once (None
         where they fail). A connection closed since (evicted, or the outbox closed) sends
         nothing: the caller then takes `send_now`'s way."""
+        connected = self._checked_connection(path)
+        if connected is None:
+            return None
+        return functools.partial(self._send_on, path, connected)
+
+    def _checked_connection(self, path: str) -> _Connected | None:
+        """The connected socket of a kvray inbox (None: not kvray's, or gone)."""
         try:
             self.check_inbox(path)
-            connected = self._connect(path)
+            return self._connect(path)
         except (MetadataError, TransportError):
             return None
-        sock = connected.socket
 
-        def send(message: bytes) -> bool:
-            try:
-                sock.send(message)
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
-                if self._connected.get(path) is connected:
-                    self._disconnect(path)
-                return False
-            return True
-
-        return send
+    def _send_on(self, path: str, connected: _Connected, message: bytes) -> bool:
+        """One non-blocking send on `path`'s connection: True once queued; False if the inbox is
+        full, or the connection failed (then dropped, unless another has replaced it)."""
+        try:
+            connected.socket.send(message)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            if self._connected.get(path) is connected:
+                self._disconnect(path)
+            return False
+        return True
 
     def _connect(self, path: str) -> _Connected:
         connected = self._connected.get(path)
