@@ -1,5 +1,5 @@
-"""Builds kvray's two C helpers (the batched memcpy and the planner's per-op loops); everything
-else lives in pyproject.toml."""
+"""Builds kvray's two C helpers (the batched memcpy with the hand-off's native lane, and the
+planner's per-op loops); everything else lives in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -7,8 +7,8 @@ setup(
     ext_modules=[
         Extension(
             "kvray._copy_pool",
-            sources=["kvray/_copy_pool.c"],
-            depends=["kvray/_placement.h"],
+            sources=["kvray/_copy_pool.c", "kvray/_lane.c"],
+            depends=["kvray/_placement.h", "kvray/_copy_job.h"],
             extra_compile_args=["-O2"],
         ),
         Extension(

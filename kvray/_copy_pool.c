@@ -40,6 +40,7 @@
 #define _GNU_SOURCE
 #include <Python.h>
 #include "_placement.h"
+#include "_copy_job.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <stddef.h>
@@ -357,52 +358,6 @@ static PyObject *scatter_copy(PyObject *self, PyObject *args) {
 
 /* ---- the copy pool ------------------------------------------------------------------------- */
 
-#define MAX_POOL_THREADS 8
-/* Ops a thread claims at a time: cheap to count, and the next op's source (usually this
- * thread's own) can be prefetched. */
-#define CLAIM_OPS 4
-/* A decode engine's claim board (kvray/notice/claims.py): slot i is bytes [16 i, 16 i + 16),
- * the request's token then its state (1: open). */
-#define CLAIM_SLOT_NBYTES 16
-#define CLAIM_OPEN 1
-
-typedef struct {
-    int64_t dst;
-    int64_t src;
-    int64_t nbytes;
-    int64_t hsrc; /* the source offset its bytes are hashed at (src unless staged) */
-} copy_op;
-
-typedef struct job {
-    struct job *next_in_queue;
-    char *dst;
-    const char *src;
-    copy_op *ops;
-    int64_t count;
-    int64_t next_op;  /* atomic: the claim cursor */
-    uint64_t salt;    /* the destination region's, for the placement digest */
-    uint64_t placement; /* atomic: the digest of what was stored, added before ops_done */
-    int faulty;       /* executor_fault when the job started */
-    int content_on;   /* also hash what is copied (content digest) */
-    uint32_t seed;    /* the source region's content seed */
-    uint64_t pair_salt; /* the (source, destination) regions' salt for destination factors */
-    uint64_t content; /* atomic: the content digest of what was copied, added before ops_done */
-    int64_t ops_done; /* atomic */
-    int tasks_unstarted; /* under pool_lock: threads yet to take the job from the queue */
-    int active;       /* atomic: threads not yet out of the job */
-    int refs;         /* atomic: the CopyJob object and every thread not yet out */
-    int event_fd;
-    int notice_fd;    /* -1: no notice */
-    struct sockaddr_un notice_addr;
-    socklen_t notice_addr_len;
-    char *notice;
-    size_t notice_len;
-    int notice_result; /* atomic: -1 not sent (yet), 0 sent, else the errno of sendto */
-    int notice_patch;  /* write the placement digest into the notice's last 8 bytes */
-    int inline_copy;   /* copied by the thread that started it (no test hook: it holds the loop) */
-    int claim_fd;      /* -1: no claim; else this job's descriptor of the claim board's file */
-    int64_t claim_slot; /* the slot whose shared lock the job holds until every byte is in place */
-} job;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
@@ -431,7 +386,7 @@ static void release_claim(job *j) {
     j->claim_fd = -1;
 }
 
-static void job_unref(job *j) {
+void kvray_job_unref(job *j) {
     if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) != 0) {
         return;
     }
@@ -546,13 +501,18 @@ static void run_task(job *j) {
     }
     if (__atomic_sub_fetch(&j->active, 1, __ATOMIC_ACQ_REL) == 0) {
         release_claim(j);
-        uint64_t one = 1;
-        ssize_t written;
-        do {
-            written = write(j->event_fd, &one, sizeof one);
-        } while (written < 0 && errno == EINTR);
+        if (j->on_over != NULL) {
+            j->on_over(j);
+        }
+        if (j->event_fd >= 0) {
+            uint64_t one = 1;
+            ssize_t written;
+            do {
+                written = write(j->event_fd, &one, sizeof one);
+            } while (written < 0 && errno == EINTR);
+        }
     }
-    job_unref(j);
+    kvray_job_unref(j);
 }
 
 static void *pool_thread(void *unused) {
@@ -613,7 +573,7 @@ typedef struct {
 
 static void CopyJob_dealloc(CopyJob *self) {
     if (self->job != NULL) {
-        job_unref(self->job);
+        kvray_job_unref(self->job);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -711,12 +671,9 @@ done:
     return status;
 }
 
-/* A job with room for `count` ops and nothing else yet (no notice, claim or eventfd); NULL
- * with a Python error. */
-static job *new_job(int64_t count) {
+job *kvray_job_new(int64_t count) {
     job *j = calloc(1, sizeof *j);
     if (j == NULL) {
-        PyErr_NoMemory();
         return NULL;
     }
     j->event_fd = -1;
@@ -726,17 +683,26 @@ static job *new_job(int64_t count) {
     j->refs = 1;
     j->ops = malloc((size_t)(count > 0 ? count : 1) * sizeof(copy_op));
     if (j->ops == NULL) {
-        PyErr_NoMemory();
         free(j);
         return NULL;
     }
     return j;
 }
 
+/* A job with room for `count` ops and nothing else yet (no notice, claim or eventfd); NULL
+ * with a Python error. */
+static job *new_job(int64_t count) {
+    job *j = kvray_job_new(count);
+    if (j == NULL) {
+        PyErr_NoMemory();
+    }
+    return j;
+}
+
 /* Append the copy of `nbytes` bytes from `src` to `dst` (content hashed at source offset `hsrc`)
  * to `j`'s ops at index `op`, in pieces of at most `piece` bytes; the next free index. */
-static int64_t add_pieces(job *j, int64_t op, int64_t dst, int64_t src, int64_t hsrc, int64_t nbytes,
-                          int64_t piece) {
+int64_t kvray_job_add(job *j, int64_t op, int64_t dst, int64_t src, int64_t hsrc, int64_t nbytes,
+                      int64_t piece) {
     for (int64_t done = 0; done < nbytes; done += piece) {
         j->ops[op].dst = dst + done;
         j->ops[op].src = src + done;
@@ -747,6 +713,8 @@ static int64_t add_pieces(job *j, int64_t op, int64_t dst, int64_t src, int64_t 
     return op;
 }
 
+static int start_job(job *j, int threads);
+
 /* Start job `j` (its ops, notice and claim filled in) on `threads` threads of the pool, or on
  * the calling thread with the GIL released when `threads` is 0; the CopyJob that owns it, or
  * NULL with a Python error (the job freed). */
@@ -754,43 +722,57 @@ static CopyJob *launch(job *j, int threads) {
     j->event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (j->event_fd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
-        job_unref(j);
+        kvray_job_unref(j);
         return NULL;
     }
     CopyJob *handle = PyObject_New(CopyJob, &CopyJobType);
     if (handle == NULL) {
-        job_unref(j);
+        kvray_job_unref(j);
         return NULL;
     }
     handle->job = j;
+    __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED); /* the pool's, taken by start_job */
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = start_job(j, threads);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        Py_DECREF(handle); /* frees the job */
+        errno = failed;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    return handle;
+}
+
+/* Queue `j` on `threads` pool threads, or copy it on this thread (no GIL held) when `threads`
+ * is 0 or there is nothing to copy; the caller's reference passes to the pool. 0, or the
+ * errno of a pool that could not start a thread (the job's claim let go, its reference
+ * dropped). */
+static int start_job(job *j, int threads) {
     int tasks = j->count < threads ? (int)j->count : threads;
     if (j->count == 0 || threads == 0) {
         /* Nothing to copy, or a copy small enough for this thread: done before returning. */
         j->inline_copy = 1;
         j->active = 1;
-        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
-        Py_BEGIN_ALLOW_THREADS
         if (j->count == 0) {
             all_in_place(j);
         }
         run_task(j);
-        Py_END_ALLOW_THREADS
-        return handle;
+        return 0;
     }
     j->active = tasks;
     j->tasks_unstarted = tasks;
-    __atomic_add_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&j->refs, tasks - 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&pool_lock);
     int failed = grow_pool(tasks);
     if (failed && pool_threads == 0) {
         pthread_mutex_unlock(&pool_lock);
         j->active = 0;
-        __atomic_sub_fetch(&j->refs, tasks, __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&j->refs, tasks - 1, __ATOMIC_RELAXED);
         release_claim(j);
-        Py_DECREF(handle); /* frees the job */
-        errno = failed;
-        PyErr_SetFromErrno(PyExc_OSError);
-        return NULL;
+        kvray_job_unref(j);
+        return failed;
     }
     if (queue_tail != NULL) {
         queue_tail->next_in_queue = j;
@@ -804,8 +786,10 @@ static CopyJob *launch(job *j, int threads) {
         pthread_cond_broadcast(&pool_wake);
     }
     pthread_mutex_unlock(&pool_lock);
-    return handle;
+    return 0;
 }
+
+int kvray_job_run(job *j, int threads) { return start_job(j, threads); }
 
 static PyObject *start_copy(PyObject *self, PyObject *args) {
     unsigned long long dst_base, src_base, salt = 0, base = 0, pair_salt = 0, content_base = 0;
@@ -850,7 +834,7 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     int64_t op = 0;
     for (Py_ssize_t i = 0; i < given; i++) {
         int64_t hashed_at = hash_off != NULL ? hash_off[i] : src_off[i];
-        op = add_pieces(j, op, dst_off[i], src_off[i], hashed_at, lengths[i], piece);
+        op = kvray_job_add(j, op, dst_off[i], src_off[i], hashed_at, lengths[i], piece);
     }
     j->count = count;
     j->salt = salt;
@@ -870,7 +854,7 @@ static PyObject *start_copy(PyObject *self, PyObject *args) {
     goto done;
 fail:
     if (j != NULL) {
-        job_unref(j);
+        kvray_job_unref(j);
     }
     handle = NULL;
 done:
@@ -887,6 +871,36 @@ done:
  * under `token`: 0 taken (the job holds it until every byte is in place), 1 the engine holds the
  * slot (it is closing it: the caller may wait and ask again), -1 with a Python error (the slot
  * is not open under the token: a LookupError, and nothing may be written). */
+int kvray_job_claim(job *j, int fd, int64_t slot, int64_t slots, uint64_t board, uint64_t token) {
+    if (slot < 0 || slot >= slots || board == 0) {
+        return 2;
+    }
+    /* Our own descriptor of the board's open file description: its locks are the caller's. */
+    int claim_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (claim_fd < 0) {
+        return -errno;
+    }
+    struct flock lock = {0};
+    lock.l_type = F_RDLCK;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = (off_t)(slot * CLAIM_SLOT_NBYTES);
+    lock.l_len = CLAIM_SLOT_NBYTES;
+    if (fcntl(claim_fd, F_OFD_SETLK, &lock) != 0) {
+        int error = errno;
+        close(claim_fd);
+        return error == EAGAIN || error == EACCES ? 1 : -error;
+    }
+    j->claim_fd = claim_fd;
+    j->claim_slot = slot;
+    /* Only the engine writes the slot, and only while it holds the lock exclusively. */
+    const volatile uint64_t *words = (const volatile uint64_t *)(uintptr_t)board + 2 * slot;
+    if (words[0] != token || words[1] != CLAIM_OPEN) {
+        release_claim(j);
+        return 2;
+    }
+    return 0;
+}
+
 static int take_claim(job *j, PyObject *claim) {
     int fd;
     long long slot, slots;
@@ -898,37 +912,17 @@ static int take_claim(job *j, PyObject *claim) {
         PyErr_Format(PyExc_LookupError, "claim slot %lld is not one of the board's %lld", slot, slots);
         return -1;
     }
-    /* Our own descriptor of the board's open file description: its locks are the caller's. */
-    int claim_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (claim_fd < 0) {
+    int taken = kvray_job_claim(j, fd, slot, slots, board, token);
+    if (taken < 0) {
+        errno = -taken;
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    struct flock lock = {0};
-    lock.l_type = F_RDLCK;
-    lock.l_whence = SEEK_SET;
-    lock.l_start = (off_t)(slot * CLAIM_SLOT_NBYTES);
-    lock.l_len = CLAIM_SLOT_NBYTES;
-    if (fcntl(claim_fd, F_OFD_SETLK, &lock) != 0) {
-        int error = errno;
-        close(claim_fd);
-        if (error == EAGAIN || error == EACCES) {
-            return 1;
-        }
-        errno = error;
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    j->claim_fd = claim_fd;
-    j->claim_slot = slot;
-    /* Only the engine writes the slot, and only while it holds the lock exclusively. */
-    const volatile uint64_t *words = (const volatile uint64_t *)(uintptr_t)board + 2 * slot;
-    if (words[0] != token || words[1] != CLAIM_OPEN) {
-        release_claim(j);
+    if (taken == 2) {
         PyErr_SetString(PyExc_LookupError, "the request's claim slot is not open under its token");
         return -1;
     }
-    return 0;
+    return taken;
 }
 
 /* start_rows: see kvray/_copy_pool.pyi. */
@@ -1001,7 +995,7 @@ static PyObject *start_rows(PyObject *self, PyObject *args) {
                     continue;
                 }
             }
-            op = add_pieces(j, op, run_to, run_from, run_from, run_n, piece);
+            op = kvray_job_add(j, op, run_to, run_from, run_from, run_n, piece);
             run_from = from;
             run_to = to;
             run_n = i < n ? lengths[r] : 0;
@@ -1033,7 +1027,7 @@ static PyObject *start_rows(PyObject *self, PyObject *args) {
 done:
     if (j != NULL) {
         release_claim(j);
-        job_unref(j);
+        kvray_job_unref(j);
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&ids);
@@ -1100,6 +1094,8 @@ done:
     return result;
 }
 
+int kvray_executor_fault(void) { return __atomic_load_n(&executor_fault, __ATOMIC_RELAXED); }
+
 static PyObject *set_executor_fault(PyObject *self, PyObject *on) {
     int value = PyObject_IsTrue(on);
     if (value < 0) {
@@ -1142,6 +1138,10 @@ PyMODINIT_FUNC PyInit__copy_pool(void) {
     Py_INCREF(&CopyJobType);
     if (PyModule_AddObject(created, "CopyJob", (PyObject *)&CopyJobType) < 0) {
         Py_DECREF(&CopyJobType);
+        Py_DECREF(created);
+        return NULL;
+    }
+    if (kvray_lane_add_types(created) < 0) {
         Py_DECREF(created);
         return NULL;
     }

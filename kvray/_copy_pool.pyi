@@ -65,3 +65,55 @@ def start_rows(
     seed: int = 0,
     pair_salt: int = 0,
 ) -> CopyJob | None: ...
+
+class Lane:
+    """A prefill engine's native hand-off lane (kvray/_lane.c, kvray/agent/lane.py)."""
+
+    def __init__(
+        self,
+        listen_fd: int,
+        incarnation: int,
+        src_base: int,
+        src_len: int,
+        src_pool: int,
+        threads: int,
+        piece: int,
+        inline_max: int,
+    ) -> None: ...
+    def add_pair(
+        self,
+        incarnation: int,
+        key: bytes,
+        destination: tuple[int, int, int, int, int],
+        rows: object,
+        stretch: object,
+        board: tuple[int, int, int],
+        salt: int,
+        seed: int,
+        pair_salt: int,
+        checked: bool,
+    ) -> bool: ...
+    def remove_pair(self, incarnation: int) -> bool: ...
+    def hold(self, key: bytes, ids: object, sums: object | None, held: object | None) -> bool: ...
+    def unhold(self, key: bytes) -> bool: ...
+    def done(self) -> list[tuple[bytes, int, int, float, int]]: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    @property
+    def holds(self) -> int: ...
+
+def lane_ask(
+    fd: int,
+    key: bytes,
+    prefill_incarnation: int,
+    decode_incarnation: int,
+    hold: bytes,
+    token: int,
+    slot: int,
+    first_block: int,
+    ask_id: int,
+    ids: object,
+    checked: bool,
+) -> None: ...
+def lane_answers(fd: int) -> tuple[list[tuple[int, int, int, int, int, int, int, int]], int]: ...
+def lane_siphash(key: bytes, data: bytes) -> int: ...

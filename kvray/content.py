@@ -434,6 +434,15 @@ class HeldDigests:
             self.sums[where] = sums[:, kept]
             self.held[where] = True
 
+    def rows_of(self, blocks: Int64Array) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
+        """The sums of `blocks` and whether each is held, one row per (layer, part) (row
+        `layer * parts + part`), a column per block: what a lane keeps of a hold
+        (`kvray.agent.lane`), a copy that `forget` does not reach (the hold ends first)."""
+        with self._lock:
+            sums = self.sums[:, :, blocks].reshape(-1, blocks.size)
+            held = self.held[:, :, blocks].reshape(-1, blocks.size)
+        return np.ascontiguousarray(sums), np.ascontiguousarray(held)
+
     def forget(self, blocks: Int64Array) -> None:
         """Drop the sums of `blocks` (they go back to the engine), and any a take still makes."""
         with self._lock:

@@ -42,6 +42,8 @@ def is_owned_name(name: str) -> bool:
 INBOX_NAME = "inbox.sock"
 #: A claim board's name inside its engine's private folder.
 BOARD_NAME = "claims"
+#: A prefill engine's native hand-off lane (`kvray.agent.lane`), beside its push-request inbox.
+LANE_NAME = "lane.sock"
 
 
 class PeerPath(enum.Enum):
@@ -53,6 +55,8 @@ class PeerPath(enum.Enum):
     INBOX = "completion inbox"
     #: A claim board: `<shm_dir>/<kvray folder>/claims`, a regular file, opened to read.
     CLAIM_BOARD = "claim board"
+    #: A hand-off lane: `<shm_dir>/<kvray folder>/lane.sock`, a socket.
+    LANE = "hand-off lane"
 
 
 # O_NONBLOCK everywhere: opening a FIFO planted under a kvray name must not wait for a writer.
@@ -61,8 +65,10 @@ _PEER_FLAGS = {
     PeerPath.CLAIM_BOARD: os.O_RDONLY | os.O_NONBLOCK,
     # A socket cannot be opened to read or write; a path descriptor is enough to check it.
     PeerPath.INBOX: os.O_PATH,
+    PeerPath.LANE: os.O_PATH,
 }
-_PEER_NAMES = {PeerPath.INBOX: INBOX_NAME, PeerPath.CLAIM_BOARD: BOARD_NAME}
+_PEER_NAMES = {PeerPath.INBOX: INBOX_NAME, PeerPath.CLAIM_BOARD: BOARD_NAME, PeerPath.LANE: LANE_NAME}
+_SOCKETS = (PeerPath.INBOX, PeerPath.LANE)
 
 
 def open_peer(path: str, kind: PeerPath, shm_dir: str, *, named_by: str = "a peer", **facts: object) -> int:
@@ -121,10 +127,10 @@ def open_peer(path: str, kind: PeerPath, shm_dir: str, *, named_by: str = "a pee
         raise
     finally:
         _close(folder_fd)
-    wanted = stat.S_ISSOCK if kind is PeerPath.INBOX else stat.S_ISREG
+    wanted = stat.S_ISSOCK if kind in _SOCKETS else stat.S_ISREG
     if not wanted(status.st_mode) or status.st_uid != os.geteuid():
         os.close(fd)
-        shape = "socket" if kind is PeerPath.INBOX else "regular file"
+        shape = "socket" if kind in _SOCKETS else "regular file"
         raise MetadataError(
             f"{what}, which is not a {shape} of this user (a symbolic link, or someone else's); "
             f"kvray uses only the {kind.value}s it creates",

@@ -18,11 +18,14 @@ import numpy.typing as npt
 
 from kvray.agent.directory import Directory, directory_service
 from kvray.agent.engine import Blocks, Engine, node_address, node_id
+from kvray.agent.lane import DecodeLane, PrefillLane
+from kvray.agent.lane import available as lane_available
 from kvray.agent.push import Pusher, PushResult
 from kvray.agent.receive import Completion, Receiving
 from kvray.agent.transports import TransportSet
 from kvray.config import Settings
 from kvray.errors import MetadataError, NotExpectedError, PlanError
+from kvray.integrity import PlacementTable
 from kvray.layout import KVLayout
 from kvray.memory import Backing, MemoryKind, SourceReady
 from kvray.metrics import DropReason, EngineMetrics, MetricsSink
@@ -303,6 +306,47 @@ class KVAgent:
         again between the two fails that push's check (the request is refused, never decoded
         from the new bytes under the old digest)."""
         await self._pusher.hold_digests(local_blocks)
+
+    def open_lane(self, key_of: Callable[[str, int], bytes]) -> PrefillLane | None:
+        """This prefill engine's native hand-off lane (`kvray.agent.lane`), opened beside its
+        push-request inbox on first call; None where it cannot have one. `key_of(decode
+        engine, incarnation)`: the 16 bytes that key that engine's asks."""
+        return self._pusher.open_lane(key_of)
+
+    def lane_hold(self, handoff: str, blocks: npt.NDArray[np.int64]) -> bool:
+        """Let an ask through the lane take hand-off `handoff`'s `blocks` (after `hold_digests`
+        of them); False where it cannot."""
+        return self._pusher.lane_hold(handoff, blocks)
+
+    def decode_lane(self, key_of: Callable[[str, int], bytes]) -> DecodeLane | None:
+        """What asks prefill engines' lanes for this decode engine (`kvray.agent.lane`), on the
+        caller's own thread; None where this engine cannot take a lane's copy (not started,
+        not in one shared-memory region, tensor parallelism). `key_of(prefill engine,
+        incarnation)`: the 16 bytes that key asks to it."""
+        engine = self._engine
+        backing = engine.backing
+        board = self._receiving.board
+        if (
+            not lane_available()
+            or board is None
+            or backing.kind is not MemoryKind.SHM
+            or len(backing.regions) != 1
+            or engine.info.layout.tp.size != 1
+        ):
+            return None
+        layout = backing.layout
+        table = PlacementTable(layout, backing.placements, tuple(range(len(layout.layers))), None)
+        settings = engine.settings
+        return DecodeLane(
+            engine.engine_id,
+            engine.incarnation,
+            board,
+            table.digest,
+            key_of,
+            settings.shm_dir,
+            checked=settings.integrity,
+            timeout_s=settings.transfer_timeout_s,
+        )
 
     def forget_digests(self, local_blocks: Blocks) -> None:
         """Drop the digests `hold_digests` took of `local_blocks` (and any it is still taking):

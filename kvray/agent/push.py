@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,8 +37,11 @@ import numpy.typing as npt
 
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine, landed_in
+from kvray.agent.lane import PrefillLane
+from kvray.agent.lane import available as lane_available
 from kvray.agent.transports import TransportSet
-from kvray.content import HeldDigests, Stretches, StretchRows, stretch_rows
+from kvray.content import HeldDigests, Stretches, StretchRows, pair_salts, region_seed, stretch_rows
+from kvray.content import pair_salt as content_pair_salt
 from kvray.errors import (
     BackpressureError,
     KvrayError,
@@ -56,18 +60,21 @@ from kvray.metrics import NO_TRANSPORT, FailureNotice, Outcome, PushCall
 from kvray.notice import NoticeSet, QuickNotice
 from kvray.notice.base import Receipt
 from kvray.notice.claims import ClaimClient
-from kvray.notice.local import DatagramNotice
-from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored
+from kvray.notice.local import PUSH_ENDPOINT, DatagramNotice
+from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored, region_salt
 from kvray.plan import OffsetCache, Pairing, TransferPlan, block_ids, paired_ids, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
 from kvray.transport.base import PeerCache
-from kvray.transport.cpu_copy import notice_patch, rows_native
+from kvray.transport.cpu_copy import copy_threads, notice_patch, rows_native
 from kvray.transport.shm import ShmTransport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
 #: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
 _KEPT_STRETCH_ROWS = 256
+#: The lane's copies: pieces a pool thread takes, and the largest copy its own thread makes.
+_LANE_PIECE = 1 << 20
+_LANE_INLINE_MAX = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,10 @@ class _RowPush:
     board: ClaimClient
     layer_indices: tuple[int, ...]
     stretch_rows: StretchRows
+    #: What to let go of before the board closes (the pair's place in this engine's lane).
+    lane_release: Callable[[], None] | None = None
+    #: Whether this engine's lane was open when the pair was last offered to it.
+    lane_offered: bool = False
 
 
 def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
@@ -171,6 +182,8 @@ def _ids(reservation: Reservation) -> npt.NDArray[np.int64]:
 
 def _close_row_push(entry: tuple[Peer, _RowPush | None]) -> None:
     if entry[1] is not None:
+        if entry[1].lane_release is not None:
+            entry[1].lane_release()  # no lane copy uses the board or the mapping after this
         entry[1].board.close()
 
 
@@ -221,6 +234,9 @@ class Pusher:
         self._row_pushes: PeerCache[None, tuple[Peer, _RowPush | None]] = PeerCache(
             engine.settings.max_cached_peers, _close_row_push
         )
+        #: This engine's native hand-off lane (`open_lane`), and how it keys a decode engine.
+        self.lane: PrefillLane | None = None
+        self._lane_key: Callable[[str, int], bytes] | None = None
 
     @property
     def layerwise_requests(self) -> set[str]:
@@ -1099,6 +1115,8 @@ class Pusher:
         info = peer.info
         known = self._row_pushes.get(info.engine_id, info.incarnation, None)
         if known is not None and known[0] is peer:
+            if known[1] is not None and not known[1].lane_offered and self.lane is not None:
+                self._lane_pair(known[1])  # made before the lane opened
             return known[1]
         if known is not None:
             self._row_pushes.pop(info.engine_id, info.incarnation, None)
@@ -1142,10 +1160,112 @@ class Pusher:
         layers = pairing.layers
         stretches = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, layers)
         indices = self._indices(peer, layers)
-        return _RowPush(peer, transport, pairing, rows, int(mine.nbytes.sum()), board, indices, stretches)
+        pair = _RowPush(peer, transport, pairing, rows, int(mine.nbytes.sum()), board, indices, stretches)
+        self._lane_pair(pair)
+        return pair
+
+    # ---- the native lane (`kvray.agent.lane`) -------------------------------------------------
+
+    def open_lane(self, key_of: Callable[[str, int], bytes]) -> PrefillLane | None:
+        """Open this engine's native hand-off lane beside its push-request inbox (None where
+        it cannot have one: no C lane, a GPU or several regions, tensor parallelism, or no
+        inbox); decode engines pushed into from then on are paired with it on their first
+        push, keyed by `key_of(engine, incarnation)`."""
+        if self.lane is not None:
+            return self.lane
+        engine = self.engine
+        backing = engine.backing
+        inbox = engine.info.endpoints.get(PUSH_ENDPOINT, "")
+        if (
+            not lane_available()
+            or not rows_native()
+            or not inbox
+            or backing.kind is MemoryKind.CUDA
+            or len(backing.regions) != 1
+            or engine.info.layout.tp.size != 1
+        ):
+            return None
+        region = backing.regions[0]
+        source = (region.tensor.data_ptr(), region.nbytes, backing.layout.num_blocks)
+        settings = engine.settings
+        threads = min(settings.copy_threads or copy_threads(), 8)
+        self.lane = PrefillLane(
+            os.path.dirname(inbox), engine.incarnation, source, threads, _LANE_PIECE, _LANE_INLINE_MAX
+        )
+        self._lane_key = key_of
+        return self.lane
+
+    def lane_hold(self, handoff: str, blocks: npt.NDArray[np.int64]) -> bool:
+        """Let a lane ask take hand-off `handoff`'s `blocks`, with the content sums held for them
+        (`hold_digests`, taken before this); False where it cannot (then only push requests do)."""
+        lane = self.lane
+        if lane is None:
+            return False
+        sums = held = None
+        if self.engine.settings.integrity:
+            if self._held is None:
+                return False
+            sums, held = self._held.rows_of(blocks)
+        return lane.hold(handoff, blocks, sums, held)
+
+    def _lane_pair(self, pair: _RowPush) -> None:
+        """Pair `pair`'s decode engine with this engine's lane: its region stays mapped and its
+        board open until the pair is removed (`_close_row_push`), after its last lane copy."""
+        lane, key_of = self.lane, self._lane_key
+        info = pair.peer.info
+        pair.lane_offered = lane is not None
+        if lane is None or key_of is None or pair.layer_indices != tuple(range(len(info.layout.layers))):
+            return  # a decode engine this engine moves only some layers into: the usual path
+        if not pair.stretch_rows.whole_parts or info.layout.tp.size != 1:
+            return
+        stretch = pair.stretch_rows
+        parts = max(
+            self.engine.backing.placements[name].parts for name in self.engine.backing.layout.layer_names
+        )
+        salts = (
+            stretch.salts if stretch.salts is not None else pair_salts(stretch.src_region, stretch.dst_region)
+        )
+        columns = np.ascontiguousarray(
+            np.stack(
+                [
+                    stretch.layer * parts + stretch.part,
+                    np.asarray(salts).view(np.int64),
+                    stretch.src_start,
+                    stretch.src_stride,
+                    stretch.dst_start,
+                    stretch.dst_stride,
+                ]
+            ),
+            dtype=np.int64,
+        )
+        mapping = pair.transport.pinned(pair.peer, 0)
+        board = pair.board.copy_slot(0, 0)
+        try:
+            added = lane.add_pair(
+                info.engine_id,
+                info.incarnation,
+                key_of(info.engine_id, info.incarnation),
+                (mapping.address, mapping.length, info.layout.num_blocks, mapping.fd, mapping.file_end),
+                pair.rows,
+                columns,
+                (board.fd, board.slots, board.address),
+                (region_salt(0), region_seed(0), content_pair_salt(0, 0)),
+                checked=self.engine.settings.integrity,
+                release=mapping.release,
+            )
+        except BaseException:
+            mapping.release()
+            raise
+        if not added:
+            mapping.release()
+            return
+        pair.lane_release = lambda: lane.remove_pair(info.incarnation)
 
     def close(self) -> None:
-        """Let go of what pushes keep per decode engine (claim boards of their own)."""
+        """Let go of what pushes keep per decode engine (claim boards of their own), after the
+        lane's last copy."""
+        if self.lane is not None:
+            self.lane.close()
         self._row_pushes.clear()
 
     def _next_transfer_id(self, request_id: str) -> str:

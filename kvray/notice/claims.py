@@ -75,7 +75,9 @@ def _lock(fd: int, kind: int, slot: int, *, wait: bool = False) -> bool:
 
 class ClaimBoard:
     """The decode engine's side: opens a slot per expected request and closes it once no
-    writer holds it. Not thread-safe: one event loop owns it."""
+    writer holds it. One event loop owns it; a second thread (`kvray.agent.lane.DecodeLane`)
+    may open and close slots of its own beside it (each call takes or returns one slot at a
+    time, and no two owners touch one slot)."""
 
     def __init__(self, shm_dir: str, slots: int) -> None:
         # Locked for the board's life, so a sweep by another process never removes it.
@@ -124,6 +126,12 @@ class ClaimBoard:
         _lock(self._fd, fcntl.F_UNLCK, slot)
         self._free.append(slot)
         return True
+
+    def mark_closing(self, slot: int) -> None:
+        """No write of the slot may start any more; the engine closes it once its writers
+        have let go (`try_close`)."""
+        # An aligned 8-byte store, read whole by writers that check it under their shared lock.
+        self._table[slot, 1] = _CLOSING
 
     async def close(self, slot: int, timeout: float) -> bool:
         """Close the slot, waiting up to `timeout` seconds for writers holding it to finish

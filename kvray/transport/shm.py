@@ -300,6 +300,14 @@ class ShmTransport(Transport):
         if due or any(mapping is None for mapping in mapped):
             self._forget_departed(keep=info.engine_id)
 
+    def pinned(self, peer: Peer, index: int) -> _Mapping:
+        """Region `index` of `peer` mapped (checked as before a write) and held mapped until
+        the caller's `release()`: for copies that others start (`kvray.agent.lane`)."""
+        self._sweep_before_mapping(peer.info, [index])
+        mapping = self._map(peer, index)
+        mapping.users += 1
+        return mapping
+
     def _map(self, peer: Peer, index: int) -> _Mapping:
         info = peer.info
         mapping = self._mappings.get(info.engine_id, info.incarnation, index)

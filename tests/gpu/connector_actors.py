@@ -23,10 +23,13 @@ import torch
 
 from kvray.agent.handoff import PUSH_ENDPOINT, HandoffStep, LayerwiseSpec, LoadSpec, SendSpec
 from kvray.config import Settings
+from kvray.integrations.vllm.tickets import HandoffKey
 from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.wire import Role
 from tests.vllm_layouts import CacheShape, block_of, layout_views, legacy_views
 
+#: The hand-off key every engine of these tests shares.
+SHARED_KEY = bytes(range(32))
 #: What fills the decode allocation's bytes outside the KV cache (int8).
 CANARY = -91
 PAGE = 4096
@@ -67,7 +70,11 @@ class VllmGpuWorker:
         #: "cuda", or "cpu" for the same hand-off over a CPU cache (the decode engine's in a
         #: shared-memory file, the `shm` transport): no forward, no CUDA stream.
         self.device = device
-        self.worker = ConnectorWorker(engine_id, Role.PREFILL if producer else Role.DECODE, settings, 30.0)
+        # The deployment's key, as the connector always has one (push requests carry proofs,
+        # routine loads go through the prefill engine's native lane where the cache allows).
+        self.worker = ConnectorWorker(
+            engine_id, Role.PREFILL if producer else Role.DECODE, settings, 30.0, proof=HandoffKey(SHARED_KEY)
+        )
         with self.worker.allocation_context():  # vLLM's `get_mem_pool_context()`
             if device == "cuda":
                 buffer = torch.zeros(shape.nbytes, dtype=torch.int8, device=device)

@@ -32,6 +32,12 @@ class AskProof(Protocol):
 
     def ask_proof(self, prefill_engine: str, handoff: str) -> bytes: ...
 
+    def lane_key(
+        self, prefill_engine: str, prefill_incarnation: int, decode_engine: str, decode_incarnation: int
+    ) -> bytes:
+        """16 bytes both engines of a pair derive, keying asks through a lane (`kvray.agent.lane`)."""
+        ...
+
 
 class HandoffEvent(enum.Enum):
     ASKED = "asked"  # a push request parked, waiting for its request

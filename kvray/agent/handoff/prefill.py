@@ -30,16 +30,18 @@ from kvray.agent.handoff.specs import (
     rank_engine_id,
     table_blocks,
 )
+from kvray.agent.lane import Answer, PrefillLane, hold_key
 from kvray.agent.push import PushResult
 from kvray.errors import BackpressureError, KvrayError, NotExpectedError
 from kvray.layout import Int64Array
 from kvray.memory import SourceReady
-from kvray.metrics import DropReason
+from kvray.metrics import DropReason, Outcome, PushCall
 from kvray.wire import (
     EngineInfo,
     PushRequest,
     PushWithdrawn,
     Reservation,
+    TransportKind,
     decode_engine_info,
     decode_push_message,
 )
@@ -70,6 +72,8 @@ class _Held:
     answered: set[int] = field(default_factory=set)
     #: The decode engine's number of ranks, from its first message (0: none came yet).
     ranks: int = 0
+    #: An ask through this engine's native lane may take it (`kvray.agent.lane`).
+    in_lane: bool = False
 
     def admits(self, message: PushRequest | PushWithdrawn) -> bool:
         """Whether a decode rank's message is one this request still waits for: a rank that
@@ -131,6 +135,10 @@ class PrefillSide(Side):
         #: The decode engines' infos push requests carried, as sent and as decoded (a decode
         #: engine sends the same bytes with every request of one incarnation).
         self._decoded: OrderedDict[bytes, EngineInfo] = OrderedDict()
+        #: The native lane's holds (by their lane key), once the lane is open (`_lane`).
+        self._lane_keys: dict[bytes, str] = {}
+        self._lane_open: PrefillLane | None = None
+        self._lane_tried = False
         # Push requests and withdrawals reach this engine through its agent: its host, and the
         # push-request mailbox the agent opens on each notice channel when it starts.
         self.agent.serve_push_requests(self.take)
@@ -178,7 +186,7 @@ class PrefillSide(Side):
         # The content digests of its blocks (`KVAgent.hold_digests`), taken while no decode
         # engine has asked yet: its push then reads no block to check what it moves. They are
         # dropped when the hold ends (`_held_changed`).
-        self._spawn(self._hold_digests(held.blocks))
+        self._spawn(self._hold_digests(key, held))
         for message, _ in self._parked.pop(key, ()):
             if isinstance(message, PushRequest):
                 self._spawn(self._push(message))
@@ -187,9 +195,96 @@ class PrefillSide(Side):
                 held.answered.add(message.decode_rank)
         self._settle(key, held)
 
-    async def _hold_digests(self, blocks: Int64Array) -> None:
+    async def _hold_digests(self, key: str, held: _Held) -> None:
         with contextlib.suppress(KvrayError):  # a push without them reads the blocks itself
-            await self.agent.hold_digests(blocks)
+            await self.agent.hold_digests(held.blocks)
+        self._offer_lane(key, held)
+
+    # ---- the native lane (`kvray.agent.lane`) ------------------------------------------------
+
+    def _offer_lane(self, key: str, held: _Held) -> None:
+        """Let an ask through the lane take a hold nothing has asked for yet: a request of one
+        decode engine of one rank, any engine of the deployment's (a ticket naming its decode
+        engine, a watched hand-off and an engine of several ranks keep to push requests)."""
+        lane = self._lane()  # opened at the first hold, whatever becomes of it
+        if (
+            lane is None
+            or self._held.get(key) is not held
+            or held.pushing
+            or held.answered
+            or held.spec.decode_engine
+            or len(held.spec.block_ids) != 1
+            or self.wiring.observer is not None
+        ):
+            return
+        if self.agent.lane_hold(key, held.blocks):
+            held.in_lane = True
+            self._lane_keys[hold_key(key)] = key
+
+    def _lane(self) -> PrefillLane | None:
+        """The agent's lane, opened on first use where the deployment has a key."""
+        if not self._lane_tried:
+            self._lane_tried = True
+            proof = self.wiring.proof
+            if proof is None or self.agent.layout.tp.size != 1:
+                return None
+            agent = self.agent
+            lane = agent.open_lane(
+                lambda engine, incarnation: proof.lane_key(
+                    agent.engine_id, agent.incarnation, engine, incarnation
+                )
+            )
+            if lane is not None:
+                loop = asyncio.get_running_loop()
+                fileno = lane.fileno()
+                loop.add_reader(fileno, self._lane_done)
+
+                def stop_reading() -> None:
+                    loop.remove_reader(fileno)
+
+                lane.on_close.append(stop_reading)
+                self._lane_open = lane
+        return self._lane_open
+
+    def _from_lane(self, key: str, held: _Held) -> bool:
+        """Take a hold back from the lane before anything else ends or pushes it: False while
+        an ask through the lane pushes it (its end comes through `_lane_done`)."""
+        if not held.in_lane:
+            return True
+        lane = self._lane_open
+        if lane is not None and not lane.unhold(key):
+            return False
+        held.in_lane = False
+        self._lane_keys.pop(hold_key(key), None)
+        return True
+
+    def _lane_done(self) -> None:
+        """Pushes the lane ended: each held request is answered (its blocks go)."""
+        lane = self._lane_open
+        if lane is None:
+            return
+        for lane_key, answer, nbytes, seconds, decode_engine in lane.done():
+            key = self._lane_keys.pop(lane_key, None)
+            held = None if key is None else self._held.get(key)
+            if key is None or held is None:
+                continue
+            held.in_lane = False
+            held.ranks = 1
+            held.answered.add(0)
+            ok = answer is Answer.DONE
+            metrics = self.agent.metrics
+            if ok:
+                metrics.bytes_pushed(TransportKind.SHM.value, decode_engine, nbytes)
+            metrics.transfer(
+                PushCall.WHOLE,
+                Outcome.OK if ok else Outcome.FAILED,
+                TransportKind.SHM.value,
+                decode_engine,
+                seconds,
+            )
+            if not ok:
+                log.warning("kvray: push of %s through the lane ended incomplete", key)
+            self._settle(key, held)
 
     def drop(self, key: str) -> None:
         """Hand-off `key` will never have KV here: its parked ask is refused now, later ones
@@ -202,7 +297,7 @@ class PrefillSide(Side):
     def release(self, key: str) -> None:
         """The decode leg of held hand-off `key` failed: free its blocks now."""
         held = self._held.get(key)
-        if held is not None and not held.pushing:
+        if held is not None and not held.pushing and self._from_lane(key, held):
             del self._held[key]
             self._held_changed(held, began=False)
             self._spend(key)
@@ -213,7 +308,7 @@ class PrefillSide(Side):
         requests parked as long, and forget spent ids a lease old."""
         now = time.monotonic()
         for key, held in list(self._held.items()):
-            if not held.pushing and held.lease_ends <= now:
+            if not held.pushing and held.lease_ends <= now and self._from_lane(key, held):
                 del self._held[key]
                 self._held_changed(held, began=False)
                 self._spend(key)
@@ -339,7 +434,7 @@ class PrefillSide(Side):
     def _settle(self, key: str, held: _Held) -> None:
         """Once every decode rank has answered a held request and no push of it is under way, its
         blocks go back to the engine and its hand-off id is spent."""
-        if held.settled and self._held.get(key) is held:
+        if held.settled and self._held.get(key) is held and self._from_lane(key, held):
             del self._held[key]
             self._held_changed(held, began=False)
             self._spend(key)
@@ -348,7 +443,7 @@ class PrefillSide(Side):
     async def _push(self, request: PushRequest) -> None:
         key = request.request_id
         held = self._held.get(key)
-        if held is None or not held.admits(request):
+        if held is None or not held.admits(request) or not self._from_lane(key, held):
             await self._refuse(request, "the request is not held here, or is already being pushed")
             return
         if not bound_to(held.spec.decode_engine, request):

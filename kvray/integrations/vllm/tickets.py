@@ -138,6 +138,16 @@ class HandoffKey:
         message = msgspec.msgpack.encode(("kvray-ask-1", prefill_engine, handoff_id))
         return hmac.new(self._secret, message, hashlib.sha256).digest()
 
+    def lane_key(
+        self, prefill_engine: str, prefill_incarnation: int, decode_engine: str, decode_incarnation: int
+    ) -> bytes:
+        """The 16-byte key a decode engine's asks through a prefill engine's native lane are
+        MAC'd under (`kvray.agent.lane`): one per pair of incarnations."""
+        message = msgspec.msgpack.encode(
+            ("kvray-lane-1", prefill_engine, prefill_incarnation, decode_engine, decode_incarnation)
+        )
+        return hmac.new(self._secret, message, hashlib.sha256).digest()[:16]
+
 
 def new_key_hex() -> str:
     """A fresh hand-off key, as hex digits."""

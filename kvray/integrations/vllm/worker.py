@@ -16,9 +16,11 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvray.agent.handoff import (
+    NO_BLOCK,
     AskProof,
     Handoff,
     HandoffObserver,
@@ -28,13 +30,16 @@ from kvray.agent.handoff import (
     table_blocks,
 )
 from kvray.agent.kvagent import KVAgent
+from kvray.agent.lane import Answer as LaneAnswer
+from kvray.agent.lane import DecodeLane, LaneAsk
 from kvray.config import Settings
 from kvray.errors import ConfigError
 from kvray.integrations.vllm.agent_loop import AgentLoop
 from kvray.integrations.vllm.cache_layout import CacheConfig, CacheLayout, layout_of
+from kvray.integrity import sampled
 from kvray.layout import TensorParallel, align_up
 from kvray.memory import Backing, create_shm_buffer, cuda_pool_buffer
-from kvray.metrics import IntervalSink
+from kvray.metrics import IntervalSink, Outcome
 from kvray.owned import remove_owned
 from kvray.wire import EngineInfo, Role
 
@@ -147,6 +152,9 @@ class ConnectorWorker:
         #: vLLM last asked (`take_load_errors`).
         self._groups = 1
         self._load_errors: set[int] = set()
+        #: Loads asked through prefill engines' native lanes, by request id (`begin`, `finished`).
+        self._lane: DecodeLane | None = None
+        self._lane_asks: dict[str, LaneAsk] = {}
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -260,7 +268,21 @@ class ConnectorWorker:
         self._loop = AgentLoop(f"kvray-{self.engine_id}")
         if self.ray_address is not None:
             self._join_ray(self.ray_address)
-        return self._loop.run(self._start(backing), timeout=self.settings.lookup_timeout_s + 60)
+        info = self._loop.run(self._start(backing), timeout=self.settings.lookup_timeout_s + 60)
+        self._open_decode_lane()
+        return info
+
+    def _open_decode_lane(self) -> None:
+        """Routine loads ask prefill engines' native lanes from this thread (`kvray.agent.lane`),
+        where the deployment has a key and the cache can take a lane's copy."""
+        proof, agent = self.proof, self.agent
+        if self.role is not Role.DECODE or proof is None or self.observer is not None:
+            return
+        self._lane = agent.decode_lane(
+            lambda engine, incarnation: proof.lane_key(
+                engine, incarnation, agent.engine_id, agent.incarnation
+            )
+        )
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], config: CacheConfig) -> EngineInfo:
         """`register` as vLLM's `register_kv_caches` calls for it, with what its configuration
@@ -344,6 +366,9 @@ class ConnectorWorker:
         return self._agent.info
 
     def shutdown(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         if self._loop is None:
             return
         with contextlib.suppress(Exception):
@@ -369,7 +394,84 @@ class ConnectorWorker:
         if self._loop is None or self._handoff is None or not step:
             return
         # Copied here: vLLM may reuse its collections once this returns.
-        self._loop.loop.call_soon_threadsafe(self._handoff.step, step.copy())
+        step = step.copy()
+        if self._lane is not None and (step.loads or step.cancelled):
+            self._ask_lanes(step)
+        if step:
+            self._loop.loop.call_soon_threadsafe(self._handoff.step, step)
+
+    def _ask_lanes(self, step: HandoffStep) -> None:
+        """Take this step's routine loads out of `step` by asking their prefill engines' lanes
+        from this thread, and its cancellations of loads asked so (`finished` reports them)."""
+        lane = self._lane
+        assert lane is not None
+        for request_id in list(step.cancelled):
+            asked = self._lane_asks.get(request_id)
+            if asked is not None:
+                lane.cancel(asked)
+                step.cancelled.discard(request_id)
+        rate = self.settings.integrity_sample_rate
+        for request_id, spec in list(step.loads.items()):
+            table = spec.block_ids
+            if (
+                spec.refusal
+                or spec.prefill_incarnation is None
+                or spec.prefill_ranks
+                or not spec.prefill_inbox
+                or len(table) != 1
+                or NO_BLOCK in table[0]
+                or request_id in step.cancelled
+                or sampled(request_id, rate)  # its landed bytes are hashed: the usual path
+            ):
+                continue
+            blocks = np.fromiter(table[0], dtype=np.int64, count=len(table[0]))
+            asked = lane.ask(
+                request_id,
+                spec,
+                (spec.prefill_engine, spec.prefill_incarnation),
+                spec.prefill_inbox,
+                spec.prefill_request_id,
+                blocks,
+                spec.first_block,
+            )
+            if asked is not None:
+                self._lane_asks[request_id] = asked
+                del step.loads[request_id]
+
+    def _lane_ended(self) -> None:
+        """Report the loads asked through lanes that ended; hand those a lane could not take to
+        the agent's loop (asked the usual way, as if they came this step)."""
+        lane, loop, handoff = self._lane, self._loop, self._handoff
+        assert lane is not None and loop is not None and handoff is not None
+        usual: dict[str, LoadSpec] = {}
+        withdrawn: list[LoadSpec] = []
+        received: list[tuple[str, int, float]] = []
+        for asked in lane.poll():
+            self._lane_asks.pop(asked.request_id, None)
+            spec = asked.spec
+            assert isinstance(spec, LoadSpec)
+            if asked.failed is None:
+                usual[spec.request_id] = spec
+                continue
+            if asked.cancelled and asked.answer not in (LaneAnswer.DONE, LaneAnswer.FAILED):
+                withdrawn.append(spec)  # the prefill engine frees its hold now, not at its lease's end
+            if asked.failed:
+                log.warning("kvray: KV of %s did not arrive through the lane: %s", spec.request_id, asked.why)
+            elif not asked.cancelled:
+                received.append((spec.prefill_engine, int(asked.blocks.size), asked.seconds))
+            self._results.loaded(spec, failed=asked.failed)
+        if usual or withdrawn:
+            loop.loop.call_soon_threadsafe(handoff.step, HandoffStep(loads=usual, withdrawn=withdrawn))
+        if received:
+            loop.loop.call_soon_threadsafe(self._count_lane_loads, received)
+
+    def _count_lane_loads(self, received: list[tuple[str, int, float]]) -> None:
+        """The agent's figures for loads that came through lanes (on its loop)."""
+        agent = self.agent
+        block_nbytes = sum(layer.geometry.block_nbytes for layer in agent.layout.layers)
+        for prefill, blocks, seconds in received:
+            agent.metrics.received(prefill, blocks * block_nbytes)
+            agent.metrics.wait(Outcome.OK, seconds)
 
     def preempt(self, handoff_ids: Collection[str]) -> None:
         """vLLM preempted the layer-wise requests of these hand-off ids (before the step's
@@ -435,6 +537,8 @@ class ConnectorWorker:
         """(sent, received, blocks that failed to load, requests that failed to load) since the
         last call; held requests whose lease ended count as sent (their blocks may go)."""
         if self._loop is not None and self._handoff is not None:
+            if self._lane_asks:
+                self._lane_ended()
             self._loop.loop.call_soon_threadsafe(self._handoff.expire)
         return self._results.take()
 

@@ -1,0 +1,1238 @@
+/* The hand-off's native lane (kvray/agent/handoff/lane.py has the protocol and why): a prefill
+ * engine's thread that takes decode engines' asks for held requests and pushes them with the
+ * copy pool, without Python; and the decode side's two calls, an ask and the read of answers.
+ *
+ * Lane(listen_fd, incarnation, src_base, src_len, src_pool, threads, piece, inline_max)
+ *   a thread serving the bound and listening SOCK_SEQPACKET socket `listen_fd` (duplicated).
+ *   Each record on a connection is one ask (below), MAC'd under the key of the pair it names;
+ *   one whose MAC fails closes its connection unanswered.
+ *   .add_pair(decode_incarnation, key, (dst_base, dst_len, dst_pool, file_fd, file_end), rows,
+ *             stretch, (board_fd, slots, board_address), salt, seed, pair_salt, checked)
+ *   .remove_pair(decode_incarnation) -> bool   returns once no copy of the pair runs
+ *   .hold(key, ids, sums, held) -> bool        a request's blocks (and their held sums)
+ *   .unhold(key) -> bool                       False: not held (an ask took it, or never held)
+ *   .done() -> list[(key, status, nbytes, seconds, decode_incarnation)]   pushes ended (fileno() wakes)
+ *   .close()
+ * lane_ask(fd, key, prefill_incarnation, decode_incarnation, hold, token, slot, first_block, ask_id, ids,
+ *          checked)
+ * lane_answers(fd) -> (list[(ask_id, status, token, placement, content, reference, flags, nbytes)], ended)
+ *
+ * An ask (little-endian): magic (uint32), version and flags (uint16 each; flag 1: the decode
+ * engine checks content), n and first_block (uint32 each), the prefill's
+ * and the decode engine's incarnations, the ask id, the token, the slot (uint64 each), the
+ * hold's 16-byte key, n int64 decode block ids, then SipHash-2-4 (uint64) of everything before
+ * it under the pair's 16-byte key. An answer: magic, status (uint32), ask id, token, placement,
+ * content, reference, flags, nbytes (uint64).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include "_copy_job.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ASK_MAGIC 0x4b564c41u    /* "KVLA" */
+#define ANSWER_MAGIC 0x4b564c52u /* "KVLR" */
+#define LANE_VERSION 1u
+#define ASK_HEADER 72
+#define ASK_MAX_IDS 8192
+#define ASK_MAX (ASK_HEADER + 8 * ASK_MAX_IDS + 8)
+#define ANSWER_NBYTES 64
+#define MAX_CONNECTIONS 1024
+#define MAX_HOLDS (1 << 16)
+#define HOLD_BUCKETS 4096
+#define CLAIM_SLOT_NBYTES_LANE 16
+
+/* Answers (kvray.agent.handoff.lane.Answer has their meanings). */
+enum {
+    LANE_DONE = 0,
+    LANE_FAILED = 1,      /* the copy ended incomplete */
+    LANE_NOT_HELD = 2,    /* no such hold here (yet, or any more): ask the usual way */
+    LANE_UNKNOWN_PAIR = 3,/* this engine has no lane to the asking incarnation */
+    LANE_STALE = 4,       /* the ask names another incarnation of this engine */
+    LANE_REFUSED = 5,     /* ids that do not fit the hold, the pool or the regions: nothing written */
+    LANE_NOT_OPEN = 6,    /* the slot is not open under the token: nothing written */
+    LANE_CLOSING = 7,     /* the engine is closing the slot: nothing written */
+    LANE_UNCHECKED = 8,   /* a checked push whose blocks' digests are not all held: ask the usual way */
+    LANE_BUSY = 9,        /* the copy could not start: ask the usual way */
+    LANE_GONE = 10,       /* the decode engine's memory was removed or shrank: nothing written */
+};
+
+/* ---- SipHash-2-4 (Aumasson and Bernstein), 64-bit output ------------------------------- */
+
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                                    \
+    do {                                                                                           \
+        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                                  \
+        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                                     \
+        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                                     \
+        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                                  \
+    } while (0)
+
+static uint64_t load64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v; /* x86-64 and aarch64 Linux: little-endian */
+}
+
+static uint64_t siphash24(const unsigned char key[16], const unsigned char *in, size_t len) {
+    uint64_t k0 = load64(key), k1 = load64(key + 8);
+    uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
+    uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+    const unsigned char *end = in + len - (len % 8);
+    for (; in != end; in += 8) {
+        uint64_t m = load64(in);
+        v3 ^= m;
+        SIPROUND;
+        SIPROUND;
+        v0 ^= m;
+    }
+    uint64_t b = ((uint64_t)len) << 56;
+    for (size_t left = len & 7; left > 0; left--) {
+        b |= ((uint64_t)in[left - 1]) << (8 * (left - 1));
+    }
+    v3 ^= b;
+    SIPROUND;
+    SIPROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+static inline uint64_t mix64_lane(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* ---- what a lane keeps -------------------------------------------------------------------- */
+
+typedef struct pair {
+    struct pair *next;
+    uint64_t incarnation; /* the decode engine's */
+    unsigned char key[16];
+    char *dst;
+    int64_t dst_len, dst_pool;
+    int64_t num_rows, *rows;     /* 5 columns: src start, src stride, dst start, dst stride, bytes */
+    int64_t num_stretch, *stretch; /* 6 columns: held row, salt, src start, src stride, dst start, dst stride */
+    int board_fd;
+    int file_fd;      /* the decode engine's shared-memory file: asked before every copy */
+    int64_t file_end; /* the file must keep this many bytes (touching past its end is SIGBUS) */
+    int64_t board_slots;
+    uint64_t board;
+    uint64_t salt, pair_salt;
+    uint32_t seed;
+    int checked;
+    unsigned char *seen; /* the lane thread's bitmap over the decode pool (repeated ids) */
+    int refs;            /* atomic: the lane's list, and each ask being pushed */
+} pair;
+
+typedef struct hold {
+    struct hold *next;
+    unsigned char key[16];
+    int64_t n, *ids;
+    int64_t held_rows; /* rows of sums: 0 when none were held */
+    uint64_t *sums;    /* held_rows x n */
+    unsigned char *held;
+} hold;
+
+typedef struct done_entry {
+    struct done_entry *next;
+    unsigned char key[16];
+    int status;
+    int64_t nbytes;
+    double seconds;
+    uint64_t pair; /* the decode engine's incarnation */
+} done_entry;
+
+typedef struct lane {
+    pthread_mutex_t lock; /* pairs, holds, done */
+    pair *pairs;
+    hold *buckets[HOLD_BUCKETS];
+    int64_t holds;
+    done_entry *done_head, *done_tail;
+    int listen_fd, epoll_fd, wake_fd, done_fd;
+    int stopping;
+    uint64_t incarnation;
+    char *src;
+    int64_t src_len, src_pool;
+    int threads;
+    int64_t piece, inline_max;
+    pthread_t thread;
+    int started;
+    int connections;
+    int refs; /* atomic: the Lane object and each ask being pushed */
+} lane;
+
+typedef struct conn {
+    int fd;
+    uint64_t pair; /* the decode incarnation its first good ask named (0: none yet) */
+} conn;
+
+typedef struct ask_ctx {
+    lane *lane;
+    pair *pair;
+    hold *hold;
+    int answer_fd;
+    uint64_t ask_id, token, reference;
+    int has_reference;
+    int64_t nbytes;
+    struct timespec started;
+} ask_ctx;
+
+static void lane_unref(lane *l);
+
+static void pair_unref(pair *p) {
+    if (__atomic_sub_fetch(&p->refs, 1, __ATOMIC_ACQ_REL) != 0) {
+        return;
+    }
+    close(p->board_fd);
+    if (p->file_fd >= 0) {
+        close(p->file_fd);
+    }
+    free(p->rows);
+    free(p->stretch);
+    free(p->seen);
+    free(p);
+}
+
+static void hold_free(hold *h) {
+    if (h == NULL) {
+        return;
+    }
+    free(h->ids);
+    free(h->sums);
+    free(h->held);
+    free(h);
+}
+
+static unsigned bucket_of(const unsigned char key[16]) {
+    uint64_t k;
+    memcpy(&k, key, 8);
+    return (unsigned)(mix64_lane(k) % HOLD_BUCKETS);
+}
+
+/* Under l->lock: the hold of `key`, unlinked (NULL: none). */
+static hold *take_hold(lane *l, const unsigned char key[16]) {
+    hold **at = &l->buckets[bucket_of(key)];
+    for (; *at != NULL; at = &(*at)->next) {
+        if (memcmp((*at)->key, key, 16) == 0) {
+            hold *h = *at;
+            *at = h->next;
+            h->next = NULL;
+            l->holds--;
+            return h;
+        }
+    }
+    return NULL;
+}
+
+/* Under l->lock: `h` back in the table (an ask that could not use it). */
+static void put_hold(lane *l, hold *h) {
+    unsigned b = bucket_of(h->key);
+    h->next = l->buckets[b];
+    l->buckets[b] = h;
+    l->holds++;
+}
+
+static void post_done(lane *l, const unsigned char key[16], int status, int64_t nbytes, double seconds,
+                      uint64_t pair) {
+    done_entry *e = calloc(1, sizeof *e);
+    pthread_mutex_lock(&l->lock);
+    if (e != NULL) {
+        memcpy(e->key, key, 16);
+        e->status = status;
+        e->nbytes = nbytes;
+        e->seconds = seconds;
+        e->pair = pair;
+        if (l->done_tail != NULL) {
+            l->done_tail->next = e;
+        } else {
+            l->done_head = e;
+        }
+        l->done_tail = e;
+    }
+    pthread_mutex_unlock(&l->lock);
+    uint64_t one = 1;
+    ssize_t written;
+    do {
+        written = write(l->done_fd, &one, sizeof one);
+    } while (written < 0 && errno == EINTR);
+}
+
+static void put_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put_u64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t get_u32(const unsigned char *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void answer(int fd, int status, uint64_t ask_id, uint64_t token, uint64_t placement, uint64_t content,
+                   uint64_t reference, uint64_t flags, int64_t nbytes) {
+    unsigned char out[ANSWER_NBYTES];
+    put_u32(out, ANSWER_MAGIC);
+    put_u32(out + 4, (uint32_t)status);
+    put_u64(out + 8, ask_id);
+    put_u64(out + 16, token);
+    put_u64(out + 24, placement);
+    put_u64(out + 32, content);
+    put_u64(out + 40, reference);
+    put_u64(out + 48, flags);
+    put_u64(out + 56, (uint64_t)nbytes);
+    /* A decode engine that does not read its answers loses them, not this thread's time. */
+    (void)send(fd, out, sizeof out, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+static double seconds_since(const struct timespec *t0) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
+/* Every thread has left the ask's copy (its claim let go): answer, report, let go. */
+static void ask_over(job *j) {
+    ask_ctx *c = j->owner;
+    int complete = __atomic_load_n(&j->ops_done, __ATOMIC_ACQUIRE) == j->count;
+    uint64_t placement = __atomic_load_n(&j->placement, __ATOMIC_ACQUIRE);
+    uint64_t content = __atomic_load_n(&j->content, __ATOMIC_ACQUIRE);
+    answer(c->answer_fd, complete ? LANE_DONE : LANE_FAILED, c->ask_id, c->token, placement, content,
+           c->reference, (uint64_t)c->has_reference, c->nbytes);
+    post_done(c->lane, c->hold->key, complete ? LANE_DONE : LANE_FAILED, c->nbytes, seconds_since(&c->started),
+              c->pair->incarnation);
+    close(c->answer_fd);
+    hold_free(c->hold);
+    pair_unref(c->pair);
+    lane_unref(c->lane);
+    j->owner = NULL;
+    free(c);
+}
+
+/* The content digest the writer's held sums give the ask's stretches (kvray._plan.held_digest):
+ * 0 with *ok = 0 where a sum is not held. */
+static uint64_t held_reference(const pair *p, const hold *h, int64_t first, const int64_t *remote, int64_t n,
+                               int *ok) {
+    uint64_t total = 0;
+    *ok = 0;
+    if (h->held_rows == 0) {
+        return 0;
+    }
+    for (int64_t r = 0; r < p->num_stretch; r++) {
+        const int64_t *s = p->stretch + 6 * r;
+        int64_t row = s[0];
+        if (row < 0 || row >= h->held_rows) {
+            return 0;
+        }
+        const uint64_t *sums = h->sums + row * h->n;
+        const unsigned char *held = h->held + row * h->n;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t at = first + i;
+            if (!held[at]) {
+                return 0;
+            }
+            uint64_t source = (uint64_t)s[2] + (uint64_t)h->ids[at] * (uint64_t)s[3];
+            uint64_t target = (uint64_t)s[4] + (uint64_t)remote[i] * (uint64_t)s[5];
+            total += sums[at] * (mix64_lane((uint64_t)s[1] ^ (target - source)) | 1);
+        }
+    }
+    *ok = 1;
+    return total;
+}
+
+/* One ask that passed its MAC, from connection `fd`, for pair `p` (a reference taken). */
+static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n) {
+    uint32_t first = get_u32(rec + 12);
+    uint64_t ask_id = load64(rec + 32), token = load64(rec + 40), slot = load64(rec + 48);
+    const unsigned char *key = rec + 56;
+    const int64_t *remote = (const int64_t *)(rec + ASK_HEADER);
+    struct timespec started;
+    clock_gettime(CLOCK_MONOTONIC, &started);
+    if (load64(rec + 16) != l->incarnation) {
+        answer(fd, LANE_STALE, ask_id, token, 0, 0, 0, 0, 0);
+        pair_unref(p);
+        return;
+    }
+    pthread_mutex_lock(&l->lock);
+    hold *h = take_hold(l, key);
+    pthread_mutex_unlock(&l->lock);
+    if (h == NULL) {
+        answer(fd, LANE_NOT_HELD, ask_id, token, 0, 0, 0, 0, 0);
+        pair_unref(p);
+        return;
+    }
+    int status = LANE_REFUSED;
+    job *j = NULL;
+    /* The decode engine's ids: as many as the hold has from `first`, each in its pool, none
+     * twice (the bitmap is this thread's alone, cleared again below). */
+    if ((int64_t)first + (int64_t)n > h->n || n == 0) {
+        goto give_back;
+    }
+    uint32_t checked_ids = 0;
+    for (; checked_ids < n; checked_ids++) {
+        int64_t b = remote[checked_ids];
+        if (b < 0 || b >= p->dst_pool || (p->seen[b >> 3] >> (b & 7)) & 1) {
+            break;
+        }
+        p->seen[b >> 3] |= (unsigned char)(1u << (b & 7));
+    }
+    for (uint32_t i = 0; i < checked_ids; i++) {
+        p->seen[remote[i] >> 3] = 0;
+    }
+    if (checked_ids != n) {
+        goto give_back;
+    }
+    int has_reference = 0;
+    uint64_t reference = 0;
+    int checked = p->checked || (get_u32(rec + 4) >> 16) & 1;
+    if (checked) {
+        reference = held_reference(p, h, first, remote, n, &has_reference);
+        if (!has_reference) {
+            status = LANE_UNCHECKED;
+            goto give_back;
+        }
+    }
+    /* Every (row, block pair) op inside both regions before a byte moves. */
+    const int64_t *local = h->ids + first;
+    int64_t count = 0, nbytes = 0;
+    for (int64_t r = 0; r < p->num_rows; r++) {
+        const int64_t *row = p->rows;
+        int64_t src_start = row[r], src_stride = row[p->num_rows + r], dst_start = row[2 * p->num_rows + r];
+        int64_t dst_stride = row[3 * p->num_rows + r], length = row[4 * p->num_rows + r];
+        for (uint32_t i = 0; i < n; i++) {
+            int64_t from, to, from_end, to_end;
+            if (__builtin_mul_overflow(local[i], src_stride, &from) || __builtin_add_overflow(from, src_start, &from) ||
+                __builtin_mul_overflow(remote[i], dst_stride, &to) || __builtin_add_overflow(to, dst_start, &to) ||
+                __builtin_add_overflow(from, length, &from_end) || __builtin_add_overflow(to, length, &to_end) ||
+                from < 0 || to < 0 || length < 0 || from_end > l->src_len || to_end > p->dst_len) {
+                goto give_back;
+            }
+            count += (length + l->piece - 1) / l->piece;
+            nbytes += length;
+        }
+    }
+    j = kvray_job_new(count);
+    if (j == NULL) {
+        status = LANE_BUSY;
+        goto give_back;
+    }
+    int64_t op = 0;
+    for (int64_t r = 0; r < p->num_rows; r++) {
+        const int64_t *row = p->rows;
+        int64_t src_start = row[r], src_stride = row[p->num_rows + r], dst_start = row[2 * p->num_rows + r];
+        int64_t dst_stride = row[3 * p->num_rows + r], length = row[4 * p->num_rows + r];
+        int64_t run_from = 0, run_to = 0, run_n = 0;
+        for (uint32_t i = 0; i <= n; i++) {
+            int64_t from = 0, to = 0;
+            if (i < n) {
+                from = src_start + local[i] * src_stride;
+                to = dst_start + remote[i] * dst_stride;
+                if (run_n > 0 && from == run_from + run_n && to == run_to + run_n) {
+                    run_n += length;
+                    continue;
+                }
+            }
+            op = kvray_job_add(j, op, run_to, run_from, run_from, run_n, l->piece);
+            run_from = from;
+            run_to = to;
+            run_n = i < n ? length : 0;
+        }
+    }
+    j->count = op;
+    j->salt = p->salt;
+    j->content_on = checked;
+    j->seed = p->seed;
+    j->pair_salt = p->pair_salt;
+    j->dst = p->dst;
+    j->src = l->src;
+    j->faulty = kvray_executor_fault() && op >= 2;
+    struct stat file;
+    if (fstat(p->file_fd, &file) != 0 || file.st_nlink == 0 || file.st_size < p->file_end) {
+        status = LANE_GONE;
+        goto give_back;
+    }
+    int claimed = kvray_job_claim(j, p->board_fd, (int64_t)slot, p->board_slots, p->board, token);
+    if (claimed != 0) {
+        status = claimed == 1 ? LANE_CLOSING : claimed == 2 ? LANE_NOT_OPEN : LANE_BUSY;
+        goto give_back;
+    }
+    ask_ctx *c = calloc(1, sizeof *c);
+    int answer_fd = c == NULL ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (answer_fd < 0) {
+        free(c);
+        status = LANE_BUSY;
+        goto give_back;
+    }
+    c->lane = l;
+    c->pair = p;
+    c->hold = h;
+    c->answer_fd = answer_fd;
+    c->ask_id = ask_id;
+    c->token = token;
+    c->reference = reference;
+    c->has_reference = has_reference;
+    c->nbytes = nbytes;
+    c->started = started;
+    __atomic_add_fetch(&l->refs, 1, __ATOMIC_ACQ_REL);
+    j->owner = c;
+    j->on_over = ask_over;
+    int failed = kvray_job_run(j, nbytes <= l->inline_max ? 0 : l->threads);
+    if (failed) {
+        /* The job (and its claim) is gone, ask_over never ran: nothing was written. */
+        close(answer_fd);
+        free(c);
+        lane_unref(l);
+        j = NULL;
+        status = LANE_BUSY;
+        goto give_back;
+    }
+    return;
+give_back:
+    if (j != NULL) {
+        kvray_job_unref(j); /* frees it (a claim it failed to take is let go already) */
+    }
+    /* Nothing was written: the hold stays for an ask that fits it, or for its lease to end. */
+    pthread_mutex_lock(&l->lock);
+    put_hold(l, h);
+    pthread_mutex_unlock(&l->lock);
+    answer(fd, status, ask_id, token, 0, 0, 0, 0, 0);
+    pair_unref(p);
+}
+
+/* Under nothing: the pair a record names, a reference taken (NULL: none). */
+static pair *find_pair(lane *l, uint64_t incarnation) {
+    pthread_mutex_lock(&l->lock);
+    pair *p = l->pairs;
+    while (p != NULL && p->incarnation != incarnation) {
+        p = p->next;
+    }
+    if (p != NULL) {
+        __atomic_add_fetch(&p->refs, 1, __ATOMIC_ACQ_REL);
+    }
+    pthread_mutex_unlock(&l->lock);
+    return p;
+}
+
+/* One record from connection `c`: 0 to keep the connection, -1 to close it (malformed, or a
+ * MAC that fails: unanswered). */
+static int take_record(lane *l, conn *c, const unsigned char *rec, ssize_t len) {
+    if (len < ASK_HEADER + 8 || get_u32(rec) != ASK_MAGIC || (get_u32(rec + 4) & 0xffffu) != LANE_VERSION) {
+        return -1;
+    }
+    uint32_t n = get_u32(rec + 8);
+    if (n > ASK_MAX_IDS || (ssize_t)(ASK_HEADER + 8 * (size_t)n + 8) != len) {
+        return -1;
+    }
+    uint64_t decode = load64(rec + 24);
+    if (c->pair != 0 && c->pair != decode) {
+        return -1;
+    }
+    pair *p = find_pair(l, decode);
+    if (p == NULL) {
+        answer(c->fd, LANE_UNKNOWN_PAIR, load64(rec + 32), load64(rec + 40), 0, 0, 0, 0, 0);
+        return 0;
+    }
+    if (siphash24(p->key, rec, (size_t)len - 8) != load64(rec + len - 8)) {
+        pair_unref(p);
+        return -1;
+    }
+    c->pair = decode;
+    serve_ask(l, p, c->fd, rec, n);
+    return 0;
+}
+
+static void *lane_thread(void *arg) {
+    lane *l = arg;
+    pthread_setname_np(pthread_self(), "kvray-lane");
+    conn *conns = calloc(MAX_CONNECTIONS, sizeof *conns);
+    unsigned char *rec = malloc(ASK_MAX + 1);
+    if (conns == NULL || rec == NULL) {
+        free(conns);
+        free(rec);
+        return NULL;
+    }
+    for (int i = 0; i < MAX_CONNECTIONS; i++) {
+        conns[i].fd = -1;
+    }
+    struct epoll_event events[64];
+    while (!__atomic_load_n(&l->stopping, __ATOMIC_ACQUIRE)) {
+        int ready = epoll_wait(l->epoll_fd, events, 64, -1);
+        if (ready < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            break;
+        }
+        for (int e = 0; e < ready; e++) {
+            int64_t tag = (int64_t)events[e].data.u64;
+            if (tag == -1) {
+                continue; /* the wake: the loop's condition says why */
+            }
+            if (tag == -2) {
+                for (;;) {
+                    int fd = accept4(l->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+                    if (fd < 0) {
+                        break;
+                    }
+                    int slot = 0;
+                    while (slot < MAX_CONNECTIONS && conns[slot].fd >= 0) {
+                        slot++;
+                    }
+                    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.u64 = (uint64_t)slot};
+                    if (slot == MAX_CONNECTIONS || epoll_ctl(l->epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+                        close(fd);
+                        continue;
+                    }
+                    conns[slot].fd = fd;
+                    conns[slot].pair = 0;
+                }
+                continue;
+            }
+            conn *c = &conns[tag];
+            int keep = c->fd >= 0;
+            while (keep) {
+                ssize_t got = recv(c->fd, rec, ASK_MAX + 1, MSG_DONTWAIT);
+                if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                    break;
+                }
+                if (got < 0 && errno == EINTR) {
+                    continue;
+                }
+                keep = got > 0 && take_record(l, c, rec, got) == 0;
+            }
+            if (!keep && c->fd >= 0) {
+                epoll_ctl(l->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
+                close(c->fd);
+                c->fd = -1;
+            }
+        }
+    }
+    for (int i = 0; i < MAX_CONNECTIONS; i++) {
+        if (conns[i].fd >= 0) {
+            close(conns[i].fd);
+        }
+    }
+    free(conns);
+    free(rec);
+    return NULL;
+}
+
+/* ---- the Lane object ---------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD lane *lane;
+} Lane;
+
+static void lane_unref(lane *l) {
+    if (__atomic_sub_fetch(&l->refs, 1, __ATOMIC_ACQ_REL) != 0) {
+        return;
+    }
+    for (int b = 0; b < HOLD_BUCKETS; b++) {
+        while (l->buckets[b] != NULL) {
+            hold *h = l->buckets[b];
+            l->buckets[b] = h->next;
+            hold_free(h);
+        }
+    }
+    while (l->done_head != NULL) {
+        done_entry *e = l->done_head;
+        l->done_head = e->next;
+        free(e);
+    }
+    close(l->done_fd);
+    pthread_mutex_destroy(&l->lock);
+    free(l);
+}
+
+/* Stop the thread and drop every pair (waiting for their copies); idempotent. */
+static void lane_stop(lane *l) {
+    if (l->started) {
+        __atomic_store_n(&l->stopping, 1, __ATOMIC_RELEASE);
+        uint64_t one = 1;
+        (void)!write(l->wake_fd, &one, sizeof one);
+        pthread_join(l->thread, NULL);
+        l->started = 0;
+    }
+    for (;;) {
+        pthread_mutex_lock(&l->lock);
+        pair *p = l->pairs;
+        if (p != NULL) {
+            l->pairs = p->next;
+        }
+        pthread_mutex_unlock(&l->lock);
+        if (p == NULL) {
+            break;
+        }
+        while (__atomic_load_n(&p->refs, __ATOMIC_ACQUIRE) > 1) {
+            usleep(100);
+        }
+        pair_unref(p);
+    }
+    if (l->epoll_fd >= 0) {
+        close(l->epoll_fd);
+        close(l->wake_fd);
+        close(l->listen_fd);
+        l->epoll_fd = l->wake_fd = l->listen_fd = -1;
+    }
+}
+
+static void Lane_dealloc(Lane *self) {
+    if (self->lane != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        lane_stop(self->lane);
+        Py_END_ALLOW_THREADS
+        lane_unref(self->lane);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
+    int listen_fd, threads;
+    unsigned long long incarnation, src_base;
+    long long src_len, src_pool, piece, inline_max;
+    static char *names[] = {"listen_fd", "incarnation", "src_base", "src_len", "src_pool", "threads", "piece",
+                            "inline_max", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKLLiLL", names, &listen_fd, &incarnation, &src_base, &src_len,
+                                     &src_pool, &threads, &piece, &inline_max)) {
+        return -1;
+    }
+    if (self->lane != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Lane starts once");
+        return -1;
+    }
+    if (threads < 0 || threads > 8 || piece < 1 || src_len < 0 || src_pool < 1 || src_base == 0) {
+        PyErr_SetString(PyExc_ValueError, "a Lane needs 0 to 8 threads, pieces of a byte or more and a source");
+        return -1;
+    }
+    lane *l = calloc(1, sizeof *l);
+    if (l == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pthread_mutex_init(&l->lock, NULL);
+    l->refs = 1;
+    l->incarnation = incarnation;
+    l->src = (char *)(uintptr_t)src_base;
+    l->src_len = src_len;
+    l->src_pool = src_pool;
+    l->threads = threads;
+    l->piece = piece;
+    l->inline_max = inline_max;
+    l->listen_fd = fcntl(listen_fd, F_DUPFD_CLOEXEC, 0);
+    l->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    l->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    l->done_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    int flags = l->listen_fd < 0 ? -1 : fcntl(l->listen_fd, F_GETFL);
+    struct epoll_event wake = {.events = EPOLLIN, .data.u64 = (uint64_t)-1};
+    struct epoll_event listen = {.events = EPOLLIN, .data.u64 = (uint64_t)-2};
+    if (l->listen_fd < 0 || l->epoll_fd < 0 || l->wake_fd < 0 || l->done_fd < 0 || flags < 0 ||
+        fcntl(l->listen_fd, F_SETFL, flags | O_NONBLOCK) != 0 ||
+        epoll_ctl(l->epoll_fd, EPOLL_CTL_ADD, l->wake_fd, &wake) != 0 ||
+        epoll_ctl(l->epoll_fd, EPOLL_CTL_ADD, l->listen_fd, &listen) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    int failed = pthread_create(&l->thread, NULL, lane_thread, l);
+    pthread_sigmask(SIG_SETMASK, &previous, NULL);
+    if (failed) {
+        errno = failed;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    l->started = 1;
+    self->lane = l;
+    return 0;
+fail:
+    for (int *fd = &l->listen_fd; fd <= &l->done_fd; fd++) {
+        if (*fd >= 0) {
+            close(*fd);
+        }
+    }
+    pthread_mutex_destroy(&l->lock);
+    free(l);
+    return -1;
+}
+
+static lane *open_lane(Lane *self) {
+    if (self->lane == NULL || !self->lane->started) {
+        PyErr_SetString(PyExc_RuntimeError, "the lane is closed");
+        return NULL;
+    }
+    return self->lane;
+}
+
+/* Copy a buffer of int64 (or uint64) values, `columns` of them a row; NULL with an error. */
+static int64_t *take_int64s(PyObject *object, int64_t columns, int64_t *rows_out) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS) != 0) {
+        return NULL;
+    }
+    int64_t *copy = NULL;
+    if (view.len % (8 * columns) != 0) {
+        PyErr_SetString(PyExc_ValueError, "an int64 array of another shape");
+    } else if ((copy = malloc(view.len > 0 ? (size_t)view.len : 8)) == NULL) {
+        PyErr_NoMemory();
+    } else {
+        memcpy(copy, view.buf, (size_t)view.len);
+        *rows_out = (int64_t)(view.len / (8 * columns));
+    }
+    PyBuffer_Release(&view);
+    return copy;
+}
+
+static int take_key(PyObject *object, unsigned char key[16]) {
+    char *bytes;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(object, &bytes, &len) != 0) {
+        return -1;
+    }
+    if (len != 16) {
+        PyErr_SetString(PyExc_ValueError, "a lane key has 16 bytes");
+        return -1;
+    }
+    memcpy(key, bytes, 16);
+    return 0;
+}
+
+static PyObject *Lane_add_pair(Lane *self, PyObject *args) {
+    lane *l = open_lane(self);
+    unsigned long long incarnation, dst_base, salt, seed, pair_salt, board_addr;
+    long long dst_len, dst_pool, board_slots, file_end;
+    int board_fd, file_fd, checked;
+    PyObject *key, *rows, *stretch;
+    if (l == NULL || !PyArg_ParseTuple(args, "KS(KLLiL)OO(iLK)KKKp", &incarnation, &key, &dst_base, &dst_len,
+                                       &dst_pool, &file_fd, &file_end, &rows, &stretch, &board_fd, &board_slots,
+                                       &board_addr, &salt, &seed, &pair_salt, &checked)) {
+        return NULL;
+    }
+    if (dst_base == 0 || dst_len < 0 || dst_pool < 1 || dst_pool > (1LL << 26) || board_slots < 1 ||
+        board_addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "a lane pair needs a region, a pool of 1 to 2**26 blocks and a board");
+        return NULL;
+    }
+    pair *p = calloc(1, sizeof *p);
+    if (p == NULL) {
+        return PyErr_NoMemory();
+    }
+    p->board_fd = -1;
+    p->file_fd = -1;
+    p->refs = 1;
+    if (take_key(key, p->key) != 0 || (p->rows = take_int64s(rows, 5, &p->num_rows)) == NULL ||
+        (p->stretch = take_int64s(stretch, 1, &p->num_stretch)) == NULL) {
+        goto fail;
+    }
+    if (p->num_stretch % 6 != 0 || p->num_rows == 0) {
+        PyErr_SetString(PyExc_ValueError, "a lane pair takes 5 columns of rows and 6 of stretches");
+        goto fail;
+    }
+    p->num_stretch /= 6;
+    /* The columns came as 5 x R and 6 x S (column-major): the rows are used column-major, the
+     * stretches row by row. */
+    int64_t *by_row = malloc((size_t)(p->num_stretch > 0 ? p->num_stretch : 1) * 6 * 8);
+    if (by_row == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int64_t r = 0; r < p->num_stretch; r++) {
+        for (int k = 0; k < 6; k++) {
+            by_row[6 * r + k] = p->stretch[k * p->num_stretch + r];
+        }
+    }
+    free(p->stretch);
+    p->stretch = by_row;
+    p->seen = calloc((size_t)(dst_pool + 7) / 8, 1);
+    p->board_fd = fcntl(board_fd, F_DUPFD_CLOEXEC, 0);
+    p->file_fd = fcntl(file_fd, F_DUPFD_CLOEXEC, 0);
+    p->file_end = file_end;
+    if (p->seen == NULL || p->board_fd < 0 || p->file_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    p->incarnation = incarnation;
+    p->dst = (char *)(uintptr_t)dst_base;
+    p->dst_len = dst_len;
+    p->dst_pool = dst_pool;
+    p->board_slots = board_slots;
+    p->board = board_addr;
+    p->salt = salt;
+    p->seed = (uint32_t)seed;
+    p->pair_salt = pair_salt;
+    p->checked = checked;
+    pthread_mutex_lock(&l->lock);
+    int known = 0;
+    for (pair *q = l->pairs; q != NULL; q = q->next) {
+        known |= q->incarnation == incarnation;
+    }
+    if (!known) {
+        p->next = l->pairs;
+        l->pairs = p;
+    }
+    pthread_mutex_unlock(&l->lock);
+    if (known) {
+        pair_unref(p);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+fail:
+    if (p->board_fd < 0) {
+        p->board_fd = open("/dev/null", O_RDONLY | O_CLOEXEC); /* pair_unref closes one */
+    }
+    pair_unref(p);
+    return NULL;
+}
+
+static PyObject *Lane_remove_pair(Lane *self, PyObject *arg) {
+    lane *l = self->lane;
+    unsigned long long incarnation = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (l == NULL) {
+        Py_RETURN_FALSE;
+    }
+    pthread_mutex_lock(&l->lock);
+    pair **at = &l->pairs, *p = NULL;
+    for (; *at != NULL; at = &(*at)->next) {
+        if ((*at)->incarnation == incarnation) {
+            p = *at;
+            *at = p->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&l->lock);
+    if (p == NULL) {
+        Py_RETURN_FALSE;
+    }
+    /* Copies into the pair's region are bounded: wait them out before its memory may go. */
+    Py_BEGIN_ALLOW_THREADS
+    while (__atomic_load_n(&p->refs, __ATOMIC_ACQUIRE) > 1) {
+        usleep(50);
+    }
+    Py_END_ALLOW_THREADS
+    pair_unref(p);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Lane_hold(Lane *self, PyObject *args) {
+    lane *l = open_lane(self);
+    PyObject *key, *ids, *sums, *held;
+    if (l == NULL || !PyArg_ParseTuple(args, "SOOO", &key, &ids, &sums, &held)) {
+        return NULL;
+    }
+    hold *h = calloc(1, sizeof *h);
+    if (h == NULL) {
+        return PyErr_NoMemory();
+    }
+    if (take_key(key, h->key) != 0 || (h->ids = take_int64s(ids, 1, &h->n)) == NULL) {
+        goto fail;
+    }
+    if (h->n == 0) {
+        PyErr_SetString(PyExc_ValueError, "a lane hold has blocks");
+        goto fail;
+    }
+    for (int64_t i = 0; i < h->n; i++) {
+        if (h->ids[i] < 0 || h->ids[i] >= l->src_pool) {
+            PyErr_Format(PyExc_ValueError, "block %lld is not one of this engine's %lld", (long long)h->ids[i],
+                         (long long)l->src_pool);
+            goto fail;
+        }
+    }
+    if (sums != Py_None) {
+        int64_t count = 0;
+        h->sums = (uint64_t *)take_int64s(sums, 1, &count);
+        if (h->sums == NULL) {
+            goto fail;
+        }
+        Py_buffer flags;
+        if (PyObject_GetBuffer(held, &flags, PyBUF_C_CONTIGUOUS) != 0) {
+            goto fail;
+        }
+        if (count % h->n != 0 || flags.len != count) {
+            PyBuffer_Release(&flags);
+            PyErr_SetString(PyExc_ValueError, "held sums and flags of another shape than the blocks");
+            goto fail;
+        }
+        h->held = malloc((size_t)count > 0 ? (size_t)count : 1);
+        if (h->held == NULL) {
+            PyBuffer_Release(&flags);
+            PyErr_NoMemory();
+            goto fail;
+        }
+        memcpy(h->held, flags.buf, (size_t)count);
+        PyBuffer_Release(&flags);
+        h->held_rows = count / h->n;
+    }
+    pthread_mutex_lock(&l->lock);
+    int known = 0;
+    for (hold *q = l->buckets[bucket_of(h->key)]; q != NULL; q = q->next) {
+        known |= memcmp(q->key, h->key, 16) == 0;
+    }
+    int full = l->holds >= MAX_HOLDS;
+    if (!known && !full) {
+        put_hold(l, h);
+    }
+    pthread_mutex_unlock(&l->lock);
+    if (known || full) {
+        hold_free(h);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+fail:
+    hold_free(h);
+    return NULL;
+}
+
+static PyObject *Lane_unhold(Lane *self, PyObject *arg) {
+    lane *l = self->lane;
+    unsigned char key[16];
+    if (take_key(arg, key) != 0) {
+        return NULL;
+    }
+    if (l == NULL) {
+        Py_RETURN_FALSE;
+    }
+    pthread_mutex_lock(&l->lock);
+    hold *h = take_hold(l, key);
+    pthread_mutex_unlock(&l->lock);
+    hold_free(h);
+    return PyBool_FromLong(h != NULL);
+}
+
+static PyObject *Lane_done(Lane *self, PyObject *unused) {
+    (void)unused;
+    lane *l = self->lane;
+    PyObject *out = PyList_New(0);
+    if (out == NULL || l == NULL) {
+        return out;
+    }
+    uint64_t count;
+    (void)!read(l->done_fd, &count, sizeof count);
+    pthread_mutex_lock(&l->lock);
+    done_entry *e = l->done_head;
+    l->done_head = l->done_tail = NULL;
+    pthread_mutex_unlock(&l->lock);
+    while (e != NULL) {
+        done_entry *next = e->next;
+        PyObject *item = Py_BuildValue("(y#iLdK)", (const char *)e->key, (Py_ssize_t)16, e->status,
+                                       (long long)e->nbytes, e->seconds, (unsigned long long)e->pair);
+        if (item == NULL || PyList_Append(out, item) != 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+        } else {
+            Py_DECREF(item);
+        }
+        free(e);
+        e = next;
+    }
+    return out;
+}
+
+static PyObject *Lane_fileno(Lane *self, PyObject *unused) {
+    (void)unused;
+    lane *l = open_lane(self);
+    return l == NULL ? NULL : PyLong_FromLong(l->done_fd);
+}
+
+static PyObject *Lane_close(Lane *self, PyObject *unused) {
+    (void)unused;
+    lane *l = self->lane;
+    if (l != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        lane_stop(l);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lane_holds(Lane *self, void *unused) {
+    (void)unused;
+    lane *l = self->lane;
+    if (l == NULL) {
+        return PyLong_FromLong(0);
+    }
+    pthread_mutex_lock(&l->lock);
+    long long holds = l->holds;
+    pthread_mutex_unlock(&l->lock);
+    return PyLong_FromLongLong(holds);
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"add_pair", (PyCFunction)Lane_add_pair, METH_VARARGS, "A decode engine incarnation this lane pushes into."},
+    {"remove_pair", (PyCFunction)Lane_remove_pair, METH_O, "Forget a pair once no copy into it runs."},
+    {"hold", (PyCFunction)Lane_hold, METH_VARARGS, "A request's blocks (and held sums) an ask may take."},
+    {"unhold", (PyCFunction)Lane_unhold, METH_O, "Forget a hold; False if an ask took it (or none was)."},
+    {"done", (PyCFunction)Lane_done, METH_NOARGS, "The pushes ended since the last call."},
+    {"fileno", (PyCFunction)Lane_fileno, METH_NOARGS, "An eventfd, readable when pushes ended."},
+    {"close", (PyCFunction)Lane_close, METH_NOARGS, "Stop serving; returns once no copy runs."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Lane_getset[] = {
+    {"holds", (getter)Lane_holds, NULL, "How many holds an ask may take now.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvray._copy_pool.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A prefill engine's native hand-off lane (see kvray/_lane.c).",
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_init = (initproc)Lane_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = Lane_methods,
+    .tp_getset = Lane_getset,
+};
+
+/* ---- the decode side's calls -------------------------------------------------------------- */
+
+static PyObject *lane_ask(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    PyObject *key, *hold_key, *ids;
+    unsigned long long prefill, decode, token, slot, ask_id;
+    unsigned int first;
+    int checked;
+    if (!PyArg_ParseTuple(args, "iSKKSKKIKOp", &fd, &key, &prefill, &decode, &hold_key, &token, &slot, &first,
+                          &ask_id, &ids, &checked)) {
+        return NULL;
+    }
+    unsigned char mac_key[16], hk[16];
+    if (take_key(key, mac_key) != 0 || take_key(hold_key, hk) != 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(ids, &view, PyBUF_C_CONTIGUOUS) != 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    size_t n = (size_t)view.len / 8;
+    if (view.len % 8 != 0 || n == 0 || n > ASK_MAX_IDS) {
+        PyErr_Format(PyExc_ValueError, "a lane ask carries 1 to %d int64 block ids", ASK_MAX_IDS);
+        goto done;
+    }
+    size_t len = ASK_HEADER + 8 * n + 8;
+    unsigned char *rec = malloc(len);
+    if (rec == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    put_u32(rec, ASK_MAGIC);
+    put_u32(rec + 4, LANE_VERSION | (checked ? 1u << 16 : 0u));
+    put_u32(rec + 8, (uint32_t)n);
+    put_u32(rec + 12, first);
+    put_u64(rec + 16, prefill);
+    put_u64(rec + 24, decode);
+    put_u64(rec + 32, ask_id);
+    put_u64(rec + 40, token);
+    put_u64(rec + 48, slot);
+    memcpy(rec + 56, hk, 16);
+    memcpy(rec + ASK_HEADER, view.buf, 8 * n);
+    put_u64(rec + len - 8, siphash24(mac_key, rec, len - 8));
+    ssize_t sent = send(fd, rec, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    int error = errno;
+    free(rec);
+    if (sent != (ssize_t)len) {
+        errno = sent < 0 ? error : EMSGSIZE;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyObject *lane_answers(PyObject *self, PyObject *arg) {
+    (void)self;
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    int ended = 0;
+    unsigned char in[ANSWER_NBYTES + 1];
+    for (;;) {
+        ssize_t got = recv((int)fd, in, sizeof in, MSG_DONTWAIT);
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            break;
+        }
+        if (got <= 0) {
+            ended = 1; /* the prefill engine closed the lane, or is gone */
+            break;
+        }
+        if (got != ANSWER_NBYTES || get_u32(in) != ANSWER_MAGIC) {
+            ended = 1; /* not a lane: trust nothing more from it */
+            break;
+        }
+        PyObject *item = Py_BuildValue("(KIKKKKKK)", load64(in + 8), get_u32(in + 4), load64(in + 16), load64(in + 24),
+                                       load64(in + 32), load64(in + 40), load64(in + 48), load64(in + 56));
+        if (item == NULL || PyList_Append(out, item) != 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    PyObject *result = Py_BuildValue("(Oi)", out, ended);
+    Py_DECREF(out);
+    return result;
+}
+
+static PyObject *lane_siphash(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *key;
+    Py_buffer data;
+    unsigned char k[16];
+    if (!PyArg_ParseTuple(args, "Sy*", &key, &data)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (take_key(key, k) == 0) {
+        result = PyLong_FromUnsignedLongLong(siphash24(k, data.buf, (size_t)data.len));
+    }
+    PyBuffer_Release(&data);
+    return result;
+}
+
+PyMethodDef kvray_lane_functions[] = {
+    {"lane_ask", lane_ask, METH_VARARGS, "Send a lane ask (one record, MAC'd) on a connected lane socket."},
+    {"lane_answers", lane_answers, METH_O, "Every answer waiting on a lane socket, and whether it ended."},
+    {"lane_siphash", lane_siphash, METH_VARARGS, "SipHash-2-4 of bytes under a 16-byte key (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int kvray_lane_add_types(PyObject *module) {
+    if (PyType_Ready(&LaneType) < 0) {
+        return -1;
+    }
+    Py_INCREF(&LaneType);
+    if (PyModule_AddObject(module, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(&LaneType);
+        return -1;
+    }
+    return PyModule_AddFunctions(module, kvray_lane_functions);
+}

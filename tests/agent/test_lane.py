@@ -1,0 +1,289 @@
+"""The hand-off's native lane (`kvray.agent.lane`): routine loads between two connector workers
+of one deployment go through it and land exactly; forged, stale and ill-fitting asks are
+answered (or dropped) without a byte written; a prefill engine gone fails its asks."""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvray.agent.handoff import HandoffStep, LoadSpec, SendSpec
+from kvray.agent.lane import Answer, hold_key, lane_path
+from kvray.config import Settings
+from kvray.integrations.vllm.tickets import HandoffKey
+from kvray.integrations.vllm.worker import ConnectorWorker
+from kvray.notice.claims import _lock
+from kvray.notice.local import PUSH_ENDPOINT
+from kvray.wire import Role
+
+pytest.importorskip("kvray._copy_pool")
+from kvray._copy_pool import lane_ask
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 4
+LAYERS = 3
+KEY = HandoffKey(bytes(range(32)))
+#: What fills every block no hand-off writes (a canary).
+CANARY = -7.0
+
+
+def caches(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    per_layer = NUM_BLOCKS * 2 * BLOCK_SIZE * 8
+    flat = buffer.view(torch.float16)
+    return {
+        f"layer.{index}": flat[index * per_layer : (index + 1) * per_layer].view(
+            NUM_BLOCKS, 2, BLOCK_SIZE, 2, 4
+        )
+        for index in range(LAYERS)
+    }
+
+
+def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[ConnectorWorker, ConnectorWorker]:
+    settings = Settings(shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=transfer_timeout_s)
+    prefill = ConnectorWorker("lane-p", Role.DECODE, settings, lease_s=30.0, proof=KEY)
+    decode = ConnectorWorker("lane-d", Role.DECODE, settings, lease_s=30.0, proof=KEY)
+    nbytes = LAYERS * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
+    for worker in (prefill, decode):
+        with worker.allocation_context():
+            buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
+        worker.register(caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
+    return prefill, decode
+
+
+def fill(worker: ConnectorWorker, values: dict[int, float]) -> None:
+    for index, view in enumerate(worker.agent.backing.views.values()):
+        for block, value in values.items():
+            view[block].fill_(value + 16 * index)
+
+
+def values(worker: ConnectorWorker, block: int) -> list[set[float]]:
+    return [set(view[block].float().unique().tolist()) for view in worker.agent.backing.views.values()]
+
+
+def load(prefill: ConnectorWorker, request_id: str, key: str, blocks: tuple[int, ...]) -> LoadSpec:
+    info = prefill.info
+    return LoadSpec(
+        request_id,
+        info.engine_id,
+        info.incarnation,
+        key,
+        info.node_id,
+        info.endpoints[PUSH_ENDPOINT],
+        (blocks,),
+        0,
+    )
+
+
+def hold(prefill: ConnectorWorker, request_id: str, key: str, blocks: tuple[int, ...]) -> None:
+    prefill.begin(HandoffStep(sends={request_id: SendSpec(request_id, (blocks,), key=key)}))
+
+
+def received(worker: ConnectorWorker, request_id: str, seconds: float = 20.0) -> bool:
+    """Whether `request_id` arrived whole (False: it was reported failed)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _, got, _, failed = worker.finished()
+        if request_id in got:
+            return request_id not in failed
+        time.sleep(0.002)
+    raise AssertionError(f"{request_id} was not reported within {seconds} s")
+
+
+def lane_holds(prefill: ConnectorWorker) -> int:
+    lane = prefill.agent._pusher.lane
+    return 0 if lane is None else lane.holds
+
+
+def warm_up(prefill: ConnectorWorker, decode: ConnectorWorker) -> None:
+    """Hand-offs the usual way until the prefill engine's lane has paired with the decode
+    engine (the first push pairs them; one that beats the lane's opening, the next)."""
+    for round_ in range(5):
+        hold(prefill, f"warm-p-{round_}", f"warm-{round_}", (0,))
+        decode.begin(
+            HandoffStep(loads={f"warm-d-{round_}": load(prefill, f"warm-d-{round_}", f"warm-{round_}", (0,))})
+        )
+        assert received(decode, f"warm-d-{round_}")
+        lane = prefill.agent._pusher.lane
+        if lane is not None and lane._pairs:
+            time.sleep(0.1)  # past the decode engine's pause after asks its lane did not take
+            return
+    raise AssertionError("the engines never paired")
+
+
+def until(condition: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_routine_loads_go_through_the_lane_and_land_exactly(tmp_path: Path) -> None:
+    prefill, decode = pair(tmp_path)
+    try:
+        warm_up(prefill, decode)  # the first push pairs the engines the usual way
+        fill(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        for round_ in range(12):
+            source = (round_ % 5, 5 + round_ % 3)
+            target = (10 + round_ % 2, 13 - round_ % 2)
+            fill(prefill, {source[0]: 1.0 + round_, source[1]: 2.0 + round_})
+            key = f"h-{round_}"
+            hold(prefill, f"p-{round_}", key, source)
+            until(lambda: lane_holds(prefill) == 1)
+            decode.begin(HandoffStep(loads={f"d-{round_}": load(prefill, f"d-{round_}", key, target)}))
+            assert received(decode, f"d-{round_}")
+            for src, dst in zip(source, target, strict=True):
+                assert values(decode, dst) == values(prefill, src)
+            for block in set(range(NUM_BLOCKS)) - {10, 11, 12, 13}:
+                assert values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+            for block in target:  # ready for the next round's check
+                fill(decode, {block: CANARY})
+        lane = decode._lane
+        assert lane is not None and not decode._lane_asks
+        assert lane.moved >= 11  # every round through the lane (one may meet its pause after warm-up)
+        assert lane_holds(prefill) == 0
+        # Every slot the lane took is closed again: the board has all of them free.
+        board = decode.agent._receiving.board
+        assert board is not None and len(board._free) == board.slots
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def raw_ask(
+    prefill: ConnectorWorker,
+    decode: ConnectorWorker,
+    handoff: str,
+    blocks: list[int],
+    *,
+    key: bytes | None = None,
+    prefill_incarnation: int | None = None,
+    token: int = 5,
+    slot: int = 0,
+) -> tuple[list[tuple[int, ...]], bool]:
+    """One ask sent by hand through the prefill engine's lane, and what came back."""
+    info = prefill.info
+    path = lane_path(info.endpoints[PUSH_ENDPOINT])
+    d = decode.agent
+    mac_key = key or KEY.lane_key(info.engine_id, info.incarnation, d.engine_id, d.incarnation)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(path)
+        ids = np.array(blocks, dtype=np.int64)
+        incarnation = info.incarnation if prefill_incarnation is None else prefill_incarnation
+        lane_ask(
+            sock.fileno(),
+            mac_key,
+            incarnation,
+            d.incarnation,
+            hold_key(handoff),
+            token,
+            slot,
+            0,
+            1,
+            ids,
+            True,
+        )
+        sock.settimeout(2.0)
+        try:
+            answer = sock.recv(1024)
+        except TimeoutError:
+            return [], False
+        if not answer:
+            return [], True
+        _magic, status, *rest = struct.unpack("<IIQQQQQQQ", answer)
+        return [(rest[0], status, *rest[1:])], False
+
+
+def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None:
+    prefill, decode = pair(tmp_path)
+    try:
+        fill(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        fill(prefill, {1: 3.0, 2: 4.0})
+        warm_up(prefill, decode)
+        fill(decode, {0: CANARY})
+        hold(prefill, "p-1", "h-1", (1, 2))
+        until(lambda: lane_holds(prefill) == 1)
+        board = decode.agent._receiving.board
+        assert board is not None
+        token = 77
+        slot = board.open(token)
+
+        def answer_of(**kwargs: object) -> Answer | None:
+            answers, _ = raw_ask(prefill, decode, kwargs.pop("handoff", "h-1"), **kwargs)  # type: ignore[arg-type]
+            return Answer(answers[0][1]) if answers else None
+
+        # A MAC under another key: no answer, the connection closed, the hold still there.
+        assert answer_of(blocks=[6, 7], key=bytes(16), token=token, slot=slot) is None
+        # Another incarnation of the prefill engine; a hold it does not have.
+        assert (
+            answer_of(
+                blocks=[6, 7], prefill_incarnation=prefill.agent.incarnation + 1, token=token, slot=slot
+            )
+            is Answer.STALE
+        )
+        assert answer_of(handoff="h-nothing", blocks=[6, 7], token=token, slot=slot) is Answer.NOT_HELD
+        # Ids outside the decode pool, repeated, or more than the hold has.
+        for blocks in ([6, NUM_BLOCKS], [6, 6], [6, 7, 8], [-1, 7]):
+            assert answer_of(blocks=blocks, token=token, slot=slot) is Answer.REFUSED
+        # The slot under another token; a slot the engine holds while closing it.
+        assert answer_of(blocks=[6, 7], token=token + 1, slot=slot) is Answer.NOT_OPEN
+        assert _lock(board._fd, fcntl.F_WRLCK, slot)
+        try:
+            assert answer_of(blocks=[6, 7], token=token, slot=slot) is Answer.CLOSING
+        finally:
+            _lock(board._fd, fcntl.F_UNLCK, slot)
+        for block in range(NUM_BLOCKS):
+            assert values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+        assert lane_holds(prefill) == 1  # every refusal gave the hold back
+        # The right ask takes it, once.
+        assert answer_of(blocks=[6, 7], token=token, slot=slot) is Answer.DONE
+        assert values(decode, 6) == values(prefill, 1) and values(decode, 7) == values(prefill, 2)
+        assert answer_of(blocks=[8, 9], token=token, slot=slot) is Answer.NOT_HELD
+        assert board.try_close(slot)
+        sent: set[str] = set()
+        until(lambda: sent.update(prefill.finished()[0]) or "p-1" in sent)  # its blocks go back
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prefill_engine_gone_fails_its_loads_at_once_and_frees_the_slots(tmp_path: Path) -> None:
+    prefill, decode = pair(tmp_path, transfer_timeout_s=30.0)
+    try:
+        fill(prefill, {1: 3.0})
+        warm_up(prefill, decode)
+        for round_ in range(2):
+            hold(prefill, f"p-{round_}", f"h-{round_}", (1,))
+            until(lambda: lane_holds(prefill) == 1)
+            decode.begin(
+                HandoffStep(loads={f"d-{round_}": load(prefill, f"d-{round_}", f"h-{round_}", (3,))})
+            )
+            assert received(decode, f"d-{round_}")
+        info = prefill.info
+        prefill.shutdown()
+        started = time.monotonic()
+        spec = LoadSpec(
+            "d-2",
+            info.engine_id,
+            info.incarnation,
+            "h-2",
+            info.node_id,
+            info.endpoints[PUSH_ENDPOINT],
+            ((4,),),
+            0,
+        )
+        decode.begin(HandoffStep(loads={"d-2": spec}))
+        assert not received(decode, "d-2")
+        assert time.monotonic() - started < 10  # not the 30 s deadline
+        board = decode.agent._receiving.board
+        assert board is not None
+        until(lambda: len(board._free) == board.slots)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
