@@ -46,7 +46,9 @@ def caches(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[ConnectorWorker, ConnectorWorker]:
-    settings = Settings(shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=transfer_timeout_s)
+    settings = Settings(
+        shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=transfer_timeout_s, native_lane=True
+    )
     prefill = ConnectorWorker("lane-p", Role.DECODE, settings, lease_s=30.0, proof=KEY)
     decode = ConnectorWorker("lane-d", Role.DECODE, settings, lease_s=30.0, proof=KEY)
     nbytes = LAYERS * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2

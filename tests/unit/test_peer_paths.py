@@ -16,6 +16,7 @@ from kvray.errors import MetadataError, TransportError
 from kvray.owned import (
     BOARD_NAME,
     INBOX_NAME,
+    LANE_NAME,
     PeerPath,
     create_owned_file,
     create_owned_folder,
@@ -33,6 +34,11 @@ def _make(kind: PeerPath, shm_dir: Path) -> tuple[str, list[socket.socket]]:
         path = os.path.join(folder, BOARD_NAME)
         Path(path).write_bytes(b"\0" * 16)
         return path, []
+    if kind is PeerPath.LANE:
+        path = os.path.join(folder, LANE_NAME)
+        lane = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        lane.bind(path)
+        return path, [lane]
     path = os.path.join(folder, INBOX_NAME)
     inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     inbox.bind(path)
@@ -55,7 +61,7 @@ def test_an_entry_kvray_made_opens(entry: tuple[PeerPath, str, Path]) -> None:
     kind, path, shm_dir = entry
     fd = open_peer(path, kind, str(shm_dir))
     try:
-        wanted = stat.S_ISSOCK if kind is PeerPath.INBOX else stat.S_ISREG
+        wanted = stat.S_ISSOCK if kind in (PeerPath.INBOX, PeerPath.LANE) else stat.S_ISREG
         assert wanted(os.fstat(fd).st_mode)
     finally:
         os.close(fd)

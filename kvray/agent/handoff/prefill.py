@@ -226,7 +226,7 @@ class PrefillSide(Side):
         if not self._lane_tried:
             self._lane_tried = True
             proof = self.wiring.proof
-            if proof is None or self.agent.layout.tp.size != 1:
+            if proof is None or not self.settings.native_lane or self.agent.layout.tp.size != 1:
                 return None
             agent = self.agent
             lane = agent.open_lane(
