@@ -30,6 +30,7 @@ it, before the blocks are reported), and a prefill engine seen gone fails its as
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import hashlib
@@ -279,8 +280,9 @@ class DecodeLane:
         self._keys: dict[tuple[str, int], bytes] = {}
         self._closing: list[LaneAsk] = []
         self._next_id = 0
-        #: Loads that came whole through a lane.
+        #: Loads that came whole through a lane, and how lanes answered asks.
         self.moved = 0
+        self.answers: collections.Counter[Answer] = collections.Counter()
 
     def usable(self, prefill: tuple[str, int]) -> bool:
         until = self._not_before.get(prefill)
@@ -389,6 +391,7 @@ class DecodeLane:
         self, asked: LaneAsk, answer: Answer, placement: int, content: int, reference: int, flags: int
     ) -> None:
         asked.answer = answer
+        self.answers[answer] += 1
         asked.seconds = time.monotonic() - asked.asked
         if asked.cancelled:
             asked.failed = False

@@ -47,7 +47,11 @@ def caches(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[ConnectorWorker, ConnectorWorker]:
     settings = Settings(
-        shm_dir=str(tmp_path), notify_timeout_s=5.0, transfer_timeout_s=transfer_timeout_s, native_lane=True
+        shm_dir=str(tmp_path),
+        notify_timeout_s=5.0,
+        transfer_timeout_s=transfer_timeout_s,
+        native_lane=True,
+        integrity_sample_rate=0.0,  # a sampled request goes the usual way
     )
     prefill = ConnectorWorker("lane-p", Role.DECODE, settings, lease_s=30.0, proof=KEY)
     decode = ConnectorWorker("lane-d", Role.DECODE, settings, lease_s=30.0, proof=KEY)
@@ -148,7 +152,7 @@ def test_routine_loads_go_through_the_lane_and_land_exactly(tmp_path: Path) -> N
                 fill(decode, {block: CANARY})
         lane = decode._lane
         assert lane is not None and not decode._lane_asks
-        assert lane.moved >= 11  # every round through the lane (one may meet its pause after warm-up)
+        assert lane.moved == 12  # every round through the lane
         assert lane_holds(prefill) == 0
         # Every slot the lane took is closed again: the board has all of them free.
         board = decode.agent._receiving.board
@@ -286,6 +290,43 @@ def test_a_prefill_engine_gone_fails_its_loads_at_once_and_frees_the_slots(tmp_p
         board = decode.agent._receiving.board
         assert board is not None
         until(lambda: len(board._free) == board.slots)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_executor_that_stores_elsewhere_and_a_block_rewritten_after_its_hold_fail_closed(
+    tmp_path: Path,
+) -> None:
+    from kvray._copy_pool import set_executor_fault
+
+    prefill, decode = pair(tmp_path)
+    try:
+        warm_up(prefill, decode)
+        fill(prefill, {1: 3.0, 3: 5.0, 4: 6.0})
+        lane = decode._lane
+        assert lane is not None
+        moved, done = lane.moved, lane.answers[Answer.DONE]
+        # The lane's copy stores its last op over the one before, under a correct plan: its
+        # placement digest says so, and the load fails.
+        hold(prefill, "p-1", "h-1", (1, 3))
+        until(lambda: lane_holds(prefill) == 1)
+        set_executor_fault(True)
+        try:
+            decode.begin(HandoffStep(loads={"d-1": load(prefill, "d-1", "h-1", (5, 9))}))
+            assert not received(decode, "d-1")
+        finally:
+            set_executor_fault(False)
+        # A block written again after its digests were held: the copy's content digest differs
+        # from the held one, and the load fails.
+        hold(prefill, "p-2", "h-2", (3, 4))
+        until(lambda: lane_holds(prefill) == 1)
+        fill(prefill, {4: 9.0})
+        decode.begin(HandoffStep(loads={"d-2": load(prefill, "d-2", "h-2", (6, 7))}))
+        assert not received(decode, "d-2")
+        assert lane.answers[Answer.DONE] == done + 2  # both copied through the lane ...
+        assert lane.moved == moved  # ... and neither taken
+        assert lane.waiting == 0 and not decode._lane_asks
     finally:
         prefill.shutdown()
         decode.shutdown()
