@@ -15,6 +15,8 @@ with its bytes.
 
 `--device cpu` runs the same hand-off over CPU caches (the decode engine's in a shared-memory
 file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
+There routine hand-offs take the prefill engine's native lane (`kvray.agent.lane`); `--lane both`
+runs each length without it first, then with it, as the baseline of the same run.
 
 Per prompt length:
 - `one request`: the prefill engine holds the request; the decode engine's step hands over the
@@ -25,9 +27,11 @@ Per prompt length:
 Ratios are the copy's time over the hand-off's (1.0: as fast as the copy), medians over the
 repeats. Every hand-off's blocks are compared by GPU digests afterwards: a wrong byte fails.
 Host CPU per hand-off: the CPU time of each engine's kvray event-loop thread over the timed
-hand-offs of a kind (the prefill side's hold of each included), divided by their number; the copy's
-threads (on the CPU) and the engine's own thread are not in it. A shared machine's noise moves
-it far less than it moves times on the wall clock.
+hand-offs of a kind (the prefill side's hold of each included), divided by their number; with the
+native lane also the decode engine's own thread inside kvray's calls (`begin`, `finished`) and
+the prefill engine's lane thread (which copies a request of up to 4 MiB itself); the copy pool's
+threads are not in it. A shared machine's noise moves it far less than it moves times on the
+wall clock.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Engine:
         device: str = "cuda",
         layers: int = LAYERS,
         block_size: int = BLOCK_SIZE,
+        lane: bool = True,
     ) -> None:
         from connector_actors import VllmGpuWorker
 
@@ -75,9 +80,10 @@ class Engine:
         from tests.vllm_layouts import CacheShape
 
         shape = CacheShape(layers, num_blocks, block_size, 1, 576, torch.bfloat16)
-        settings = Settings(transfer_timeout_s=60.0, max_concurrent_transfers=STREAM)
+        settings = Settings(transfer_timeout_s=60.0, max_concurrent_transfers=STREAM, native_lane=lane)
         self.device = device
         self.engine = VllmGpuWorker(engine_id, "LBNHC", shape, settings, producer=producer, device=device)
+        self._engine_thread_s = 0.0
 
     def kvray_file(self) -> str:
         import kvray
@@ -92,9 +98,22 @@ class Engine:
         self._loop_clock = time.pthread_getcpuclockid(loop.run(_thread_ident()))
         return registered
 
-    def loop_cpu(self) -> float:
-        """CPU seconds kvray's event-loop thread of this engine has run so far."""
-        return time.clock_gettime(self._loop_clock)
+    def loop_cpu(self) -> tuple[float, float, float]:
+        """CPU seconds this engine's kvray has run so far: its event-loop thread, the engine's
+        own thread inside kvray's calls (`begin`, `finished`) and the native lane's thread."""
+        lane = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as comm:
+                    if comm.read().strip() != "kvray-lane":
+                        continue
+                with open(f"/proc/self/task/{task}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                lane += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            except OSError:
+                continue
+        return time.clock_gettime(self._loop_clock), self._engine_thread_s, lane
 
     def setup_fill(self, seed: int) -> None:
         self.engine.fill(seed)
@@ -114,9 +133,13 @@ class Engine:
             loads = load_specs(prefill, [(key, key, blocks) for key, blocks in batch])
             waiting = set(loads)
             started = time.perf_counter()
+            cpu = time.thread_time()
             worker.begin(HandoffStep(loads=loads))
+            self._engine_thread_s += time.thread_time() - cpu
             while waiting:
+                cpu = time.thread_time()
                 _, received, _, failed = worker.finished()
+                self._engine_thread_s += time.thread_time() - cpu
                 if failed & waiting:
                     raise RuntimeError(f"hand-offs failed: {sorted(failed & waiting)}")
                 waiting -= received
@@ -173,6 +196,7 @@ def run(
     layers: int = LAYERS,
     block_size: int = BLOCK_SIZE,
     pool: int = 0,
+    lane: bool = True,
 ) -> dict[str, Any]:
     import random
 
@@ -184,8 +208,8 @@ def run(
     # reused once a hand-off into them is reported (as vLLM reuses them).
     num_blocks = max(pool, per_request * STREAM)
     shape = (layers, block_size)
-    prefill = remote.remote(f"bench-p-{tokens}", num_blocks, True, breakdown, device, *shape)
-    decode = remote.remote(f"bench-d-{tokens}", num_blocks, False, breakdown, device, *shape)
+    prefill = remote.remote(f"bench-p-{tokens}", num_blocks, True, breakdown, device, *shape, lane)
+    decode = remote.remote(f"bench-d-{tokens}", num_blocks, False, breakdown, device, *shape, lane)
     p_info, _ = ray.get([prefill.setup.remote(1), decode.setup.remote(2)])
     kvray_file = ray.get(decode.kvray_file.remote())
     nbytes = per_request * layers * block_size * 576 * 2
@@ -218,12 +242,20 @@ def run(
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 
-    def loop_cpu() -> list[float]:
+    def loop_cpu() -> list[tuple[float, float, float]]:
         return list(ray.get([prefill.loop_cpu.remote(), decode.loop_cpu.remote()]))
 
-    def per_handoff_us(before: list[float], after: list[float], count: int) -> dict[str, float]:
-        prefill_s, decode_s = (end - start for start, end in zip(before, after, strict=True))
-        return {"prefill_us": prefill_s / count * 1e6, "decode_us": decode_s / count * 1e6}
+    def per_handoff_us(
+        before: list[tuple[float, float, float]], after: list[tuple[float, float, float]], count: int
+    ) -> dict[str, float]:
+        (p0, _, lane0), (d0, engine0, _) = before
+        (p1, _, lane1), (d1, engine1, _) = after
+        return {
+            "prefill_us": (p1 - p0) / count * 1e6,
+            "decode_us": (d1 - d0) / count * 1e6,
+            "decode_engine_us": (engine1 - engine0) / count * 1e6,
+            "prefill_lane_us": (lane1 - lane0) / count * 1e6,
+        }
 
     ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
     handoffs(singles[:2])  # warm-ups (a pair's first hand-off maps, plans and caches)
@@ -253,6 +285,7 @@ def run(
     copy_s = statistics.median(copy)
     return {
         "tokens": tokens,
+        "lane": lane,
         "nbytes": nbytes,
         "device_copy": summary(copy),
         "one_request": summary(one),
@@ -283,6 +316,12 @@ def main() -> int:
     parser.add_argument(
         "--pool", type=int, default=0, help="blocks of each engine's cache (default: one stream's)"
     )
+    parser.add_argument(
+        "--lane",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the native lane (Settings.native_lane; CPU caches only); both: each length without, then with",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
         "--breakdown", action="store_true", help="also time the hand-off's steps (kvray.bench.step_times)"
@@ -306,7 +345,12 @@ def main() -> int:
         ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_cpus=1)(Engine) if cpu else ray.remote(num_gpus=0.5)(Engine)
     shape = (args.layers, args.block_size, args.pool)
-    results = [run(count, args.repeat, remote, args.breakdown, args.device, *shape) for count in tokens]
+    lanes = {"on": [True], "off": [False], "both": [False, True]}[args.lane]
+    results = [
+        run(count, args.repeat, remote, args.breakdown, args.device, *shape, lane)
+        for count in tokens
+        for lane in lanes
+    ]
     ray.shutdown()
     device = f"CPU ({os.cpu_count()} cores)" if cpu else torch.cuda.get_device_name(0)
     pool = args.pool or "a stream's"
@@ -315,20 +359,48 @@ def main() -> int:
         cache = f"MLA cache of {args.layers} layers, {args.block_size} tokens a block, {pool} blocks"
     print(f"kvray connector hand-off on one {device}, {cache}, {args.repeat} runs each")
     print(f"kvray from {results[0]['kvray']}")
-    print(f"{'tokens':>7} {'MiB':>6} {'copy ms':>8} {'one ms':>8} {'one x':>6} {'16 ms':>8} {'16 x':>6}")
+    header = (
+        "tokens",
+        "lane",
+        "MiB",
+        "copy ms",
+        "one ms",
+        "one min-max",
+        "one x",
+        "16 ms",
+        "16 min-max",
+        "16 x",
+    )
+    print("{:>7} {:>4} {:>6} {:>8} {:>8} {:>13} {:>6} {:>8} {:>15} {:>6}".format(*header))
     for row in results:
+        one, many = row["one_request"], row["stream_of_16"]
         print(
-            f"{row['tokens']:>7} {row['nbytes'] / 2**20:>6.0f} {row['device_copy']['median_ms']:>8.3f} "
-            f"{row['one_request']['median_ms']:>8.3f} {row['one_request_ratio']:>6.2f} "
-            f"{row['stream_of_16']['median_ms']:>8.3f} {row['stream_ratio']:>6.2f}"
+            "{:>7} {:>4} {:>6.0f} {:>8.3f} {:>8.3f} {:>13} {:>6.2f} {:>8.3f} {:>15} {:>6.2f}".format(
+                row["tokens"],
+                "on" if row["lane"] and cpu else "off",
+                row["nbytes"] / 2**20,
+                row["device_copy"]["median_ms"],
+                one["median_ms"],
+                f"{one['min_ms']:.2f}-{one['max_ms']:.2f}",
+                row["one_request_ratio"],
+                many["median_ms"],
+                f"{many['min_ms']:.2f}-{many['max_ms']:.2f}",
+                row["stream_ratio"],
+            )
         )
-    print("host CPU per hand-off (us): kvray's event-loop thread of each engine, the prefill's hold included")
+    print(
+        "host CPU per hand-off (us): kvray's event-loop thread of each engine (the prefill's hold "
+        "included), the prefill's lane thread, the decode engine's own thread in kvray's calls"
+    )
     for row in results:
         one, many = row["one_request_loop_cpu"], row["stream_loop_cpu"]
+        lane = "on" if row["lane"] and cpu else "off"
         print(
-            f"{row['tokens']:>7} tokens: one request prefill {one['prefill_us']:.0f} + decode "
-            f"{one['decode_us']:.0f}; stream of 16 prefill {many['prefill_us']:.0f} + decode "
-            f"{many['decode_us']:.0f}"
+            f"{row['tokens']:>7} tokens, lane {lane}: one request prefill loop {one['prefill_us']:.0f} "
+            f"+ lane {one['prefill_lane_us']:.0f}, decode loop {one['decode_us']:.0f} + engine thread "
+            f"{one['decode_engine_us']:.0f}; stream of 16 prefill loop {many['prefill_us']:.0f} + lane "
+            f"{many['prefill_lane_us']:.0f}, decode loop {many['decode_us']:.0f} + engine thread "
+            f"{many['decode_engine_us']:.0f}"
         )
     for row in results:
         if row["one_request_steps_ms"]:

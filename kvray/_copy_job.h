@@ -62,6 +62,15 @@ job *kvray_job_new(int64_t count);
 /* Append a copy of `nbytes` from `src` to `dst` (hashed at source offset `hsrc`) in pieces of
  * at most `piece` bytes at op index `op`; the next free index. */
 int64_t kvray_job_add(job *j, int64_t op, int64_t dst, int64_t src, int64_t hsrc, int64_t nbytes, int64_t piece);
+/* A job copying, for every (row, block pair), a row's bytes of block local[i] to block remote[i]
+ * (`rows`: 5 columns of `num_rows`, source start and stride, destination start and stride,
+ * bytes), runs continuing each other at both ends merged, in pieces of at most `piece` bytes;
+ * every op checked against both regions' lengths first. NULL: *bad_row and *bad_pair say which
+ * op leaves a region (*bad_pair -1: the row has a negative length; both -1: out of memory).
+ * `nbytes` (may be NULL) gets the bytes it copies. */
+job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
+                    int64_t src_len, int64_t dst_len, int64_t piece, int64_t *nbytes, int64_t *bad_row,
+                    int64_t *bad_pair);
 /* Take the shared lock of claim slot `slot` of a board (its file `fd`, `slots` slots mapped at
  * `board`) and check it is open under `token`: 0 taken (held until every byte is in place), 1
  * the engine holds the slot, 2 the slot is not open under the token, else -errno. */

@@ -925,6 +925,68 @@ static int take_claim(job *j, PyObject *claim) {
     return taken;
 }
 
+job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
+                    int64_t src_len, int64_t dst_len, int64_t piece, int64_t *nbytes, int64_t *bad_row,
+                    int64_t *bad_pair) {
+    const int64_t *src_start = rows, *src_stride = src_start + num_rows;
+    const int64_t *dst_start = src_stride + num_rows, *dst_stride = dst_start + num_rows;
+    const int64_t *lengths = dst_stride + num_rows;
+    /* Every op inside both regions before a byte moves (the planner checked the same; this is
+     * the executor's own check, against the lengths it was given). */
+    int64_t count = 0, total = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        if (lengths[r] < 0) {
+            *bad_row = r;
+            return NULL;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int64_t from, to, from_end, to_end;
+            if (__builtin_mul_overflow(local[i], src_stride[r], &from) ||
+                __builtin_add_overflow(from, src_start[r], &from) ||
+                __builtin_mul_overflow(remote[i], dst_stride[r], &to) ||
+                __builtin_add_overflow(to, dst_start[r], &to) || __builtin_add_overflow(from, lengths[r], &from_end) ||
+                __builtin_add_overflow(to, lengths[r], &to_end) || from < 0 || to < 0 || from_end > src_len ||
+                to_end > dst_len) {
+                *bad_row = r;
+                *bad_pair = i;
+                return NULL;
+            }
+            count += (lengths[r] + piece - 1) / piece;
+            total += lengths[r];
+        }
+    }
+    job *j = kvray_job_new(count);
+    if (j == NULL) {
+        return NULL;
+    }
+    /* One op per (row, block pair), each continuing the previous one at both ends merged into
+     * it, then cut into pieces. */
+    int64_t op = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        int64_t run_from = 0, run_to = 0, run_n = 0;
+        for (int64_t i = 0; i <= n; i++) {
+            int64_t from = 0, to = 0;
+            if (i < n) {
+                from = src_start[r] + local[i] * src_stride[r];
+                to = dst_start[r] + remote[i] * dst_stride[r];
+                if (run_n > 0 && from == run_from + run_n && to == run_to + run_n) {
+                    run_n += lengths[r];
+                    continue;
+                }
+            }
+            op = kvray_job_add(j, op, run_to, run_from, run_from, run_n, piece);
+            run_from = from;
+            run_to = to;
+            run_n = i < n ? lengths[r] : 0;
+        }
+    }
+    j->count = op;
+    if (nbytes != NULL) {
+        *nbytes = total;
+    }
+    return j;
+}
+
 /* start_rows: see kvray/_copy_pool.pyi. */
 static PyObject *start_rows(PyObject *self, PyObject *args) {
     unsigned long long dst_base, src_base, salt = 0, pair_salt = 0;
@@ -949,64 +1011,26 @@ static PyObject *start_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t num_rows = (int64_t)(rows.len / 40), n = (int64_t)(ids.len / 16);
-    const int64_t *src_start = (const int64_t *)rows.buf, *src_stride = src_start + num_rows;
-    const int64_t *dst_start = src_stride + num_rows, *dst_stride = dst_start + num_rows;
-    const int64_t *lengths = dst_stride + num_rows;
     const int64_t *local = (const int64_t *)ids.buf, *remote = local + n;
-    /* Every op inside both regions before a byte moves (the planner checked the same; this is
-     * the executor's own check, against the lengths it was given). */
-    int64_t count = 0;
-    for (int64_t r = 0; r < num_rows; r++) {
-        if (lengths[r] < 0) {
-            PyErr_SetString(PyExc_ValueError, "start_rows got a row of negative length");
-            goto done;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            int64_t from, to, from_end, to_end;
-            if (__builtin_mul_overflow(local[i], src_stride[r], &from) ||
-                __builtin_add_overflow(from, src_start[r], &from) ||
-                __builtin_mul_overflow(remote[i], dst_stride[r], &to) ||
-                __builtin_add_overflow(to, dst_start[r], &to) || __builtin_add_overflow(from, lengths[r], &from_end) ||
-                __builtin_add_overflow(to, lengths[r], &to_end) || from < 0 || to < 0 || from_end > src_len ||
-                to_end > dst_len) {
-                PyErr_Format(PyExc_ValueError, "start_rows: row %lld of block pair %lld leaves a region",
-                             (long long)r, (long long)i);
-                goto done;
-            }
-            count += (lengths[r] + piece - 1) / piece;
-        }
-    }
-    j = new_job(count);
+    int64_t bad_row = -1, bad_pair = -1;
+    j = kvray_rows_job((const int64_t *)rows.buf, num_rows, local, remote, n, src_len, dst_len, piece, NULL,
+                       &bad_row, &bad_pair);
     if (j == NULL) {
+        if (bad_row < 0) {
+            PyErr_NoMemory();
+        } else if (bad_pair < 0) {
+            PyErr_SetString(PyExc_ValueError, "start_rows got a row of negative length");
+        } else {
+            PyErr_Format(PyExc_ValueError, "start_rows: row %lld of block pair %lld leaves a region",
+                         (long long)bad_row, (long long)bad_pair);
+        }
         goto done;
     }
-    /* One op per (row, block pair), each continuing the previous one at both ends merged into
-     * it, then cut into pieces. */
-    int64_t op = 0;
-    for (int64_t r = 0; r < num_rows; r++) {
-        int64_t run_from = 0, run_to = 0, run_n = 0;
-        for (int64_t i = 0; i <= n; i++) {
-            int64_t from = 0, to = 0;
-            if (i < n) {
-                from = src_start[r] + local[i] * src_stride[r];
-                to = dst_start[r] + remote[i] * dst_stride[r];
-                if (run_n > 0 && from == run_from + run_n && to == run_to + run_n) {
-                    run_n += lengths[r];
-                    continue;
-                }
-            }
-            op = kvray_job_add(j, op, run_to, run_from, run_from, run_n, piece);
-            run_from = from;
-            run_to = to;
-            run_n = i < n ? lengths[r] : 0;
-        }
-    }
-    j->count = op;
     j->salt = salt;
     j->content_on = content;
     j->seed = seed;
     j->pair_salt = pair_salt;
-    j->faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && op >= 2;
+    j->faulty = __atomic_load_n(&executor_fault, __ATOMIC_RELAXED) && j->count >= 2;
     j->dst = (char *)(uintptr_t)dst_base;
     j->src = (const char *)(uintptr_t)src_base;
     if (notice != Py_None && take_notice(j, notice) != 0) {

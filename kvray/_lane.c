@@ -406,60 +406,22 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
             goto give_back;
         }
     }
-    /* Every (row, block pair) op inside both regions before a byte moves. */
-    const int64_t *local = h->ids + first;
-    int64_t count = 0, nbytes = 0;
-    for (int64_t r = 0; r < p->num_rows; r++) {
-        const int64_t *row = p->rows;
-        int64_t src_start = row[r], src_stride = row[p->num_rows + r], dst_start = row[2 * p->num_rows + r];
-        int64_t dst_stride = row[3 * p->num_rows + r], length = row[4 * p->num_rows + r];
-        for (uint32_t i = 0; i < n; i++) {
-            int64_t from, to, from_end, to_end;
-            if (__builtin_mul_overflow(local[i], src_stride, &from) || __builtin_add_overflow(from, src_start, &from) ||
-                __builtin_mul_overflow(remote[i], dst_stride, &to) || __builtin_add_overflow(to, dst_start, &to) ||
-                __builtin_add_overflow(from, length, &from_end) || __builtin_add_overflow(to, length, &to_end) ||
-                from < 0 || to < 0 || length < 0 || from_end > l->src_len || to_end > p->dst_len) {
-                goto give_back;
-            }
-            count += (length + l->piece - 1) / l->piece;
-            nbytes += length;
-        }
-    }
-    j = kvray_job_new(count);
+    /* Every op inside both regions before a byte moves (the decode block ids came from the
+     * record, checked above; the hold's own ids were checked when it was held). */
+    int64_t nbytes = 0, bad_row = -1, bad_pair = -1;
+    j = kvray_rows_job(p->rows, p->num_rows, h->ids + first, remote, (int64_t)n, l->src_len, p->dst_len, l->piece,
+                       &nbytes, &bad_row, &bad_pair);
     if (j == NULL) {
-        status = LANE_BUSY;
+        status = bad_row < 0 ? LANE_BUSY : LANE_REFUSED;
         goto give_back;
     }
-    int64_t op = 0;
-    for (int64_t r = 0; r < p->num_rows; r++) {
-        const int64_t *row = p->rows;
-        int64_t src_start = row[r], src_stride = row[p->num_rows + r], dst_start = row[2 * p->num_rows + r];
-        int64_t dst_stride = row[3 * p->num_rows + r], length = row[4 * p->num_rows + r];
-        int64_t run_from = 0, run_to = 0, run_n = 0;
-        for (uint32_t i = 0; i <= n; i++) {
-            int64_t from = 0, to = 0;
-            if (i < n) {
-                from = src_start + local[i] * src_stride;
-                to = dst_start + remote[i] * dst_stride;
-                if (run_n > 0 && from == run_from + run_n && to == run_to + run_n) {
-                    run_n += length;
-                    continue;
-                }
-            }
-            op = kvray_job_add(j, op, run_to, run_from, run_from, run_n, l->piece);
-            run_from = from;
-            run_to = to;
-            run_n = i < n ? length : 0;
-        }
-    }
-    j->count = op;
     j->salt = p->salt;
     j->content_on = checked;
     j->seed = p->seed;
     j->pair_salt = p->pair_salt;
     j->dst = p->dst;
     j->src = l->src;
-    j->faulty = kvray_executor_fault() && op >= 2;
+    j->faulty = kvray_executor_fault() && j->count >= 2;
     struct stat file;
     if (fstat(p->file_fd, &file) != 0 || file.st_nlink == 0 || file.st_size < p->file_end) {
         status = LANE_GONE;

@@ -144,10 +144,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: request's KV is checked anyway while `integrity` is on; this adds a second, independent
     #: check of some, at the cost of reading every byte twice more.
     integrity_sample_rate: float = 0.01
-    #: Routine hand-offs between engines on one node through the prefill engine's native lane
-    #: (`kvray.agent.lane`: no Python on the prefill side, none of the agent's loop on the
-    #: decode side). Off until the vLLM tier has run with it; both engines need it on.
-    native_lane: bool = False
+    #: Routine hand-offs between engines of one deployment on one node through the prefill
+    #: engine's native lane (`kvray.agent.lane`: no Python on the prefill side, none of the
+    #: agent's event loop on the decode side); both engines need it on.
+    native_lane: bool = True
 
     def __post_init__(self) -> None:
         for name in ("alignment", "gpu_alignment"):

@@ -256,6 +256,13 @@ COMPLETIONS = MetricSpec(
     "Transfers a decode engine took as done (ok) or as failed by their writer (failed)",
     ("engine", "outcome"),
 )
+LANE_ASKS = MetricSpec(
+    "kvray_lane_asks",
+    MetricKind.COUNTER,
+    "Loads a decode engine asked through prefill engines' native lanes, by the lane's answer "
+    "(done, usual_way, refused, ...; none: the lane ended or the ask's deadline passed first)",
+    ("engine", "answer"),
+)
 LAYERWISE_PARTIAL = MetricSpec(
     "kvray_layerwise_partial",
     MetricKind.COUNTER,
@@ -396,6 +403,7 @@ METRICS: tuple[MetricSpec, ...] = (
     BLOCKS_IN_USE,
     BLOCKS_TOTAL,
     COMPLETIONS,
+    LANE_ASKS,
     LAYERWISE_PARTIAL,
     FAILURE_NOTICES,
     CLAIMS_REFUSED,
@@ -433,6 +441,7 @@ OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     INTEGRITY_SECONDS,
     BLOCKS_HELD,
     LEASES_EXPIRED,
+    LANE_ASKS,
 )
 
 #: Outcomes `kvray_failures` counts: rejected calls (backpressure, retried) and cancelled ones
@@ -772,6 +781,10 @@ class EngineMetrics:
         """A transfer taken as done: a completion and its bytes."""
         self._count(COMPLETIONS, (self.engine_id, "ok"))
         self._count(BYTES_RECEIVED, (self.engine_id, peer), nbytes)
+
+    def lane_ask(self, answer: str) -> None:
+        """A load asked through a native lane ended (`kvray.agent.lane.Answer`, lowercase)."""
+        self._count(LANE_ASKS, (self.engine_id, answer))
 
     def completion_failed(self) -> None:
         """A transfer its writer reported failed (`received`: one taken as done)."""

@@ -22,6 +22,7 @@ from kvray.integrations.vllm.worker import ConnectorWorker
 from kvray.notice.claims import _lock
 from kvray.notice.local import PUSH_ENDPOINT
 from kvray.wire import Role
+from tests.unit.test_vllm_worker import block_values, fill_blocks, load_from
 
 pytest.importorskip("kvray._copy_pool")
 from kvray._copy_pool import lane_ask
@@ -63,30 +64,6 @@ def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[Connector
     return prefill, decode
 
 
-def fill(worker: ConnectorWorker, values: dict[int, float]) -> None:
-    for index, view in enumerate(worker.agent.backing.views.values()):
-        for block, value in values.items():
-            view[block].fill_(value + 16 * index)
-
-
-def values(worker: ConnectorWorker, block: int) -> list[set[float]]:
-    return [set(view[block].float().unique().tolist()) for view in worker.agent.backing.views.values()]
-
-
-def load(prefill: ConnectorWorker, request_id: str, key: str, blocks: tuple[int, ...]) -> LoadSpec:
-    info = prefill.info
-    return LoadSpec(
-        request_id,
-        info.engine_id,
-        info.incarnation,
-        key,
-        info.node_id,
-        info.endpoints[PUSH_ENDPOINT],
-        (blocks,),
-        0,
-    )
-
-
 def hold(prefill: ConnectorWorker, request_id: str, key: str, blocks: tuple[int, ...]) -> None:
     prefill.begin(HandoffStep(sends={request_id: SendSpec(request_id, (blocks,), key=key)}))
 
@@ -113,7 +90,9 @@ def warm_up(prefill: ConnectorWorker, decode: ConnectorWorker) -> None:
     for round_ in range(5):
         hold(prefill, f"warm-p-{round_}", f"warm-{round_}", (0,))
         decode.begin(
-            HandoffStep(loads={f"warm-d-{round_}": load(prefill, f"warm-d-{round_}", f"warm-{round_}", (0,))})
+            HandoffStep(
+                loads={f"warm-d-{round_}": load_from(prefill, f"warm-d-{round_}", f"warm-{round_}", (0,))}
+            )
         )
         assert received(decode, f"warm-d-{round_}")
         lane = prefill.agent._pusher.lane
@@ -134,25 +113,26 @@ def test_routine_loads_go_through_the_lane_and_land_exactly(tmp_path: Path) -> N
     prefill, decode = pair(tmp_path)
     try:
         warm_up(prefill, decode)  # the first push pairs the engines the usual way
-        fill(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        fill_blocks(decode, {block: CANARY for block in range(NUM_BLOCKS)})
         for round_ in range(12):
             source = (round_ % 5, 5 + round_ % 3)
             target = (10 + round_ % 2, 13 - round_ % 2)
-            fill(prefill, {source[0]: 1.0 + round_, source[1]: 2.0 + round_})
+            fill_blocks(prefill, {source[0]: 1.0 + round_, source[1]: 2.0 + round_})
             key = f"h-{round_}"
             hold(prefill, f"p-{round_}", key, source)
             until(lambda: lane_holds(prefill) == 1)
-            decode.begin(HandoffStep(loads={f"d-{round_}": load(prefill, f"d-{round_}", key, target)}))
+            decode.begin(HandoffStep(loads={f"d-{round_}": load_from(prefill, f"d-{round_}", key, target)}))
             assert received(decode, f"d-{round_}")
             for src, dst in zip(source, target, strict=True):
-                assert values(decode, dst) == values(prefill, src)
+                assert block_values(decode, dst) == block_values(prefill, src)
             for block in set(range(NUM_BLOCKS)) - {10, 11, 12, 13}:
-                assert values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+                assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
             for block in target:  # ready for the next round's check
-                fill(decode, {block: CANARY})
+                fill_blocks(decode, {block: CANARY})
         lane = decode._lane
         assert lane is not None and not decode._lane_asks
         assert lane.moved == 12  # every round through the lane
+        until(lambda: decode.agent.stats.get("lane_asks_done", 0) >= 12)  # counted on the agent's loop
         assert lane_holds(prefill) == 0
         # Every slot the lane took is closed again: the board has all of them free.
         board = decode.agent._receiving.board
@@ -209,10 +189,10 @@ def raw_ask(
 def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None:
     prefill, decode = pair(tmp_path)
     try:
-        fill(decode, {block: CANARY for block in range(NUM_BLOCKS)})
-        fill(prefill, {1: 3.0, 2: 4.0})
+        fill_blocks(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        fill_blocks(prefill, {1: 3.0, 2: 4.0})
         warm_up(prefill, decode)
-        fill(decode, {0: CANARY})
+        fill_blocks(decode, {0: CANARY})
         hold(prefill, "p-1", "h-1", (1, 2))
         until(lambda: lane_holds(prefill) == 1)
         board = decode.agent._receiving.board
@@ -245,11 +225,13 @@ def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None
         finally:
             _lock(board._fd, fcntl.F_UNLCK, slot)
         for block in range(NUM_BLOCKS):
-            assert values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+            assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
         assert lane_holds(prefill) == 1  # every refusal gave the hold back
         # The right ask takes it, once.
         assert answer_of(blocks=[6, 7], token=token, slot=slot) is Answer.DONE
-        assert values(decode, 6) == values(prefill, 1) and values(decode, 7) == values(prefill, 2)
+        assert block_values(decode, 6) == block_values(prefill, 1) and block_values(
+            decode, 7
+        ) == block_values(prefill, 2)
         assert answer_of(blocks=[8, 9], token=token, slot=slot) is Answer.NOT_HELD
         assert board.try_close(slot)
         sent: set[str] = set()
@@ -262,13 +244,13 @@ def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None
 def test_a_prefill_engine_gone_fails_its_loads_at_once_and_frees_the_slots(tmp_path: Path) -> None:
     prefill, decode = pair(tmp_path, transfer_timeout_s=30.0)
     try:
-        fill(prefill, {1: 3.0})
+        fill_blocks(prefill, {1: 3.0})
         warm_up(prefill, decode)
         for round_ in range(2):
             hold(prefill, f"p-{round_}", f"h-{round_}", (1,))
             until(lambda: lane_holds(prefill) == 1)
             decode.begin(
-                HandoffStep(loads={f"d-{round_}": load(prefill, f"d-{round_}", f"h-{round_}", (3,))})
+                HandoffStep(loads={f"d-{round_}": load_from(prefill, f"d-{round_}", f"h-{round_}", (3,))})
             )
             assert received(decode, f"d-{round_}")
         info = prefill.info
@@ -303,7 +285,7 @@ def test_an_executor_that_stores_elsewhere_and_a_block_rewritten_after_its_hold_
     prefill, decode = pair(tmp_path)
     try:
         warm_up(prefill, decode)
-        fill(prefill, {1: 3.0, 3: 5.0, 4: 6.0})
+        fill_blocks(prefill, {1: 3.0, 3: 5.0, 4: 6.0})
         lane = decode._lane
         assert lane is not None
         moved, done = lane.moved, lane.answers[Answer.DONE]
@@ -313,7 +295,7 @@ def test_an_executor_that_stores_elsewhere_and_a_block_rewritten_after_its_hold_
         until(lambda: lane_holds(prefill) == 1)
         set_executor_fault(True)
         try:
-            decode.begin(HandoffStep(loads={"d-1": load(prefill, "d-1", "h-1", (5, 9))}))
+            decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", "h-1", (5, 9))}))
             assert not received(decode, "d-1")
         finally:
             set_executor_fault(False)
@@ -321,8 +303,8 @@ def test_an_executor_that_stores_elsewhere_and_a_block_rewritten_after_its_hold_
         # from the held one, and the load fails.
         hold(prefill, "p-2", "h-2", (3, 4))
         until(lambda: lane_holds(prefill) == 1)
-        fill(prefill, {4: 9.0})
-        decode.begin(HandoffStep(loads={"d-2": load(prefill, "d-2", "h-2", (6, 7))}))
+        fill_blocks(prefill, {4: 9.0})
+        decode.begin(HandoffStep(loads={"d-2": load_from(prefill, "d-2", "h-2", (6, 7))}))
         assert not received(decode, "d-2")
         assert lane.answers[Answer.DONE] == done + 2  # both copied through the lane ...
         assert lane.moved == moved  # ... and neither taken

@@ -44,6 +44,11 @@ and the agent opens and publishes those mailboxes as it starts. Each push reques
 so a prefill engine starts pushing the first of a step's requests while the decode engine still
 reserves the next. Releases come from the engine's scheduler (`HandoffStep.released`), not from a peer.
 
+Routine hand-offs on one node may skip both event loops through the prefill engine's native
+lane (`kvray.agent.lane`, `Settings.native_lane`): the decode engine asks from its own thread, a C
+thread of the prefill engine pushes; the prefill side here offers it each hold once its digests
+are taken, and takes a hold back from it before anything else ends or pushes the request.
+
 A hand-off id whose request is gone (pushed, dropped, released, withdrawn, or its lease ended)
 is spent for a lease: push requests and holds under it are refused at once, so a second request
 under one id never replaces the first. An engine integration builds a `Handoff` over its agent

@@ -46,6 +46,11 @@ workers carry a proof (an HMAC under the key over the hand-off), and one without
     proxy -> P    only if D refused the request: the ticket back with kvray_release; P frees
                   the held blocks at once
 
+On one node, once a pair of engines has handed off one request the usual way, routine requests
+take the prefill engine's native lane (`kvray.agent.lane`, `native_lane`): D's worker asks from
+vLLM's thread, a C thread of P checks the ask and copies, and D's `get_finished` reads the answer;
+neither engine's event loop runs for it.
+
 The scheduler's lines are `scheduler.ConnectorScheduler`, which hands each step's decisions to
 the workers as `metadata.KvrayMetadata`. The workers' lines are `kvray.agent.handoff.Handoff`
 (the same for any engine integration); `worker.ConnectorWorker` hands it each step's decisions

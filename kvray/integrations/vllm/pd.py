@@ -258,6 +258,17 @@ class Engine:
         gauges = [metric for metric in self.llm.get_metrics() if metric.name == "vllm:kv_cache_usage_perc"]
         return float(gauges[0].value) if gauges else float("nan")
 
+    def kvray_counter(self, name: str, **labels: str) -> float:
+        """The sum of kvray's counter `name` (`vllm:kvray_<name>_total` as scraped) on this engine's
+        metrics over the samples whose labels include `labels`, as vLLM last published them."""
+        total = 0.0
+        for metric in self.llm.get_metrics():
+            if metric.name in (f"vllm:kvray_{name}", f"vllm:kvray_{name}_total") and all(
+                metric.labels.get(key) == value for key, value in labels.items()
+            ):
+                total += float(getattr(metric, "value", 0.0))
+        return total
+
     def kv_engine_id(self) -> str:
         return self.kv_engine
 

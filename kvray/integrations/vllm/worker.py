@@ -451,7 +451,9 @@ class ConnectorWorker:
         usual: dict[str, LoadSpec] = {}
         withdrawn: list[LoadSpec] = []
         received: list[tuple[str, int, float]] = []
+        answers: list[str] = []
         for asked in lane.poll():
+            answers.append("none" if asked.answer is None else asked.answer.name.lower())
             self._lane_asks.pop(asked.request_id, None)
             spec = asked.spec
             assert isinstance(spec, LoadSpec)
@@ -467,12 +469,14 @@ class ConnectorWorker:
             self._results.loaded(spec, failed=asked.failed)
         if usual or withdrawn:
             loop.loop.call_soon_threadsafe(handoff.step, HandoffStep(loads=usual, withdrawn=withdrawn))
-        if received:
-            loop.loop.call_soon_threadsafe(self._count_lane_loads, received)
+        if answers:
+            loop.loop.call_soon_threadsafe(self._count_lane_loads, received, answers)
 
-    def _count_lane_loads(self, received: list[tuple[str, int, float]]) -> None:
-        """The agent's figures for loads that came through lanes (on its loop)."""
+    def _count_lane_loads(self, received: list[tuple[str, int, float]], answers: list[str]) -> None:
+        """The agent's figures for loads asked through lanes (on its loop)."""
         agent = self.agent
+        for answer in answers:
+            agent.metrics.lane_ask(answer)
         block_nbytes = sum(layer.geometry.block_nbytes for layer in agent.layout.layers)
         for prefill, blocks, seconds in received:
             agent.metrics.received(prefill, blocks * block_nbytes)
