@@ -132,7 +132,8 @@ def test_routine_loads_go_through_the_lane_and_land_exactly(tmp_path: Path) -> N
         lane = decode._lane
         assert lane is not None and not decode._lane_asks
         assert lane.moved == 12  # every round through the lane
-        until(lambda: decode.agent.stats.get("lane_asks_done", 0) >= 12)  # counted on the agent's loop
+        # Counted on the agent's loop, taken there as vLLM's next steps ask for finished loads.
+        until(lambda: decode.finished() and decode.agent.stats.get("lane_asks_done", 0) >= 12)
         assert lane_holds(prefill) == 0
         # Every slot the lane took is closed again: the board has all of them free.
         board = decode.agent._receiving.board

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,8 @@ class _Results:
         return taken
 
 
+#: How often, at most, `finished` has the agent's loop expire leases and take figures (seconds).
+TICK_S = 0.01
 #: How long vLLM's thread waits, by default, for a preempted request's layer copies (seconds).
 PREEMPT_WAIT_S = 0.1
 #: How much longer it waits for the agent's loop to answer at all.
@@ -155,6 +158,9 @@ class ConnectorWorker:
         #: Loads asked through prefill engines' native lanes, by request id (`begin`, `finished`).
         self._lane: DecodeLane | None = None
         self._lane_asks: dict[str, LaneAsk] = {}
+        #: Figures of loads asked through lanes, for the agent's loop's next tick (`finished`).
+        self._lane_figures: list[tuple[str, str, int, float]] = []
+        self._next_tick = 0.0
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -450,13 +456,13 @@ class ConnectorWorker:
         assert lane is not None and loop is not None and handoff is not None
         usual: dict[str, LoadSpec] = {}
         withdrawn: list[LoadSpec] = []
-        received: list[tuple[str, int, float]] = []
-        answers: list[str] = []
         for asked in lane.poll():
-            answers.append("none" if asked.answer is None else asked.answer.name.lower())
             self._lane_asks.pop(asked.request_id, None)
             spec = asked.spec
             assert isinstance(spec, LoadSpec)
+            answer = "none" if asked.answer is None else asked.answer.name.lower()
+            blocks = int(asked.blocks.size) if asked.failed is False and not asked.cancelled else 0
+            self._lane_figures.append((answer, spec.prefill_engine, blocks, asked.seconds))
             if asked.failed is None:
                 usual[spec.request_id] = spec
                 continue
@@ -464,23 +470,20 @@ class ConnectorWorker:
                 withdrawn.append(spec)  # the prefill engine frees its hold now, not at its lease's end
             if asked.failed:
                 log.warning("kvray: KV of %s did not arrive through the lane: %s", spec.request_id, asked.why)
-            elif not asked.cancelled:
-                received.append((spec.prefill_engine, int(asked.blocks.size), asked.seconds))
             self._results.loaded(spec, failed=asked.failed)
         if usual or withdrawn:
             loop.loop.call_soon_threadsafe(handoff.step, HandoffStep(loads=usual, withdrawn=withdrawn))
-        if answers:
-            loop.loop.call_soon_threadsafe(self._count_lane_loads, received, answers)
 
-    def _count_lane_loads(self, received: list[tuple[str, int, float]], answers: list[str]) -> None:
-        """The agent's figures for loads asked through lanes (on its loop)."""
+    def _count_lane_loads(self, figures: list[tuple[str, str, int, float]]) -> None:
+        """The agent's figures for loads asked through lanes (on its loop): each ask's answer,
+        and for each load moved its bytes and its wait."""
         agent = self.agent
-        for answer in answers:
-            agent.metrics.lane_ask(answer)
         block_nbytes = sum(layer.geometry.block_nbytes for layer in agent.layout.layers)
-        for prefill, blocks, seconds in received:
-            agent.metrics.received(prefill, blocks * block_nbytes)
-            agent.metrics.wait(Outcome.OK, seconds)
+        for answer, prefill, blocks, seconds in figures:
+            agent.metrics.lane_ask(answer)
+            if blocks:
+                agent.metrics.received(prefill, blocks * block_nbytes)
+                agent.metrics.wait(Outcome.OK, seconds)
 
     def preempt(self, handoff_ids: Collection[str]) -> None:
         """vLLM preempted the layer-wise requests of these hand-off ids (before the step's
@@ -548,8 +551,21 @@ class ConnectorWorker:
         if self._loop is not None and self._handoff is not None:
             if self._lane_asks:
                 self._lane_ended()
-            self._loop.loop.call_soon_threadsafe(self._handoff.expire)
+            now = time.monotonic()
+            if now >= self._next_tick:
+                # One hop to the agent's loop every `TICK_S` at most, not one per call: vLLM asks
+                # every step, and each hop wakes the loop's thread.
+                self._next_tick = now + TICK_S
+                figures, self._lane_figures = self._lane_figures, []
+                self._loop.loop.call_soon_threadsafe(self._tick, figures)
         return self._results.take()
+
+    def _tick(self, lane_figures: list[tuple[str, str, int, float]]) -> None:
+        """On the agent's loop: leases that ended, and the figures of loads asked through lanes."""
+        assert self._handoff is not None
+        self._handoff.expire()
+        if lane_figures:
+            self._count_lane_loads(lane_figures)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """`finished` as vLLM's `get_transfer_results` reports it: (sent, received, failed to
