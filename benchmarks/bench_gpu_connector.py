@@ -102,15 +102,13 @@ class Engine:
         """CPU seconds this engine's kvray has run so far: its event-loop thread, the engine's
         own thread inside kvray's calls (`begin`, `finished`) and the native lane's thread."""
         lane = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/comm") as comm:
                     if comm.read().strip() != "kvray-lane":
                         continue
-                with open(f"/proc/self/task/{task}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-                lane += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                with open(f"/proc/self/task/{task}/schedstat") as schedstat:
+                    lane += int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
             except OSError:
                 continue
         return time.clock_gettime(self._loop_clock), self._engine_thread_s, lane
