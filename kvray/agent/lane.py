@@ -301,7 +301,7 @@ class DecodeLane:
         """Ask prefill engine `prefill` (engine id, incarnation) to push hand-off `handoff`
         into `blocks` through its lane; None (nothing asked, no slot kept) where it cannot be
         asked so: the caller asks the usual way."""
-        if not 0 < blocks.size <= MAX_ASK_BLOCKS or not self.usable(prefill):
+        if not 0 < blocks.size <= MAX_ASK_BLOCKS or not 0 <= first_block < 2**31 or not self.usable(prefill):
             return None
         connection = self._connection(prefill, inbox)
         if connection is None:
@@ -355,7 +355,11 @@ class DecodeLane:
                 asked = connection.asks.pop(ask_id, None)
                 if asked is None or asked.token != token:
                     continue
-                self._answered(asked, Answer(status), placement, content, reference, flags)
+                try:
+                    answer = Answer(status)
+                except ValueError:  # not an answer this engine knows: nothing is taken from it
+                    answer = Answer.FAILED
+                self._answered(asked, answer, placement, content, reference, flags)
                 self._closing.append(asked)
             for ask_id, asked in list(connection.asks.items()):
                 if gone:
