@@ -313,3 +313,36 @@ def test_an_executor_that_stores_elsewhere_and_a_block_rewritten_after_its_hold_
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_copy_that_ends_incomplete_fails_its_load_and_frees_both_sides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvray.agent.push
+    from kvray._copy_pool import set_worker_hook
+
+    monkeypatch.setattr(kvray.agent.push, "_LANE_INLINE_MAX", 0)  # every lane copy on the pool
+    prefill, decode = pair(tmp_path)
+    try:
+        warm_up(prefill, decode)
+        fill_blocks(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        fill_blocks(prefill, {1: 3.0, 2: 4.0})
+        hold(prefill, "p-1", "h-1", (1, 2))
+        until(lambda: lane_holds(prefill) == 1)
+        set_worker_hook(lambda low, high, nbytes: False)  # the pool's threads copy nothing
+        try:
+            decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", "h-1", (5, 6))}))
+            assert not received(decode, "d-1")
+        finally:
+            set_worker_hook(None)
+        lane = decode._lane
+        assert lane is not None and lane.answers[Answer.FAILED] == 1
+        for block in range(NUM_BLOCKS):
+            assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+        sent: set[str] = set()
+        until(lambda: sent.update(prefill.finished()[0]) or "p-1" in sent)  # its blocks go back
+        board = decode.agent._receiving.board
+        assert board is not None and len(board._free) == board.slots
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
