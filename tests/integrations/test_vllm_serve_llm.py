@@ -242,17 +242,26 @@ def test_eight_clients_mixing_duplicate_ids_refusals_hang_ups_and_preemption(app
     def run(plan: list[tuple[str, int, float, int]]) -> list[tuple[str, int, int, str]]:
         return [act(*step) for step in plan]
 
-    with ThreadPoolExecutor(max_workers=8) as clients:
-        outcomes = [outcome for done in clients.map(run, plans) for outcome in done]
-    why = failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
-    for kind, index, status, text in outcomes:
-        if kind == "refused":
-            assert status == 400, text
-        elif kind == "long":
-            assert (status, text) == (200, alone_long[index]), (index, status, text[:200], why)
-        elif kind == "dup":
-            assert (status, text) == (200, alone_short[index]), (index, status, text[:200], why)
-    preempted = sum(exported("ray_vllm_num_preemptions_total").values()) - before
+    # The clients' timing decides whether three long requests meet in the decode engine: on a
+    # machine busy enough to spread them out, the round runs again (at most three times).
+    preempted = 0
+    for _ in range(3):
+        with ThreadPoolExecutor(max_workers=8) as clients:
+            outcomes = [outcome for done in clients.map(run, plans) for outcome in done]
+        why = failures(app["logs"] / "p.jsonl", app["logs"] / "d.jsonl")
+        for kind, index, status, text in outcomes:
+            if kind == "refused":
+                assert status == 400, text
+            elif kind == "long":
+                assert (status, text) == (200, alone_long[index]), (index, status, text[:200], why)
+            elif kind == "dup":
+                assert (status, text) == (200, alone_short[index]), (index, status, text[:200], why)
+        deadline = time.monotonic() + 5  # Ray's metrics agent exports within a second or two
+        while preempted == 0 and time.monotonic() < deadline:
+            preempted = sum(exported("ray_vllm_num_preemptions_total").values()) - before
+            time.sleep(0.5)
+        if preempted:
+            break
     assert preempted > 0, "the decode engine never preempted a request: the test did not test it"
     # The next request is exact, and every replica's engine then holds no block.
     status, text = post(url, short[0], NEW_TOKENS)
