@@ -230,7 +230,9 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown": Skip(
         "needs a CUDA GPU"
     ),
-    "PYTHONPATH=.:tests/gpu python benchmarks/bench_gpu_connector.py --device cpu --lane both": Skip(BENCHMARK),
+    "PYTHONPATH=.:tests/gpu python benchmarks/bench_gpu_connector.py --device cpu --lane both": Skip(
+        BENCHMARK
+    ),
     "python3 benchmarks/bench_gpu_staging.py --repeat 5 --json gpu-staging.json": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_staging.py --repeat 5": Skip("needs a CUDA GPU"),
     "ray up ray_cluster.yaml": Skip(
