@@ -8,7 +8,7 @@ setup(
         Extension(
             "kvray._copy_pool",
             sources=["kvray/_copy_pool.c", "kvray/_lane.c"],
-            depends=["kvray/_placement.h", "kvray/_copy_job.h"],
+            depends=["kvray/_placement.h", "kvray/_copy_job.h"],  # _lane.c includes both
             extra_compile_args=["-O2"],
         ),
         Extension(

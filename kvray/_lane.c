@@ -28,6 +28,7 @@
 #define _GNU_SOURCE
 #include <Python.h>
 #include "_copy_job.h"
+#include "_placement.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -112,12 +113,6 @@ static uint64_t siphash24(const unsigned char key[16], const unsigned char *in, 
     SIPROUND;
     SIPROUND;
     return v0 ^ v1 ^ v2 ^ v3;
-}
-
-static inline uint64_t mix64_lane(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
 }
 
 /* ---- what a lane keeps -------------------------------------------------------------------- */
@@ -224,7 +219,7 @@ static void hold_free(hold *h) {
 static unsigned bucket_of(const unsigned char key[16]) {
     uint64_t k;
     memcpy(&k, key, 8);
-    return (unsigned)(mix64_lane(k) % HOLD_BUCKETS);
+    return (unsigned)(mix64(k) % HOLD_BUCKETS);
 }
 
 /* Under l->lock: the hold of `key`, unlinked (NULL: none). */
@@ -347,7 +342,7 @@ static uint64_t held_reference(const pair *p, const hold *h, int64_t first, cons
             }
             uint64_t source = (uint64_t)s[2] + (uint64_t)h->ids[at] * (uint64_t)s[3];
             uint64_t target = (uint64_t)s[4] + (uint64_t)remote[i] * (uint64_t)s[5];
-            total += sums[at] * (mix64_lane((uint64_t)s[1] ^ (target - source)) | 1);
+            total += sums[at] * (mix64((uint64_t)s[1] ^ (target - source)) | 1);
         }
     }
     *ok = 1;

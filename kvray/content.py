@@ -396,6 +396,12 @@ def held_rows(layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> Hel
     return HeldRows(*(np.array(column, dtype=np.int64) for column in columns))
 
 
+def held_parts(layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> int:
+    """Parts per layer in `HeldDigests`' sums (the most any layer has): row `layer * parts + part`
+    of `HeldDigests.rows_of`."""
+    return max(placements[name].parts for name in layout.layer_names)
+
+
 class HeldDigests:
     """The content sums of an engine's own blocks, per (layer, part, block), taken when the
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
@@ -407,7 +413,7 @@ class HeldDigests:
         self.layout = layout
         self.placements = placements
         self.rows = held_rows(layout, placements)
-        parts = max(placements[name].parts for name in layout.layer_names)
+        parts = held_parts(layout, placements)
         shape = (len(layout.layers), parts, layout.num_blocks)
         self.sums = np.zeros(shape, dtype=np.uint64)
         self.held = np.zeros(shape, dtype=bool)

@@ -36,6 +36,7 @@ import enum
 import hashlib
 import logging
 import os
+import secrets
 import socket
 import time
 import types
@@ -47,6 +48,7 @@ import numpy.typing as npt
 
 from kvray.errors import KvrayError
 from kvray.layout import Int64Array
+from kvray.notice.claims import ClaimBoard
 from kvray.owned import LANE_NAME, PeerPath, open_peer
 
 _native: types.ModuleType | None
@@ -256,7 +258,7 @@ class DecodeLane:
         self,
         engine_id: str,
         incarnation: int,
-        board: object,
+        board: ClaimBoard,
         placement: Callable[[Int64Array], int],
         key_of: Callable[[str, int], bytes],
         shm_dir: str,
@@ -306,9 +308,9 @@ class DecodeLane:
         connection = self._connection(prefill, inbox)
         if connection is None:
             return None
-        token = int.from_bytes(os.urandom(8), "little") >> 2 or 1
+        token = secrets.randbits(62) or 1  # as `expect` makes one
         try:
-            slot = self._board.open(token)  # type: ignore[attr-defined]
+            slot = self._board.open(token)
         except KvrayError:
             return None
         self._next_id += 1
@@ -332,7 +334,7 @@ class DecodeLane:
         except OSError as error:
             log.debug("kvray: lane ask to %s failed (%s); asking the usual way", prefill[0], error)
             self._drop(prefill)
-            self._board.try_close(slot)  # type: ignore[attr-defined]
+            self._board.try_close(slot)
             return None
         asked = LaneAsk(request_id, spec, prefill, slot, token, blocks, now + self._timeout_s, now)
         connection.asks[ask_id] = asked
@@ -379,10 +381,10 @@ class DecodeLane:
                 self._drop(prefill)
         still: list[LaneAsk] = []
         for asked in self._closing:
-            if self._board.try_close(asked.slot):  # type: ignore[attr-defined]
+            if self._board.try_close(asked.slot):
                 ended.append(asked)
             else:  # a writer holds it: closing now, closed once it lets go
-                self._board.mark_closing(asked.slot)  # type: ignore[attr-defined]
+                self._board.mark_closing(asked.slot)
                 still.append(asked)
         self._closing = still
         return ended
@@ -441,7 +443,6 @@ class DecodeLane:
             self._back_off(prefill)
             return None
         connection = self._connections[prefill] = _Connection(sock)
-        # Incarnations of a prefill engine never come back: forget the ones that ended.
         return connection
 
     def _drop(self, prefill: tuple[str, int]) -> None:

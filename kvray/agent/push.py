@@ -40,7 +40,15 @@ from kvray.agent.engine import Blocks, Engine, landed_in
 from kvray.agent.lane import PrefillLane
 from kvray.agent.lane import available as lane_available
 from kvray.agent.transports import TransportSet
-from kvray.content import HeldDigests, Stretches, StretchRows, pair_salts, region_seed, stretch_rows
+from kvray.content import (
+    HeldDigests,
+    Stretches,
+    StretchRows,
+    held_parts,
+    pair_salts,
+    region_seed,
+    stretch_rows,
+)
 from kvray.content import pair_salt as content_pair_salt
 from kvray.errors import (
     BackpressureError,
@@ -1219,9 +1227,8 @@ class Pusher:
         if not pair.stretch_rows.whole_parts or info.layout.tp.size != 1:
             return
         stretch = pair.stretch_rows
-        parts = max(
-            self.engine.backing.placements[name].parts for name in self.engine.backing.layout.layer_names
-        )
+        backing = self.engine.backing
+        parts = held_parts(backing.layout, backing.placements)
         salts = (
             stretch.salts if stretch.salts is not None else pair_salts(stretch.src_region, stretch.dst_region)
         )

@@ -264,9 +264,9 @@ class PrefillSide(Side):
         if lane is None:
             return
         for lane_key, answer, nbytes, seconds, decode_engine in lane.done():
-            key = self._lane_keys.pop(lane_key, None)
-            held = None if key is None else self._held.get(key)
-            if key is None or held is None:
+            key = self._lane_keys.pop(lane_key, "")
+            held = self._held.get(key)
+            if held is None:
                 continue
             held.in_lane = False
             held.ranks = 1
