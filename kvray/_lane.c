@@ -2,14 +2,18 @@
  * engine's thread that takes decode engines' asks for held requests and pushes them with the
  * copy pool, without Python; and the decode side's two calls, an ask and the read of answers.
  *
- * Lane(listen_fd, incarnation, src_base, src_len, src_pool, threads, piece, inline_max)
+ * Lane(listen_fd, incarnation, src_base, src_len, src_pool, threads, piece, inline_max, park_s=0)
  *   a thread serving the bound and listening SOCK_SEQPACKET socket `listen_fd` (duplicated).
  *   Each record on a connection is one ask (below), MAC'd under the key of the pair it names;
- *   one whose MAC fails closes its connection unanswered.
+ *   one whose MAC fails closes its connection unanswered. An ask for a hold not here yet waits
+ *   (parked) up to `park_s` seconds for it, or until the hold is settled: a decode engine may
+ *   ask before the prefill engine's step has held the request it just finished.
  *   .add_pair(decode_incarnation, key, (dst_base, dst_len, dst_pool, file_fd, file_end), rows,
  *             stretch, (board_fd, slots, board_address), salt, seed, pair_salt, checked)
  *   .remove_pair(decode_incarnation) -> bool   returns once no copy of the pair runs
  *   .hold(key, ids, sums, held) -> bool        a request's blocks (and their held sums)
+ *   .settle(key) -> bool                       asks waiting for `key` are answered now: served if
+ *                                              it is held, else "not held" (False: none waited)
  *   .unhold(key) -> bool                       False: not held (an ask took it, or never held)
  *   .done() -> list[(key, status, nbytes, seconds, decode_incarnation)]   pushes ended (fileno() wakes)
  *   .close()
@@ -54,6 +58,7 @@
 #define MAX_HOLDS (1 << 16)
 #define HOLD_BUCKETS 4096
 #define CLAIM_SLOT_NBYTES_LANE 16
+#define MAX_PARKED 1024
 
 /* Answers (kvray.agent.handoff.lane.Answer has their meanings). */
 enum {
@@ -155,9 +160,23 @@ typedef struct done_entry {
     uint64_t pair; /* the decode engine's incarnation */
 } done_entry;
 
+/* An ask waiting for its hold (the lane thread serves it once the hold comes). */
+typedef struct parked {
+    struct parked *next;
+    pair *pair; /* a reference */
+    int fd;     /* the connection's, duplicated: it may close meanwhile */
+    uint32_t n;
+    int settled;
+    struct timespec started, deadline;
+    unsigned char rec[]; /* the ask, as it came (its MAC checked) */
+} parked;
+
 typedef struct lane {
-    pthread_mutex_t lock; /* pairs, holds, done */
+    pthread_mutex_t lock; /* pairs, holds, done, parked */
     pair *pairs;
+    parked *parked;
+    int64_t num_parked;
+    double park_s;
     hold *buckets[HOLD_BUCKETS];
     int64_t holds;
     done_entry *done_head, *done_tail;
@@ -349,12 +368,15 @@ static uint64_t held_reference(const pair *p, const hold *h, int64_t first, cons
     return total;
 }
 
-/* One ask that passed its MAC, from connection `fd`, for pair `p` (a reference taken). */
+static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h,
+                       const struct timespec *started);
+
+static size_t ask_nbytes(uint32_t n) { return ASK_HEADER + 8 * (size_t)n + 8; }
+
+/* One ask that passed its MAC, from connection `fd`, for pair `p` (a reference taken): served
+ * now if its hold is here, else parked for it (or answered "not held" where none may wait). */
 static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n) {
-    uint32_t first = get_u32(rec + 12);
-    uint64_t ask_id = load64(rec + 32), token = load64(rec + 40), slot = load64(rec + 48);
-    const unsigned char *key = rec + 56;
-    const int64_t *remote = (const int64_t *)(rec + ASK_HEADER);
+    uint64_t ask_id = load64(rec + 32), token = load64(rec + 40);
     struct timespec started;
     clock_gettime(CLOCK_MONOTONIC, &started);
     if (load64(rec + 16) != l->incarnation) {
@@ -362,14 +384,114 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
         pair_unref(p);
         return;
     }
+    parked *w = NULL;
+    if (l->park_s > 0) {
+        w = malloc(sizeof *w + ask_nbytes(n));
+        if (w != NULL && (w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+            free(w);
+            w = NULL;
+        }
+    }
     pthread_mutex_lock(&l->lock);
-    hold *h = take_hold(l, key);
+    hold *h = take_hold(l, rec + 56);
+    if (h == NULL && w != NULL && l->num_parked < MAX_PARKED) {
+        w->pair = p;
+        w->n = n;
+        w->settled = 0;
+        w->started = started;
+        w->deadline = started;
+        w->deadline.tv_sec += (time_t)l->park_s;
+        w->deadline.tv_nsec += (long)((l->park_s - (double)(time_t)l->park_s) * 1e9);
+        if (w->deadline.tv_nsec >= 1000000000L) {
+            w->deadline.tv_sec++;
+            w->deadline.tv_nsec -= 1000000000L;
+        }
+        memcpy(w->rec, rec, ask_nbytes(n));
+        w->next = l->parked;
+        l->parked = w;
+        l->num_parked++;
+        pthread_mutex_unlock(&l->lock);
+        return;
+    }
     pthread_mutex_unlock(&l->lock);
+    if (w != NULL) {
+        close(w->fd);
+        free(w);
+    }
     if (h == NULL) {
         answer(fd, LANE_NOT_HELD, ask_id, token, 0, 0, 0, 0, 0);
         pair_unref(p);
         return;
     }
+    serve_hold(l, p, fd, rec, n, h, &started);
+}
+
+static int passed(const struct timespec *now, const struct timespec *deadline) {
+    return now->tv_sec > deadline->tv_sec || (now->tv_sec == deadline->tv_sec && now->tv_nsec >= deadline->tv_nsec);
+}
+
+/* The lane thread's turn over parked asks: each whose hold came is served, each settled or
+ * past its deadline (or every one, when `all`) answered "not held". Returns the epoll timeout
+ * until the next deadline (-1: none waits). */
+static int serve_parked(lane *l, int all) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    parked *ready = NULL, *over = NULL;
+    hold *holds = NULL;
+    int timeout = -1;
+    pthread_mutex_lock(&l->lock);
+    for (parked **at = &l->parked; *at != NULL;) {
+        parked *w = *at;
+        hold *h = all ? NULL : take_hold(l, w->rec + 56);
+        if (h != NULL || all || w->settled || passed(&now, &w->deadline)) {
+            *at = w->next;
+            l->num_parked--;
+            if (h != NULL) {
+                h->next = holds;
+                holds = h;
+                w->next = ready;
+                ready = w;
+            } else {
+                w->next = over;
+                over = w;
+            }
+            continue;
+        }
+        double left_ms = 1e3 * (double)(w->deadline.tv_sec - now.tv_sec) +
+                         1e-6 * (double)(w->deadline.tv_nsec - now.tv_nsec);
+        int ms = (int)left_ms + 1;
+        timeout = timeout < 0 || ms < timeout ? ms : timeout;
+        at = &w->next;
+    }
+    pthread_mutex_unlock(&l->lock);
+    while (ready != NULL) {
+        parked *w = ready;
+        hold *h = holds;
+        ready = w->next;
+        holds = h->next;
+        h->next = NULL;
+        serve_hold(l, w->pair, w->fd, w->rec, w->n, h, &w->started);
+        close(w->fd);
+        free(w);
+    }
+    while (over != NULL) {
+        parked *w = over;
+        over = w->next;
+        answer(w->fd, LANE_NOT_HELD, load64(w->rec + 32), load64(w->rec + 40), 0, 0, 0, 0, 0);
+        pair_unref(w->pair);
+        close(w->fd);
+        free(w);
+    }
+    return timeout;
+}
+
+/* An ask for pair `p` (a reference, handed on) with its hold `h` taken. */
+static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h,
+                       const struct timespec *started_at) {
+    uint32_t first = get_u32(rec + 12);
+    uint64_t ask_id = load64(rec + 32), token = load64(rec + 40), slot = load64(rec + 48);
+    const int64_t *remote = (const int64_t *)(rec + ASK_HEADER);
+    struct timespec started = *started_at;
     int status = LANE_REFUSED;
     job *j = NULL;
     /* The decode engine's ids: as many as the hold has from `first`, each in its pool, none
@@ -526,8 +648,9 @@ static void *lane_thread(void *arg) {
         conns[i].fd = -1;
     }
     struct epoll_event events[64];
+    int timeout = -1; /* until the next parked ask's deadline */
     while (!__atomic_load_n(&l->stopping, __ATOMIC_ACQUIRE)) {
-        int ready = epoll_wait(l->epoll_fd, events, 64, -1);
+        int ready = epoll_wait(l->epoll_fd, events, 64, timeout);
         if (ready < 0) {
             if (errno == EINTR) {
                 continue;
@@ -537,7 +660,9 @@ static void *lane_thread(void *arg) {
         for (int e = 0; e < ready; e++) {
             int64_t tag = (int64_t)events[e].data.u64;
             if (tag == -1) {
-                continue; /* the wake: the loop's condition says why */
+                uint64_t count;
+                (void)!read(l->wake_fd, &count, sizeof count);
+                continue; /* the wake: stopping, or a hold that parked asks may wait for */
             }
             if (tag == -2) {
                 for (;;) {
@@ -577,7 +702,9 @@ static void *lane_thread(void *arg) {
                 c->fd = -1;
             }
         }
+        timeout = serve_parked(l, 0);
     }
+    serve_parked(l, 1); /* the lane stops: whatever waits goes the usual way */
     for (int i = 0; i < MAX_CONNECTIONS; i++) {
         if (conns[i].fd >= 0) {
             close(conns[i].fd);
@@ -661,18 +788,21 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     int listen_fd, threads;
     unsigned long long incarnation, src_base;
     long long src_len, src_pool, piece, inline_max;
+    double park_s = 0;
     static char *names[] = {"listen_fd", "incarnation", "src_base", "src_len", "src_pool", "threads", "piece",
-                            "inline_max", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKLLiLL", names, &listen_fd, &incarnation, &src_base, &src_len,
-                                     &src_pool, &threads, &piece, &inline_max)) {
+                            "inline_max", "park_s", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKLLiLL|d", names, &listen_fd, &incarnation, &src_base,
+                                     &src_len, &src_pool, &threads, &piece, &inline_max, &park_s)) {
         return -1;
     }
     if (self->lane != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Lane starts once");
         return -1;
     }
-    if (threads < 0 || threads > 8 || piece < 1 || src_len < 0 || src_pool < 1 || src_base == 0) {
-        PyErr_SetString(PyExc_ValueError, "a Lane needs 0 to 8 threads, pieces of a byte or more and a source");
+    if (threads < 0 || threads > 8 || piece < 1 || src_len < 0 || src_pool < 1 || src_base == 0 || !(park_s >= 0) ||
+        park_s > 60) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a Lane needs 0 to 8 threads, pieces of a byte or more, a source and 0 to 60 s of parking");
         return -1;
     }
     lane *l = calloc(1, sizeof *l);
@@ -689,6 +819,7 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     l->threads = threads;
     l->piece = piece;
     l->inline_max = inline_max;
+    l->park_s = park_s;
     l->listen_fd = fcntl(listen_fd, F_DUPFD_CLOEXEC, 0);
     l->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     l->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -945,10 +1076,15 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
     if (!known && !full) {
         put_hold(l, h);
     }
+    int waited = l->parked != NULL;
     pthread_mutex_unlock(&l->lock);
     if (known || full) {
         hold_free(h);
         Py_RETURN_FALSE;
+    }
+    if (waited) {
+        uint64_t one = 1;
+        (void)!write(l->wake_fd, &one, sizeof one);
     }
     Py_RETURN_TRUE;
 fail:
@@ -970,6 +1106,31 @@ static PyObject *Lane_unhold(Lane *self, PyObject *arg) {
     pthread_mutex_unlock(&l->lock);
     hold_free(h);
     return PyBool_FromLong(h != NULL);
+}
+
+static PyObject *Lane_settle(Lane *self, PyObject *arg) {
+    lane *l = self->lane;
+    unsigned char key[16];
+    if (take_key(arg, key) != 0) {
+        return NULL;
+    }
+    if (l == NULL) {
+        Py_RETURN_FALSE;
+    }
+    int waited = 0;
+    pthread_mutex_lock(&l->lock);
+    for (parked *w = l->parked; w != NULL; w = w->next) {
+        if (memcmp(w->rec + 56, key, 16) == 0) {
+            w->settled = 1;
+            waited = 1;
+        }
+    }
+    pthread_mutex_unlock(&l->lock);
+    if (waited) {
+        uint64_t one = 1;
+        (void)!write(l->wake_fd, &one, sizeof one);
+    }
+    return PyBool_FromLong(waited);
 }
 
 static PyObject *Lane_done(Lane *self, PyObject *unused) {
@@ -1018,6 +1179,18 @@ static PyObject *Lane_close(Lane *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Lane_parked(Lane *self, void *unused) {
+    (void)unused;
+    lane *l = self->lane;
+    if (l == NULL) {
+        return PyLong_FromLong(0);
+    }
+    pthread_mutex_lock(&l->lock);
+    long long parked = l->num_parked;
+    pthread_mutex_unlock(&l->lock);
+    return PyLong_FromLongLong(parked);
+}
+
 static PyObject *Lane_holds(Lane *self, void *unused) {
     (void)unused;
     lane *l = self->lane;
@@ -1035,6 +1208,7 @@ static PyMethodDef Lane_methods[] = {
     {"remove_pair", (PyCFunction)Lane_remove_pair, METH_O, "Forget a pair once no copy into it runs."},
     {"hold", (PyCFunction)Lane_hold, METH_VARARGS, "A request's blocks (and held sums) an ask may take."},
     {"unhold", (PyCFunction)Lane_unhold, METH_O, "Forget a hold; False if an ask took it (or none was)."},
+    {"settle", (PyCFunction)Lane_settle, METH_O, "Answer the asks waiting for a hold now (False: none)."},
     {"done", (PyCFunction)Lane_done, METH_NOARGS, "The pushes ended since the last call."},
     {"fileno", (PyCFunction)Lane_fileno, METH_NOARGS, "An eventfd, readable when pushes ended."},
     {"close", (PyCFunction)Lane_close, METH_NOARGS, "Stop serving; returns once no copy runs."},
@@ -1043,6 +1217,7 @@ static PyMethodDef Lane_methods[] = {
 
 static PyGetSetDef Lane_getset[] = {
     {"holds", (getter)Lane_holds, NULL, "How many holds an ask may take now.", NULL},
+    {"parked", (getter)Lane_parked, NULL, "How many asks wait for their holds now.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -14,7 +14,9 @@ of the agent's event loops on the decode side.
              from the sums held for its blocks, checks every op against both regions, takes
              the claim slot's shared lock and checks it is open under the token, copies
              (hashing), lets go of the slot and answers: placement and content digests.
-             Anything it cannot take is answered at once, nothing written.
+             An ask for a hold not there yet waits for it (`PARK_S`; the decode engine may
+             ask before the prefill engine's next step holds the request); anything else it
+             cannot take is answered at once, nothing written.
     decode   `DecodeLane.poll` (from `get_finished`): reads the answers, takes a request only
              when its placement digest equals the one its own layout gives and the content
              digest the writer's held reference, closes the slot (no writer holds it any
@@ -61,6 +63,11 @@ log = logging.getLogger("kvray.lane")
 
 #: The most block ids one ask carries (a request of more goes the usual way).
 MAX_ASK_BLOCKS = 8192
+
+#: How long an ask waits in the prefill engine's lane for the hold it names: the decode engine
+#: may ask as soon as the prefill engine answered the request, before the prefill engine's next
+#: step has held it. A hold the prefill engine keeps from the lane settles its asks at once.
+PARK_S = 2.0
 
 
 class Answer(enum.IntEnum):
@@ -111,6 +118,7 @@ class PrefillLane:
         threads: int,
         piece: int,
         inline_max: int,
+        park_s: float = PARK_S,
     ) -> None:
         if _native is None:
             raise KvrayError("the C lane is not built")
@@ -121,7 +129,7 @@ class PrefillLane:
             self._socket.listen(64)
             base, nbytes, pool = source
             self._lane = _native.Lane(
-                self._socket.fileno(), incarnation, base, nbytes, pool, threads, piece, inline_max
+                self._socket.fileno(), incarnation, base, nbytes, pool, threads, piece, inline_max, park_s
             )
         except BaseException:
             self._socket.close()
@@ -192,9 +200,19 @@ class PrefillLane:
         through `done`) or it was never held there."""
         return bool(self._lane.unhold(hold_key(handoff)))
 
+    def settle(self, handoff: str) -> bool:
+        """Answer the asks waiting for hand-off `handoff`'s hold now: served if the lane holds
+        it, else sent the usual way (False: none waited)."""
+        return bool(self._lane.settle(hold_key(handoff)))
+
     @property
     def holds(self) -> int:
         return int(self._lane.holds)
+
+    @property
+    def parked(self) -> int:
+        """Asks waiting for their holds."""
+        return int(self._lane.parked)
 
     def done(self) -> list[tuple[bytes, Answer, int, float, str]]:
         """The pushes the lane ended since the last call: (hold key, DONE or FAILED, bytes,

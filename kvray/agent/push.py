@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine, landed_in
-from kvray.agent.lane import PrefillLane
+from kvray.agent.lane import PARK_S, PrefillLane
 from kvray.agent.lane import available as lane_available
 from kvray.agent.transports import TransportSet
 from kvray.content import (
@@ -83,6 +83,7 @@ _KEPT_STRETCH_ROWS = 256
 #: The lane's copies: pieces a pool thread takes, and the largest copy its own thread makes.
 _LANE_PIECE = 1 << 20
 _LANE_INLINE_MAX = 4 << 20
+_LANE_PARK_S = PARK_S
 
 
 @dataclass(frozen=True)
@@ -1198,7 +1199,13 @@ class Pusher:
         settings = engine.settings
         threads = min(settings.copy_threads or copy_threads(), 8)
         self.lane = PrefillLane(
-            os.path.dirname(inbox), engine.incarnation, source, threads, _LANE_PIECE, _LANE_INLINE_MAX
+            os.path.dirname(inbox),
+            engine.incarnation,
+            source,
+            threads,
+            _LANE_PIECE,
+            _LANE_INLINE_MAX,
+            _LANE_PARK_S,
         )
         self._lane_key = key_of
         return self.lane

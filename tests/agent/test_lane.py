@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,7 @@ def raw_ask(
     prefill_incarnation: int | None = None,
     token: int = 5,
     slot: int = 0,
+    wait_s: float = 2.0,
 ) -> tuple[list[tuple[int, ...]], bool]:
     """One ask sent by hand through the prefill engine's lane, and what came back."""
     info = prefill.info
@@ -176,7 +178,7 @@ def raw_ask(
             ids,
             True,
         )
-        sock.settimeout(2.0)
+        sock.settimeout(wait_s)
         try:
             answer = sock.recv(1024)
         except TimeoutError:
@@ -187,7 +189,12 @@ def raw_ask(
         return [(rest[0], status, *rest[1:])], False
 
 
-def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None:
+def test_forged_stale_and_ill_fitting_asks_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvray.agent.push
+
+    monkeypatch.setattr(kvray.agent.push, "_LANE_PARK_S", 0.1)  # an ask for no hold waits 0.1 s
     prefill, decode = pair(tmp_path)
     try:
         fill_blocks(decode, {block: CANARY for block in range(NUM_BLOCKS)})
@@ -237,6 +244,74 @@ def test_forged_stale_and_ill_fitting_asks_write_nothing(tmp_path: Path) -> None
         assert board.try_close(slot)
         sent: set[str] = set()
         until(lambda: sent.update(prefill.finished()[0]) or "p-1" in sent)  # its blocks go back
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_ask_before_its_hold_waits_for_it_or_is_sent_the_usual_way(tmp_path: Path) -> None:
+    """The decode engine may ask as soon as the prefill engine answered the request, before the
+    prefill engine's next step holds it: the lane keeps the ask until the hold comes, and
+    answers "not held" at once when the prefill engine keeps the hold from the lane, or when
+    the wait ends."""
+    prefill, decode = pair(tmp_path)
+    results: dict[str, tuple[list[tuple[int, ...]], bool]] = {}
+    try:
+        fill_blocks(decode, {block: CANARY for block in range(NUM_BLOCKS)})
+        fill_blocks(prefill, {1: 3.0, 2: 4.0})
+        warm_up(prefill, decode)
+        fill_blocks(decode, {0: CANARY})
+        board = decode.agent._receiving.board
+        lane = prefill.agent._pusher.lane
+        assert board is not None and lane is not None
+        token = 91
+        slot = board.open(token)
+
+        def ask(handoff: str, blocks: list[int]) -> threading.Thread:
+            def run() -> None:
+                results[handoff] = raw_ask(
+                    prefill, decode, handoff, blocks, token=token, slot=slot, wait_s=10.0
+                )
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            until(lambda: lane.parked == 1)
+            return thread
+
+        # Asked first, held later: the ask waits, then takes the hold and copies.
+        early = ask("h-early", [6, 7])
+        time.sleep(0.2)
+        for block in range(NUM_BLOCKS):  # nothing written while it waits
+            assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+        hold(prefill, "p-early", "h-early", (1, 2))
+        early.join(10.0)
+        assert Answer(results["h-early"][0][0][1]) is Answer.DONE and lane.parked == 0
+        assert block_values(decode, 6) == block_values(prefill, 1)
+        assert block_values(decode, 7) == block_values(prefill, 2)
+        # A hand-off the prefill engine will never hold (its request ended without KV) settles
+        # the ask at once, with nothing written.
+        fill_blocks(decode, {6: CANARY, 7: CANARY})
+        kept = ask("h-kept", [8, 9])
+        started = time.monotonic()
+        prefill.begin(HandoffStep(dropped={"h-kept"}))
+        kept.join(10.0)
+        assert Answer(results["h-kept"][0][0][1]) is Answer.NOT_HELD
+        assert time.monotonic() - started < 1.5  # not the wait's end (2 s)
+        for block in range(NUM_BLOCKS):
+            assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+        # No hold comes: the wait ends and the ask goes the usual way.
+        started = time.monotonic()
+        ask("h-never", [8, 9]).join(10.0)
+        assert Answer(results["h-never"][0][0][1]) is Answer.NOT_HELD
+        assert time.monotonic() - started >= 1.5
+        # A lane that closes answers what waits in it.
+        closing = ask("h-closing", [8, 9])
+        prefill.shutdown()
+        closing.join(10.0)
+        assert results["h-closing"][0] == [] or Answer(results["h-closing"][0][0][1]) is Answer.NOT_HELD
+        for block in range(NUM_BLOCKS):
+            assert block_values(decode, block) == [{CANARY + 16 * index} for index in range(LAYERS)]
+        assert board.try_close(slot)
     finally:
         prefill.shutdown()
         decode.shutdown()

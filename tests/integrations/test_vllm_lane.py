@@ -18,6 +18,7 @@ require_vllm()
 
 import ray  # noqa: E402 - after the check that they are installed
 
+from kvray.agent.lane import Answer  # noqa: E402 - after the check that they are installed
 from kvray.config import Settings  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.model import smollm2  # noqa: E402 - after the check that they are installed
 from kvray.integrations.vllm.pd import (  # noqa: E402 - after the check that they are installed
@@ -49,6 +50,12 @@ def test_routine_requests_take_the_native_lane_and_equal_a_single_engine(engines
         assert handoff.decode[0].token_ids == alone.token_ids, prompt[:40]
     # vLLM publishes the connector's figures as a step ends: one more request carries them.
     ray.get(decode.generate.remote(["."], 1))
-    done = ray.get(decode.kvray_counter.remote("lane_asks", answer="done"))
-    assert done >= len(prompts) - 3, done  # all but the pairing (and a sampled request or two)
+    answers = {
+        name: ray.get(decode.kvray_counter.remote("lane_asks", answer=name))
+        for name in [*(answer.name.lower() for answer in Answer), "none"]
+    }
+    # All but the pairing (and a sampled request or two); an ask that came before its hold
+    # waited for it; nothing was refused or failed.
+    assert answers["done"] >= len(prompts) - 3, answers
+    assert sum(answers.values()) - answers["done"] - answers["unknown_pair"] <= 1, answers
     assert ray.get([prefill.blocks_in_use.remote(), decode.blocks_in_use.remote()]) == [0, 0]

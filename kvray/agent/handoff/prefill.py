@@ -164,6 +164,7 @@ class PrefillSide(Side):
         layered = self._layered.get(key)
         if layered is not None and layered.spec.request_id == spec.request_id:
             del self._layered[key]
+            self._unpark(key)  # pushed layer by layer: never the lane's
             if layered.request is not None:
                 self._spawn(self._finish_layered(layered, spec))
                 return
@@ -173,6 +174,7 @@ class PrefillSide(Side):
         elif layered is not None or key in self._held or key in self._spent:
             log.warning("kvray: hand-off %s is taken; request %s is not held", key, spec.request_id)
             self.wiring.reports.sent(spec.request_id)
+            self._unpark(key)
             return
         if spec.failed:
             self.wiring.reports.sent(spec.request_id)
@@ -216,10 +218,13 @@ class PrefillSide(Side):
             or len(held.spec.block_ids) != 1
             or self.wiring.observer is not None
         ):
+            self._unpark(key)
             return
         if self.agent.lane_hold(key, held.blocks):
             held.in_lane = True
             self._lane_keys[hold_key(key)] = key
+        else:
+            self._unpark(key)
 
     def _lane(self) -> PrefillLane | None:
         """The agent's lane, opened on first use where the deployment has a key."""
@@ -340,6 +345,13 @@ class PrefillSide(Side):
     def _spend(self, key: str) -> None:
         """A hand-off id whose request is gone: asks and holds under it are refused a lease long."""
         self._spent[key] = time.monotonic() + self.lease_s
+        self._unpark(key)
+
+    def _unpark(self, key: str) -> None:
+        """Asks waiting in the lane for hand-off `key`'s hold, which the lane will not get (or
+        has now), are answered now rather than at their wait's end."""
+        if self._lane_open is not None:
+            self._lane_open.settle(key)
 
     # ---- prefill side: push requests ------------------------------------------------------
 
