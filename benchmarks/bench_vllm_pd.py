@@ -19,7 +19,8 @@ sampled checksums either), and the push, the decode side's wait (which includes 
 the TTFT are set side by side. No run digests the KV (the
 connector's digest log only times the hand-offs here): a digest would be timed with kvray.
 
-    python benchmarks/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--integrity] [--json PATH]
+    python benchmarks/bench_vllm_pd.py [--runs 5] [--lengths 128 512 2048] [--integrity] [--lane on|off]
+                                       [--json PATH]
 
 Needs the vllm extra (see the README's *vLLM* section).
 """
@@ -91,6 +92,12 @@ def main() -> int:
     parser.add_argument(
         "--integrity", action="store_true", help="also an unchecked prefill engine: the check's cost"
     )
+    parser.add_argument(
+        "--lane",
+        choices=("on", "off"),
+        default="on",
+        help="routine hand-offs through the prefill engine's native lane (kvray's default) or not",
+    )
     args = parser.parse_args()
     max_model_len = max(args.lengths) + 64
     model = str(smollm2())
@@ -100,11 +107,11 @@ def main() -> int:
     # The log gives each hand-off's times; no request's KV is digested (the digest runs on the
     # decode side's path to its first token, and would be timed with kvray).
     digests = {"digest_every": 10**9}
-    checked = {"integrity_sample_rate": 0.0}
+    common = {"integrity_sample_rate": 0.0, "native_lane": args.lane == "on"}
     prefill = actor.remote(
         model,
         transfer_config(
-            {**digests, **checked, "digest_log": str(logs / "p.jsonl")}, connector=DIGEST_LOG_CONNECTOR
+            {**digests, **common, "digest_log": str(logs / "p.jsonl")}, connector=DIGEST_LOG_CONNECTOR
         ),
         max_model_len=max_model_len,
     )
@@ -112,7 +119,7 @@ def main() -> int:
     decode = actor.remote(
         model,
         transfer_config(
-            {**digests, **checked, "integrity": False, "digest_log": str(logs / "d.jsonl")},
+            {**digests, **common, "integrity": False, "digest_log": str(logs / "d.jsonl")},
             connector=DIGEST_LOG_CONNECTOR,
         ),
         max_model_len=max_model_len,
@@ -121,12 +128,7 @@ def main() -> int:
     engines = [prefill, decode, single]
     unchecked = None
     if args.integrity:
-        config = {
-            **digests,
-            "digest_log": str(logs / "p-unchecked.jsonl"),
-            "integrity": False,
-            "integrity_sample_rate": 0.0,
-        }
+        config = {**digests, **common, "digest_log": str(logs / "p-unchecked.jsonl"), "integrity": False}
         unchecked = actor.remote(
             model, transfer_config(config, connector=DIGEST_LOG_CONNECTOR), max_model_len=max_model_len
         )

@@ -15,7 +15,9 @@
  *   .settle(key) -> bool                       asks waiting for `key` are answered now: served if
  *                                              it is held, else "not held" (False: none waited)
  *   .unhold(key) -> bool                       False: not held (an ask took it, or never held)
- *   .done() -> list[(key, status, nbytes, seconds, decode_incarnation)]   pushes ended (fileno() wakes)
+ *   .done() -> list[(key, status, nbytes, seconds, decode_incarnation, first, count)]
+ *                                              pushes ended (fileno() wakes): the hold's count
+ *                                              blocks from first
  *   .close()
  * lane_ask(fd, key, prefill_incarnation, decode_incarnation, hold, token, slot, first_block, ask_id, ids,
  *          checked)
@@ -157,7 +159,8 @@ typedef struct done_entry {
     int status;
     int64_t nbytes;
     double seconds;
-    uint64_t pair; /* the decode engine's incarnation */
+    uint64_t pair;        /* the decode engine's incarnation */
+    int64_t first, count; /* the hold's blocks pushed: count from first */
 } done_entry;
 
 /* An ask waiting for its hold (the lane thread serves it once the hold comes). */
@@ -167,7 +170,7 @@ typedef struct parked {
     int fd;     /* the connection's, duplicated: it may close meanwhile */
     uint32_t n;
     int settled;
-    struct timespec started, deadline;
+    struct timespec deadline;
     unsigned char rec[]; /* the ask, as it came (its MAC checked) */
 } parked;
 
@@ -205,7 +208,7 @@ typedef struct ask_ctx {
     int answer_fd;
     uint64_t ask_id, token, reference;
     int has_reference;
-    int64_t nbytes;
+    int64_t nbytes, first, count;
     struct timespec started;
 } ask_ctx;
 
@@ -265,7 +268,7 @@ static void put_hold(lane *l, hold *h) {
 }
 
 static void post_done(lane *l, const unsigned char key[16], int status, int64_t nbytes, double seconds,
-                      uint64_t pair) {
+                      uint64_t pair, int64_t first, int64_t count) {
     done_entry *e = calloc(1, sizeof *e);
     pthread_mutex_lock(&l->lock);
     if (e != NULL) {
@@ -274,6 +277,8 @@ static void post_done(lane *l, const unsigned char key[16], int status, int64_t 
         e->nbytes = nbytes;
         e->seconds = seconds;
         e->pair = pair;
+        e->first = first;
+        e->count = count;
         if (l->done_tail != NULL) {
             l->done_tail->next = e;
         } else {
@@ -328,7 +333,7 @@ static void ask_over(job *j) {
     answer(c->answer_fd, complete ? LANE_DONE : LANE_FAILED, c->ask_id, c->token, placement, content,
            c->reference, (uint64_t)c->has_reference, c->nbytes);
     post_done(c->lane, c->hold->key, complete ? LANE_DONE : LANE_FAILED, c->nbytes, seconds_since(&c->started),
-              c->pair->incarnation);
+              c->pair->incarnation, c->first, c->count);
     close(c->answer_fd);
     hold_free(c->hold);
     pair_unref(c->pair);
@@ -368,8 +373,7 @@ static uint64_t held_reference(const pair *p, const hold *h, int64_t first, cons
     return total;
 }
 
-static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h,
-                       const struct timespec *started);
+static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h);
 
 static size_t ask_nbytes(uint32_t n) { return ASK_HEADER + 8 * (size_t)n + 8; }
 
@@ -377,8 +381,6 @@ static size_t ask_nbytes(uint32_t n) { return ASK_HEADER + 8 * (size_t)n + 8; }
  * now if its hold is here, else parked for it (or answered "not held" where none may wait). */
 static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n) {
     uint64_t ask_id = load64(rec + 32), token = load64(rec + 40);
-    struct timespec started;
-    clock_gettime(CLOCK_MONOTONIC, &started);
     if (load64(rec + 16) != l->incarnation) {
         answer(fd, LANE_STALE, ask_id, token, 0, 0, 0, 0, 0);
         pair_unref(p);
@@ -398,8 +400,7 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
         w->pair = p;
         w->n = n;
         w->settled = 0;
-        w->started = started;
-        w->deadline = started;
+        clock_gettime(CLOCK_MONOTONIC, &w->deadline);
         w->deadline.tv_sec += (time_t)l->park_s;
         w->deadline.tv_nsec += (long)((l->park_s - (double)(time_t)l->park_s) * 1e9);
         if (w->deadline.tv_nsec >= 1000000000L) {
@@ -423,7 +424,7 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
         pair_unref(p);
         return;
     }
-    serve_hold(l, p, fd, rec, n, h, &started);
+    serve_hold(l, p, fd, rec, n, h);
 }
 
 static int passed(const struct timespec *now, const struct timespec *deadline) {
@@ -470,7 +471,7 @@ static int serve_parked(lane *l, int all) {
         ready = w->next;
         holds = h->next;
         h->next = NULL;
-        serve_hold(l, w->pair, w->fd, w->rec, w->n, h, &w->started);
+        serve_hold(l, w->pair, w->fd, w->rec, w->n, h);
         close(w->fd);
         free(w);
     }
@@ -485,13 +486,14 @@ static int serve_parked(lane *l, int all) {
     return timeout;
 }
 
-/* An ask for pair `p` (a reference, handed on) with its hold `h` taken. */
-static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h,
-                       const struct timespec *started_at) {
+/* An ask for pair `p` (a reference, handed on) with its hold `h` taken (its push is timed from
+ * here: a wait for the hold is the prefill engine's step, not the push). */
+static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h) {
     uint32_t first = get_u32(rec + 12);
     uint64_t ask_id = load64(rec + 32), token = load64(rec + 40), slot = load64(rec + 48);
     const int64_t *remote = (const int64_t *)(rec + ASK_HEADER);
-    struct timespec started = *started_at;
+    struct timespec started;
+    clock_gettime(CLOCK_MONOTONIC, &started);
     int status = LANE_REFUSED;
     job *j = NULL;
     /* The decode engine's ids: as many as the hold has from `first`, each in its pool, none
@@ -565,6 +567,8 @@ static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint3
     c->reference = reference;
     c->has_reference = has_reference;
     c->nbytes = nbytes;
+    c->first = first;
+    c->count = n;
     c->started = started;
     __atomic_add_fetch(&l->refs, 1, __ATOMIC_ACQ_REL);
     j->owner = c;
@@ -1148,8 +1152,9 @@ static PyObject *Lane_done(Lane *self, PyObject *unused) {
     pthread_mutex_unlock(&l->lock);
     while (e != NULL) {
         done_entry *next = e->next;
-        PyObject *item = Py_BuildValue("(y#iLdK)", (const char *)e->key, (Py_ssize_t)16, e->status,
-                                       (long long)e->nbytes, e->seconds, (unsigned long long)e->pair);
+        PyObject *item = Py_BuildValue("(y#iLdKLL)", (const char *)e->key, (Py_ssize_t)16, e->status,
+                                       (long long)e->nbytes, e->seconds, (unsigned long long)e->pair,
+                                       (long long)e->first, (long long)e->count);
         if (item == NULL || PyList_Append(out, item) != 0) {
             Py_XDECREF(item);
             Py_CLEAR(out);

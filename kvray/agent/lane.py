@@ -44,6 +44,7 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -103,6 +104,18 @@ def hold_key(handoff: str) -> bytes:
 def lane_path(inbox: str) -> str:
     """A prefill engine's lane, beside its push-request inbox (in the same private folder)."""
     return os.path.join(os.path.dirname(inbox), LANE_NAME)
+
+
+class LanePush(NamedTuple):
+    """A push a prefill engine's lane ended."""
+
+    key: bytes  # the hold's (`hold_key`)
+    answer: Answer  # DONE or FAILED
+    nbytes: int
+    seconds: float  # from the ask to the answer
+    decode_engine: str
+    first_block: int  # the hold's blocks pushed: `num_blocks` from `first_block`
+    num_blocks: int
 
 
 class PrefillLane:
@@ -214,12 +227,11 @@ class PrefillLane:
         """Asks waiting for their holds."""
         return int(self._lane.parked)
 
-    def done(self) -> list[tuple[bytes, Answer, int, float, str]]:
-        """The pushes the lane ended since the last call: (hold key, DONE or FAILED, bytes,
-        seconds from the ask to the answer, the decode engine)."""
+    def done(self) -> list[LanePush]:
+        """The pushes the lane ended since the last call."""
         return [
-            (key, Answer(status), nbytes, seconds, self._pairs.get(pair, ("",))[0])
-            for key, status, nbytes, seconds, pair in self._lane.done()
+            LanePush(key, Answer(status), nbytes, seconds, self._pairs.get(pair, ("",))[0], first, count)
+            for key, status, nbytes, seconds, pair, first, count in self._lane.done()
         ]
 
     def fileno(self) -> int:

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvray.agent.handoff import HandoffStep, LoadSpec, SendSpec
+from kvray.agent.handoff import HandoffEvent, HandoffStep, LoadSpec, Moved, SendSpec
 from kvray.agent.lane import Answer, hold_key, lane_path
 from kvray.config import Settings
 from kvray.integrations.vllm.tickets import HandoffKey
 from kvray.integrations.vllm.worker import ConnectorWorker
+from kvray.memory import Backing
 from kvray.notice.claims import _lock
 from kvray.notice.local import PUSH_ENDPOINT
 from kvray.wire import Role
@@ -47,7 +48,25 @@ def caches(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[ConnectorWorker, ConnectorWorker]:
+class Watcher:
+    """An observer that notes each moved request's blocks as it sees them (still held)."""
+
+    def __init__(self) -> None:
+        self.worker: ConnectorWorker | None = None
+        self.seen: list[tuple[str, str, tuple[int, ...], list[list[set[float]]]]] = []
+
+    def event(self, event: HandoffEvent, request_id: str, handoff: str, error: str = "") -> None:
+        pass
+
+    async def moved(self, moved: Moved, backing: Backing) -> None:
+        assert self.worker is not None
+        values = [block_values(self.worker, block) for block in moved.blocks]
+        self.seen.append((moved.event.value, moved.handoff, moved.blocks, values))
+
+
+def pair(
+    tmp_path: Path, *, transfer_timeout_s: float = 10.0, watch: bool = False
+) -> tuple[ConnectorWorker, ConnectorWorker]:
     settings = Settings(
         shm_dir=str(tmp_path),
         notify_timeout_s=5.0,
@@ -59,6 +78,9 @@ def pair(tmp_path: Path, *, transfer_timeout_s: float = 10.0) -> tuple[Connector
     decode = ConnectorWorker("lane-d", Role.DECODE, settings, lease_s=30.0, proof=KEY)
     nbytes = LAYERS * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
     for worker in (prefill, decode):
+        if watch:
+            worker.observer = watcher = Watcher()
+            watcher.worker = worker
         with worker.allocation_context():
             buffer = torch.zeros(nbytes + (1 << 20), dtype=torch.int8)
         worker.register(caches(buffer[:nbytes]), NUM_BLOCKS, BLOCK_SIZE)
@@ -139,6 +161,40 @@ def test_routine_loads_go_through_the_lane_and_land_exactly(tmp_path: Path) -> N
         # Every slot the lane took is closed again: the board has all of them free.
         board = decode.agent._receiving.board
         assert board is not None and len(board._free) == board.slots
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_observer_sees_both_sides_of_a_lane_push_with_the_blocks_still_held(tmp_path: Path) -> None:
+    """Engines with an observer (a digest log) take the lane too: each side's observer sees
+    the request's blocks, as moved, before they are reported (and may go)."""
+    prefill, decode = pair(tmp_path, watch=True)
+    try:
+        warm_up(prefill, decode)
+        lane = decode._lane
+        assert lane is not None
+        moved = lane.moved
+        fill_blocks(prefill, {2: 6.0, 3: 7.0, 4: 8.0})
+        hold(prefill, "p-1", "h-1", (2, 3, 4))
+        until(lambda: lane_holds(prefill) == 1)
+        # The decode engine has the first block already (a prefix it cached): two move.
+        decode.begin(HandoffStep(loads={"d-1": load_from(prefill, "d-1", "h-1", (12, 14), first_block=1)}))
+        assert received(decode, "d-1")
+        assert lane.moved == moved + 1
+        sent: set[str] = set()
+        until(lambda: sent.update(prefill.finished()[0]) or "p-1" in sent)
+        watched = {
+            side: [entry for entry in worker.observer.seen if entry[1] == "h-1"]  # type: ignore[union-attr]
+            for side, worker in (("sent", prefill), ("received", decode))
+        }
+        assert [entry[:3] for entry in watched["sent"]] == [("sent", "h-1", (3, 4))]
+        assert [entry[:3] for entry in watched["received"]] == [("received", "h-1", (12, 14))]
+        assert (
+            watched["sent"][0][3]
+            == watched["received"][0][3]
+            == [block_values(prefill, 3), block_values(prefill, 4)]
+        )
     finally:
         prefill.shutdown()
         decode.shutdown()

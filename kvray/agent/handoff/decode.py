@@ -96,6 +96,19 @@ class DecodeSide(Side):
         task = self._receiving[spec.request_id] = self._spawn(self._receive(spec))
         task.add_done_callback(functools.partial(self._load_ended, spec))
 
+    def lane_loaded(self, spec: LoadSpec, seconds: float) -> None:
+        """A load a prefill engine's lane moved and the engine's thread checked: the observer
+        sees it, its blocks still held, and then it is reported."""
+        self._spawn(self._lane_observed(spec, seconds))
+
+    async def _lane_observed(self, spec: LoadSpec, seconds: float) -> None:
+        groups = tuple(tuple(block for block in group if block != NO_BLOCK) for group in spec.block_ids)
+        try:
+            handoff = spec.prefill_request_id
+            await self._moved(Moved(HandoffEvent.RECEIVED, handoff, handoff, groups, seconds))
+        finally:
+            self.wiring.reports.loaded(spec, failed=False)
+
     def cancel(self, request_id: str) -> None:
         """The engine ended the request while its KV loads: stop waiting (its blocks are
         reported once no write of it can land)."""

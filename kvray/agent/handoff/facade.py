@@ -90,5 +90,8 @@ class Handoff:
     def cancel(self, request_id: str) -> None:
         self.decode.cancel(request_id)
 
+    def lane_loaded(self, spec: LoadSpec, seconds: float) -> None:
+        self.decode.lane_loaded(spec, seconds)
+
     async def withdraw(self, spec: LoadSpec) -> None:
         await self.decode.withdraw(spec)

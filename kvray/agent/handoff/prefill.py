@@ -30,7 +30,7 @@ from kvray.agent.handoff.specs import (
     rank_engine_id,
     table_blocks,
 )
-from kvray.agent.lane import Answer, PrefillLane, hold_key
+from kvray.agent.lane import Answer, LanePush, PrefillLane, hold_key
 from kvray.agent.push import PushResult
 from kvray.errors import BackpressureError, KvrayError, NotExpectedError
 from kvray.layout import Int64Array
@@ -164,8 +164,8 @@ class PrefillSide(Side):
         layered = self._layered.get(key)
         if layered is not None and layered.spec.request_id == spec.request_id:
             del self._layered[key]
-            self._unpark(key)  # pushed layer by layer: never the lane's
             if layered.request is not None:
+                self._unpark(key)  # pushed layer by layer: never the lane's
                 self._spawn(self._finish_layered(layered, spec))
                 return
             if key in self._spent:  # the decode engine withdrew while the forward ran
@@ -216,7 +216,6 @@ class PrefillSide(Side):
             or held.answered
             or held.spec.decode_engine
             or len(held.spec.block_ids) != 1
-            or self.wiring.observer is not None
         ):
             self._unpark(key)
             return
@@ -268,27 +267,40 @@ class PrefillSide(Side):
         lane = self._lane_open
         if lane is None:
             return
-        for lane_key, answer, nbytes, seconds, decode_engine in lane.done():
-            key = self._lane_keys.pop(lane_key, "")
+        for push in lane.done():
+            key = self._lane_keys.pop(push.key, "")
             held = self._held.get(key)
             if held is None:
                 continue
             held.in_lane = False
             held.ranks = 1
             held.answered.add(0)
-            ok = answer is Answer.DONE
+            ok = push.answer is Answer.DONE
             metrics = self.agent.metrics
             if ok:
-                metrics.bytes_pushed(TransportKind.SHM.value, decode_engine, nbytes)
+                metrics.bytes_pushed(TransportKind.SHM.value, push.decode_engine, push.nbytes)
             metrics.transfer(
                 PushCall.WHOLE,
                 Outcome.OK if ok else Outcome.FAILED,
                 TransportKind.SHM.value,
-                decode_engine,
-                seconds,
+                push.decode_engine,
+                push.seconds,
             )
             if not ok:
                 log.warning("kvray: push of %s through the lane ended incomplete", key)
+            if ok and self.wiring.observer is not None:
+                self._spawn(self._lane_observed(key, held, push))
+            else:
+                self._settle(key, held)
+
+    async def _lane_observed(self, key: str, held: _Held, push: LanePush) -> None:
+        """The observer sees a push the lane made, its blocks still held; then they go."""
+        pushed = held.blocks[push.first_block : push.first_block + push.num_blocks]
+        blocks = tuple(int(block) for block in pushed)
+        sent = Moved(HandoffEvent.SENT, key, key, (blocks,), push.seconds, TransportKind.SHM, False)
+        try:
+            await self._moved(sent)
+        finally:
             self._settle(key, held)
 
     def drop(self, key: str) -> None:

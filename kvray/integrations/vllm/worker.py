@@ -285,7 +285,6 @@ class ConnectorWorker:
         if (
             self.role is not Role.DECODE
             or proof is None
-            or self.observer is not None
             or not self.settings.native_lane
         ):
             return
@@ -456,6 +455,7 @@ class ConnectorWorker:
         assert lane is not None and loop is not None and handoff is not None
         usual: dict[str, LoadSpec] = {}
         withdrawn: list[LoadSpec] = []
+        observed: list[tuple[LoadSpec, float]] = []
         for asked in lane.poll():
             self._lane_asks.pop(asked.request_id, None)
             spec = asked.spec
@@ -470,9 +470,14 @@ class ConnectorWorker:
                 withdrawn.append(spec)  # the prefill engine frees its hold now, not at its lease's end
             if asked.failed:
                 log.warning("kvray: KV of %s did not arrive through the lane: %s", spec.request_id, asked.why)
+            if asked.failed is False and not asked.cancelled and self.observer is not None:
+                observed.append((spec, asked.seconds))  # reported once the observer saw it
+                continue
             self._results.loaded(spec, failed=asked.failed)
         if usual or withdrawn:
             loop.loop.call_soon_threadsafe(handoff.step, HandoffStep(loads=usual, withdrawn=withdrawn))
+        for spec, seconds in observed:
+            loop.loop.call_soon_threadsafe(handoff.lane_loaded, spec, seconds)
 
     def _count_lane_loads(self, figures: list[tuple[str, str, int, float]]) -> None:
         """The agent's figures for loads asked through lanes (on its loop): each ask's answer,
