@@ -169,7 +169,7 @@ typedef struct parked {
     pair *pair; /* a reference */
     int fd;     /* the connection's, duplicated: it may close meanwhile */
     uint32_t n;
-    int settled;
+    int settled; /* 1: answer now (served if held), 2: answer now, unserved */
     struct timespec deadline;
     unsigned char rec[]; /* the ask, as it came (its MAC checked) */
 } parked;
@@ -443,7 +443,7 @@ static int serve_parked(lane *l, int all) {
     pthread_mutex_lock(&l->lock);
     for (parked **at = &l->parked; *at != NULL;) {
         parked *w = *at;
-        hold *h = all ? NULL : take_hold(l, w->rec + 56);
+        hold *h = all || w->settled == 2 ? NULL : take_hold(l, w->rec + 56);
         if (h != NULL || all || w->settled || passed(&now, &w->deadline)) {
             *at = w->next;
             l->num_parked--;
@@ -1008,9 +1008,20 @@ static PyObject *Lane_remove_pair(Lane *self, PyObject *arg) {
             break;
         }
     }
+    int waited = 0;
+    for (parked *w = l->parked; p != NULL && w != NULL; w = w->next) {
+        if (w->pair == p) {
+            w->settled = 2; /* answered at once, not served: the pair is going */
+            waited = 1;
+        }
+    }
     pthread_mutex_unlock(&l->lock);
     if (p == NULL) {
         Py_RETURN_FALSE;
+    }
+    if (waited) {
+        uint64_t one = 1;
+        (void)!write(l->wake_fd, &one, sizeof one);
     }
     /* Copies into the pair's region are bounded: wait them out before its memory may go. */
     Py_BEGIN_ALLOW_THREADS
@@ -1125,7 +1136,7 @@ static PyObject *Lane_settle(Lane *self, PyObject *arg) {
     pthread_mutex_lock(&l->lock);
     for (parked *w = l->parked; w != NULL; w = w->next) {
         if (memcmp(w->rec + 56, key, 16) == 0) {
-            w->settled = 1;
+            w->settled = w->settled ? w->settled : 1;
             waited = 1;
         }
     }

@@ -373,6 +373,31 @@ def test_an_ask_before_its_hold_waits_for_it_or_is_sent_the_usual_way(tmp_path: 
         decode.shutdown()
 
 
+def test_letting_go_of_a_decode_engine_answers_its_waiting_asks_at_once(tmp_path: Path) -> None:
+    """A decode engine the prefill engine's lane lets go of (it went away): its asks waiting
+    for holds are answered at once, unserved, and letting go does not wait out their wait."""
+    prefill, decode = pair(tmp_path)
+    answers: list[tuple[list[tuple[int, ...]], bool]] = []
+    try:
+        warm_up(prefill, decode)
+        lane = prefill.agent._pusher.lane
+        assert lane is not None
+        thread = threading.Thread(
+            target=lambda: answers.append(raw_ask(prefill, decode, "h-1", [8], wait_s=10.0))
+        )
+        thread.start()
+        until(lambda: lane.parked == 1)
+        started = time.monotonic()
+        lane.remove_pair(decode.agent.incarnation)
+        hold(prefill, "p-1", "h-1", (1,))  # too late: the ask is not served
+        thread.join(10.0)
+        assert time.monotonic() - started < 1.5  # not the wait's end (2 s)
+        assert Answer(answers[0][0][0][1]) is Answer.NOT_HELD and lane.parked == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_a_prefill_engine_gone_fails_its_loads_at_once_and_frees_the_slots(tmp_path: Path) -> None:
     prefill, decode = pair(tmp_path, transfer_timeout_s=30.0)
     try:
