@@ -37,6 +37,7 @@
 #include "_placement.h"
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -427,6 +428,12 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
     serve_hold(l, p, fd, rec, n, h);
 }
 
+/* The lane thread looks at its parked asks again (and at whether it stops). */
+static void wake(lane *l) {
+    uint64_t one = 1;
+    (void)!write(l->wake_fd, &one, sizeof one);
+}
+
 static int passed(const struct timespec *now, const struct timespec *deadline) {
     return now->tv_sec > deadline->tv_sec || (now->tv_sec == deadline->tv_sec && now->tv_nsec >= deadline->tv_nsec);
 }
@@ -750,8 +757,7 @@ static void lane_unref(lane *l) {
 static void lane_stop(lane *l) {
     if (l->started) {
         __atomic_store_n(&l->stopping, 1, __ATOMIC_RELEASE);
-        uint64_t one = 1;
-        (void)!write(l->wake_fd, &one, sizeof one);
+        wake(l);
         pthread_join(l->thread, NULL);
         l->started = 0;
     }
@@ -1020,8 +1026,7 @@ static PyObject *Lane_remove_pair(Lane *self, PyObject *arg) {
         Py_RETURN_FALSE;
     }
     if (waited) {
-        uint64_t one = 1;
-        (void)!write(l->wake_fd, &one, sizeof one);
+        wake(l);
     }
     /* Copies into the pair's region are bounded: wait them out before its memory may go. */
     Py_BEGIN_ALLOW_THREADS
@@ -1098,8 +1103,7 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
         Py_RETURN_FALSE;
     }
     if (waited) {
-        uint64_t one = 1;
-        (void)!write(l->wake_fd, &one, sizeof one);
+        wake(l);
     }
     Py_RETURN_TRUE;
 fail:
@@ -1142,8 +1146,7 @@ static PyObject *Lane_settle(Lane *self, PyObject *arg) {
     }
     pthread_mutex_unlock(&l->lock);
     if (waited) {
-        uint64_t one = 1;
-        (void)!write(l->wake_fd, &one, sizeof one);
+        wake(l);
     }
     return PyBool_FromLong(waited);
 }
@@ -1195,28 +1198,26 @@ static PyObject *Lane_close(Lane *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Lane_parked(Lane *self, void *unused) {
-    (void)unused;
+/* An int64 count of the lane's (at `offset` in it), read under its lock; 0 once closed. */
+static PyObject *lane_count(Lane *self, size_t offset) {
     lane *l = self->lane;
     if (l == NULL) {
         return PyLong_FromLong(0);
     }
     pthread_mutex_lock(&l->lock);
-    long long parked = l->num_parked;
+    long long count = (long long)*(const int64_t *)((const char *)l + offset);
     pthread_mutex_unlock(&l->lock);
-    return PyLong_FromLongLong(parked);
+    return PyLong_FromLongLong(count);
+}
+
+static PyObject *Lane_parked(Lane *self, void *unused) {
+    (void)unused;
+    return lane_count(self, offsetof(lane, num_parked));
 }
 
 static PyObject *Lane_holds(Lane *self, void *unused) {
     (void)unused;
-    lane *l = self->lane;
-    if (l == NULL) {
-        return PyLong_FromLong(0);
-    }
-    pthread_mutex_lock(&l->lock);
-    long long holds = l->holds;
-    pthread_mutex_unlock(&l->lock);
-    return PyLong_FromLongLong(holds);
+    return lane_count(self, offsetof(lane, holds));
 }
 
 static PyMethodDef Lane_methods[] = {
