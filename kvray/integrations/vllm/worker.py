@@ -282,11 +282,7 @@ class ConnectorWorker:
         """Routine loads ask prefill engines' native lanes from this thread (`kvray.agent.lane`),
         where the deployment has a key and the cache can take a lane's copy."""
         proof, agent = self.proof, self.agent
-        if (
-            self.role is not Role.DECODE
-            or proof is None
-            or not self.settings.native_lane
-        ):
+        if self.role is not Role.DECODE or proof is None or not self.settings.native_lane:
             return
         self._lane = agent.decode_lane(
             lambda engine, incarnation: proof.lane_key(
