@@ -21,7 +21,9 @@
  *   .close()
  * lane_ask(fd, key, prefill_incarnation, decode_incarnation, hold, token, slot, first_block, ask_id, ids,
  *          checked)
- * lane_answers(fd) -> (list[(ask_id, status, token, placement, content, reference, flags, nbytes)], ended)
+ * lane_answers(fd) -> (list[(ask_id, status, token, placement, content, reference, flags, nbytes, arrived)],
+ *                     ended)   arrived: when the answer came, on the monotonic clock
+ * lane_stamp(fd)   the kernel stamps each answer the socket receives (for `arrived`)
  *
  * An ask (little-endian): magic (uint32), version and flags (uint16 each; flag 1: the decode
  * engine checks content), n and first_block (uint32 each), the prefill's
@@ -1321,8 +1323,22 @@ static PyObject *lane_answers(PyObject *self, PyObject *arg) {
     }
     int ended = 0;
     unsigned char in[ANSWER_NBYTES + 1];
+    /* When each answer came (the kernel's stamp, where `lane_stamp` asked for one), on the
+     * monotonic clock: a read long after the answer does not count as the ask's time. */
+    struct timespec real_now, mono_now;
+    clock_gettime(CLOCK_REALTIME, &real_now);
+    clock_gettime(CLOCK_MONOTONIC, &mono_now);
+    double now = (double)mono_now.tv_sec + 1e-9 * (double)mono_now.tv_nsec;
+    double real = (double)real_now.tv_sec + 1e-9 * (double)real_now.tv_nsec;
     for (;;) {
-        ssize_t got = recv((int)fd, in, sizeof in, MSG_DONTWAIT);
+        struct iovec iov = {.iov_base = in, .iov_len = sizeof in};
+        union {
+            struct cmsghdr align;
+            char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        } control;
+        struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = &control,
+                                 .msg_controllen = sizeof control};
+        ssize_t got = recvmsg((int)fd, &message, MSG_DONTWAIT);
         if (got < 0 && errno == EINTR) {
             continue;
         }
@@ -1337,8 +1353,18 @@ static PyObject *lane_answers(PyObject *self, PyObject *arg) {
             ended = 1; /* not a lane: trust nothing more from it */
             break;
         }
-        PyObject *item = Py_BuildValue("(KIKKKKKK)", load64(in + 8), get_u32(in + 4), load64(in + 16), load64(in + 24),
-                                       load64(in + 32), load64(in + 40), load64(in + 48), load64(in + 56));
+        double arrived = now;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&message); c != NULL; c = CMSG_NXTHDR(&message, c)) {
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS &&
+                c->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
+                struct timespec stamp;
+                memcpy(&stamp, CMSG_DATA(c), sizeof stamp);
+                double ago = real - ((double)stamp.tv_sec + 1e-9 * (double)stamp.tv_nsec);
+                arrived = ago > 0 ? now - ago : now;
+            }
+        }
+        PyObject *item = Py_BuildValue("(KIKKKKKKd)", load64(in + 8), get_u32(in + 4), load64(in + 16), load64(in + 24),
+                                       load64(in + 32), load64(in + 40), load64(in + 48), load64(in + 56), arrived);
         if (item == NULL || PyList_Append(out, item) != 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
@@ -1349,6 +1375,19 @@ static PyObject *lane_answers(PyObject *self, PyObject *arg) {
     PyObject *result = Py_BuildValue("(Oi)", out, ended);
     Py_DECREF(out);
     return result;
+}
+
+static PyObject *lane_stamp(PyObject *self, PyObject *arg) {
+    (void)self;
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int on = 1;
+    if (setsockopt((int)fd, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof on) != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *lane_siphash(PyObject *self, PyObject *args) {
@@ -1370,6 +1409,7 @@ static PyObject *lane_siphash(PyObject *self, PyObject *args) {
 PyMethodDef kvray_lane_functions[] = {
     {"lane_ask", lane_ask, METH_VARARGS, "Send a lane ask (one record, MAC'd) on a connected lane socket."},
     {"lane_answers", lane_answers, METH_O, "Every answer waiting on a lane socket, and whether it ended."},
+    {"lane_stamp", lane_stamp, METH_O, "Have the kernel stamp each answer a lane socket receives."},
     {"lane_siphash", lane_siphash, METH_VARARGS, "SipHash-2-4 of bytes under a 16-byte key (tests)."},
     {NULL, NULL, 0, NULL},
 };

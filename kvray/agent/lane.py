@@ -383,7 +383,7 @@ class DecodeLane:
         for prefill, connection in list(self._connections.items()):
             assert _native is not None
             answers, gone = _native.lane_answers(connection.sock.fileno())
-            for ask_id, status, token, placement, content, reference, flags, _nbytes in answers:
+            for ask_id, status, token, placement, content, reference, flags, _nbytes, arrived in answers:
                 asked = connection.asks.pop(ask_id, None)
                 if asked is None or asked.token != token:
                     continue
@@ -391,7 +391,7 @@ class DecodeLane:
                     answer = Answer(status)
                 except ValueError:  # not an answer this engine knows: nothing is taken from it
                     answer = Answer.FAILED
-                self._answered(asked, answer, placement, content, reference, flags)
+                self._answered(asked, answer, placement, content, reference, flags, arrived)
                 self._closing.append(asked)
             for ask_id, asked in list(connection.asks.items()):
                 if gone:
@@ -424,11 +424,18 @@ class DecodeLane:
         return sum(len(connection.asks) for connection in self._connections.values()) + len(self._closing)
 
     def _answered(
-        self, asked: LaneAsk, answer: Answer, placement: int, content: int, reference: int, flags: int
+        self,
+        asked: LaneAsk,
+        answer: Answer,
+        placement: int,
+        content: int,
+        reference: int,
+        flags: int,
+        arrived: float,
     ) -> None:
         asked.answer = answer
         self.answers[answer] += 1
-        asked.seconds = time.monotonic() - asked.asked
+        asked.seconds = max(arrived - asked.asked, 0.0)
         if asked.cancelled:
             asked.failed = False
         elif answer in USUAL_WAY:
@@ -467,6 +474,8 @@ class DecodeLane:
             os.close(open_peer(path, PeerPath.LANE, self._shm_dir, named_by=f"engine {prefill[0]!r}"))
             sock.connect(path)
             sock.setblocking(False)
+            assert _native is not None
+            _native.lane_stamp(sock.fileno())
         except (OSError, KvrayError) as error:
             sock.close()
             log.debug("kvray: no lane to %s (%s)", prefill[0], error)

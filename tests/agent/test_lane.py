@@ -502,3 +502,24 @@ def test_a_copy_that_ends_incomplete_fails_its_load_and_frees_both_sides(
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_an_answer_is_timed_from_when_it_came_not_from_when_it_was_read() -> None:
+    """The decode engine reads its answers when vLLM next asks for finished requests: the
+    ask's time (`kvray_wait`, the benchmarks) ends when the answer came, as the kernel stamped
+    it, not at that read."""
+    from kvray._copy_pool import lane_answers, lane_stamp
+
+    reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with reader, writer:
+        lane_stamp(reader.fileno())
+        answer = struct.pack("<IIQQQQQQQ", 0x4B564C52, Answer.DONE, 7, 5, 0, 0, 0, 0, 64)
+        before = time.monotonic()
+        writer.send(answer)
+        after = time.monotonic()
+        time.sleep(0.3)
+        answers, ended = lane_answers(reader.fileno())
+        assert not ended and len(answers) == 1
+        *fields, arrived = answers[0]
+        assert fields[:3] == [7, Answer.DONE, 5]
+        assert before - 0.005 <= arrived <= after + 0.005  # not the read, 0.3 s later
