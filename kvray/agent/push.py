@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -205,6 +206,12 @@ async def _settled(task: asyncio.Task[Any]) -> None:
         await asyncio.wait([task])
     if not task.cancelled():
         task.exception()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether Triton (the GPU's hashing kernel) can be imported; asked once."""
+    return importlib.util.find_spec("triton") is not None
 
 
 class Pusher:
@@ -701,7 +708,7 @@ class Pusher:
 
     async def hold_digests(self, local_blocks: Blocks) -> None:
         backing = self.engine.backing
-        if backing.kind is MemoryKind.CUDA and importlib.util.find_spec("triton") is None:
+        if backing.kind is MemoryKind.CUDA and not _triton_installed():
             return  # no kernel hashes them: the push's own check reads them
         blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
         if self._held is None:
