@@ -19,8 +19,9 @@ There routine hand-offs take the prefill engine's native lane (`kvray.agent.lane
 runs each length without it first, then with it, as the baseline of the same run.
 
 Per prompt length:
-- `one request`: the prefill engine holds the request; the decode engine's step hands over the
-  load (`bind_connector_metadata`); timed until its `get_finished` reports the request received
+- `one request`: the prefill engine holds the request (taking its blocks' content digests,
+  before the clock); the decode engine's step hands over the load (`bind_connector_metadata`);
+  timed until its `get_finished` reports the request received
   (the push request, the plan, the cuda_ipc copy and the completion all inside), one at a time;
 - `stream of 16`: 16 such loads handed over in one step, until all 16 are reported;
 - `device copy`: one `copy_` of the request's bytes between two plain allocations on the GPU.
@@ -223,20 +224,16 @@ def run(
     streams = [[(f"stream-{tokens}-{r}-{i}", blocks(i)) for i in range(STREAM)] for r in range(runs)]
 
     def handoffs(batches: list[list[tuple[str, list[int]]]]) -> list[float]:
-        """Each batch held by the prefill engine (as its requests finish), then handed over."""
-        if device == "cuda":
-            for batch in batches:
-                for key, taken in batch:
-                    ray.get(prefill.hold.remote(key, taken))
-            return list(ray.get(decode.handoffs.remote(p_info, batches)))
-        # On the CPU a hold takes its blocks' content digests on a thread (the push's check
-        # then reads no source byte; on a GPU the copy hashes them): each batch is held just
-        # before it is handed over, as a finished request's blocks are, and given the time
-        # the digests take, so that a push never reads the digests of an earlier hold.
+        """Each batch held by the prefill engine just before it is handed over, as a finished
+        request's blocks are. A hold takes its blocks' content digests (`KVAgent.hold_digests`:
+        a kernel on the GPU, a thread on the CPU; the push's check then reads no source byte)
+        and is given the time they take, so that a push never reads the digests of an earlier
+        hold of the same blocks."""
+        rate = 2e11 if device == "cuda" else 2e9
         times = []
         for batch in batches:
             ray.get([prefill.hold.remote(key, taken) for key, taken in batch])
-            time.sleep(0.02 + len(batch) * nbytes / 2e9)
+            time.sleep(0.01 + len(batch) * nbytes / rate)
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 

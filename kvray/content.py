@@ -407,7 +407,8 @@ class HeldDigests:
     engine says its KV is there (produced or held: `KVAgent.hold_digests`), so that a push of
     those blocks needs no read of their bytes. A push uses them once and drops them; `forget`
     drops them when the blocks go back to the engine, which may write them again (a take still
-    hashing them then keeps nothing of them)."""
+    hashing them then keeps nothing of them). Hashed here (`take`) or elsewhere, e.g. on the
+    GPU that holds them: `epochs` before the hash, `keep` after it."""
 
     def __init__(self, layout: KVLayout, placements: Mapping[str, LayerPlacement]) -> None:
         self.layout = layout
@@ -421,11 +422,25 @@ class HeldDigests:
         self._epoch = np.zeros(layout.num_blocks, dtype=np.int64)
         self._lock = threading.Lock()
 
+    def epochs(self, blocks: Int64Array) -> Int64Array:
+        """What `keep` needs of `blocks`, read before their bytes are hashed."""
+        with self._lock:
+            return self._epoch[blocks].copy()
+
+    def keep(self, blocks: Int64Array, epochs: Int64Array, sums: npt.NDArray[np.uint64]) -> None:
+        """Keep `sums` (one per row of `rows` and block of `blocks`) of the blocks not forgotten
+        since `epochs` was read."""
+        rows = self.rows
+        with self._lock:
+            kept = self._epoch[blocks] == epochs
+            where = (rows.layer[:, None], rows.part[:, None], blocks[kept][None, :])
+            self.sums[where] = sums[:, kept]
+            self.held[where] = True
+
     def take(self, regions: Sequence[npt.NDArray[np.uint8]], blocks: Int64Array) -> None:
         """Hash every layer's parts of `blocks` now (C, GIL released; from any thread)."""
         rows = self.rows
-        with self._lock:
-            epoch = self._epoch[blocks].copy()
+        epochs = self.epochs(blocks)
         sums = np.zeros((rows.layer.size, blocks.size), dtype=np.uint64)
         for row in range(rows.layer.size):
             region = int(rows.region[row])
@@ -434,11 +449,7 @@ class HeldDigests:
             sums[row] = np.array(
                 hash_ranges(regions[region], starts, nbytes, region_seed(region)), dtype=np.uint64
             )
-        with self._lock:
-            kept = self._epoch[blocks] == epoch
-            where = (rows.layer[:, None], rows.part[:, None], blocks[kept][None, :])
-            self.sums[where] = sums[:, kept]
-            self.held[where] = True
+        self.keep(blocks, epochs, sums)
 
     def rows_of(self, blocks: Int64Array) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
         """The sums of `blocks` and whether each is held, one row per (layer, part) (row

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.util
 import os
 import sys
 import time
@@ -204,6 +206,12 @@ async def _settled(task: asyncio.Task[Any]) -> None:
         await asyncio.wait([task])
     if not task.cancelled():
         task.exception()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether Triton (the GPU's hashing kernel) can be imported; asked once."""
+    return importlib.util.find_spec("triton") is not None
 
 
 class Pusher:
@@ -700,8 +708,8 @@ class Pusher:
 
     async def hold_digests(self, local_blocks: Blocks) -> None:
         backing = self.engine.backing
-        if backing.kind is MemoryKind.CUDA:
-            return  # hashed on the device at push time (`Transport.reference`)
+        if backing.kind is MemoryKind.CUDA and not _triton_installed():
+            return  # no kernel hashes them: the push's own check reads them
         blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
         if self._held is None:
             self._held = HeldDigests(backing.layout, backing.placements)
@@ -709,8 +717,17 @@ class Pusher:
         taken = asyncio.Event()
         self._holding[taken] = blocks
         try:
-            regions = [region.tensor.numpy() for region in backing.regions]
-            await asyncio.to_thread(held.take, regions, blocks)
+            if backing.kind is MemoryKind.CUDA:
+                # Hashed by a kernel on the GPU that holds them, after the work queued there.
+                from kvray.transport.cuda_ipc.held import held_sums
+
+                epochs = held.epochs(blocks)
+                sums = await held_sums([region.tensor for region in backing.regions], held.rows, blocks)
+                if sums is not None:
+                    held.keep(blocks, epochs, sums)
+            else:
+                regions = [region.tensor.numpy() for region in backing.regions]
+                await asyncio.to_thread(held.take, regions, blocks)
         finally:
             del self._holding[taken]
             taken.set()

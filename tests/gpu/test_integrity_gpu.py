@@ -156,6 +156,72 @@ def test_a_kernel_storing_elsewhere_than_its_correct_plan_is_refused(decode_proc
     assert stats["integrity_checks_ok"] == 2
 
 
+@pytest.mark.parametrize("decode_process", [4], indirect=True)
+def test_digests_held_on_the_gpu_check_the_push_and_a_block_written_after_fails_closed(
+    decode_process: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hold_digests` on a GPU backing: the block kernel hashes the held blocks on the GPU, and
+    the push checks its copy against those sums without hashing its source again (the
+    writer's `reference` is never called). Used once; a block written after the hold (without
+    holding again) fails the request; a hold given back (`forget_digests`) checks nothing."""
+    from kvray.agent import KVAgent
+    from kvray.transport.cuda_ipc import CudaIpcTransport
+
+    references = []
+    reference = CudaIpcTransport.reference
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> int:
+        references.append(1)
+        return await reference(self, *args, **kwargs)
+
+    monkeypatch.setattr(CudaIpcTransport, "reference", counted)
+    # What each push's notice said, for the failure message.
+    from kvray.notice import NoticeSet
+
+    notices: list[dict[str, Any]] = []
+    send = NoticeSet.send
+
+    async def recorded(self: Any, peer: Any, notice: Any, **kwargs: Any) -> None:
+        fields = ("request_id", "content", "reference", "checksum", "landed")
+        notices.append({name: getattr(notice, name, None) for name in fields})
+        await send(self, peer, notice, **kwargs)
+
+    monkeypatch.setattr(NoticeSet, "send", recorded)
+    conn, info = decode_process
+    source = Backing.allocate(info.layout, MemoryKind.CUDA, device="cuda:0")
+    region = source.regions[0].tensor
+    region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8, device="cuda:0"))
+    layer = info.layout.layer_names[1]
+    view = source.view(layer)
+
+    async def push(step: str) -> int:
+        agent = KVAgent("prefill", Role.PREFILL, backing=source, use_coordinator=False)
+        await agent.start()
+        agent.add_peer(info)
+        reservation = msgspec.msgpack.decode(conn.recv(), type=Reservation)
+        if step in ("held", "stale", "forgotten"):
+            await agent.hold_digests(LOCAL_BLOCKS)
+        if step == "stale":
+            view[:, LOCAL_BLOCKS[2]].view(torch.uint8).bitwise_not_()
+        if step == "forgotten":
+            agent.forget_digests(LOCAL_BLOCKS)
+            view[:, LOCAL_BLOCKS[2]].view(torch.uint8).bitwise_not_()
+        before = len(references)
+        await agent.push(reservation, LOCAL_BLOCKS)
+        await agent.close()
+        return len(references) - before
+
+    hashed = {}
+    verdicts = []
+    for step in ("held", "stale", "forgotten", "unheld"):
+        hashed[step] = asyncio.run(push(step))
+        verdicts.append(conn.recv()[0])
+    assert verdicts == ["ok", "refused", "ok", "ok"], notices
+    assert hashed == {"held": 0, "stale": 0, "forgotten": 1, "unheld": 1}
+    stats = conn.recv()
+    assert stats["integrity_checks_ok"] == 3 and stats["integrity_checks_mismatch"] == 1
+
+
 @pytest.mark.parametrize("length", [1, 4099, 1 << 20, (64 << 20) + 3])
 def test_the_gpu_checksum_equals_the_host_one_to_the_bit(length: int) -> None:
     """`wsum64` by reduction kernels on the GPU equals numpy's over the same bytes (large

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_interpreted, in a child")
 
-from kvray.content import destination_factor, hash_bytes, pair_salt, region_seed  # noqa: E402
+from kvray.content import destination_factor, hash_bytes, hash_ranges, pair_salt, region_seed  # noqa: E402
 from kvray.placement import MASK64, ranges_digest, region_salt  # noqa: E402
 
 SLOTS = 1024
@@ -42,7 +42,7 @@ def test_kernels_interpreted() -> None:
         timeout=300,
     )
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert "7 passed" in child.stdout, child.stdout[-2000:]
+    assert "9 passed" in child.stdout, child.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,40 @@ def test_op_kernel_copies_and_digests(kernels: ModuleType, shift: int) -> None:
             assert (dst == CANARY).all(), "a copy that only hashes stores nothing"
         expected = _expected(src, ops, src_region, dst_region)
         assert _fold(kernels, slots) == (expected if content else (0, expected[1]))
+
+
+@interpreted
+@pytest.mark.parametrize("shift", [0, 2])
+def test_block_kernel_sums_each_rows_blocks_as_the_host_does(kernels: ModuleType, shift: int) -> None:
+    """The held blocks' hash (`kvray.content.HeldDigests` on a GPU): one sum per (row, block),
+    each the host's `hash_ranges` of those bytes at their own offsets, whatever the row's
+    length (a row of two pieces, a row shorter than the longest, pieces crossing 4 KiB pages)."""
+    rng = np.random.default_rng(11 + shift)
+    src = rng.integers(0, 256, 96 * 1024, dtype=np.uint8)
+    before = src.copy()
+    start, stride, nbytes = [100, 6244], [12288, 12288], [6000, 1040]
+    seeds = [region_seed(3), region_seed(3)]
+    blocks = [4, 0, 7]
+    table = torch.tensor(start + stride + nbytes + _bits(*seeds), dtype=torch.int64)
+    sums = torch.zeros(2 * len(blocks), dtype=torch.int64)
+    kernels.hash_blocks[(len(blocks), 2, 2)](
+        torch.from_numpy(src).view(DTYPES[shift]),
+        table,
+        torch.tensor(blocks, dtype=torch.int64),
+        sums,
+        2,
+        len(blocks),
+        SHIFT=shift,
+        PIECE=4096,
+        BLOCK=4096 >> shift,
+        VEC=1,
+    )
+    found = sums.numpy().view(np.uint64).reshape(2, len(blocks))
+    for row in range(2):
+        offsets = np.array([start[row] + block * stride[row] for block in blocks], dtype=np.int64)
+        expected = hash_ranges(src, offsets, np.full(len(blocks), nbytes[row], dtype=np.int64), seeds[row])
+        assert found[row].tolist() == expected
+    assert np.array_equal(src, before), "the block kernel stores nothing"
 
 
 @interpreted

@@ -7,8 +7,9 @@ incarnation and writes a plan's ops with batched copies, never one launch per bl
     kernels     the Triton kernels (`triton_kernels`), compiled on first use: the op copy
                 (program i copies op i, or one piece of a long op, with wide loads and stores),
                 the row copy (expands a plan's rows itself from the request's block ids), the
-                block ids' fetch from pinned host memory and the digests' fold; the element
-                width they copy at (`pick_unit`) and what a copy reports (`Digests`)
+                held blocks' hash (a sum per block and layer part), the block ids' fetch from
+                pinned host memory and the digests' fold; the element width they copy at
+                (`pick_unit`) and what a copy reports (`Digests`)
     triton_kernels  the kernels themselves, with the placement and content digests
                 (`kvray.placement`, `kvray.content`) each copy adds up as it stores
     digests     where a copy's digests go: per-write slots on the GPU, folded into pinned
@@ -26,6 +27,9 @@ incarnation and writes a plan's ops with batched copies, never one launch per bl
                 the ids, the row kernel, fold its digests, record done), replayed per request
                 with two driver calls; the writer's reference hashed the same way, storing
                 nothing (`hash_stretches`)
+    held        an engine's own blocks hashed on its GPU when their request is held
+                (`kvray.content.HeldDigests`): the block kernel, storing nothing, so that the
+                push checks its copy without reading its source a second time
     driver      the CUDA driver entry points called directly through ctypes
     allocation  an opened handle checked against the allocation the driver knows for it: an
                 exporter's storage size and offsets are only claims

@@ -65,6 +65,16 @@ def rows_kernel() -> Any:
     return _kernels().copy_rows
 
 
+def blocks_kernel() -> Any:
+    """The held blocks' hash (`kvray.content.HeldDigests`), storing nothing: program (i, r, k)
+    adds the content sum of piece k (of PIECE bytes) of block `ids[i]` in row r into
+    `sums[r * count + i]`, without a destination factor (the push applies it when it knows
+    where each block goes). `rows` holds four columns of `num_rows` (`kvray.content.HeldRows`'
+    start, stride and bytes, then the row's source region seed); every byte quantity is a
+    multiple of the element width 2**SHIFT."""
+    return _kernels().hash_blocks
+
+
 def fold_kernel() -> Any:
     """Adds a write's `SLOTS` sums into `out` (an int64 the host reads: pinned host memory,
     written through the GPU's mapping of it) and zeroes them for the next write."""

@@ -196,6 +196,49 @@ def copy_rows(
 
 
 @triton.jit
+def hash_blocks(
+    src,
+    rows,
+    ids,
+    sums,
+    num_rows,
+    count,
+    SHIFT: tl.constexpr,
+    PIECE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Program (i, r, k) adds the content sum (no destination factor) of piece k of block
+    `ids[i]`'s bytes in row r into `sums[r * count + i]` (see `kernels.blocks_kernel`)."""
+    block = tl.program_id(0)
+    row = tl.program_id(1)
+    skip = tl.program_id(2).to(tl.int64) * PIECE
+    block_id = tl.load(ids + block)
+    start = tl.load(rows + row)
+    stride = tl.load(rows + num_rows + row)
+    nbytes = tl.load(rows + 2 * num_rows + row)
+    seed = tl.load(rows + 3 * num_rows + row).to(tl.uint64, bitcast=True)
+    # A row shorter than the longest has pieces past its end: they hash nothing.
+    length = tl.maximum(tl.minimum(nbytes - skip, PIECE), 0) >> SHIFT
+    source = (start + block_id * stride + skip) >> SHIFT
+    if VEC > 1:
+        source = tl.multiple_of(source, VEC)
+        length = tl.multiple_of(length, VEC)
+    acc = tl.zeros((BLOCK,), tl.uint64)
+    whole = length // BLOCK * BLOCK
+    for step in tl.range(0, whole, BLOCK):
+        index = step + tl.arange(0, BLOCK)
+        acc += _weigh(tl.load(src + source + index), source + index, source + step, seed, SHIFT)
+    if whole < length:
+        index = whole + tl.arange(0, BLOCK)
+        values = tl.load(src + source + index, mask=index < length, other=0)
+        acc += _weigh(values, source + index, source + whole, seed, SHIFT)
+    total = tl.sum(acc, axis=0)
+    if total != 0:
+        tl.atomic_add(sums + row * count + block, total.to(tl.int64, bitcast=True))
+
+
+@triton.jit
 def fold(slots, out, SLOTS: tl.constexpr):
     """`out[0]`, `out[1]` := the sums of the content's and the placement's slots (mod 2**64);
     the slots are zeroed for the next write."""
