@@ -389,17 +389,12 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
         pair_unref(p);
         return;
     }
-    parked *w = NULL;
-    if (l->park_s > 0) {
-        w = malloc(sizeof *w + ask_nbytes(n));
-        if (w != NULL && (w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
-            free(w);
-            w = NULL;
-        }
-    }
     pthread_mutex_lock(&l->lock);
     hold *h = take_hold(l, rec + 56);
-    if (h == NULL && w != NULL && l->num_parked < MAX_PARKED) {
+    pthread_mutex_unlock(&l->lock);
+    parked *w = NULL;
+    if (h == NULL && l->park_s > 0 && (w = malloc(sizeof *w + ask_nbytes(n))) != NULL) {
+        w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
         w->pair = p;
         w->n = n;
         w->settled = 0;
@@ -411,15 +406,23 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
             w->deadline.tv_nsec -= 1000000000L;
         }
         memcpy(w->rec, rec, ask_nbytes(n));
-        w->next = l->parked;
-        l->parked = w;
-        l->num_parked++;
+        /* The hold may have come since it was looked for: looked for again under the lock that
+         * `hold` takes to see whether anything waits (so no wake is lost). */
+        pthread_mutex_lock(&l->lock);
+        h = take_hold(l, rec + 56);
+        int parks = h == NULL && w->fd >= 0 && l->num_parked < MAX_PARKED;
+        if (parks) {
+            w->next = l->parked;
+            l->parked = w;
+            l->num_parked++;
+        }
         pthread_mutex_unlock(&l->lock);
-        return;
-    }
-    pthread_mutex_unlock(&l->lock);
-    if (w != NULL) {
-        close(w->fd);
+        if (parks) {
+            return;
+        }
+        if (w->fd >= 0) {
+            close(w->fd);
+        }
         free(w);
     }
     if (h == NULL) {
