@@ -47,6 +47,10 @@
  *   an int in [0, num_blocks), none twice, written into `out` (int64, as long as `blocks`).
  *   False (with `out` partly written) where one is not, `blocks` is empty or neither a list
  *   nor a tuple, or the pool is past 2**24 blocks: the numpy twin then says which.
+ * check_id_array(ids, num_blocks) -> bool
+ *   Whether the int64 array `ids` holds one side's block ids as `block_ids` checks them: not
+ *   empty, each in [0, num_blocks), none twice. False also where the pool is past 2**24 blocks
+ *   (and the ids are more than 64): the numpy twin then decides, and says what is wrong.
  * held_digest(sums, held, parts, num_blocks, layer, part, salt, src_start, src_stride,
  *             dst_start, dst_stride, local_ids, remote_ids) -> int | None
  *   The content digest (kvray.content) of a transfer from content sums held per (layer, part,
@@ -594,6 +598,48 @@ static PyObject *check_ids(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* Up to this many ids, repeats are looked for pair by pair (no bitmap over the pool). */
+#define CHECK_IDS_PAIRWISE 64
+
+static PyObject *check_id_array(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *object;
+    long long num_blocks;
+    if (!PyArg_ParseTuple(args, "OL", &object, &num_blocks)) {
+        return NULL;
+    }
+    Array ids;
+    if (!take(object, &ids, 0)) {
+        return NULL;
+    }
+    const int64_t *id = ids.data;
+    Py_ssize_t n = ids.len;
+    int ok = n > 0 && num_blocks > 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        ok = id[i] >= 0 && id[i] < num_blocks;
+    }
+    if (ok && n <= CHECK_IDS_PAIRWISE) {
+        for (Py_ssize_t i = 1; ok && i < n; i++) {
+            for (Py_ssize_t j = 0; ok && j < i; j++) {
+                ok = id[i] != id[j];
+            }
+        }
+    } else if (ok) {
+        uint64_t *seen = num_blocks <= CHECK_IDS_MAX_POOL
+                             ? calloc((size_t)((num_blocks + 63) / 64), sizeof(uint64_t))
+                             : NULL;
+        ok = seen != NULL; /* a pool past the bitmap's size: the numpy twin sorts instead */
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            uint64_t bit = 1ULL << (id[i] & 63);
+            ok = !(seen[id[i] >> 6] & bit);
+            seen[id[i] >> 6] |= bit;
+        }
+        free(seen);
+    }
+    give_back(&ids, 1);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *placement_digest(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     unsigned int shift;
@@ -737,6 +783,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"check_ids", check_ids, METH_VARARGS, "One side's block ids checked into an int64 array."},
+    {"check_id_array", check_id_array, METH_VARARGS, "Whether an int64 array holds valid block ids."},
     {"placement_digest", placement_digest, METH_VARARGS, "The placement digest of runs at blocks."},
     {"held_digest", held_digest, METH_VARARGS, "A transfer's content digest from held sums, or None."},
     {"sort_blocks", sort_blocks, METH_VARARGS,

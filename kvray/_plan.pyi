@@ -1,6 +1,7 @@
 """The planner's C loops (kvray/_plan.c); each array is C-contiguous native int64."""
 
 def check_ids(blocks: object, out: object, num_blocks: int) -> bool: ...
+def check_id_array(ids: object, num_blocks: int) -> bool: ...
 def sort_blocks(
     local_ids: object,
     remote_ids: object,

@@ -188,6 +188,19 @@ def hash_ranges(
     ]
 
 
+def hash_ranges_array(
+    region: npt.NDArray[np.uint8], offsets: Int64Array, nbytes: Int64Array, seed: int
+) -> npt.NDArray[np.uint64]:
+    """`hash_ranges` as an array (no Python int per range where the C routine is built)."""
+    if _hash_ranges is not None:
+        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        sums = _hash_ranges(
+            int(region.ctypes.data), offsets, np.ascontiguousarray(nbytes, dtype=np.int64), seed, offsets
+        )
+        return np.frombuffer(sums, dtype=np.uint64)
+    return np.array(hash_ranges(region, offsets, nbytes, seed), dtype=np.uint64)
+
+
 def staged_content(
     payload: npt.NDArray[np.uint8],
     payload_offsets: Int64Array,
@@ -442,13 +455,12 @@ class HeldDigests:
         rows = self.rows
         epochs = self.epochs(blocks)
         sums = np.zeros((rows.layer.size, blocks.size), dtype=np.uint64)
-        for row in range(rows.layer.size):
-            region = int(rows.region[row])
-            starts = rows.start[row] + blocks * rows.stride[row]
-            nbytes = np.full(blocks.size, rows.nbytes[row], dtype=np.int64)
-            sums[row] = np.array(
-                hash_ranges(regions[region], starts, nbytes, region_seed(region)), dtype=np.uint64
-            )
+        for region in np.unique(rows.region).tolist():  # one C call a region, all its rows
+            selected = np.flatnonzero(rows.region == region)
+            starts = rows.start[selected, None] + blocks[None, :] * rows.stride[selected, None]
+            nbytes = np.repeat(rows.nbytes[selected], blocks.size)
+            hashed = hash_ranges_array(regions[region], starts.reshape(-1), nbytes, region_seed(region))
+            sums[selected] = hashed.reshape(selected.size, blocks.size)
         self.keep(blocks, epochs, sums)
 
     def rows_of(self, blocks: Int64Array) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:

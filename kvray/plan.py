@@ -534,6 +534,16 @@ def block_ids(
             and len(set(plain)) == len(plain)
         ):
             return np.array(plain, dtype=np.int64)
+    elif (
+        _native is not None
+        and type(blocks) is np.ndarray
+        and blocks.dtype == np.int64
+        and blocks.ndim == 1
+        and blocks.flags.c_contiguous
+    ):
+        # An engine's own int64 ids (a hold's, say) checked in one C pass, without a copy.
+        if _native.check_id_array(blocks, num_blocks):
+            return cast(Int64Array, blocks)
     elif _native is not None and type(blocks) in (tuple, list):
         # A long request's ids checked in one C pass (no pool-sized count, no sort); anything
         # it does not take is the numpy twin's below, which says what is wrong.

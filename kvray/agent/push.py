@@ -86,6 +86,9 @@ _KEPT_STRETCH_ROWS = 256
 _LANE_PIECE = 1 << 20
 _LANE_INLINE_MAX = 4 << 20
 _LANE_PARK_S = PARK_S
+#: A hold of at most this many bytes is hashed on the agent's loop (tens of microseconds), not
+#: handed to a thread (a hop that costs the loop about as much).
+_INLINE_HOLD_NBYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,10 @@ class Pusher:
         #: The holds still hashing their blocks: a push of those blocks waits for them rather
         #: than hash the same bytes a second time.
         self._holding: dict[asyncio.Event, npt.NDArray[np.int64]] = {}
+        #: The host backing's regions as arrays, for the hashes of holds (made once), and the
+        #: bytes of one block in all layers.
+        self._host_regions: list[npt.NDArray[np.uint8]] | None = None
+        self._block_nbytes = 0
         #: Per (decode engine, incarnation, layers): the stretches' rows (`kvray.content`).
         self._stretch_rows: dict[tuple[str, int, tuple[str, ...]], StretchRows] = {}
         #: Per (decode engine, incarnation, layers): those layers' indices in its layout (what
@@ -726,8 +733,14 @@ class Pusher:
                 if sums is not None:
                     held.keep(blocks, epochs, sums)
             else:
-                regions = [region.tensor.numpy() for region in backing.regions]
-                await asyncio.to_thread(held.take, regions, blocks)
+                regions = self._host_regions
+                if regions is None:
+                    regions = self._host_regions = [region.tensor.numpy() for region in backing.regions]
+                    self._block_nbytes = sum(layer.geometry.block_nbytes for layer in backing.layout.layers)
+                if blocks.size * self._block_nbytes <= _INLINE_HOLD_NBYTES:
+                    held.take(regions, blocks)  # sooner done here than handed to a thread
+                else:
+                    await asyncio.to_thread(held.take, regions, blocks)
         finally:
             del self._holding[taken]
             taken.set()

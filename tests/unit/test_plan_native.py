@@ -586,3 +586,29 @@ def test_check_ids_takes_lists_and_tuples_of_ints_alone() -> None:
     assert ids.tolist() == list(range(200))
     with pytest.raises(TypeError):
         NATIVE.check_ids(list(range(200)), np.empty(200, dtype=np.int32), 200)
+
+
+@settings(max_examples=400)
+@given(data=st.data())
+def test_int64_block_id_arrays_are_checked_the_same_both_ways(data: st.DataObject) -> None:
+    """`block_ids` of an engine's own int64 array (a hold's ids): the C pass
+    (`kvray._plan.check_id_array`, pair by pair up to 64 ids, a bitmap beyond, the numpy twin
+    past its pool) returns the array itself, or leaves the twin to say what is wrong."""
+    num_blocks = data.draw(st.sampled_from([1, 7, 4096, 2**24, 2**24 + 1, 2**40]))
+    count = data.draw(st.integers(1, 200))
+    ids = np.array(
+        [data.draw(st.integers(0, min(num_blocks, 10**6) - 1)) for _ in range(count)], dtype=np.int64
+    )
+    spoil = data.draw(st.sampled_from(["none", "repeat", "outside", "negative"]))
+    at = data.draw(st.integers(0, count - 1))
+    if spoil == "repeat" and count > 1:
+        ids[at] = ids[(at + 1) % count]
+    elif spoil == "outside":
+        ids[at] = num_blocks + data.draw(st.integers(0, 10))
+    elif spoil == "negative":
+        ids[at] = -data.draw(st.integers(1, 10))
+    native, twin = both_ways(lambda: plan_module.block_ids(ids, num_blocks, "local", "e"))
+    if isinstance(twin, Exception):
+        same_error(native, twin)
+    else:
+        assert native is ids and twin is ids  # checked, not copied
