@@ -218,7 +218,7 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "python benchmarks/bench_serve_llm.py --requests 16": Skip(BENCHMARK),
     "python benchmarks/bench_ttft.py --json docs/results/ttft.json": Skip(BENCHMARK),
     "python benchmarks/bench_vllm_pd.py --runs 5 --integrity": Skip(BENCHMARK),
-    "python benchmarks/bench_vllm_pd.py --runs 5 --lengths 128 512 2048": Skip(BENCHMARK),
+    "python benchmarks/bench_vllm_pd.py --runs 5 --lengths 128 512 2048 --lane on|off": Skip(BENCHMARK),
     "python benchmarks/bench_connectors.py --requests 4 --new-tokens 16": Skip(CONNECTORS),
     "python benchmarks/bench_connectors.py --model tiny-deepseek --clients 1 4": Skip(CONNECTORS),
     "python benchmarks/bench_gpu.py --repeat 10": Skip("needs two CUDA GPUs"),
