@@ -1116,14 +1116,17 @@ fail:
     return NULL;
 }
 
+/* The lane, with the 16-byte key `arg` names in `key`: NULL with an error for a bad key, NULL
+ * alone once the lane is closed (the call then answers False). */
+static lane *keyed(Lane *self, PyObject *arg, unsigned char key[16]) {
+    return take_key(arg, key) != 0 ? NULL : self->lane;
+}
+
 static PyObject *Lane_unhold(Lane *self, PyObject *arg) {
-    lane *l = self->lane;
     unsigned char key[16];
-    if (take_key(arg, key) != 0) {
-        return NULL;
-    }
+    lane *l = keyed(self, arg, key);
     if (l == NULL) {
-        Py_RETURN_FALSE;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     }
     pthread_mutex_lock(&l->lock);
     hold *h = take_hold(l, key);
@@ -1133,13 +1136,10 @@ static PyObject *Lane_unhold(Lane *self, PyObject *arg) {
 }
 
 static PyObject *Lane_settle(Lane *self, PyObject *arg) {
-    lane *l = self->lane;
     unsigned char key[16];
-    if (take_key(arg, key) != 0) {
-        return NULL;
-    }
+    lane *l = keyed(self, arg, key);
     if (l == NULL) {
-        Py_RETURN_FALSE;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     }
     int waited = 0;
     pthread_mutex_lock(&l->lock);
