@@ -47,7 +47,9 @@ reserves the next. Releases come from the engine's scheduler (`HandoffStep.relea
 Routine hand-offs on one node may skip both event loops through the prefill engine's native
 lane (`kvray.agent.lane`, `Settings.native_lane`): the decode engine asks from its own thread, a C
 thread of the prefill engine pushes; the prefill side here offers it each hold once its digests
-are taken, and takes a hold back from it before anything else ends or pushes the request.
+are taken, settles the asks waiting in it for a hand-off it will not offer, and takes a hold back
+from it before anything else ends or pushes the request. An observer sees lane pushes on both
+sides as it sees the others.
 
 A hand-off id whose request is gone (pushed, dropped, released, withdrawn, or its lease ended)
 is spent for a lease: push requests and holds under it are refused at once, so a second request
