@@ -172,8 +172,8 @@ typedef struct parked {
     pair *pair; /* a reference */
     int fd;     /* the connection's, duplicated: it may close meanwhile */
     uint32_t n;
-    int settled; /* 1: answer now (served if held), 2: answer now, unserved */
-    struct timespec deadline;
+    int settled;     /* 1: answer now (served if held), 2: answer now, unserved */
+    double deadline; /* on the monotonic clock, in seconds */
     unsigned char rec[]; /* the ask, as it came (its MAC checked) */
 } parked;
 
@@ -212,7 +212,7 @@ typedef struct ask_ctx {
     uint64_t ask_id, token, reference;
     int has_reference;
     int64_t nbytes, first, count;
-    struct timespec started;
+    double started; /* on the monotonic clock, in seconds */
 } ask_ctx;
 
 static void lane_unref(lane *l);
@@ -321,10 +321,11 @@ static void answer(int fd, int status, uint64_t ask_id, uint64_t token, uint64_t
     (void)send(fd, out, sizeof out, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-static double seconds_since(const struct timespec *t0) {
-    struct timespec t1;
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+/* A clock's time in seconds. */
+static double clock_s(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 /* Every thread has left the ask's copy (its claim let go): answer, report, let go. */
@@ -335,7 +336,7 @@ static void ask_over(job *j) {
     uint64_t content = __atomic_load_n(&j->content, __ATOMIC_ACQUIRE);
     answer(c->answer_fd, complete ? LANE_DONE : LANE_FAILED, c->ask_id, c->token, placement, content,
            c->reference, (uint64_t)c->has_reference, c->nbytes);
-    post_done(c->lane, c->hold->key, complete ? LANE_DONE : LANE_FAILED, c->nbytes, seconds_since(&c->started),
+    post_done(c->lane, c->hold->key, complete ? LANE_DONE : LANE_FAILED, c->nbytes, clock_s(CLOCK_MONOTONIC) - c->started,
               c->pair->incarnation, c->first, c->count);
     close(c->answer_fd);
     hold_free(c->hold);
@@ -398,13 +399,7 @@ static void serve_ask(lane *l, pair *p, int fd, const unsigned char *rec, uint32
         w->pair = p;
         w->n = n;
         w->settled = 0;
-        clock_gettime(CLOCK_MONOTONIC, &w->deadline);
-        w->deadline.tv_sec += (time_t)l->park_s;
-        w->deadline.tv_nsec += (long)((l->park_s - (double)(time_t)l->park_s) * 1e9);
-        if (w->deadline.tv_nsec >= 1000000000L) {
-            w->deadline.tv_sec++;
-            w->deadline.tv_nsec -= 1000000000L;
-        }
+        w->deadline = clock_s(CLOCK_MONOTONIC) + l->park_s;
         memcpy(w->rec, rec, ask_nbytes(n));
         /* The hold may have come since it was looked for: looked for again under the lock that
          * `hold` takes to see whether anything waits (so no wake is lost). */
@@ -439,16 +434,11 @@ static void wake(lane *l) {
     (void)!write(l->wake_fd, &one, sizeof one);
 }
 
-static int passed(const struct timespec *now, const struct timespec *deadline) {
-    return now->tv_sec > deadline->tv_sec || (now->tv_sec == deadline->tv_sec && now->tv_nsec >= deadline->tv_nsec);
-}
-
 /* The lane thread's turn over parked asks: each whose hold came is served, each settled or
  * past its deadline (or every one, when `all`) answered "not held". Returns the epoll timeout
  * until the next deadline (-1: none waits). */
 static int serve_parked(lane *l, int all) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
+    double now = clock_s(CLOCK_MONOTONIC);
     parked *ready = NULL, *over = NULL;
     hold *holds = NULL;
     int timeout = -1;
@@ -456,7 +446,7 @@ static int serve_parked(lane *l, int all) {
     for (parked **at = &l->parked; *at != NULL;) {
         parked *w = *at;
         hold *h = all || w->settled == 2 ? NULL : take_hold(l, w->rec + 56);
-        if (h != NULL || all || w->settled || passed(&now, &w->deadline)) {
+        if (h != NULL || all || w->settled || now >= w->deadline) {
             *at = w->next;
             l->num_parked--;
             if (h != NULL) {
@@ -470,9 +460,7 @@ static int serve_parked(lane *l, int all) {
             }
             continue;
         }
-        double left_ms = 1e3 * (double)(w->deadline.tv_sec - now.tv_sec) +
-                         1e-6 * (double)(w->deadline.tv_nsec - now.tv_nsec);
-        int ms = (int)left_ms + 1;
+        int ms = (int)(1e3 * (w->deadline - now)) + 1;
         timeout = timeout < 0 || ms < timeout ? ms : timeout;
         at = &w->next;
     }
@@ -504,8 +492,7 @@ static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint3
     uint32_t first = get_u32(rec + 12);
     uint64_t ask_id = load64(rec + 32), token = load64(rec + 40), slot = load64(rec + 48);
     const int64_t *remote = (const int64_t *)(rec + ASK_HEADER);
-    struct timespec started;
-    clock_gettime(CLOCK_MONOTONIC, &started);
+    double started = clock_s(CLOCK_MONOTONIC);
     int status = LANE_REFUSED;
     job *j = NULL;
     /* The decode engine's ids: as many as the hold has from `first`, each in its pool, none
@@ -1328,11 +1315,7 @@ static PyObject *lane_answers(PyObject *self, PyObject *arg) {
     unsigned char in[ANSWER_NBYTES + 1];
     /* When each answer came (the kernel's stamp, where `lane_stamp` asked for one), on the
      * monotonic clock: a read long after the answer does not count as the ask's time. */
-    struct timespec real_now, mono_now;
-    clock_gettime(CLOCK_REALTIME, &real_now);
-    clock_gettime(CLOCK_MONOTONIC, &mono_now);
-    double now = (double)mono_now.tv_sec + 1e-9 * (double)mono_now.tv_nsec;
-    double real = (double)real_now.tv_sec + 1e-9 * (double)real_now.tv_nsec;
+    double now = clock_s(CLOCK_MONOTONIC), real = clock_s(CLOCK_REALTIME);
     for (;;) {
         struct iovec iov = {.iov_base = in, .iov_len = sizeof in};
         union {

@@ -176,29 +176,32 @@ def hash_ranges(
     """Each range's sum, over a buffer's bytes (a 1-D uint8 array): the C routine when it is
     built (GIL released), else numpy. `logical`: the offsets the ranges' bytes are hashed at,
     when the buffer is a staged copy of them (default: where they are)."""
+    return [int(value) for value in hash_ranges_array(region, offsets, nbytes, seed, logical).tolist()]
+
+
+def hash_ranges_array(
+    region: npt.NDArray[np.uint8],
+    offsets: Int64Array,
+    nbytes: Int64Array,
+    seed: int,
+    logical: Int64Array | None = None,
+) -> npt.NDArray[np.uint64]:
+    """`hash_ranges` as an array (no Python int per range where the C routine is built)."""
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
     at = offsets if logical is None else np.ascontiguousarray(logical, dtype=np.int64)
     if _hash_ranges is not None:
         sums = _hash_ranges(int(region.ctypes.data), offsets, nbytes, seed, at)
-        return [int(value) for value in np.frombuffer(sums, dtype=np.uint64).tolist()]
-    return [
-        hash_bytes(region[start : start + length], logical_start, seed)
-        for start, logical_start, length in zip(offsets.tolist(), at.tolist(), nbytes.tolist(), strict=True)
-    ]
-
-
-def hash_ranges_array(
-    region: npt.NDArray[np.uint8], offsets: Int64Array, nbytes: Int64Array, seed: int
-) -> npt.NDArray[np.uint64]:
-    """`hash_ranges` as an array (no Python int per range where the C routine is built)."""
-    if _hash_ranges is not None:
-        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-        sums = _hash_ranges(
-            int(region.ctypes.data), offsets, np.ascontiguousarray(nbytes, dtype=np.int64), seed, offsets
-        )
         return np.frombuffer(sums, dtype=np.uint64)
-    return np.array(hash_ranges(region, offsets, nbytes, seed), dtype=np.uint64)
+    return np.array(
+        [
+            hash_bytes(region[start : start + length], logical_start, seed)
+            for start, logical_start, length in zip(
+                offsets.tolist(), at.tolist(), nbytes.tolist(), strict=True
+            )
+        ],
+        dtype=np.uint64,
+    )
 
 
 def staged_content(
@@ -427,6 +430,8 @@ class HeldDigests:
         self.layout = layout
         self.placements = placements
         self.rows = held_rows(layout, placements)
+        #: Bytes of one block in all layers (what a hold of a block hashes).
+        self.block_nbytes = int(self.rows.nbytes.sum())
         parts = held_parts(layout, placements)
         shape = (len(layout.layers), parts, layout.num_blocks)
         self.sums = np.zeros(shape, dtype=np.uint64)

@@ -4,7 +4,6 @@ and the background tasks it must cancel when it closes."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -109,7 +108,9 @@ async def landed_in(
     `ready`, what says a writer's source bytes are written); None where that kernel cannot run
     (GPU memory without Triton)."""
     if backing.kind is MemoryKind.CUDA:
-        if importlib.util.find_spec("triton") is None:
+        from kvray.transport.cuda_staging import triton_available
+
+        if not triton_available():
             return None
         from kvray.transport.cuda_ipc.ops import landed_digest
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import importlib.util
 import os
 import sys
 import time
@@ -211,12 +209,6 @@ async def _settled(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    """Whether Triton (the GPU's hashing kernel) can be imported; asked once."""
-    return importlib.util.find_spec("triton") is not None
-
-
 class Pusher:
     """One engine's pushes into decode engines."""
 
@@ -244,10 +236,8 @@ class Pusher:
         #: The holds still hashing their blocks: a push of those blocks waits for them rather
         #: than hash the same bytes a second time.
         self._holding: dict[asyncio.Event, npt.NDArray[np.int64]] = {}
-        #: The host backing's regions as arrays, for the hashes of holds (made once), and the
-        #: bytes of one block in all layers.
+        #: The host backing's regions as arrays, for the hashes of holds (made once).
         self._host_regions: list[npt.NDArray[np.uint8]] | None = None
-        self._block_nbytes = 0
         #: Per (decode engine, incarnation, layers): the stretches' rows (`kvray.content`).
         self._stretch_rows: dict[tuple[str, int, tuple[str, ...]], StretchRows] = {}
         #: Per (decode engine, incarnation, layers): those layers' indices in its layout (what
@@ -715,8 +705,11 @@ class Pusher:
 
     async def hold_digests(self, local_blocks: Blocks) -> None:
         backing = self.engine.backing
-        if backing.kind is MemoryKind.CUDA and not _triton_installed():
-            return  # no kernel hashes them: the push's own check reads them
+        if backing.kind is MemoryKind.CUDA:
+            from kvray.transport.cuda_staging import triton_available
+
+            if not triton_available():
+                return  # no kernel hashes them: the push's own check reads them
         blocks = block_ids(local_blocks, backing.layout.num_blocks, "local", self.engine.engine_id)
         if self._held is None:
             self._held = HeldDigests(backing.layout, backing.placements)
@@ -736,8 +729,7 @@ class Pusher:
                 regions = self._host_regions
                 if regions is None:
                     regions = self._host_regions = [region.tensor.numpy() for region in backing.regions]
-                    self._block_nbytes = sum(layer.geometry.block_nbytes for layer in backing.layout.layers)
-                if blocks.size * self._block_nbytes <= _INLINE_HOLD_NBYTES:
+                if blocks.size * held.block_nbytes <= _INLINE_HOLD_NBYTES:
                     held.take(regions, blocks)  # sooner done here than handed to a thread
                 else:
                     await asyncio.to_thread(held.take, regions, blocks)

@@ -207,7 +207,7 @@ class PrefillSide(Side):
     def _offer_lane(self, key: str, held: _Held) -> None:
         """Let an ask through the lane take a hold nothing has asked for yet: a request of one
         decode engine of one rank, any engine of the deployment's (a ticket naming its decode
-        engine, a watched hand-off and an engine of several ranks keep to push requests)."""
+        engine and an engine of several ranks keep to push requests)."""
         lane = self._lane()  # opened at the first hold, whatever becomes of it
         if (
             lane is None
@@ -216,14 +216,12 @@ class PrefillSide(Side):
             or held.answered
             or held.spec.decode_engine
             or len(held.spec.block_ids) != 1
+            or not self.agent.lane_hold(key, held.blocks)
         ):
-            self._unpark(key)
+            self._unpark(key)  # asks waiting in the lane for it go the usual way
             return
-        if self.agent.lane_hold(key, held.blocks):
-            held.in_lane = True
-            self._lane_keys[hold_key(key)] = key
-        else:
-            self._unpark(key)
+        held.in_lane = True
+        self._lane_keys[hold_key(key)] = key
 
     def _lane(self) -> PrefillLane | None:
         """The agent's lane, opened on first use where the deployment has a key."""
