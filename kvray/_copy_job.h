@@ -71,6 +71,15 @@ int64_t kvray_job_add(job *j, int64_t op, int64_t dst, int64_t src, int64_t hsrc
 job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
                     int64_t src_len, int64_t dst_len, int64_t piece, int64_t *nbytes, int64_t *bad_row,
                     int64_t *bad_pair);
+/* Check, without building a job, what `kvray_rows_job` checks: 0 with *ops (pieces of `piece`)
+ * and *nbytes (may be NULL), else -1 with *bad_row and *bad_pair as there. */
+int kvray_rows_check(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
+                     int64_t src_len, int64_t dst_len, int64_t piece, int64_t *ops, int64_t *nbytes, int64_t *bad_row,
+                     int64_t *bad_pair);
+/* `kvray_job_claim` for a copy that is not a job (a lane's GPU copy): the lock is held through
+ * *claim_fd, a descriptor of the caller's, until `kvray_claim_let_go` (which closes it). */
+int kvray_claim_take(int fd, int64_t slot, int64_t slots, uint64_t board, uint64_t token, int *claim_fd);
+void kvray_claim_let_go(int claim_fd, int64_t slot);
 /* Take the shared lock of claim slot `slot` of a board (its file `fd`, `slots` slots mapped at
  * `board`) and check it is open under `token`: 0 taken (held until every byte is in place), 1
  * the engine holds the slot, 2 the slot is not open under the token, else -errno. */

@@ -372,17 +372,21 @@ static PyObject *worker_hook = NULL;
  * the blocks. Called once every op is done, by the thread that did the last, or once every
  * thread has left: the first call closes the descriptor, so the second finds nothing to do (the
  * thread of the first is still counted active when it calls). */
+void kvray_claim_let_go(int claim_fd, int64_t slot) {
+    struct flock lock = {0};
+    lock.l_type = F_UNLCK;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = (off_t)(slot * CLAIM_SLOT_NBYTES);
+    lock.l_len = CLAIM_SLOT_NBYTES;
+    (void)fcntl(claim_fd, F_OFD_SETLK, &lock);
+    close(claim_fd);
+}
+
 static void release_claim(job *j) {
     if (j->claim_fd < 0) {
         return;
     }
-    struct flock lock = {0};
-    lock.l_type = F_UNLCK;
-    lock.l_whence = SEEK_SET;
-    lock.l_start = (off_t)(j->claim_slot * CLAIM_SLOT_NBYTES);
-    lock.l_len = CLAIM_SLOT_NBYTES;
-    (void)fcntl(j->claim_fd, F_OFD_SETLK, &lock);
-    close(j->claim_fd);
+    kvray_claim_let_go(j->claim_fd, j->claim_slot);
     j->claim_fd = -1;
 }
 
@@ -871,13 +875,13 @@ done:
  * under `token`: 0 taken (the job holds it until every byte is in place), 1 the engine holds the
  * slot (it is closing it: the caller may wait and ask again), -1 with a Python error (the slot
  * is not open under the token: a LookupError, and nothing may be written). */
-int kvray_job_claim(job *j, int fd, int64_t slot, int64_t slots, uint64_t board, uint64_t token) {
+int kvray_claim_take(int fd, int64_t slot, int64_t slots, uint64_t board, uint64_t token, int *claim_fd) {
     if (slot < 0 || slot >= slots || board == 0) {
         return 2;
     }
     /* Our own descriptor of the board's open file description: its locks are the caller's. */
-    int claim_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (claim_fd < 0) {
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) {
         return -errno;
     }
     struct flock lock = {0};
@@ -885,20 +889,29 @@ int kvray_job_claim(job *j, int fd, int64_t slot, int64_t slots, uint64_t board,
     lock.l_whence = SEEK_SET;
     lock.l_start = (off_t)(slot * CLAIM_SLOT_NBYTES);
     lock.l_len = CLAIM_SLOT_NBYTES;
-    if (fcntl(claim_fd, F_OFD_SETLK, &lock) != 0) {
+    if (fcntl(own, F_OFD_SETLK, &lock) != 0) {
         int error = errno;
-        close(claim_fd);
+        close(own);
         return error == EAGAIN || error == EACCES ? 1 : -error;
     }
-    j->claim_fd = claim_fd;
-    j->claim_slot = slot;
     /* Only the engine writes the slot, and only while it holds the lock exclusively. */
     const volatile uint64_t *words = (const volatile uint64_t *)(uintptr_t)board + 2 * slot;
     if (words[0] != token || words[1] != CLAIM_OPEN) {
-        release_claim(j);
+        kvray_claim_let_go(own, slot);
         return 2;
     }
+    *claim_fd = own;
     return 0;
+}
+
+int kvray_job_claim(job *j, int fd, int64_t slot, int64_t slots, uint64_t board, uint64_t token) {
+    int claim_fd = -1;
+    int taken = kvray_claim_take(fd, slot, slots, board, token, &claim_fd);
+    if (taken == 0) {
+        j->claim_fd = claim_fd;
+        j->claim_slot = slot;
+    }
+    return taken;
 }
 
 static int take_claim(job *j, PyObject *claim) {
@@ -925,9 +938,9 @@ static int take_claim(job *j, PyObject *claim) {
     return taken;
 }
 
-job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
-                    int64_t src_len, int64_t dst_len, int64_t piece, int64_t *nbytes, int64_t *bad_row,
-                    int64_t *bad_pair) {
+int kvray_rows_check(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
+                     int64_t src_len, int64_t dst_len, int64_t piece, int64_t *ops, int64_t *nbytes, int64_t *bad_row,
+                     int64_t *bad_pair) {
     const int64_t *src_start = rows, *src_stride = src_start + num_rows;
     const int64_t *dst_start = src_stride + num_rows, *dst_stride = dst_start + num_rows;
     const int64_t *lengths = dst_stride + num_rows;
@@ -937,7 +950,7 @@ job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local,
     for (int64_t r = 0; r < num_rows; r++) {
         if (lengths[r] < 0) {
             *bad_row = r;
-            return NULL;
+            return -1;
         }
         for (int64_t i = 0; i < n; i++) {
             int64_t from, to, from_end, to_end;
@@ -949,11 +962,29 @@ job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local,
                 to_end > dst_len) {
                 *bad_row = r;
                 *bad_pair = i;
-                return NULL;
+                return -1;
             }
             count += (lengths[r] + piece - 1) / piece;
             total += lengths[r];
         }
+    }
+    *ops = count;
+    if (nbytes != NULL) {
+        *nbytes = total;
+    }
+    return 0;
+}
+
+job *kvray_rows_job(const int64_t *rows, int64_t num_rows, const int64_t *local, const int64_t *remote, int64_t n,
+                    int64_t src_len, int64_t dst_len, int64_t piece, int64_t *nbytes, int64_t *bad_row,
+                    int64_t *bad_pair) {
+    const int64_t *src_start = rows, *src_stride = src_start + num_rows;
+    const int64_t *dst_start = src_stride + num_rows, *dst_stride = dst_start + num_rows;
+    const int64_t *lengths = dst_stride + num_rows;
+    int64_t count = 0, total = 0;
+    if (kvray_rows_check(rows, num_rows, local, remote, n, src_len, dst_len, piece, &count, &total, bad_row,
+                         bad_pair) != 0) {
+        return NULL;
     }
     job *j = kvray_job_new(count);
     if (j == NULL) {

@@ -125,6 +125,42 @@ static uint64_t siphash24(const unsigned char key[16], const unsigned char *in, 
     return v0 ^ v1 ^ v2 ^ v3;
 }
 
+/* ---- the CUDA driver, for a lane of GPU caches --------------------------------------------- */
+
+/* The driver calls a GPU lane makes, at addresses Python hands it (libcuda's own, or a test's):
+ * each returns a CUresult (0: success). Handles are the driver's (CUcontext, CUstream, CUevent,
+ * CUgraphExec). */
+typedef struct cuda_calls {
+    int (*ctx_set_current)(void *ctx);
+    int (*ctx_push_current)(void *ctx);
+    int (*ctx_pop_current)(void **ctx);
+    int (*event_create)(void **event, unsigned flags);
+    int (*event_destroy)(void *event);
+    int (*event_record)(void *event, void *stream);
+    int (*event_synchronize)(void *event);
+    int (*stream_wait_event)(void *stream, void *event, unsigned flags);
+    int (*graph_launch)(void *exec, void *stream);
+} cuda_calls;
+
+#define CUDA_CALLS 9
+#define CU_EVENT_DISABLE_TIMING 2u
+/* How long an ask waits for one of its pair's captured copies of its size to be free. */
+#define GRAPH_WAIT_S 1.0
+
+/* A row copy captured for a pair (kvray/transport/cuda_ipc/graphs.py `capture_rows`): the
+ * block ids go into its pinned `staging` (count, `capacity` source ids, `capacity` destination
+ * ids), it waits for `produced` and records `done`; `cell` is where its fold leaves the
+ * content then the placement digest (two pinned int64). One copy at a time (`busy`, under the
+ * lane's lock). */
+typedef struct lane_graph {
+    int64_t capacity;
+    void *exec;
+    int64_t *staging;
+    void *produced, *done;
+    const volatile uint64_t *cell;
+    int busy;
+} lane_graph;
+
 /* ---- what a lane keeps -------------------------------------------------------------------- */
 
 typedef struct pair {
@@ -145,6 +181,12 @@ typedef struct pair {
     int checked;
     unsigned char *seen; /* the lane thread's bitmap over the decode pool (repeated ids) */
     int refs;            /* atomic: the lane's list, and each ask being pushed */
+    /* A pair of GPU caches (`add_cuda_pair`): the context and stream its copies run in, and
+     * its captured row copies; dst, file_fd and the salts are then unused. */
+    int cuda;
+    void *ctx, *stream;
+    int num_graphs;
+    lane_graph *graphs;
 } pair;
 
 typedef struct hold {
@@ -154,6 +196,10 @@ typedef struct hold {
     int64_t held_rows; /* rows of sums: 0 when none were held */
     uint64_t *sums;    /* held_rows x n */
     unsigned char *held;
+    /* A GPU lane's hold: an event recorded after the work that wrote its blocks (a copy of
+     * them waits for it), destroyed with the hold in `ctx` through `cu`. */
+    void *ready, *ctx;
+    const cuda_calls *cu;
 } hold;
 
 typedef struct done_entry {
@@ -197,6 +243,18 @@ typedef struct lane {
     int started;
     int connections;
     int refs; /* atomic: the Lane object and each ask being pushed */
+    /* A lane of GPU caches: the driver's calls, the source's context, and the finisher, a
+     * thread that waits for each launched copy in turn (`cuda_pending`, first launched first),
+     * then lets go of its claim and its captured copy and answers. */
+    int cuda;
+    cuda_calls cu;
+    void *ctx;
+    pthread_cond_t graph_free;   /* a captured copy became free (under lock) */
+    pthread_cond_t cuda_wake;    /* a copy was launched, or the finisher stops (under lock) */
+    struct ask_ctx *cuda_head, *cuda_tail;
+    int finisher_stop;
+    pthread_t finisher;
+    int finisher_started;
 } lane;
 
 typedef struct conn {
@@ -205,6 +263,10 @@ typedef struct conn {
 } conn;
 
 typedef struct ask_ctx {
+    struct ask_ctx *next; /* the finisher's queue */
+    lane_graph *graph;    /* a GPU copy's captured copy (its claim in claim_fd, slot) */
+    int claim_fd;
+    int64_t slot;
     lane *lane;
     pair *pair;
     hold *hold;
@@ -228,12 +290,20 @@ static void pair_unref(pair *p) {
     free(p->rows);
     free(p->stretch);
     free(p->seen);
+    free(p->graphs);
     free(p);
 }
 
 static void hold_free(hold *h) {
     if (h == NULL) {
         return;
+    }
+    if (h->ready != NULL) {
+        void *previous;
+        if (h->cu->ctx_push_current(h->ctx) == 0) {
+            (void)h->cu->event_destroy(h->ready);
+            (void)h->cu->ctx_pop_current(&previous);
+        }
     }
     free(h->ids);
     free(h->sums);
@@ -486,6 +556,169 @@ static int serve_parked(lane *l, int all) {
     return timeout;
 }
 
+/* ---- a lane of GPU caches ---------------------------------------------------------------- */
+
+/* The free captured copy of the smallest size that fits `n` block pairs, taken (NULL: the pair
+ * has none that large, or none came free within GRAPH_WAIT_S). */
+static lane_graph *take_graph(lane *l, pair *p, int64_t n) {
+    int64_t fits = -1;
+    for (int i = 0; i < p->num_graphs; i++) {
+        int64_t c = p->graphs[i].capacity;
+        if (c >= n && (fits < 0 || c < fits)) {
+            fits = c;
+        }
+    }
+    if (fits < 0) {
+        return NULL;
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)GRAPH_WAIT_S;
+    lane_graph *taken = NULL;
+    pthread_mutex_lock(&l->lock);
+    while (taken == NULL && !__atomic_load_n(&l->stopping, __ATOMIC_ACQUIRE)) {
+        for (int i = 0; i < p->num_graphs && taken == NULL; i++) {
+            if (p->graphs[i].capacity == fits && !p->graphs[i].busy) {
+                taken = &p->graphs[i];
+                taken->busy = 1;
+            }
+        }
+        if (taken == NULL && pthread_cond_timedwait(&l->graph_free, &l->lock, &until) == ETIMEDOUT) {
+            break;
+        }
+    }
+    pthread_mutex_unlock(&l->lock);
+    return taken;
+}
+
+static void give_graph(lane *l, lane_graph *g) {
+    pthread_mutex_lock(&l->lock);
+    g->busy = 0;
+    pthread_cond_broadcast(&l->graph_free);
+    pthread_mutex_unlock(&l->lock);
+}
+
+/* A GPU pair's copy of the hold's `n` blocks from `first` into `remote` (ids and reference
+ * checked): every op checked against both regions, the request's claim slot taken, the ids put
+ * into a free captured copy's staging, which is launched after the hold's `ready` on the pair's
+ * stream; the finisher answers once it is done. -1: launched; else the answer (nothing written,
+ * the hold to be put back). */
+static int serve_cuda(lane *l, pair *p, int fd, hold *h, uint32_t first, uint32_t n, const int64_t *remote,
+                      uint64_t ask_id, uint64_t token, uint64_t slot, uint64_t reference, int has_reference,
+                      double started) {
+    int64_t ops = 0, nbytes = 0, bad_row = -1, bad_pair = -1;
+    if (kvray_rows_check(p->rows, p->num_rows, h->ids + first, remote, (int64_t)n, l->src_len, p->dst_len,
+                         INT64_MAX, &ops, &nbytes, &bad_row, &bad_pair) != 0) {
+        return LANE_REFUSED;
+    }
+    lane_graph *g = take_graph(l, p, (int64_t)n);
+    if (g == NULL) {
+        return LANE_BUSY;
+    }
+    int claim_fd = -1;
+    int claimed = kvray_claim_take(p->board_fd, (int64_t)slot, p->board_slots, p->board, token, &claim_fd);
+    if (claimed != 0) {
+        give_graph(l, g);
+        return claimed == 1 ? LANE_CLOSING : claimed == 2 ? LANE_NOT_OPEN : LANE_BUSY;
+    }
+    ask_ctx *c = calloc(1, sizeof *c);
+    int answer_fd = c == NULL ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (answer_fd < 0) {
+        free(c);
+        kvray_claim_let_go(claim_fd, (int64_t)slot);
+        give_graph(l, g);
+        return LANE_BUSY;
+    }
+    int64_t *staging = g->staging, capacity = g->capacity;
+    staging[0] = n;
+    memcpy(staging + 1, h->ids + first, 8 * (size_t)n);
+    memcpy(staging + 1 + capacity, remote, 8 * (size_t)n);
+    if (kvray_executor_fault() && n >= 2) {
+        staging[capacity + n] = staging[capacity + n - 1]; /* faults only: the last pair stores over the one before */
+    }
+    /* Published before the launch: the copy reads the staging from host memory as it runs. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    const cuda_calls *cu = &l->cu;
+    int failed = cu->ctx_set_current(p->ctx) != 0 ||
+                 (h->ready != NULL && cu->stream_wait_event(p->stream, h->ready, 0) != 0) ||
+                 cu->event_record(g->produced, p->stream) != 0 || cu->graph_launch(g->exec, p->stream) != 0;
+    if (failed) {
+        /* Nothing was launched (a launch that fails queues nothing): nothing was written. */
+        close(answer_fd);
+        free(c);
+        kvray_claim_let_go(claim_fd, (int64_t)slot);
+        give_graph(l, g);
+        return LANE_BUSY;
+    }
+    c->lane = l;
+    c->pair = p;
+    c->hold = h;
+    c->graph = g;
+    c->claim_fd = claim_fd;
+    c->slot = (int64_t)slot;
+    c->answer_fd = answer_fd;
+    c->ask_id = ask_id;
+    c->token = token;
+    c->reference = reference;
+    c->has_reference = has_reference;
+    c->nbytes = nbytes;
+    c->first = first;
+    c->count = n;
+    c->started = started;
+    __atomic_add_fetch(&l->refs, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&l->lock);
+    if (l->cuda_tail != NULL) {
+        l->cuda_tail->next = c;
+    } else {
+        l->cuda_head = c;
+    }
+    l->cuda_tail = c;
+    pthread_cond_signal(&l->cuda_wake);
+    pthread_mutex_unlock(&l->lock);
+    return -1;
+}
+
+/* The finisher: each launched copy in turn, once done (or failed: the device's error ends it,
+ * and nothing of it runs after), lets go of its claim, then of its captured copy, and is
+ * answered with the digests its fold left. Stops once told to and nothing is left to wait for. */
+static void *finisher_thread(void *arg) {
+    lane *l = arg;
+    pthread_setname_np(pthread_self(), "kvray-lane-gpu");
+    for (;;) {
+        pthread_mutex_lock(&l->lock);
+        while (l->cuda_head == NULL && !l->finisher_stop) {
+            pthread_cond_wait(&l->cuda_wake, &l->lock);
+        }
+        ask_ctx *c = l->cuda_head;
+        if (c != NULL) {
+            l->cuda_head = c->next;
+            if (l->cuda_head == NULL) {
+                l->cuda_tail = NULL;
+            }
+        }
+        pthread_mutex_unlock(&l->lock);
+        if (c == NULL) {
+            break;
+        }
+        const cuda_calls *cu = &l->cu;
+        lane_graph *g = c->graph;
+        int complete = cu->ctx_set_current(c->pair->ctx) == 0 && cu->event_synchronize(g->done) == 0;
+        uint64_t content = g->cell[0], placement = g->cell[1];
+        kvray_claim_let_go(c->claim_fd, c->slot);
+        give_graph(l, g);
+        answer(c->answer_fd, complete ? LANE_DONE : LANE_FAILED, c->ask_id, c->token, complete ? placement : 0,
+               complete ? content : 0, c->reference, (uint64_t)c->has_reference, c->nbytes);
+        post_done(l, c->hold->key, complete ? LANE_DONE : LANE_FAILED, c->nbytes,
+                  clock_s(CLOCK_MONOTONIC) - c->started, c->pair->incarnation, c->first, c->count);
+        close(c->answer_fd);
+        hold_free(c->hold);
+        pair_unref(c->pair);
+        lane_unref(c->lane);
+        free(c);
+    }
+    return NULL;
+}
+
 /* An ask for pair `p` (a reference, handed on) with its hold `h` taken (its push is timed from
  * here: a wait for the hold is the prefill engine's step, not the push). */
 static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint32_t n, hold *h) {
@@ -523,6 +756,13 @@ static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint3
             status = LANE_UNCHECKED;
             goto give_back;
         }
+    }
+    if (p->cuda) {
+        status = serve_cuda(l, p, fd, h, first, n, remote, ask_id, token, slot, reference, has_reference, started);
+        if (status < 0) {
+            return; /* launched: the finisher answers */
+        }
+        goto give_back;
     }
     /* Every op inside both regions before a byte moves (the decode block ids came from the
      * record, checked above; the hold's own ids were checked when it was held). */
@@ -741,6 +981,8 @@ static void lane_unref(lane *l) {
         free(e);
     }
     close(l->done_fd);
+    pthread_cond_destroy(&l->graph_free);
+    pthread_cond_destroy(&l->cuda_wake);
     pthread_mutex_destroy(&l->lock);
     free(l);
 }
@@ -749,9 +991,21 @@ static void lane_unref(lane *l) {
 static void lane_stop(lane *l) {
     if (l->started) {
         __atomic_store_n(&l->stopping, 1, __ATOMIC_RELEASE);
+        pthread_mutex_lock(&l->lock);
+        pthread_cond_broadcast(&l->graph_free); /* an ask waiting for a captured copy gives up */
+        pthread_mutex_unlock(&l->lock);
         wake(l);
         pthread_join(l->thread, NULL);
         l->started = 0;
+    }
+    if (l->finisher_started) {
+        /* No copy is launched any more: the finisher waits out those launched, then stops. */
+        pthread_mutex_lock(&l->lock);
+        l->finisher_stop = 1;
+        pthread_cond_signal(&l->cuda_wake);
+        pthread_mutex_unlock(&l->lock);
+        pthread_join(l->finisher, NULL);
+        l->finisher_started = 0;
     }
     for (;;) {
         pthread_mutex_lock(&l->lock);
@@ -791,11 +1045,38 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     unsigned long long incarnation, src_base;
     long long src_len, src_pool, piece, inline_max;
     double park_s = 0;
+    PyObject *cuda = Py_None;
     static char *names[] = {"listen_fd", "incarnation", "src_base", "src_len", "src_pool", "threads", "piece",
-                            "inline_max", "park_s", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKLLiLL|d", names, &listen_fd, &incarnation, &src_base,
-                                     &src_len, &src_pool, &threads, &piece, &inline_max, &park_s)) {
+                            "inline_max", "park_s", "cuda", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKLLiLL|dO", names, &listen_fd, &incarnation, &src_base,
+                                     &src_len, &src_pool, &threads, &piece, &inline_max, &park_s, &cuda)) {
         return -1;
+    }
+    /* cuda: (the driver's calls as CUDA_CALLS addresses, in `cuda_calls` order; the source's
+     * context) for a lane of GPU caches. */
+    void *calls[CUDA_CALLS] = {0};
+    unsigned long long ctx = 0;
+    if (cuda != Py_None) {
+        PyObject *addresses;
+        if (!PyArg_ParseTuple(cuda, "OK", &addresses, &ctx)) {
+            return -1;
+        }
+        PyObject *seq = PySequence_Fast(addresses, "the driver's calls are a sequence of addresses");
+        if (seq == NULL) {
+            return -1;
+        }
+        int bad = PySequence_Fast_GET_SIZE(seq) != CUDA_CALLS;
+        for (int i = 0; !bad && i < CUDA_CALLS; i++) {
+            calls[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+            bad = calls[i] == NULL;
+        }
+        Py_DECREF(seq);
+        if (bad) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError, "a GPU lane takes %d driver calls, none of them NULL", CUDA_CALLS);
+            }
+            return -1;
+        }
     }
     if (self->lane != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Lane starts once");
@@ -813,6 +1094,17 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     pthread_mutex_init(&l->lock, NULL);
+    pthread_condattr_t monotonic;
+    pthread_condattr_init(&monotonic);
+    pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+    pthread_cond_init(&l->graph_free, &monotonic);
+    pthread_condattr_destroy(&monotonic);
+    pthread_cond_init(&l->cuda_wake, NULL);
+    if (cuda != Py_None) {
+        l->cuda = 1;
+        memcpy(&l->cu, calls, sizeof l->cu); /* the struct is CUDA_CALLS function pointers, in order */
+        l->ctx = (void *)(uintptr_t)ctx;
+    }
     l->refs = 1;
     l->incarnation = incarnation;
     l->src = (char *)(uintptr_t)src_base;
@@ -839,9 +1131,20 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     sigset_t all, previous;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &previous);
-    int failed = pthread_create(&l->thread, NULL, lane_thread, l);
+    int failed = l->cuda ? pthread_create(&l->finisher, NULL, finisher_thread, l) : 0;
+    l->finisher_started = l->cuda && !failed;
+    if (!failed) {
+        failed = pthread_create(&l->thread, NULL, lane_thread, l);
+    }
     pthread_sigmask(SIG_SETMASK, &previous, NULL);
     if (failed) {
+        if (l->finisher_started) {
+            pthread_mutex_lock(&l->lock);
+            l->finisher_stop = 1;
+            pthread_cond_signal(&l->cuda_wake);
+            pthread_mutex_unlock(&l->lock);
+            pthread_join(l->finisher, NULL);
+        }
         errno = failed;
         PyErr_SetFromErrno(PyExc_OSError);
         goto fail;
@@ -855,6 +1158,8 @@ fail:
             close(*fd);
         }
     }
+    pthread_cond_destroy(&l->graph_free);
+    pthread_cond_destroy(&l->cuda_wake);
     pthread_mutex_destroy(&l->lock);
     free(l);
     return -1;
@@ -901,25 +1206,18 @@ static int take_key(PyObject *object, unsigned char key[16]) {
     return 0;
 }
 
-static PyObject *Lane_add_pair(Lane *self, PyObject *args) {
-    lane *l = open_lane(self);
-    unsigned long long incarnation, dst_base, salt, seed, pair_salt, board_addr;
-    long long dst_len, dst_pool, board_slots, file_end;
-    int board_fd, file_fd, checked;
-    PyObject *key, *rows, *stretch;
-    if (l == NULL || !PyArg_ParseTuple(args, "KS(KLLiL)OO(iLK)KKKp", &incarnation, &key, &dst_base, &dst_len,
-                                       &dst_pool, &file_fd, &file_end, &rows, &stretch, &board_fd, &board_slots,
-                                       &board_addr, &salt, &seed, &pair_salt, &checked)) {
-        return NULL;
-    }
-    if (dst_base == 0 || dst_len < 0 || dst_pool < 1 || dst_pool > (1LL << 26) || board_slots < 1 ||
-        board_addr == 0) {
+/* What every pair has, made from its arguments (NULL with an error): the MAC key, the rows and
+ * stretches, the decode engine's region and pool, and its claim board. */
+static pair *new_pair(PyObject *key, long long dst_len, long long dst_pool, PyObject *rows, PyObject *stretch,
+                      int board_fd, long long board_slots, unsigned long long board_addr) {
+    if (dst_len < 0 || dst_pool < 1 || dst_pool > (1LL << 26) || board_slots < 1 || board_addr == 0) {
         PyErr_SetString(PyExc_ValueError, "a lane pair needs a region, a pool of 1 to 2**26 blocks and a board");
         return NULL;
     }
     pair *p = calloc(1, sizeof *p);
     if (p == NULL) {
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
     p->board_fd = -1;
     p->file_fd = -1;
@@ -949,22 +1247,27 @@ static PyObject *Lane_add_pair(Lane *self, PyObject *args) {
     p->stretch = by_row;
     p->seen = calloc((size_t)(dst_pool + 7) / 8, 1);
     p->board_fd = fcntl(board_fd, F_DUPFD_CLOEXEC, 0);
-    p->file_fd = fcntl(file_fd, F_DUPFD_CLOEXEC, 0);
-    p->file_end = file_end;
-    if (p->seen == NULL || p->board_fd < 0 || p->file_fd < 0) {
+    if (p->seen == NULL || p->board_fd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto fail;
     }
-    p->incarnation = incarnation;
-    p->dst = (char *)(uintptr_t)dst_base;
     p->dst_len = dst_len;
     p->dst_pool = dst_pool;
     p->board_slots = board_slots;
     p->board = board_addr;
-    p->salt = salt;
-    p->seed = (uint32_t)seed;
-    p->pair_salt = pair_salt;
-    p->checked = checked;
+    return p;
+fail:
+    if (p->board_fd < 0) {
+        p->board_fd = open("/dev/null", O_RDONLY | O_CLOEXEC); /* pair_unref closes one */
+    }
+    pair_unref(p);
+    return NULL;
+}
+
+/* `p` serves asks of decode incarnation `incarnation` from now on: True, or False (and `p`
+ * dropped) where the lane has that incarnation already. */
+static PyObject *add_to_lane(lane *l, pair *p, unsigned long long incarnation) {
+    p->incarnation = incarnation;
     pthread_mutex_lock(&l->lock);
     int known = 0;
     for (pair *q = l->pairs; q != NULL; q = q->next) {
@@ -980,11 +1283,106 @@ static PyObject *Lane_add_pair(Lane *self, PyObject *args) {
         Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
-fail:
-    if (p->board_fd < 0) {
-        p->board_fd = open("/dev/null", O_RDONLY | O_CLOEXEC); /* pair_unref closes one */
+}
+
+static PyObject *Lane_add_pair(Lane *self, PyObject *args) {
+    lane *l = open_lane(self);
+    unsigned long long incarnation, dst_base, salt, seed, pair_salt, board_addr;
+    long long dst_len, dst_pool, board_slots, file_end;
+    int board_fd, file_fd, checked;
+    PyObject *key, *rows, *stretch;
+    if (l == NULL || !PyArg_ParseTuple(args, "KS(KLLiL)OO(iLK)KKKp", &incarnation, &key, &dst_base, &dst_len,
+                                       &dst_pool, &file_fd, &file_end, &rows, &stretch, &board_fd, &board_slots,
+                                       &board_addr, &salt, &seed, &pair_salt, &checked)) {
+        return NULL;
     }
-    pair_unref(p);
+    if (l->cuda || dst_base == 0) {
+        PyErr_SetString(PyExc_ValueError, "a pair of host caches needs a region, in a lane of host caches");
+        return NULL;
+    }
+    pair *p = new_pair(key, dst_len, dst_pool, rows, stretch, board_fd, board_slots, board_addr);
+    if (p == NULL) {
+        return NULL;
+    }
+    p->file_fd = fcntl(file_fd, F_DUPFD_CLOEXEC, 0);
+    if (p->file_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        pair_unref(p);
+        return NULL;
+    }
+    p->file_end = file_end;
+    p->dst = (char *)(uintptr_t)dst_base;
+    p->salt = salt;
+    p->seed = (uint32_t)seed;
+    p->pair_salt = pair_salt;
+    p->checked = checked;
+    return add_to_lane(l, p, incarnation);
+}
+
+static PyObject *Lane_add_cuda_pair(Lane *self, PyObject *args) {
+    lane *l = open_lane(self);
+    unsigned long long incarnation, ctx, stream, board_addr;
+    long long dst_len, dst_pool, board_slots;
+    int board_fd, checked;
+    PyObject *key, *rows, *stretch, *graphs;
+    if (l == NULL || !PyArg_ParseTuple(args, "KS(LLKK)OO(iLK)Op", &incarnation, &key, &dst_len, &dst_pool, &ctx,
+                                       &stream, &rows, &stretch, &board_fd, &board_slots, &board_addr, &graphs,
+                                       &checked)) {
+        return NULL;
+    }
+    if (!l->cuda || ctx == 0) {
+        PyErr_SetString(PyExc_ValueError, "a pair of GPU caches needs a context, in a lane of GPU caches");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(graphs, "a GPU pair takes a sequence of captured copies");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    pair *p = NULL;
+    if (count < 1 || count > 256) {
+        PyErr_SetString(PyExc_ValueError, "a GPU pair takes 1 to 256 captured copies");
+        goto fail;
+    }
+    p = new_pair(key, dst_len, dst_pool, rows, stretch, board_fd, board_slots, board_addr);
+    if (p == NULL || (p->graphs = calloc((size_t)count, sizeof *p->graphs)) == NULL) {
+        if (p != NULL) {
+            PyErr_NoMemory();
+        }
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long capacity;
+        unsigned long long exec, staging, produced, done, cell;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LKKKKK", &capacity, &exec, &staging, &produced,
+                              &done, &cell)) {
+            goto fail;
+        }
+        if (capacity < 1 || capacity > ASK_MAX_IDS * 2LL || exec == 0 || staging == 0 || produced == 0 || done == 0 ||
+            cell == 0) {
+            PyErr_SetString(PyExc_ValueError, "a captured copy needs a size, a graph, staging, two events and a cell");
+            goto fail;
+        }
+        lane_graph *g = &p->graphs[i];
+        g->capacity = capacity;
+        g->exec = (void *)(uintptr_t)exec;
+        g->staging = (int64_t *)(uintptr_t)staging;
+        g->produced = (void *)(uintptr_t)produced;
+        g->done = (void *)(uintptr_t)done;
+        g->cell = (const volatile uint64_t *)(uintptr_t)cell;
+    }
+    Py_DECREF(seq);
+    p->num_graphs = (int)count;
+    p->cuda = 1;
+    p->ctx = (void *)(uintptr_t)ctx;
+    p->stream = (void *)(uintptr_t)stream;
+    p->checked = checked;
+    return add_to_lane(l, p, incarnation);
+fail:
+    Py_DECREF(seq);
+    if (p != NULL) {
+        pair_unref(p);
+    }
     return NULL;
 }
 
@@ -1033,7 +1431,8 @@ static PyObject *Lane_remove_pair(Lane *self, PyObject *arg) {
 static PyObject *Lane_hold(Lane *self, PyObject *args) {
     lane *l = open_lane(self);
     PyObject *key, *ids, *sums, *held;
-    if (l == NULL || !PyArg_ParseTuple(args, "SOOO", &key, &ids, &sums, &held)) {
+    unsigned long long stream = 0;
+    if (l == NULL || !PyArg_ParseTuple(args, "SOOO|K", &key, &ids, &sums, &held, &stream)) {
         return NULL;
     }
     hold *h = calloc(1, sizeof *h);
@@ -1078,6 +1477,25 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
         memcpy(h->held, flags.buf, (size_t)count);
         PyBuffer_Release(&flags);
         h->held_rows = count / h->n;
+    }
+    if (l->cuda) {
+        /* A copy of these blocks waits for the work queued on `stream` so far (what wrote them). */
+        void *previous, *ready = NULL;
+        int failed = l->cu.ctx_push_current(l->ctx);
+        if (failed == 0) {
+            failed = l->cu.event_create(&ready, CU_EVENT_DISABLE_TIMING);
+            if (failed == 0 && (failed = l->cu.event_record(ready, (void *)(uintptr_t)stream)) != 0) {
+                (void)l->cu.event_destroy(ready);
+            }
+            (void)l->cu.ctx_pop_current(&previous);
+        }
+        if (failed != 0) {
+            PyErr_Format(PyExc_OSError, "the CUDA driver failed to record a hold's event (CUresult %d)", failed);
+            goto fail;
+        }
+        h->ready = ready;
+        h->ctx = l->ctx;
+        h->cu = &l->cu;
     }
     pthread_mutex_lock(&l->lock);
     int known = 0;
@@ -1214,6 +1632,8 @@ static PyObject *Lane_holds(Lane *self, void *unused) {
 
 static PyMethodDef Lane_methods[] = {
     {"add_pair", (PyCFunction)Lane_add_pair, METH_VARARGS, "A decode engine incarnation this lane pushes into."},
+    {"add_cuda_pair", (PyCFunction)Lane_add_cuda_pair, METH_VARARGS,
+     "A decode engine incarnation this lane of GPU caches pushes into, by captured copies."},
     {"remove_pair", (PyCFunction)Lane_remove_pair, METH_O, "Forget a pair once no copy into it runs."},
     {"hold", (PyCFunction)Lane_hold, METH_VARARGS, "A request's blocks (and held sums) an ask may take."},
     {"unhold", (PyCFunction)Lane_unhold, METH_O, "Forget a hold; False if an ask took it (or none was)."},

@@ -321,7 +321,7 @@ class KVAgent:
     def decode_lane(self, key_of: Callable[[str, int], bytes]) -> DecodeLane | None:
         """What asks prefill engines' lanes for this decode engine (`kvray.agent.lane`), on the
         caller's own thread; None where this engine cannot take a lane's copy (not started,
-        not in one shared-memory region, tensor parallelism). `key_of(prefill engine,
+        not in one region of shared memory or of a GPU, tensor parallelism). `key_of(prefill engine,
         incarnation)`: the 16 bytes that key asks to it."""
         engine = self._engine
         backing = engine.backing
@@ -329,7 +329,7 @@ class KVAgent:
         if (
             not lane_available()
             or board is None
-            or backing.kind is not MemoryKind.SHM
+            or backing.kind not in (MemoryKind.SHM, MemoryKind.CUDA)
             or len(backing.regions) != 1
             or engine.info.layout.tp.size != 1
         ):

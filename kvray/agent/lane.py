@@ -42,7 +42,7 @@ import secrets
 import socket
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -132,9 +132,14 @@ class PrefillLane:
         piece: int,
         inline_max: int,
         park_s: float = PARK_S,
+        cuda: tuple[tuple[int, ...], int] | None = None,
     ) -> None:
+        """`source`: this engine's region (address, bytes, pool of blocks). `cuda`, for GPU
+        caches: the driver's calls (`kvray.transport.cuda_ipc.driver.lane_calls`) and the
+        source GPU's context; its pairs are then `add_cuda_pair`'s."""
         if _native is None:
             raise KvrayError("the C lane is not built")
+        self.cuda = cuda is not None
         self.path = os.path.join(folder, LANE_NAME)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -142,7 +147,16 @@ class PrefillLane:
             self._socket.listen(64)
             base, nbytes, pool = source
             self._lane = _native.Lane(
-                self._socket.fileno(), incarnation, base, nbytes, pool, threads, piece, inline_max, park_s
+                self._socket.fileno(),
+                incarnation,
+                base,
+                nbytes,
+                pool,
+                threads,
+                piece,
+                inline_max,
+                park_s,
+                cuda,
             )
         except BaseException:
             self._socket.close()
@@ -187,6 +201,35 @@ class PrefillLane:
             self._pairs[incarnation] = (engine_id, release)
         return added
 
+    def add_cuda_pair(
+        self,
+        engine_id: str,
+        incarnation: int,
+        key: bytes,
+        destination: tuple[int, int, int, int],
+        rows: Int64Array,
+        stretch: Int64Array,
+        board: tuple[int, int, int],
+        graphs: Sequence[tuple[int, int, int, int, int, int]],
+        *,
+        checked: bool,
+        release: Callable[[], None],
+    ) -> bool:
+        """`add_pair` for GPU caches: `destination` is the decode engine's region's bytes, its
+        pool of blocks, and the context and stream the copies run in; the copies are `graphs`,
+        row copies captured for the pair (`kvray.transport.cuda_ipc.lane`: size, graph,
+        staging, produced and done events, digest cell), which report both digests."""
+        if incarnation in self._pairs:
+            return False
+        added = bool(
+            self._lane.add_cuda_pair(
+                incarnation, key, destination, rows, stretch, board, list(graphs), checked
+            )
+        )
+        if added:
+            self._pairs[incarnation] = (engine_id, release)
+        return added
+
     def remove_pair(self, incarnation: int) -> None:
         """Forget a pair, once no copy into it runs (bounded: its copies are under way)."""
         pair = self._pairs.pop(incarnation, None)
@@ -200,12 +243,16 @@ class PrefillLane:
         blocks: Int64Array,
         sums: npt.NDArray[np.uint64] | None,
         held: npt.NDArray[np.bool_] | None,
+        stream: int = 0,
     ) -> bool:
         """Let an ask take hand-off `handoff`'s `blocks` (with the content sums held for them,
-        one row per (layer, part)); False if the lane has it already or is full."""
+        one row per (layer, part)); False if the lane has it already or is full. GPU caches:
+        its copy waits for the work queued on `stream` (the driver's handle) so far."""
         flags = None if held is None else np.ascontiguousarray(held, dtype=np.uint8)
         return bool(
-            self._lane.hold(hold_key(handoff), np.ascontiguousarray(blocks, dtype=np.int64), sums, flags)
+            self._lane.hold(
+                hold_key(handoff), np.ascontiguousarray(blocks, dtype=np.int64), sums, flags, stream
+            )
         )
 
     def unhold(self, handoff: str) -> bool:

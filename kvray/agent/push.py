@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -37,7 +38,7 @@ import numpy.typing as npt
 
 from kvray.agent.directory import Directory
 from kvray.agent.engine import Blocks, Engine, landed_in
-from kvray.agent.lane import PARK_S, PrefillLane
+from kvray.agent.lane import MAX_ASK_BLOCKS, PARK_S, PrefillLane
 from kvray.agent.lane import available as lane_available
 from kvray.agent.transports import TransportSet
 from kvray.content import (
@@ -79,6 +80,8 @@ from kvray.transport.shm import ShmTransport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
 #: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
+log = logging.getLogger("kvray.push")
+
 _KEPT_STRETCH_ROWS = 256
 #: The lane's copies: pieces a pool thread takes, and the largest copy its own thread makes.
 _LANE_PIECE = 1 << 20
@@ -199,6 +202,33 @@ def _close_row_push(entry: tuple[Peer, _RowPush | None]) -> None:
         entry[1].board.close()
 
 
+@dataclass
+class _CudaLanePair:
+    """A decode engine incarnation this engine's GPU lane pushes into (`Pusher._lane_cuda_pair`):
+    the copies captured for it and the claim board client its lane copies claim slots through;
+    `copies` None where the pair takes no lane."""
+
+    lane: PrefillLane | None = None
+    incarnation: int = 0
+    copies: Any = None  # kvray.transport.cuda_ipc.lane.LaneCopies (imported with torch)
+    board: ClaimClient | None = None
+    added: bool = False
+
+    def close(self) -> None:
+        """Let go of the pair once no lane copy into it runs (the lane waits for them)."""
+        if self.lane is not None and self.added:
+            self.lane.remove_pair(self.incarnation)
+            self.added = False
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        self.copies = None
+
+
+def _close_cuda_lane(pair: _CudaLanePair) -> None:
+    pair.close()
+
+
 async def _settled(task: asyncio.Task[Any]) -> None:
     """`task` cancelled unless it is done and waited for, its outcome retrieved (a hash still
     running on a worker thread only reads this engine's backing, which outlives it)."""
@@ -247,6 +277,10 @@ class Pusher:
         #: None where pushes into it take the usual path.
         self._row_pushes: PeerCache[None, tuple[Peer, _RowPush | None]] = PeerCache(
             engine.settings.max_cached_peers, _close_row_push
+        )
+        #: Per decode engine incarnation, what this engine's lane of GPU caches pushes into it with.
+        self._cuda_lanes: PeerCache[None, _CudaLanePair] = PeerCache(
+            engine.settings.max_cached_peers, _close_cuda_lane
         )
         #: This engine's native hand-off lane (`open_lane`), and how it keys a decode engine.
         self.lane: PrefillLane | None = None
@@ -329,6 +363,8 @@ class Pusher:
                 if hashing is not None:
                     await _settled(hashing)
             self._count_bytes(transport.kind, peer, plan.nbytes)
+            if layers is None and self.lane is not None and self.lane.cuda:
+                self._lane_cuda_pair(peer, transport, plan)
             return PushResult(
                 request_id,
                 transfer_id,
@@ -742,17 +778,21 @@ class Pusher:
     ) -> Stretches:
         """The stretches of `plan`'s transfer from this engine's own blocks and both layouts
         (`kvray.content.Stretches`), their rows kept per peer incarnation and layer list."""
-        backing = self.engine.backing
         local = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+        return Stretches(self._stretch_rows_of(peer, plan.layers), local, remote_ids)
+
+    def _stretch_rows_of(self, peer: Peer, layers: tuple[str, ...]) -> StretchRows:
+        """The stretches' rows of `layers` into `peer`, kept per peer incarnation and layer list."""
+        backing = self.engine.backing
         info = peer.info
-        key = (info.engine_id, info.incarnation, plan.layers)
+        key = (info.engine_id, info.incarnation, layers)
         rows = self._stretch_rows.get(key)
         if rows is None:
             if len(self._stretch_rows) >= _KEPT_STRETCH_ROWS:
                 self._stretch_rows.clear()
-            rows = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, plan.layers)
+            rows = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, layers)
             self._stretch_rows[key] = rows
-        return Stretches(rows, local, remote_ids)
+        return rows
 
     def forget_digests(self, local_blocks: Blocks) -> None:
         if self._held is not None:
@@ -1209,13 +1249,17 @@ class Pusher:
         inbox = engine.info.endpoints.get(PUSH_ENDPOINT, "")
         if (
             not lane_available()
-            or not rows_native()
             or not inbox
-            or backing.kind is MemoryKind.CUDA
             or len(backing.regions) != 1
             or engine.info.layout.tp.size != 1
+            or (backing.kind is not MemoryKind.CUDA and not rows_native())
         ):
             return None
+        cuda = None
+        if backing.kind is MemoryKind.CUDA:
+            cuda = self._lane_driver()
+            if cuda is None:
+                return None
         region = backing.regions[0]
         source = (region.tensor.data_ptr(), region.nbytes, backing.layout.num_blocks)
         settings = engine.settings
@@ -1228,13 +1272,34 @@ class Pusher:
             _LANE_PIECE,
             _LANE_INLINE_MAX,
             _LANE_PARK_S,
+            cuda,
         )
         self._lane_key = key_of
         return self.lane
 
+    def _lane_driver(self) -> tuple[tuple[int, ...], int] | None:
+        """The CUDA driver's calls and this engine's GPU context, for a lane of GPU caches;
+        None where the cuda_ipc transport cannot run here."""
+        try:
+            import torch
+
+            from kvray.transport.cuda_ipc import CudaIpcTransport
+            from kvray.transport.cuda_ipc.driver import current_context, lane_calls
+
+            if CudaIpcTransport.unavailable_reason(self.engine.settings) is not None:
+                return None
+            with torch.cuda.device(self.engine.backing.regions[0].tensor.device):
+                context = current_context()
+            calls = lane_calls()
+        except (OSError, KvrayError):
+            return None
+        return (calls, context) if context and all(calls) else None
+
     def lane_hold(self, handoff: str, blocks: npt.NDArray[np.int64]) -> bool:
         """Let a lane ask take hand-off `handoff`'s `blocks`, with the content sums held for them
-        (`hold_digests`, taken before this); False where it cannot (then only push requests do)."""
+        (`hold_digests`, taken before this); False where it cannot (then only push requests do).
+        On a GPU its copy waits for the work queued so far on the device's current stream (what
+        a push the usual way waits for)."""
         lane = self.lane
         if lane is None:
             return False
@@ -1243,25 +1308,108 @@ class Pusher:
             if self._held is None:
                 return False
             sums, held = self._held.rows_of(blocks)
-        return lane.hold(handoff, blocks, sums, held)
+        stream = 0
+        if lane.cuda:
+            import torch
 
-    def _lane_pair(self, pair: _RowPush) -> None:
-        """Pair `pair`'s decode engine with this engine's lane: its region stays mapped and its
-        board open until the pair is removed (`_close_row_push`), after its last lane copy."""
-        lane, key_of = self.lane, self._lane_key
-        info = pair.peer.info
-        pair.lane_offered = lane is not None
-        if lane is None or key_of is None or pair.layer_indices != tuple(range(len(info.layout.layers))):
-            return  # a decode engine this engine moves only some layers into: the usual path
-        if not pair.stretch_rows.whole_parts or info.layout.tp.size != 1:
+            stream = int(torch.cuda.current_stream(self.engine.backing.regions[0].tensor.device).cuda_stream)
+        return lane.hold(handoff, blocks, sums, held, stream)
+
+    def _lane_cuda_pair(self, peer: Peer, transport: Transport, plan: TransferPlan) -> None:
+        """After a whole push the usual way over cuda_ipc: pair the decode engine with this
+        engine's GPU lane (its first push), or capture the lane's copies for larger requests
+        (a push larger than they take). The push has succeeded: what goes wrong here leaves the
+        pair to the usual path, said in the log."""
+        lane, key_of, rows = self.lane, self._lane_key, plan.rows
+        info = peer.info
+        if lane is None or key_of is None or rows is None or transport.kind is not TransportKind.CUDA_IPC:
             return
-        stretch = pair.stretch_rows
+        count = int(rows.local_ids.size)
+        pair = self._cuda_lanes.get(info.engine_id, info.incarnation, None)
+        try:
+            if pair is None:
+                pair = self._new_cuda_lane(lane, peer, transport, plan)
+                self._cuda_lanes.put(info.engine_id, info.incarnation, None, pair)
+            copies = pair.copies
+            if copies is None or pair.board is None or count > MAX_ASK_BLOCKS or not copies.grow(count):
+                return
+            if pair.added:  # its copies grew: paired again (the lane waits for its copies first)
+                lane.remove_pair(info.incarnation)
+                pair.added = False
+            board = pair.board.copy_slot(0, 0)
+            pair.added = lane.add_cuda_pair(
+                info.engine_id,
+                info.incarnation,
+                key_of(info.engine_id, info.incarnation),
+                (
+                    copies.target.numel(),
+                    info.layout.num_blocks,
+                    copies.context,
+                    int(copies.stream.cuda_stream),
+                ),
+                np.ascontiguousarray(
+                    np.stack(
+                        [
+                            rows.local.base,
+                            rows.local.block_stride,
+                            rows.remote.base,
+                            rows.remote.block_stride,
+                            rows.local.nbytes,
+                        ]
+                    ),
+                    dtype=np.int64,
+                ),
+                self._lane_stretch(self._stretch_rows_of(peer, plan.layers)),
+                (board.fd, board.slots, board.address),
+                copies.records(),
+                checked=self.engine.settings.integrity,
+                release=lambda: None,  # what the pair holds goes with `_CudaLanePair.close`
+            )
+        except Exception as error:  # the push is done: the pair stays on the usual path
+            log.warning("kvray: no lane into %s (%s: %s)", info.engine_id, type(error).__name__, error)
+            if pair is not None:
+                pair.close()
+            self._cuda_lanes.put(info.engine_id, info.incarnation, None, _CudaLanePair())
+
+    def _new_cuda_lane(
+        self, lane: PrefillLane, peer: Peer, transport: Transport, plan: TransferPlan
+    ) -> _CudaLanePair:
+        """What a GPU lane pushes into `peer` with, none captured yet; no copies where the pair
+        takes no lane: some of the decode engine's layers only, several regions, rows the row
+        kernel cannot write directly, no claim board on this node, tensor parallelism."""
+        info = peer.info
+        rows = plan.rows
+        path = self.notices.claims.board_path(peer)
+        if (
+            rows is None
+            or path is None
+            or len(info.regions) != 1
+            or info.layout.tp.size != 1
+            or self._indices(peer, plan.layers) != tuple(range(len(info.layout.layers)))
+            or rows.local.region.any()
+            or rows.remote.region.any()
+            or not np.array_equal(rows.local.nbytes, rows.remote.nbytes)
+            or not self._stretch_rows_of(peer, plan.layers).whole_parts
+        ):
+            return _CudaLanePair()
+        from kvray.transport.cuda_ipc import CudaIpcTransport
+
+        assert isinstance(transport, CudaIpcTransport)
+        copies = transport.lane_copies(rows, self.engine.backing, peer)
+        if copies is None:
+            return _CudaLanePair()
+        board = ClaimClient(path, info.engine_id, self.engine.settings.shm_dir)
+        return _CudaLanePair(lane, info.incarnation, copies, board)
+
+    def _lane_stretch(self, stretch: StretchRows) -> Int64Array:
+        """A pair's stretches as a lane takes them (6 x S: held row, salt, source start and
+        stride, destination start and stride), for the content digest its holds' sums give."""
         backing = self.engine.backing
         parts = held_parts(backing.layout, backing.placements)
         salts = (
             stretch.salts if stretch.salts is not None else pair_salts(stretch.src_region, stretch.dst_region)
         )
-        columns = np.ascontiguousarray(
+        return np.ascontiguousarray(
             np.stack(
                 [
                     stretch.layer * parts + stretch.part,
@@ -1274,6 +1422,18 @@ class Pusher:
             ),
             dtype=np.int64,
         )
+
+    def _lane_pair(self, pair: _RowPush) -> None:
+        """Pair `pair`'s decode engine with this engine's lane: its region stays mapped and its
+        board open until the pair is removed (`_close_row_push`), after its last lane copy."""
+        lane, key_of = self.lane, self._lane_key
+        info = pair.peer.info
+        pair.lane_offered = lane is not None
+        if lane is None or key_of is None or pair.layer_indices != tuple(range(len(info.layout.layers))):
+            return  # a decode engine this engine moves only some layers into: the usual path
+        if not pair.stretch_rows.whole_parts or info.layout.tp.size != 1:
+            return
+        columns = self._lane_stretch(pair.stretch_rows)
         mapping = pair.transport.pinned(pair.peer, 0)
         board = pair.board.copy_slot(0, 0)
         try:
@@ -1303,6 +1463,7 @@ class Pusher:
         if self.lane is not None:
             self.lane.close()
         self._row_pushes.clear()
+        self._cuda_lanes.clear()
 
     def _next_transfer_id(self, request_id: str) -> str:
         self._transfer_count += 1

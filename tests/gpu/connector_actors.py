@@ -223,6 +223,21 @@ class VllmGpuWorker:
         if self._gate is not None and loop is not None:
             loop.loop.call_soon_threadsafe(self._gate.set)
 
+    def lane_answers(self) -> dict[str, int]:
+        """How the prefill engines' lanes answered this decode engine's asks, and the loads
+        taken whole through them (`moved`)."""
+        lane = self.worker._lane
+        if lane is None:
+            return {}
+        return {**{answer.name: count for answer, count in lane.answers.items()}, "moved": lane.moved}
+
+    def executor_fault(self, on: bool) -> None:
+        """Every copy of this process stores its last block pair over the one before
+        (`kvray.faults.executor_offset_bug`), from now on or no more."""
+        from kvray._copy_pool import set_executor_fault
+
+        set_executor_fault(on)
+
     def pid(self) -> int:
         return os.getpid()
 

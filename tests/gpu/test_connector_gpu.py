@@ -155,6 +155,51 @@ def test_pushes_land_in_vllms_gpu_layouts(
             ray.kill(actor)
 
 
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_routine_loads_take_the_gpu_lane_land_exactly_and_fail_closed(actors: Any, kind: str) -> None:
+    """After the first push of the pair (the usual way, which pairs the engines and captures
+    the lane's copies), loads go through the prefill engine's native lane: its C threads launch
+    the captured row copy and answer with its digests. Every load lands exactly; a copy that
+    stores a block pair over another (under a correct plan) is answered, and the decode engine
+    refuses it by its placement digest."""
+    import ray
+
+    prefill, decode, p_info, _ = pair(actors, "LBNHC", kind)
+    try:
+        rounds = [
+            ([1], [2]),
+            ([3, 4], [5, 6]),
+            ([7, 8, 9], [10, 11, 12]),
+            ([13, 14, 15, 16, 17], [18, 19, 20, 21, 22]),
+        ]
+        rounds += [([0, 23], [1, 3]), ([5], [4])]
+        for index, (held, taken) in enumerate(rounds):
+            untouched = ray.get(decode.digests.remote([b for b in range(24) if b not in taken]))
+            ray.get(prefill.hold.remote(f"r-{index}", f"h-{index}", held))
+            time.sleep(0.05)  # past the decode engine's pause after the ask before the pairing
+            ray.get(decode.load.remote(f"d-{index}", p_info, f"h-{index}", taken))
+            got = ray.get(decode.finished.remote(f"d-{index}", 30.0), timeout=NEVER_HANG_S)
+            assert got == {"reported": True, "failed": False, "load_errors": []}
+            assert ray.get(prefill.finished.remote(f"r-{index}", 30.0, sending=True))["reported"]
+            check_landed(prefill, decode, held, taken, untouched)
+        answers = ray.get(decode.lane_answers.remote())
+        assert answers.get("DONE", 0) >= len(rounds) - 2 and answers["moved"] == answers["DONE"], answers
+        ray.get(prefill.executor_fault.remote(True))
+        try:
+            ray.get(prefill.hold.remote("r-bad", "h-bad", [6, 7]))
+            ray.get(decode.load.remote("d-bad", p_info, "h-bad", [8, 9]))
+            got = ray.get(decode.finished.remote("d-bad", 30.0), timeout=NEVER_HANG_S)
+        finally:
+            ray.get(prefill.executor_fault.remote(False))
+        assert got["reported"] and got["failed"], got
+        after = ray.get(decode.lane_answers.remote())
+        assert after["DONE"] == answers["DONE"] + 1 and after["moved"] == answers["moved"], after
+    finally:
+        ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
+        for actor in (prefill, decode):
+            ray.kill(actor)
+
+
 def test_a_layers_copy_waits_for_the_forwards_writes_on_the_device(actors: Any) -> None:
     """The forward's stream sleeps before writing each layer (about a second in all) and
     `save_kv_layer` returns at once: copies ordered after the host call, not after the

@@ -50,3 +50,32 @@ def driver_calls() -> DriverCalls:
 def driver_check(name: str, result: int) -> None:
     if result != 0:
         raise TransportError(f"{name} failed (CUresult {result})", result=result)
+
+
+#: The driver's entry points a GPU lane calls from its own threads (`kvray._copy_pool.Lane`'s
+#: `cuda`), in the order it takes them.
+LANE_CALLS = (
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuStreamWaitEvent",
+    "cuGraphLaunch",
+)
+
+
+def lane_calls() -> tuple[int, ...]:
+    """The addresses of `LANE_CALLS` in the driver."""
+    lib = libcuda()
+    return tuple(int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0) for name in LANE_CALLS)
+
+
+def current_context() -> int:
+    """The driver's context current on this thread (torch's primary context of its device, once
+    torch has used it here); 0: none."""
+    context = ctypes.c_void_p()
+    driver_check("cuCtxGetCurrent", libcuda().cuCtxGetCurrent(ctypes.byref(context)))
+    return int(context.value or 0)

@@ -37,6 +37,7 @@ from kvray.transport.cuda_ipc.allocation import check_inside_allocation, cuda_al
 from kvray.transport.cuda_ipc.digests import DigestCell, give_back, take_cell
 from kvray.transport.cuda_ipc.graphs import RowTable, StretchTables, copy_rows, hash_stretches, row_table
 from kvray.transport.cuda_ipc.kernels import MAX_GRID_YZ, Digests
+from kvray.transport.cuda_ipc.lane import LaneCopies, lane_copies
 from kvray.transport.cuda_ipc.ops import Hashing, copy_ops, reading_device
 from kvray.transport.cuda_ipc.streams import device_of_uuid, device_uuid, peer_reads, wait_for_events
 from kvray.wire import CudaIpcHandle, EngineInfo, RegionDescriptor, TransportKind, decode_cuda_ipc_handle
@@ -225,6 +226,16 @@ class CudaIpcTransport(Transport):
             stored = stored.plus(cell.value(content=plan.hashed))
             give_back(cell)
         return stored
+
+    def lane_copies(self, rows: RequestRows, local: Backing, peer: Peer) -> LaneCopies | None:
+        """What a native lane copies `rows`' pairs of layers into `peer` with (`LaneCopies`, none
+        captured yet); None where the row kernel cannot write them directly (the lane then leaves
+        the pair to the usual path)."""
+        direct = self._direct_rows(rows, local, peer)
+        if direct is None:
+            return None
+        source, opened, table = direct
+        return lane_copies(opened.region, source, table, opened)
 
     def _direct_rows(
         self, rows: RequestRows, local: Backing, peer: Peer
