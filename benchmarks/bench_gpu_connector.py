@@ -15,8 +15,9 @@ with its bytes.
 
 `--device cpu` runs the same hand-off over CPU caches (the decode engine's in a shared-memory
 file, the `shm` transport); a request of one block (64 tokens) is then almost all host time.
-There routine hand-offs take the prefill engine's native lane (`kvray.agent.lane`); `--lane both`
-runs each length without it first, then with it, as the baseline of the same run.
+On either device routine hand-offs take the prefill engine's native lane (`kvray.agent.lane`:
+on a GPU its C thread launches the pair's captured row copy); `--lane both` runs each length
+without it first, then with it, as the baseline of the same run.
 
 Per prompt length:
 - `one request`: the prefill engine holds the request (taking its blocks' content digests,
@@ -30,9 +31,10 @@ repeats. Every hand-off's blocks are compared by GPU digests afterwards: a wrong
 Host CPU per hand-off: the CPU time of each engine's kvray event-loop thread over the timed
 hand-offs of a kind (the prefill side's hold of each included), divided by their number; with the
 native lane also the decode engine's own thread inside kvray's calls (`begin`, `finished`) and
-the prefill engine's lane thread (which copies a request of up to 4 MiB itself); the copy pool's
-threads are not in it. A shared machine's noise moves it far less than it moves times on the
-wall clock.
+the prefill engine's lane thread (which copies a request of up to 4 MiB itself on a CPU, and
+launches the copy on a GPU) and, on a GPU, the lane's finisher (which waits for each copy's
+event, the driver spinning meanwhile); the copy pool's threads are not in it. A shared
+machine's noise moves it far less than it moves times on the wall clock.
 """
 
 from __future__ import annotations
@@ -99,20 +101,29 @@ class Engine:
         self._loop_clock = time.pthread_getcpuclockid(loop.run(_thread_ident()))
         return registered
 
-    def loop_cpu(self) -> tuple[float, float, float]:
+    def loop_cpu(self) -> tuple[float, float, float, float]:
         """CPU seconds this engine's kvray has run so far: its event-loop thread, the engine's
-        own thread inside kvray's calls (`begin`, `finished`) and the native lane's thread."""
-        lane = 0.0
+        own thread inside kvray's calls (`begin`, `finished`), the native lane's thread and, on
+        a GPU, the lane's finisher (which waits for each copy's event: the driver spins)."""
+        lane = finisher = 0.0
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/comm") as comm:
-                    if comm.read().strip() != "kvray-lane":
-                        continue
+                    name = comm.read().strip()
+                if name not in ("kvray-lane", "kvray-lane-gpu"):
+                    continue
                 with open(f"/proc/self/task/{task}/schedstat") as schedstat:
-                    lane += int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
+                    seconds = int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
             except OSError:
                 continue
-        return time.clock_gettime(self._loop_clock), self._engine_thread_s, lane
+            if name == "kvray-lane":
+                lane += seconds
+            else:
+                finisher += seconds
+        return time.clock_gettime(self._loop_clock), self._engine_thread_s, lane, finisher
+
+    def lane_answers(self) -> dict[str, int]:
+        return self.engine.lane_answers()
 
     def setup_fill(self, seed: int) -> None:
         self.engine.fill(seed)
@@ -237,19 +248,22 @@ def run(
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 
-    def loop_cpu() -> list[tuple[float, float, float]]:
+    def loop_cpu() -> list[tuple[float, float, float, float]]:
         return list(ray.get([prefill.loop_cpu.remote(), decode.loop_cpu.remote()]))
 
     def per_handoff_us(
-        before: list[tuple[float, float, float]], after: list[tuple[float, float, float]], count: int
+        before: list[tuple[float, float, float, float]],
+        after: list[tuple[float, float, float, float]],
+        count: int,
     ) -> dict[str, float]:
-        (p0, _, lane0), (d0, engine0, _) = before
-        (p1, _, lane1), (d1, engine1, _) = after
+        (p0, _, lane0, wait0), (d0, engine0, _, _) = before
+        (p1, _, lane1, wait1), (d1, engine1, _, _) = after
         return {
             "prefill_us": (p1 - p0) / count * 1e6,
             "decode_us": (d1 - d0) / count * 1e6,
             "decode_engine_us": (engine1 - engine0) / count * 1e6,
             "prefill_lane_us": (lane1 - lane0) / count * 1e6,
+            "prefill_finisher_us": (wait1 - wait0) / count * 1e6,
         }
 
     ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
@@ -274,6 +288,7 @@ def run(
         "a stream's bytes differ"
     )
     copy = ray.get(decode.device_copy.remote(nbytes, repeat))
+    answers = ray.get(decode.lane_answers.remote())
     ray.get([prefill.shutdown.remote(), decode.shutdown.remote()])
     for actor in (prefill, decode):
         ray.kill(actor)
@@ -281,6 +296,7 @@ def run(
     return {
         "tokens": tokens,
         "lane": lane,
+        "lane_answers": answers,
         "nbytes": nbytes,
         "device_copy": summary(copy),
         "one_request": summary(one),
@@ -315,7 +331,7 @@ def main() -> int:
         "--lane",
         choices=("on", "off", "both"),
         default="on",
-        help="the native lane (Settings.native_lane; CPU caches only); both: each length without, then with",
+        help="the native lane (Settings.native_lane); both: each length without, then with",
     )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
@@ -372,7 +388,7 @@ def main() -> int:
         print(
             "{:>7} {:>4} {:>6.0f} {:>8.3f} {:>8.3f} {:>13} {:>6.2f} {:>8.3f} {:>15} {:>6.2f}".format(
                 row["tokens"],
-                "on" if row["lane"] and cpu else "off",
+                "on" if row["lane"] else "off",
                 row["nbytes"] / 2**20,
                 row["device_copy"]["median_ms"],
                 one["median_ms"],
@@ -389,14 +405,19 @@ def main() -> int:
     )
     for row in results:
         one, many = row["one_request_loop_cpu"], row["stream_loop_cpu"]
-        lane = "on" if row["lane"] and cpu else "off"
+        lane = "on" if row["lane"] else "off"
         print(
             f"{row['tokens']:>7} tokens, lane {lane}: one request prefill loop {one['prefill_us']:.0f} "
-            f"+ lane {one['prefill_lane_us']:.0f}, decode loop {one['decode_us']:.0f} + engine thread "
-            f"{one['decode_engine_us']:.0f}; stream of 16 prefill loop {many['prefill_us']:.0f} + lane "
-            f"{many['prefill_lane_us']:.0f}, decode loop {many['decode_us']:.0f} + engine thread "
+            f"+ lane {one['prefill_lane_us']:.0f} (finisher {one['prefill_finisher_us']:.0f}), decode loop "
+            f"{one['decode_us']:.0f} + engine thread {one['decode_engine_us']:.0f}; stream of 16 prefill "
+            f"loop {many['prefill_us']:.0f} + lane {many['prefill_lane_us']:.0f} (finisher "
+            f"{many['prefill_finisher_us']:.0f}), decode loop {many['decode_us']:.0f} + engine thread "
             f"{many['decode_engine_us']:.0f}"
         )
+    for row in results:
+        if row["lane"]:
+            answers = ", ".join(f"{name} {count}" for name, count in sorted(row["lane_answers"].items()))
+            print(f"{row['tokens']:>7} tokens, lane on: how the lane answered the decode engine: {answers}")
     for row in results:
         if row["one_request_steps_ms"]:
             steps = ", ".join(f"{name} {at:.3f}" for name, at in row["one_request_steps_ms"])
