@@ -608,7 +608,7 @@ static int serve_cuda(lane *l, pair *p, int fd, hold *h, uint32_t first, uint32_
                       double started) {
     int64_t ops = 0, nbytes = 0, bad_row = -1, bad_pair = -1;
     if (kvray_rows_check(p->rows, p->num_rows, h->ids + first, remote, (int64_t)n, l->src_len, p->dst_len,
-                         INT64_MAX, &ops, &nbytes, &bad_row, &bad_pair) != 0) {
+                         (int64_t)1 << 40, &ops, &nbytes, &bad_row, &bad_pair) != 0) {
         return LANE_REFUSED;
     }
     lane_graph *g = take_graph(l, p, (int64_t)n);
