@@ -2,16 +2,26 @@
  * engine's thread that takes decode engines' asks for held requests and pushes them with the
  * copy pool, without Python; and the decode side's two calls, an ask and the read of answers.
  *
- * Lane(listen_fd, incarnation, src_base, src_len, src_pool, threads, piece, inline_max, park_s=0)
+ * Lane(listen_fd, incarnation, src_base, src_len, src_pool, threads, piece, inline_max, park_s=0, cuda=None)
  *   a thread serving the bound and listening SOCK_SEQPACKET socket `listen_fd` (duplicated).
+ *   With `cuda` ((the CUDA driver's calls, as `cuda_calls` lists them, by address), the source
+ *   GPU's context) the caches are on GPUs: pairs are `add_cuda_pair`'s, a copy is a row copy
+ *   captured for the pair (kvray/transport/cuda_ipc/lane.py), launched by the lane thread and
+ *   waited for by a second thread, the finisher, which answers.
  *   Each record on a connection is one ask (below), MAC'd under the key of the pair it names;
  *   one whose MAC fails closes its connection unanswered. An ask for a hold not here yet waits
  *   (parked) up to `park_s` seconds for it, or until the hold is settled: a decode engine may
  *   ask before the prefill engine's step has held the request it just finished.
  *   .add_pair(decode_incarnation, key, (dst_base, dst_len, dst_pool, file_fd, file_end), rows,
  *             stretch, (board_fd, slots, board_address), salt, seed, pair_salt, checked)
+ *   .add_cuda_pair(decode_incarnation, key, (dst_len, dst_pool, context, stream), rows, stretch,
+ *                  (board_fd, slots, board_address), graphs, checked)
+ *                                              graphs: (size, graph exec, staging, produced,
+ *                                              done, digest cell) of each captured copy
  *   .remove_pair(decode_incarnation) -> bool   returns once no copy of the pair runs
- *   .hold(key, ids, sums, held) -> bool        a request's blocks (and their held sums)
+ *   .hold(key, ids, sums, held, stream=0) -> bool
+ *                                              a request's blocks (and their held sums); on GPUs
+ *                                              its copy waits for the work queued on `stream`
  *   .settle(key) -> bool                       asks waiting for `key` are answered now: served if
  *                                              it is held, else "not held" (False: none waited)
  *   .unhold(key) -> bool                       False: not held (an ask took it, or never held)
