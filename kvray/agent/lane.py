@@ -53,6 +53,7 @@ from kvray.errors import KvrayError
 from kvray.layout import Int64Array
 from kvray.notice.claims import ClaimBoard
 from kvray.owned import LANE_NAME, PeerPath, open_peer
+from kvray.wire import TransportKind
 
 _native: types.ModuleType | None
 try:
@@ -140,6 +141,8 @@ class PrefillLane:
         if _native is None:
             raise KvrayError("the C lane is not built")
         self.cuda = cuda is not None
+        #: The transport its copies stand in for (what metrics and observers are told).
+        self.transport = TransportKind.CUDA_IPC if self.cuda else TransportKind.SHM
         self.path = os.path.join(folder, LANE_NAME)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:

@@ -276,11 +276,11 @@ class PrefillSide(Side):
             ok = push.answer is Answer.DONE
             metrics = self.agent.metrics
             if ok:
-                metrics.bytes_pushed(TransportKind.SHM.value, push.decode_engine, push.nbytes)
+                metrics.bytes_pushed(lane.transport.value, push.decode_engine, push.nbytes)
             metrics.transfer(
                 PushCall.WHOLE,
                 Outcome.OK if ok else Outcome.FAILED,
-                TransportKind.SHM.value,
+                lane.transport.value,
                 push.decode_engine,
                 push.seconds,
             )
@@ -295,7 +295,9 @@ class PrefillSide(Side):
         """The observer sees a push the lane made, its blocks still held; then they go."""
         pushed = held.blocks[push.first_block : push.first_block + push.num_blocks]
         blocks = tuple(int(block) for block in pushed)
-        sent = Moved(HandoffEvent.SENT, key, key, (blocks,), push.seconds, TransportKind.SHM, False)
+        lane = self._lane_open
+        transport = TransportKind.SHM if lane is None else lane.transport
+        sent = Moved(HandoffEvent.SENT, key, key, (blocks,), push.seconds, transport, False)
         try:
             await self._moved(sent)
         finally:
