@@ -89,6 +89,8 @@ int kvray_job_claim(job *j, int fd, int64_t slot, int64_t slots, uint64_t board,
  * job's reference passes to the pool. */
 int kvray_job_run(job *j, int threads);
 void kvray_job_unref(job *j);
+/* The content sum (kvray/content.py) of `nbytes` at `offset` of the region at `base`. */
+uint64_t kvray_hash_range(const char *base, int64_t offset, int64_t nbytes, uint32_t seed);
 /* Faults only (kvray.faults): whether jobs started now store their last op over the one before. */
 int kvray_executor_fault(void);
 /* kvray/_lane.c: the Lane type and the decode side's calls, added to the module. */

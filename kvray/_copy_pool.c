@@ -1149,6 +1149,10 @@ done:
     return result;
 }
 
+uint64_t kvray_hash_range(const char *base, int64_t offset, int64_t nbytes, uint32_t seed) {
+    return hash_copy(NULL, base + offset, (uint64_t)offset, (uint64_t)nbytes, seed, NULL, 0);
+}
+
 int kvray_executor_fault(void) { return __atomic_load_n(&executor_fault, __ATOMIC_RELAXED); }
 
 static PyObject *set_executor_fault(PyObject *self, PyObject *on) {

@@ -210,6 +210,7 @@ typedef struct hold {
      * them waits for it), destroyed with the hold in `ctx` through `cu`. */
     void *ready, *ctx;
     const cuda_calls *cu;
+    int dropped; /* let go of while its sums were being taken (the hasher frees it) */
 } hold;
 
 typedef struct done_entry {
@@ -265,6 +266,16 @@ typedef struct lane {
     int finisher_stop;
     pthread_t finisher;
     int finisher_started;
+    /* Holds whose sums the lane takes itself (`hash_rows`, `hold(..., hashed=True)`): queued
+     * for the hasher thread, which hashes their blocks' rows and then lets asks take them. */
+    int64_t *hash_rows; /* 4 x R, column-major: held row, start, block stride, bytes */
+    int64_t num_hash_rows, held_rows_total;
+    uint32_t hash_seed;
+    hold *hash_head, *hash_tail, *hashing_now;
+    int64_t hashing; /* queued or being hashed */
+    pthread_cond_t hash_wake;
+    pthread_t hasher;
+    int hasher_started, hasher_stop;
 } lane;
 
 typedef struct conn {
@@ -968,6 +979,107 @@ static void *lane_thread(void *arg) {
     return NULL;
 }
 
+/* ---- holds whose sums the lane takes -------------------------------------------------------- */
+
+/* Every hash row of every block of `h`, from the source region as it is now: a sum only where
+ * the row lies inside the region (else it stays not held, and a checked ask is "unchecked"). */
+static void hash_hold(lane *l, hold *h) {
+    const int64_t *held_row = l->hash_rows, *start = held_row + l->num_hash_rows;
+    const int64_t *stride = start + l->num_hash_rows, *nbytes = stride + l->num_hash_rows;
+    for (int64_t r = 0; r < l->num_hash_rows; r++) {
+        for (int64_t i = 0; i < h->n; i++) {
+            int64_t at, end;
+            if (__builtin_mul_overflow(h->ids[i], stride[r], &at) || __builtin_add_overflow(at, start[r], &at) ||
+                __builtin_add_overflow(at, nbytes[r], &end) || at < 0 || end > l->src_len) {
+                continue;
+            }
+            int64_t slot = held_row[r] * h->n + i;
+            h->sums[slot] = kvray_hash_range(l->src, at, nbytes[r], l->hash_seed);
+            h->held[slot] = 1;
+        }
+    }
+}
+
+static void *hasher_thread(void *arg) {
+    lane *l = arg;
+    pthread_setname_np(pthread_self(), "kvray-lane-hash");
+    for (;;) {
+        pthread_mutex_lock(&l->lock);
+        while (l->hash_head == NULL && !l->hasher_stop) {
+            pthread_cond_wait(&l->hash_wake, &l->lock);
+        }
+        hold *h = l->hash_head;
+        if (h == NULL) {
+            pthread_mutex_unlock(&l->lock);
+            break;
+        }
+        l->hash_head = h->next;
+        if (l->hash_head == NULL) {
+            l->hash_tail = NULL;
+        }
+        h->next = NULL;
+        int stopping = l->hasher_stop;
+        l->hashing_now = h;
+        pthread_mutex_unlock(&l->lock);
+        if (!stopping) {
+            hash_hold(l, h);
+        }
+        pthread_mutex_lock(&l->lock);
+        l->hashing_now = NULL;
+        l->hashing--;
+        int keep = !h->dropped && !stopping && l->holds < MAX_HOLDS;
+        if (keep) {
+            put_hold(l, h);
+        }
+        int waited = l->parked != NULL;
+        pthread_mutex_unlock(&l->lock);
+        if (!keep) {
+            hold_free(h);
+        } else if (waited) {
+            wake(l); /* an ask may wait for it */
+        }
+    }
+    return NULL;
+}
+
+/* Under l->lock: whether `key` is held, queued for its sums or being hashed (not let go of). */
+static int knows_key(lane *l, const unsigned char key[16]) {
+    for (hold *q = l->buckets[bucket_of(key)]; q != NULL; q = q->next) {
+        if (memcmp(q->key, key, 16) == 0) {
+            return 1;
+        }
+    }
+    for (hold *q = l->hash_head; q != NULL; q = q->next) {
+        if (memcmp(q->key, key, 16) == 0) {
+            return 1;
+        }
+    }
+    return l->hashing_now != NULL && !l->hashing_now->dropped && memcmp(l->hashing_now->key, key, 16) == 0;
+}
+
+/* Under l->lock: let go of `key`'s hold while its sums are taken: 1 if it was queued or being
+ * hashed. */
+static int drop_hashing(lane *l, const unsigned char key[16]) {
+    for (hold **at = &l->hash_head, *prev = NULL; *at != NULL; prev = *at, at = &(*at)->next) {
+        if (memcmp((*at)->key, key, 16) == 0) {
+            hold *h = *at;
+            *at = h->next;
+            if (l->hash_tail == h) {
+                l->hash_tail = prev;
+            }
+            l->hashing--;
+            h->next = NULL;
+            hold_free(h);
+            return 1;
+        }
+    }
+    if (l->hashing_now != NULL && !l->hashing_now->dropped && memcmp(l->hashing_now->key, key, 16) == 0) {
+        l->hashing_now->dropped = 1;
+        return 1;
+    }
+    return 0;
+}
+
 /* ---- the Lane object ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -991,8 +1103,10 @@ static void lane_unref(lane *l) {
         free(e);
     }
     close(l->done_fd);
+    free(l->hash_rows);
     pthread_cond_destroy(&l->graph_free);
     pthread_cond_destroy(&l->cuda_wake);
+    pthread_cond_destroy(&l->hash_wake);
     pthread_mutex_destroy(&l->lock);
     free(l);
 }
@@ -1007,6 +1121,15 @@ static void lane_stop(lane *l) {
         wake(l);
         pthread_join(l->thread, NULL);
         l->started = 0;
+    }
+    if (l->hasher_started) {
+        /* What waits for its sums is let go of: no ask takes a hold any more. */
+        pthread_mutex_lock(&l->lock);
+        l->hasher_stop = 1;
+        pthread_cond_signal(&l->hash_wake);
+        pthread_mutex_unlock(&l->lock);
+        pthread_join(l->hasher, NULL);
+        l->hasher_started = 0;
     }
     if (l->finisher_started) {
         /* No copy is launched any more: the finisher waits out those launched, then stops. */
@@ -1110,6 +1233,7 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     pthread_cond_init(&l->graph_free, &monotonic);
     pthread_condattr_destroy(&monotonic);
     pthread_cond_init(&l->cuda_wake, NULL);
+    pthread_cond_init(&l->hash_wake, NULL);
     if (cuda != Py_None) {
         l->cuda = 1;
         memcpy(&l->cu, calls, sizeof l->cu); /* the struct is CUDA_CALLS function pointers, in order */
@@ -1170,6 +1294,7 @@ fail:
     }
     pthread_cond_destroy(&l->graph_free);
     pthread_cond_destroy(&l->cuda_wake);
+    pthread_cond_destroy(&l->hash_wake);
     pthread_mutex_destroy(&l->lock);
     free(l);
     return -1;
@@ -1442,7 +1567,12 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
     lane *l = open_lane(self);
     PyObject *key, *ids, *sums, *held;
     unsigned long long stream = 0;
-    if (l == NULL || !PyArg_ParseTuple(args, "SOOO|K", &key, &ids, &sums, &held, &stream)) {
+    int hashed = 0;
+    if (l == NULL || !PyArg_ParseTuple(args, "SOOO|Kp", &key, &ids, &sums, &held, &stream, &hashed)) {
+        return NULL;
+    }
+    if (hashed && (l->hash_rows == NULL || sums != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "a hold the lane hashes needs its hash rows, and no sums of its own");
         return NULL;
     }
     hold *h = calloc(1, sizeof *h);
@@ -1463,7 +1593,16 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
             goto fail;
         }
     }
-    if (sums != Py_None) {
+    if (hashed) {
+        size_t count = (size_t)l->held_rows_total * (size_t)h->n;
+        h->sums = calloc(count > 0 ? count : 1, sizeof *h->sums);
+        h->held = calloc(count > 0 ? count : 1, 1);
+        if (h->sums == NULL || h->held == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        h->held_rows = l->held_rows_total;
+    } else if (sums != Py_None) {
         int64_t count = 0;
         h->sums = (uint64_t *)take_int64s(sums, 1, &count);
         if (h->sums == NULL) {
@@ -1508,15 +1647,22 @@ static PyObject *Lane_hold(Lane *self, PyObject *args) {
         h->cu = &l->cu;
     }
     pthread_mutex_lock(&l->lock);
-    int known = 0;
-    for (hold *q = l->buckets[bucket_of(h->key)]; q != NULL; q = q->next) {
-        known |= memcmp(q->key, h->key, 16) == 0;
-    }
-    int full = l->holds >= MAX_HOLDS;
-    if (!known && !full) {
+    int known = knows_key(l, h->key);
+    int full = l->holds + l->hashing >= MAX_HOLDS;
+    if (!known && !full && hashed) {
+        /* Asks for it wait (parked) until the hasher has taken its sums. */
+        if (l->hash_tail != NULL) {
+            l->hash_tail->next = h;
+        } else {
+            l->hash_head = h;
+        }
+        l->hash_tail = h;
+        l->hashing++;
+        pthread_cond_signal(&l->hash_wake);
+    } else if (!known && !full) {
         put_hold(l, h);
     }
-    int waited = l->parked != NULL;
+    int waited = l->parked != NULL && !hashed;
     pthread_mutex_unlock(&l->lock);
     if (known || full) {
         hold_free(h);
@@ -1545,9 +1691,54 @@ static PyObject *Lane_unhold(Lane *self, PyObject *arg) {
     }
     pthread_mutex_lock(&l->lock);
     hold *h = take_hold(l, key);
+    int dropped = h == NULL && drop_hashing(l, key);
     pthread_mutex_unlock(&l->lock);
     hold_free(h);
-    return PyBool_FromLong(h != NULL);
+    return PyBool_FromLong(h != NULL || dropped);
+}
+
+static PyObject *Lane_hash_rows(Lane *self, PyObject *args) {
+    lane *l = open_lane(self);
+    PyObject *rows;
+    long long total;
+    unsigned int seed;
+    if (l == NULL || !PyArg_ParseTuple(args, "OLI", &rows, &total, &seed)) {
+        return NULL;
+    }
+    if (l->cuda || l->hash_rows != NULL) {
+        PyErr_SetString(PyExc_ValueError, "a lane of host caches takes its hash rows once");
+        return NULL;
+    }
+    int64_t count = 0;
+    int64_t *taken = take_int64s(rows, 4, &count);
+    if (taken == NULL) {
+        return NULL;
+    }
+    for (int64_t r = 0; r < count; r++) {
+        if (taken[r] < 0 || taken[r] >= total || taken[count + r] < 0 || taken[2 * count + r] < 0 ||
+            taken[3 * count + r] < 0) {
+            free(taken);
+            PyErr_SetString(PyExc_ValueError, "hash rows: a held row of the total, and no negative offset or size");
+            return NULL;
+        }
+    }
+    pthread_mutex_lock(&l->lock);
+    l->hash_rows = taken;
+    l->num_hash_rows = count;
+    l->held_rows_total = total;
+    l->hash_seed = seed;
+    pthread_mutex_unlock(&l->lock);
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    int failed = pthread_create(&l->hasher, NULL, hasher_thread, l);
+    pthread_sigmask(SIG_SETMASK, &previous, NULL);
+    if (failed) {
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    l->hasher_started = 1;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Lane_settle(Lane *self, PyObject *arg) {
@@ -1635,6 +1826,11 @@ static PyObject *Lane_parked(Lane *self, void *unused) {
     return lane_count(self, offsetof(lane, num_parked));
 }
 
+static PyObject *Lane_hashing(Lane *self, void *unused) {
+    (void)unused;
+    return lane_count(self, offsetof(lane, hashing));
+}
+
 static PyObject *Lane_holds(Lane *self, void *unused) {
     (void)unused;
     return lane_count(self, offsetof(lane, holds));
@@ -1647,6 +1843,8 @@ static PyMethodDef Lane_methods[] = {
     {"remove_pair", (PyCFunction)Lane_remove_pair, METH_O, "Forget a pair once no copy into it runs."},
     {"hold", (PyCFunction)Lane_hold, METH_VARARGS, "A request's blocks (and held sums) an ask may take."},
     {"unhold", (PyCFunction)Lane_unhold, METH_O, "Forget a hold; False if an ask took it (or none was)."},
+    {"hash_rows", (PyCFunction)Lane_hash_rows, METH_VARARGS,
+     "The rows (4 x R: held row, start, block stride, bytes), rows in all and seed of holds the lane hashes."},
     {"settle", (PyCFunction)Lane_settle, METH_O, "Answer the asks waiting for a hold now (False: none)."},
     {"done", (PyCFunction)Lane_done, METH_NOARGS, "The pushes ended since the last call."},
     {"fileno", (PyCFunction)Lane_fileno, METH_NOARGS, "An eventfd, readable when pushes ended."},
@@ -1657,6 +1855,7 @@ static PyMethodDef Lane_methods[] = {
 static PyGetSetDef Lane_getset[] = {
     {"holds", (getter)Lane_holds, NULL, "How many holds an ask may take now.", NULL},
     {"parked", (getter)Lane_parked, NULL, "How many asks wait for their holds now.", NULL},
+    {"hashing", (getter)Lane_hashing, NULL, "How many holds wait for the lane to take their sums.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -313,6 +313,12 @@ class KVAgent:
         engine, incarnation)`: the 16 bytes that key that engine's asks."""
         return self._pusher.open_lane(key_of)
 
+    @property
+    def lane_hashes(self) -> bool:
+        """Whether this engine's lane takes its holds' content sums itself: a hold then needs
+        no `hold_digests` before `lane_hold` (a push of it the usual way hashes its blocks)."""
+        return self._pusher.lane_hashes
+
     def lane_hold(self, handoff: str, blocks: npt.NDArray[np.int64]) -> bool:
         """Let an ask through the lane take hand-off `handoff`'s `blocks` (after `hold_digests`
         of them); False where it cannot."""

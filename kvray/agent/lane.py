@@ -141,6 +141,8 @@ class PrefillLane:
         if _native is None:
             raise KvrayError("the C lane is not built")
         self.cuda = cuda is not None
+        #: Whether it takes its holds' content sums itself (`hash_rows`).
+        self.hashes = False
         #: The transport its copies stand in for (what metrics and observers are told).
         self.transport = TransportKind.CUDA_IPC if self.cuda else TransportKind.SHM
         self.path = os.path.join(folder, LANE_NAME)
@@ -247,16 +249,23 @@ class PrefillLane:
         sums: npt.NDArray[np.uint64] | None,
         held: npt.NDArray[np.bool_] | None,
         stream: int = 0,
+        *,
+        hashed: bool = False,
     ) -> bool:
         """Let an ask take hand-off `handoff`'s `blocks` (with the content sums held for them,
         one row per (layer, part)); False if the lane has it already or is full. GPU caches:
-        its copy waits for the work queued on `stream` (the driver's handle) so far."""
+        its copy waits for the work queued on `stream` (the driver's handle) so far. `hashed`:
+        the lane takes the sums itself first (`hash_rows`; asks for it wait meanwhile)."""
         flags = None if held is None else np.ascontiguousarray(held, dtype=np.uint8)
-        return bool(
-            self._lane.hold(
-                hold_key(handoff), np.ascontiguousarray(blocks, dtype=np.int64), sums, flags, stream
-            )
-        )
+        ids = np.ascontiguousarray(blocks, dtype=np.int64)
+        return bool(self._lane.hold(hold_key(handoff), ids, sums, flags, stream, hashed))
+
+    def hash_rows(self, rows: Int64Array, total: int, seed: int) -> None:
+        """Have the lane take the content sums of holds given none (`hold(..., hashed=True)`)
+        itself, on a thread of its own: `rows` (4 x R: held row, start, block stride, bytes) of
+        the source region, `total` held rows (`layers * parts`), the region's content seed."""
+        self._lane.hash_rows(np.ascontiguousarray(rows, dtype=np.int64), total, seed)
+        self.hashes = True
 
     def unhold(self, handoff: str) -> bool:
         """Take hand-off `handoff` back from the lane; False when an ask took it (its push ends
@@ -271,6 +280,11 @@ class PrefillLane:
     @property
     def holds(self) -> int:
         return int(self._lane.holds)
+
+    @property
+    def hashing(self) -> int:
+        """Holds waiting for the lane to take their sums."""
+        return int(self._lane.hashing)
 
     @property
     def parked(self) -> int:

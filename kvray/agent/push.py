@@ -46,6 +46,7 @@ from kvray.content import (
     Stretches,
     StretchRows,
     held_parts,
+    held_rows,
     pair_salts,
     region_seed,
     stretch_rows,
@@ -1275,7 +1276,22 @@ class Pusher:
             cuda,
         )
         self._lane_key = key_of
+        if cuda is None and settings.integrity:
+            # The lane takes its holds' sums itself, on its own thread (`lane_hold`).
+            rows = held_rows(backing.layout, backing.placements)
+            parts = held_parts(backing.layout, backing.placements)
+            self.lane.hash_rows(
+                np.stack([rows.layer * parts + rows.part, rows.start, rows.stride, rows.nbytes]),
+                len(backing.layout.layers) * parts,
+                region_seed(0),
+            )
         return self.lane
+
+    @property
+    def lane_hashes(self) -> bool:
+        """Whether the lane takes its holds' content sums itself (a hold needs no
+        `hold_digests` before `lane_hold`)."""
+        return self.lane is not None and self.lane.hashes
 
     def _lane_driver(self) -> tuple[tuple[int, ...], int] | None:
         """The CUDA driver's calls and this engine's GPU context, for a lane of GPU caches;
@@ -1303,6 +1319,8 @@ class Pusher:
         lane = self.lane
         if lane is None:
             return False
+        if lane.hashes:
+            return lane.hold(handoff, blocks, None, None, hashed=True)
         sums = held = None
         if self.engine.settings.integrity:
             if self._held is None:

@@ -523,3 +523,41 @@ def test_an_answer_is_timed_from_when_it_came_not_from_when_it_was_read() -> Non
         *fields, arrived = answers[0]
         assert fields[:3] == [7, Answer.DONE, 5]
         assert before - 0.005 <= arrived <= after + 0.005  # not the read, 0.3 s later
+
+
+def test_holds_the_lane_hashes_wait_for_their_sums_and_can_be_let_go_of_meanwhile(tmp_path: Path) -> None:
+    """A hold given no sums is queued for the lane's hasher (asks for it wait meanwhile); it is
+    the lane's once hashed. Let go of while queued or being hashed, it is gone (never offered),
+    and a second hold under its key is refused while the first waits."""
+    from kvray._copy_pool import Lane
+
+    block = 4 << 20  # a 4 MiB row per block: each hold takes a few ms to hash
+    pool = 8
+    source = np.ones(pool * block, dtype=np.uint8)  # pages of its own, read at memory's speed
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "lane"))
+    listener.listen(4)
+    lane = Lane(listener.fileno(), 1, source.ctypes.data, source.size, pool, 0, 1 << 20, 0, 0.5)
+    try:
+        with pytest.raises(ValueError):  # no hash rows yet
+            lane.hold(hold_key("h-0"), np.array([0], dtype=np.int64), None, None, 0, True)
+        rows = np.array([[0], [0], [block], [block]], dtype=np.int64)  # held row 0: the whole block
+        lane.hash_rows(rows, 1, 7)
+        with pytest.raises(ValueError):  # once
+            lane.hash_rows(rows, 1, 7)
+        keys = [hold_key(f"h-{index}") for index in range(6)]
+        for index, key in enumerate(keys):
+            assert lane.hold(
+                key, np.array([index % pool, (index + 1) % pool], dtype=np.int64), None, None, 0, True
+            )
+        assert lane.hashing >= 2  # they wait for their sums
+        assert not lane.hold(keys[5], np.array([0], dtype=np.int64), None, None, 0, True)  # a key waiting
+        assert lane.unhold(keys[5]) and lane.unhold(keys[0])  # queued, or being hashed
+        until(lambda: lane.hashing == 0)
+        assert lane.holds == 4
+        assert not lane.unhold(keys[0]) and not lane.unhold(keys[5])  # gone, never offered
+        assert all(lane.unhold(key) for key in keys[1:5])
+        assert lane.holds == 0
+    finally:
+        lane.close()
+        listener.close()

@@ -198,6 +198,12 @@ class PrefillSide(Side):
         self._settle(key, held)
 
     async def _hold_digests(self, key: str, held: _Held) -> None:
+        if self._lane() is not None and self.agent.lane_hashes:
+            # The lane takes the blocks' sums itself, on its own thread; the digests below are
+            # for a push the usual way, taken only if the lane does not take the hold.
+            self._offer_lane(key, held)
+            if held.in_lane:
+                return
         with contextlib.suppress(KvrayError):  # a push without them reads the blocks itself
             await self.agent.hold_digests(held.blocks)
         self._offer_lane(key, held)
