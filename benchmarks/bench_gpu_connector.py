@@ -32,8 +32,9 @@ Host CPU per hand-off: the CPU time of each engine's kvray event-loop thread ove
 hand-offs of a kind (the prefill side's hold of each included), divided by their number; with the
 native lane also the decode engine's own thread inside kvray's calls (`begin`, `finished`) and
 the prefill engine's lane thread (which copies a request of up to 4 MiB itself on a CPU, and
-launches the copy on a GPU) and, on a GPU, the lane's finisher (which waits for each copy's
-event, the driver spinning meanwhile); the copy pool's threads are not in it. A shared
+launches the copy on a GPU) and, apart, on a GPU the lane's finisher (which waits for each copy's
+event, the driver spinning meanwhile) and on a CPU the lane's hasher (the hold's content sums,
+hashed by a worker thread of the loop's without the lane); the copy pool's threads are not in it. A shared
 machine's noise moves it far less than it moves times on the wall clock.
 """
 
@@ -101,26 +102,29 @@ class Engine:
         self._loop_clock = time.pthread_getcpuclockid(loop.run(_thread_ident()))
         return registered
 
-    def loop_cpu(self) -> tuple[float, float, float, float]:
+    def loop_cpu(self) -> tuple[float, float, float, float, float]:
         """CPU seconds this engine's kvray has run so far: its event-loop thread, the engine's
-        own thread inside kvray's calls (`begin`, `finished`), the native lane's thread and, on
-        a GPU, the lane's finisher (which waits for each copy's event: the driver spins)."""
-        lane = finisher = 0.0
+        own thread inside kvray's calls (`begin`, `finished`), the native lane's thread, on a
+        GPU the lane's finisher (which waits for each copy's event: the driver spins), and on
+        a CPU the lane's hasher (which takes a hold's content sums)."""
+        threads = {"kvray-lane": 0.0, "kvray-lane-gpu": 0.0, "kvray-lane-hash": 0.0}
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/comm") as comm:
                     name = comm.read().strip()
-                if name not in ("kvray-lane", "kvray-lane-gpu"):
+                if name not in threads:
                     continue
                 with open(f"/proc/self/task/{task}/schedstat") as schedstat:
-                    seconds = int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
+                    threads[name] += int(schedstat.read().split()[0]) / 1e9  # ns on the CPU
             except OSError:
                 continue
-            if name == "kvray-lane":
-                lane += seconds
-            else:
-                finisher += seconds
-        return time.clock_gettime(self._loop_clock), self._engine_thread_s, lane, finisher
+        return (
+            time.clock_gettime(self._loop_clock),
+            self._engine_thread_s,
+            threads["kvray-lane"],
+            threads["kvray-lane-gpu"],
+            threads["kvray-lane-hash"],
+        )
 
     def lane_answers(self) -> dict[str, int]:
         return self.engine.lane_answers()
@@ -248,22 +252,21 @@ def run(
             times += ray.get(decode.handoffs.remote(p_info, [batch]))
         return times
 
-    def loop_cpu() -> list[tuple[float, float, float, float]]:
+    Clocks = tuple[float, float, float, float, float]
+
+    def loop_cpu() -> list[Clocks]:
         return list(ray.get([prefill.loop_cpu.remote(), decode.loop_cpu.remote()]))
 
-    def per_handoff_us(
-        before: list[tuple[float, float, float, float]],
-        after: list[tuple[float, float, float, float]],
-        count: int,
-    ) -> dict[str, float]:
-        (p0, _, lane0, wait0), (d0, engine0, _, _) = before
-        (p1, _, lane1, wait1), (d1, engine1, _, _) = after
+    def per_handoff_us(before: list[Clocks], after: list[Clocks], count: int) -> dict[str, float]:
+        (p0, _, lane0, wait0, hash0), (d0, engine0, _, _, _) = before
+        (p1, _, lane1, wait1, hash1), (d1, engine1, _, _, _) = after
         return {
             "prefill_us": (p1 - p0) / count * 1e6,
             "decode_us": (d1 - d0) / count * 1e6,
             "decode_engine_us": (engine1 - engine0) / count * 1e6,
             "prefill_lane_us": (lane1 - lane0) / count * 1e6,
             "prefill_finisher_us": (wait1 - wait0) / count * 1e6,
+            "prefill_hasher_us": (hash1 - hash0) / count * 1e6,
         }
 
     ray.get([prefill.stamps.remote(), decode.stamps.remote()])  # set-up's stamps
@@ -401,18 +404,19 @@ def main() -> int:
         )
     print(
         "host CPU per hand-off (us): kvray's event-loop thread of each engine (the prefill's hold "
-        "included), the prefill's lane thread, the decode engine's own thread in kvray's calls"
+        "included), the prefill's lane threads, the decode engine's own thread in kvray's calls"
     )
     for row in results:
         one, many = row["one_request_loop_cpu"], row["stream_loop_cpu"]
         lane = "on" if row["lane"] else "off"
         print(
             f"{row['tokens']:>7} tokens, lane {lane}: one request prefill loop {one['prefill_us']:.0f} "
-            f"+ lane {one['prefill_lane_us']:.0f} (finisher {one['prefill_finisher_us']:.0f}), decode loop "
+            f"+ lane {one['prefill_lane_us']:.0f} (finisher {one['prefill_finisher_us']:.0f}, hasher "
+            f"{one['prefill_hasher_us']:.0f}), decode loop "
             f"{one['decode_us']:.0f} + engine thread {one['decode_engine_us']:.0f}; stream of 16 prefill "
             f"loop {many['prefill_us']:.0f} + lane {many['prefill_lane_us']:.0f} (finisher "
-            f"{many['prefill_finisher_us']:.0f}), decode loop {many['decode_us']:.0f} + engine thread "
-            f"{many['decode_engine_us']:.0f}"
+            f"{many['prefill_finisher_us']:.0f}, hasher {many['prefill_hasher_us']:.0f}), decode loop "
+            f"{many['decode_us']:.0f} + engine thread {many['decode_engine_us']:.0f}"
         )
     for row in results:
         if row["lane"]:
