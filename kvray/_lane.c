@@ -577,6 +577,32 @@ static int serve_parked(lane *l, int all) {
     return timeout;
 }
 
+/* What an ask's copy keeps until it is answered, its answer going to a descriptor of its own
+ * (NULL: out of memory or descriptors). The caller takes a reference of the lane once the copy
+ * starts. */
+static ask_ctx *new_ask(lane *l, pair *p, hold *h, int fd, uint64_t ask_id, uint64_t token, uint64_t reference,
+                        int has_reference, int64_t nbytes, uint32_t first, uint32_t n, double started) {
+    ask_ctx *c = calloc(1, sizeof *c);
+    int answer_fd = c == NULL ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (answer_fd < 0) {
+        free(c);
+        return NULL;
+    }
+    c->lane = l;
+    c->pair = p;
+    c->hold = h;
+    c->answer_fd = answer_fd;
+    c->ask_id = ask_id;
+    c->token = token;
+    c->reference = reference;
+    c->has_reference = has_reference;
+    c->nbytes = nbytes;
+    c->first = first;
+    c->count = n;
+    c->started = started;
+    return c;
+}
+
 /* ---- a lane of GPU caches ---------------------------------------------------------------- */
 
 /* The free captured copy of the smallest size that fits `n` block pairs, taken (NULL: the pair
@@ -642,10 +668,8 @@ static int serve_cuda(lane *l, pair *p, int fd, hold *h, uint32_t first, uint32_
         give_graph(l, g);
         return claimed == 1 ? LANE_CLOSING : claimed == 2 ? LANE_NOT_OPEN : LANE_BUSY;
     }
-    ask_ctx *c = calloc(1, sizeof *c);
-    int answer_fd = c == NULL ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (answer_fd < 0) {
-        free(c);
+    ask_ctx *c = new_ask(l, p, h, fd, ask_id, token, reference, has_reference, nbytes, first, n, started);
+    if (c == NULL) {
         kvray_claim_let_go(claim_fd, (int64_t)slot);
         give_graph(l, g);
         return LANE_BUSY;
@@ -665,27 +689,15 @@ static int serve_cuda(lane *l, pair *p, int fd, hold *h, uint32_t first, uint32_
                  cu->event_record(g->produced, p->stream) != 0 || cu->graph_launch(g->exec, p->stream) != 0;
     if (failed) {
         /* Nothing was launched (a launch that fails queues nothing): nothing was written. */
-        close(answer_fd);
+        close(c->answer_fd);
         free(c);
         kvray_claim_let_go(claim_fd, (int64_t)slot);
         give_graph(l, g);
         return LANE_BUSY;
     }
-    c->lane = l;
-    c->pair = p;
-    c->hold = h;
     c->graph = g;
     c->claim_fd = claim_fd;
     c->slot = (int64_t)slot;
-    c->answer_fd = answer_fd;
-    c->ask_id = ask_id;
-    c->token = token;
-    c->reference = reference;
-    c->has_reference = has_reference;
-    c->nbytes = nbytes;
-    c->first = first;
-    c->count = n;
-    c->started = started;
     __atomic_add_fetch(&l->refs, 1, __ATOMIC_ACQ_REL);
     pthread_mutex_lock(&l->lock);
     if (l->cuda_tail != NULL) {
@@ -811,32 +823,18 @@ static void serve_hold(lane *l, pair *p, int fd, const unsigned char *rec, uint3
         status = claimed == 1 ? LANE_CLOSING : claimed == 2 ? LANE_NOT_OPEN : LANE_BUSY;
         goto give_back;
     }
-    ask_ctx *c = calloc(1, sizeof *c);
-    int answer_fd = c == NULL ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (answer_fd < 0) {
-        free(c);
+    ask_ctx *c = new_ask(l, p, h, fd, ask_id, token, reference, has_reference, nbytes, first, n, started);
+    if (c == NULL) {
         status = LANE_BUSY;
         goto give_back;
     }
-    c->lane = l;
-    c->pair = p;
-    c->hold = h;
-    c->answer_fd = answer_fd;
-    c->ask_id = ask_id;
-    c->token = token;
-    c->reference = reference;
-    c->has_reference = has_reference;
-    c->nbytes = nbytes;
-    c->first = first;
-    c->count = n;
-    c->started = started;
     __atomic_add_fetch(&l->refs, 1, __ATOMIC_ACQ_REL);
     j->owner = c;
     j->on_over = ask_over;
     int failed = kvray_job_run(j, nbytes <= l->inline_max ? 0 : l->threads);
     if (failed) {
         /* The job (and its claim) is gone, ask_over never ran: nothing was written. */
-        close(answer_fd);
+        close(c->answer_fd);
         free(c);
         lane_unref(l);
         j = NULL;
@@ -1111,6 +1109,15 @@ static void lane_unref(lane *l) {
     free(l);
 }
 
+/* Tell a worker thread of the lane (the finisher, the hasher) to stop, and wait for it. */
+static void stop_worker(lane *l, int *stop, pthread_cond_t *wake, pthread_t thread) {
+    pthread_mutex_lock(&l->lock);
+    *stop = 1;
+    pthread_cond_signal(wake);
+    pthread_mutex_unlock(&l->lock);
+    pthread_join(thread, NULL);
+}
+
 /* Stop the thread and drop every pair (waiting for their copies); idempotent. */
 static void lane_stop(lane *l) {
     if (l->started) {
@@ -1124,20 +1131,12 @@ static void lane_stop(lane *l) {
     }
     if (l->hasher_started) {
         /* What waits for its sums is let go of: no ask takes a hold any more. */
-        pthread_mutex_lock(&l->lock);
-        l->hasher_stop = 1;
-        pthread_cond_signal(&l->hash_wake);
-        pthread_mutex_unlock(&l->lock);
-        pthread_join(l->hasher, NULL);
+        stop_worker(l, &l->hasher_stop, &l->hash_wake, l->hasher);
         l->hasher_started = 0;
     }
     if (l->finisher_started) {
         /* No copy is launched any more: the finisher waits out those launched, then stops. */
-        pthread_mutex_lock(&l->lock);
-        l->finisher_stop = 1;
-        pthread_cond_signal(&l->cuda_wake);
-        pthread_mutex_unlock(&l->lock);
-        pthread_join(l->finisher, NULL);
+        stop_worker(l, &l->finisher_stop, &l->cuda_wake, l->finisher);
         l->finisher_started = 0;
     }
     for (;;) {
@@ -1273,11 +1272,7 @@ static int Lane_init(Lane *self, PyObject *args, PyObject *kwargs) {
     pthread_sigmask(SIG_SETMASK, &previous, NULL);
     if (failed) {
         if (l->finisher_started) {
-            pthread_mutex_lock(&l->lock);
-            l->finisher_stop = 1;
-            pthread_cond_signal(&l->cuda_wake);
-            pthread_mutex_unlock(&l->lock);
-            pthread_join(l->finisher, NULL);
+            stop_worker(l, &l->finisher_stop, &l->cuda_wake, l->finisher);
         }
         errno = failed;
         PyErr_SetFromErrno(PyExc_OSError);
