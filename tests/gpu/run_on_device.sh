@@ -55,7 +55,7 @@ for step in "${steps[@]}"; do
                 | tee "$out/gpu-staging.txt"
             rc=${PIPESTATUS[0]} ;;
         connector)
-            PYTHONPATH=$PWD/tests/gpu:$PYTHONPATH python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown \
+            PYTHONPATH=$PWD/tests/gpu:$PYTHONPATH python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown --lane both \
                 --json "$out/gpu-connector.json" 2>&1 | tee "$out/gpu-connector.txt"
             rc=${PIPESTATUS[0]} ;;
         *)
