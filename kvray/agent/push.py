@@ -72,7 +72,7 @@ from kvray.notice.base import Receipt
 from kvray.notice.claims import ClaimClient
 from kvray.notice.local import PUSH_ENDPOINT, DatagramNotice
 from kvray.placement import MASK64, NOTHING, PLACEHOLDER, Stored, region_salt
-from kvray.plan import OffsetCache, Pairing, TransferPlan, block_ids, paired_ids, plan_transfer
+from kvray.plan import OffsetCache, Pairing, PartRows, TransferPlan, block_ids, paired_ids, plan_transfer
 from kvray.tensor_parallel import shared_heads
 from kvray.transport import Peer, Transport
 from kvray.transport.base import PeerCache
@@ -80,9 +80,9 @@ from kvray.transport.cpu_copy import copy_threads, notice_patch, rows_native
 from kvray.transport.shm import ShmTransport
 from kvray.wire import Reservation, Role, TransferDone, TransferFailed, TransportKind, encode
 
-#: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
 log = logging.getLogger("kvray.push")
 
+#: Stretch rows kept per pusher (one entry per decode engine incarnation and layer list).
 _KEPT_STRETCH_ROWS = 256
 #: The lane's copies: pieces a pool thread takes, and the largest copy its own thread makes.
 _LANE_PIECE = 1 << 20
@@ -226,8 +226,13 @@ class _CudaLanePair:
         self.copies = None
 
 
-def _close_cuda_lane(pair: _CudaLanePair) -> None:
-    pair.close()
+def _pair_rows(local: PartRows, remote: PartRows) -> Int64Array:
+    """Both sides' rows as the C copy and the lane take them (5 x R: this engine's start and
+    block stride, the decode engine's start and block stride, the row's bytes)."""
+    return np.ascontiguousarray(
+        np.stack([local.base, local.block_stride, remote.base, remote.block_stride, local.nbytes]),
+        dtype=np.int64,
+    )
 
 
 async def _settled(task: asyncio.Task[Any]) -> None:
@@ -281,7 +286,7 @@ class Pusher:
         )
         #: Per decode engine incarnation, what this engine's lane of GPU caches pushes into it with.
         self._cuda_lanes: PeerCache[None, _CudaLanePair] = PeerCache(
-            engine.settings.max_cached_peers, _close_cuda_lane
+            engine.settings.max_cached_peers, _CudaLanePair.close
         )
         #: This engine's native hand-off lane (`open_lane`), and how it keys a decode engine.
         self.lane: PrefillLane | None = None
@@ -1224,10 +1229,7 @@ class Pusher:
         mine, theirs = pairing.local, pairing.remote
         if mine.region.any() or theirs.region.any() or not np.array_equal(mine.nbytes, theirs.nbytes):
             return None
-        rows = np.ascontiguousarray(
-            np.stack([mine.base, mine.block_stride, theirs.base, theirs.block_stride, mine.nbytes]),
-            dtype=np.int64,
-        )
+        rows = _pair_rows(mine, theirs)
         board = ClaimClient(path, info.engine_id, engine.settings.shm_dir)
         layers = pairing.layers
         stretches = stretch_rows(backing.layout, backing.placements, info.layout, info.placement, layers)
@@ -1365,18 +1367,7 @@ class Pusher:
                     copies.context,
                     int(copies.stream.cuda_stream),
                 ),
-                np.ascontiguousarray(
-                    np.stack(
-                        [
-                            rows.local.base,
-                            rows.local.block_stride,
-                            rows.remote.base,
-                            rows.remote.block_stride,
-                            rows.local.nbytes,
-                        ]
-                    ),
-                    dtype=np.int64,
-                ),
+                _pair_rows(rows.local, rows.remote),
                 self._lane_stretch(self._stretch_rows_of(peer, plan.layers)),
                 (board.fd, board.slots, board.address),
                 copies.records(),

@@ -262,7 +262,7 @@ def block_of(array: np.ndarray, pool: int, row: int, block: int) -> np.ndarray:
     return array[start : start + BLOCK]
 
 
-def untouched(rig: Rig, except_blocks: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
+def untouched(rig: Rig, except_blocks: frozenset[int] | set[int] = frozenset()) -> bool:
     for row in range(ROWS):
         for block in range(DST_POOL):
             if block not in except_blocks and not (block_of(rig.dst, DST_POOL, row, block) == CANARY).all():
