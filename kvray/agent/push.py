@@ -1302,14 +1302,16 @@ class Pusher:
             import torch
 
             from kvray.transport.cuda_ipc import CudaIpcTransport
-            from kvray.transport.cuda_ipc.driver import current_context, lane_calls
+            from kvray.transport.cuda_ipc.driver import lane_calls, primary_context
 
             if CudaIpcTransport.unavailable_reason(self.engine.settings) is not None:
                 return None
-            with torch.cuda.device(self.engine.backing.regions[0].tensor.device):
-                context = current_context()
+            device = self.engine.backing.regions[0].tensor.device
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            context = primary_context(index)  # this thread may have run no CUDA work: none current
             calls = lane_calls()
-        except (OSError, KvrayError):
+        except (OSError, KvrayError) as error:
+            log.warning("kvray: no native lane for this GPU cache (%s: %s)", type(error).__name__, error)
             return None
         return (calls, context) if context and all(calls) else None
 

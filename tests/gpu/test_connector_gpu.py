@@ -161,10 +161,11 @@ def test_routine_loads_take_the_gpu_lane_land_exactly_and_fail_closed(actors: An
     the lane's copies), loads go through the prefill engine's native lane: its C threads launch
     the captured row copy and answer with its digests. Every load lands exactly; a copy that
     stores a block pair over another (under a correct plan) is answered, and the decode engine
-    refuses it by its placement digest."""
+    refuses it by its placement digest. The prefill engine is a producer, as in a P/D
+    deployment: its agent's thread has run no CUDA work when its lane opens."""
     import ray
 
-    prefill, decode, p_info, _ = pair(actors, "LBNHC", kind)
+    prefill, decode, p_info, _ = pair(actors, "LBNHC", kind, producer=True)
     try:
         rounds = [
             ([1], [2]),

@@ -73,9 +73,14 @@ def lane_calls() -> tuple[int, ...]:
     return tuple(int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0) for name in LANE_CALLS)
 
 
-def current_context() -> int:
-    """The driver's context current on this thread (torch's primary context of its device, once
-    torch has used it here); 0: none."""
+def primary_context(device: int) -> int:
+    """Device `device`'s primary context (torch's), whichever context is current on this
+    thread, if any: a thread torch has not run CUDA work on has none current. torch keeps the
+    context for the process's life; the reference taken here to read it goes at once."""
+    lib = libcuda()
+    handle = ctypes.c_int()
+    driver_check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)))
     context = ctypes.c_void_p()
-    driver_check("cuCtxGetCurrent", libcuda().cuCtxGetCurrent(ctypes.byref(context)))
+    driver_check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle))
+    driver_check("cuDevicePrimaryCtxRelease", lib.cuDevicePrimaryCtxRelease_v2(handle))
     return int(context.value or 0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvray.transport.cuda_ipc.driver import current_context
+from kvray.transport.cuda_ipc.driver import primary_context
 from kvray.transport.cuda_ipc.graphs import RowGraph, RowTable, capacity_for, capture_rows
 from kvray.transport.cuda_ipc.kernels import Digests
 
@@ -85,7 +85,7 @@ class LaneCopies:
 def lane_copies(target: torch.Tensor, source: torch.Tensor, table: RowTable, keep: object) -> LaneCopies:
     """A pair's copies, none captured yet (`LaneCopies.grow`), on a stream of their own."""
     device = target.device
-    with torch.cuda.device(device):
-        context = current_context()
-        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    context = primary_context(index)  # the context torch captures the copies in
+    stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     return LaneCopies(target, source, table, context, stream, keep)
