@@ -112,6 +112,25 @@ def test_the_kv_allocation_lands_in_a_shared_memory_file_adopted_as_one_region(t
     assert not os.path.exists(path)
 
 
+def test_a_producers_kv_allocation_is_aligned_in_one_of_its_own_and_adopted_as_one_region(
+    tmp_path: Path,
+) -> None:
+    """A pure producer (kv_producer) exposes nothing, but its cache is still one registered
+    region: placed at an aligned offset of a padded private allocation (vLLM's own would not be
+    page-aligned, and the region around it would reach outside it)."""
+    settings = Settings(shm_dir=str(tmp_path))
+    worker = ConnectorWorker("vllm-p", Role.PREFILL, settings, lease_s=1.0)
+    size = 3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2
+    with worker.allocation_context():
+        buffer = torch.zeros(size + 4096 * 300 + 64, dtype=torch.int8)
+    assert worker._shm_path is None and os.listdir(tmp_path) == []
+    assert buffer.data_ptr() % settings.alignment == 0 and bool((buffer == 0).all())
+    cache = layout_of(vllm_cpu_caches(buffer[:size]), NUM_BLOCKS, BLOCK_SIZE)
+    backing = Backing.adopt(cache.layout, cache.tensors, settings=settings, strides=cache.strides)
+    assert backing.kind is MemoryKind.CPU and len(backing.regions) == 1
+    backing.close()
+
+
 def test_only_a_kvray_shared_memory_file_is_adopted_as_one(tmp_path: Path) -> None:
     caches = vllm_cpu_caches(torch.zeros(3 * NUM_BLOCKS * 2 * BLOCK_SIZE * 8 * 2, dtype=torch.int8))
     cache = layout_of(caches, NUM_BLOCKS, BLOCK_SIZE)

@@ -88,12 +88,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from kvray.agent.handoff import PUSH_ENDPOINT, rank_engine_id
 from kvray.config import handoff_key_from_env
+from kvray.integrations.vllm import compat
 from kvray.integrations.vllm.cache_layout import cache_config_of, kv_heads_of, tp_rank
 from kvray.integrations.vllm.metadata import KvrayHandshake, KvrayMetadata
 from kvray.integrations.vllm.scheduler import ConnectorScheduler
@@ -133,6 +133,7 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         kv_heads = kv_heads_of(vllm_config)
         self.engine_id = f"vllm-{transfer.engine_id}"
         self.cache_config = cache_config_of(vllm_config, kv_cache_config)
+        compat.check_groups(self.cache_config.group_layers)
         lease_s = float(extra.get("lease_s", 60.0))
         # Both sides read the key: the scheduler reads and writes the tickets (and refuses to
         # start without it), the workers prove their push requests and withdrawals with it.
@@ -160,6 +161,8 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             proof=key,
             preempt_wait_s=float(extra.get("preempt_wait_s", PREEMPT_WAIT_S)),
         )
+        if not compat.asks_for_allocation_context():
+            compat.place_in_one_allocation(self.get_mem_pool_context)
 
     @property
     def worker(self) -> ConnectorWorker | None:
@@ -217,12 +220,11 @@ class KvrayConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's `KVConnectorTransferResults` (`compat.TransferResults` where it has none)."""
         assert self._worker is not None
         sent, received, failed = self._worker.transfer_results()
-        return KVConnectorTransferResults(
-            finished_sending=sent, finished_recving=received, failed_recving=failed
-        )
+        return compat.TransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

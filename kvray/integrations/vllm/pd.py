@@ -52,13 +52,11 @@ def deployment_key() -> str:
     this process is connected to Ray) the Ray cluster's, else a fresh one. It is exported to
     KVRAY_HANDOFF_KEY, which processes started from here inherit, and, connected to Ray, kept as
     the cluster's (`cluster_key`), where `Engine` actors and Serve LLM replicas find it."""
-    import ray
-
     from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
     from kvray.integrations.vllm.tickets import new_key_hex
 
     key = handoff_key_from_env()
-    if ray.is_initialized():
+    if _ray_connected():
         key = cluster_key(key)
     elif key is None:
         key = new_key_hex()
@@ -274,9 +272,11 @@ class Engine:
 
     def node_id(self) -> str:
         """The Ray node this engine runs on ("" outside Ray)."""
+        if not _ray_connected():
+            return ""
         import ray
 
-        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+        return str(ray.get_runtime_context().get_node_id())
 
     def processes(self) -> list[int]:
         """The pids of this engine's own processes (engine core, workers), for fault tests."""
@@ -339,14 +339,12 @@ def _export_cluster_key(transfer: Mapping[str, Any]) -> None:
     """Give the engine core this process starts its hand-off key in the environment: where the
     config names none and KVRAY_HANDOFF_KEY is unset here (a Ray actor does not inherit its
     driver's environment), the Ray cluster's, which `transfer_config` kept there."""
-    import ray
-
     from kvray.config import HANDOFF_KEY_VARIABLE, handoff_key_from_env
     from kvray.errors import ConfigError
 
     if names_key(transfer.get("kv_connector_extra_config") or {}) or handoff_key_from_env() is not None:
         return
-    if not ray.is_initialized():
+    if not _ray_connected():
         return  # the connector refuses to start, saying how to give it a key
     key = kept_cluster_key()
     if key is None:
@@ -358,9 +356,21 @@ def _export_cluster_key(transfer: Mapping[str, Any]) -> None:
     os.environ[HANDOFF_KEY_VARIABLE] = key
 
 
+def _ray_connected() -> bool:
+    """Whether this process is connected to Ray; False where Ray is not installed (a GPU
+    machine may run vLLM engines without it)."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return bool(ray.is_initialized())
+
+
 def _joined(transfer: Mapping[str, Any], join_ray: bool | None) -> dict[str, Any]:
     """`transfer` with the Ray cluster and node of the calling actor in the connector's extra
     config, when it is to join Ray."""
+    if not join_ray and not _ray_connected():
+        return dict(transfer)  # an engine of a machine without Ray (or outside it)
     import ray
 
     in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None

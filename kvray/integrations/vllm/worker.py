@@ -136,6 +136,8 @@ class ConnectorWorker:
         #: A GPU KV cache's own allocation, and the private pool it came from (kept as long).
         self._cuda_buffer: torch.Tensor | None = None
         self._cuda_pool: object | None = None
+        #: A producer's CPU KV cache, aligned in an allocation of its own (exported to no one).
+        self._cpu_buffer: torch.Tensor | None = None
         self._agent: KVAgent | None = None
         self._handoff: Handoff | None = None
         self._loop: AgentLoop | None = None
@@ -170,8 +172,9 @@ class ConnectorWorker:
         a GPU), place that buffer where same-node writers can reach it and nothing else can be
         reached with it: on the CPU a kvray shared-memory file (an engine that takes writes), on
         a GPU a CUDA allocation of its own (a private memory pool: the allocation a CUDA IPC
-        handle exports holds the KV cache and no other tensor; a pure producer's is aligned
-        there too, and exported to no one). Other allocations pass through."""
+        handle exports holds the KV cache and no other tensor). A pure producer's is aligned in
+        an allocation of its own too (registered, exported to no one). Other allocations pass
+        through."""
         original = torch.zeros
         worker = self
 
@@ -181,12 +184,15 @@ class ConnectorWorker:
             if (
                 worker._shm_path is None
                 and worker._cuda_buffer is None
+                and worker._cpu_buffer is None
                 and len(dims) == 1
                 and kwargs.get("dtype") == torch.int8
                 and int(dims[0]) >= 1 << 20
             ):
                 if device.type == "cpu" and worker.role is Role.DECODE:
                     return worker._shared_buffer(int(dims[0]))
+                if device.type == "cpu":
+                    return worker._private_buffer(int(dims[0]))
                 if device.type == "cuda":
                     return worker._pooled_buffer(int(dims[0]), device)
             return original(*size, **kwargs)
@@ -205,6 +211,15 @@ class ConnectorWorker:
         self._shm_storage = mapped.untyped_storage().data_ptr()
         skip = -mapped.data_ptr() % alignment
         return mapped[skip : skip + nbytes].view(torch.int8)
+
+    def _private_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of zeroed int8 at an aligned offset of a CPU allocation padded so that the
+        aligned region around them lies inside it."""
+        alignment = self.settings.alignment
+        padded = torch.empty(nbytes + 2 * alignment, dtype=torch.int8)
+        skip = -padded.data_ptr() % alignment
+        self._cpu_buffer = padded[skip : skip + nbytes].zero_()
+        return self._cpu_buffer
 
     def _pooled_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """`nbytes` of zeroed int8 at an aligned offset of a CUDA allocation of their own."""
