@@ -248,7 +248,7 @@ def main() -> int:
             f"(partings {result['partings']}, near tie allowed {result['near_tie']}); digests "
             f"{'equal' if result['digests_equal'] else 'DIFFER'} over {result['digests_received']} requests; "
             f"blocks held {result['held']}; TTFT single {result['single_ttft_ms']:.1f} ms, P/D "
-            f"{result['pd_ttft_ms']:.1f} ms; KV transfer {result['transfer_ms']} ms; engines up in "
+            f"{result['pd_ttft_ms']:.1f} ms; KV transfer {result['transfer_ms'] or float('nan'):.2f} ms; engines up in "
             f"{result['up_s']:.0f} s; prefill engine killed: its requests {killed['answers']} after "
             f"{killed['waited_s']:.1f} s, decode blocks held {killed['decode_held']}; "
             f"{'ok' if ok else 'FAILED'}",
