@@ -220,7 +220,16 @@ def main() -> int:
     results = []
     failed = False
     for name in args.models:
-        result = run_model(name, args, logs)
+        try:
+            result = run_model(name, args, logs)
+        except Exception as error:  # the next model still runs; this one failed
+            import traceback
+
+            traceback.print_exc()
+            results.append({"model": name, "error": f"{type(error).__name__}: {error}"})
+            print(f"{name}: FAILED: {type(error).__name__}: {error}", flush=True)
+            failed = True
+            continue
         results.append(result)
         if "not_run" in result:
             print(f"{name}: this vLLM does not start a single engine of it here: {result['not_run']}")
@@ -248,7 +257,8 @@ def main() -> int:
             f"(partings {result['partings']}, near tie allowed {result['near_tie']}); digests "
             f"{'equal' if result['digests_equal'] else 'DIFFER'} over {result['digests_received']} requests; "
             f"blocks held {result['held']}; TTFT single {result['single_ttft_ms']:.1f} ms, P/D "
-            f"{result['pd_ttft_ms']:.1f} ms; KV transfer {result['transfer_ms'] or float('nan'):.2f} ms; engines up in "
+            f"{result['pd_ttft_ms']:.1f} ms; KV transfer {result['transfer_ms'] or float('nan'):.2f} ms; "
+            f"engines up in "
             f"{result['up_s']:.0f} s; prefill engine killed: its requests {killed['answers']} after "
             f"{killed['waited_s']:.1f} s, decode blocks held {killed['decode_held']}; "
             f"{'ok' if ok else 'FAILED'}",
