@@ -38,7 +38,7 @@ def runner_class() -> Any:
 
     class Runner:
         device = torch.device("cpu")
-        runner_only_attn_layers: set[str] = set()
+        runner_only_attn_layers: frozenset[str] = frozenset()
         allocations = 0
 
         def _allocate_kv_cache_tensors(self, kv_cache_config: Any) -> dict[str, torch.Tensor]:
