@@ -310,3 +310,43 @@ def test_a_layers_push_runs_after_what_the_forward_said_its_kv_is_ready_by(
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_model_that_keeps_recurrent_state_is_refused_by_its_state_groups() -> None:
+    """A Mamba, Mamba2 or Gated DeltaNet layer's cache (vLLM's `MambaSpec`) is one state slot per
+    request, not blocks of tokens: kvray cannot move it yet and refuses the model at start-up,
+    naming the group, where a model of attention of every kind (full, sliding window, MLA) passes."""
+    interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from kvray.integrations.vllm.cache_layout import cache_config_of, check_attention_only
+
+    attention = interface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    sliding = interface.SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=32
+    )
+    latent = interface.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    state = interface.MambaSpec(
+        block_size=16, shapes=((3, 1024), (8, 64, 16)), dtypes=(torch.bfloat16, torch.float32)
+    )
+
+    def config(*specs: object) -> object:
+        groups = [
+            interface.KVCacheGroupSpec([f"model.layers.{index}.mixer"], spec)
+            for index, spec in enumerate(specs)
+        ]
+        return interface.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    check_attention_only(config(attention, sliding, latent))
+    with pytest.raises(ConfigError, match=r"recurrent state .* group 1 \(MambaSpec: model\.layers\.1\.mixer"):
+        check_attention_only(config(attention, state))
+    uniform = interface.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": attention, "b": state})
+    with pytest.raises(ConfigError, match=r"group 0 \(MambaSpec"):
+        check_attention_only(config(uniform))
+
+    class Cache:
+        block_size = 16
+
+    class VllmConfig:
+        cache_config = Cache()
+
+    with pytest.raises(ConfigError, match="recurrent state"):
+        cache_config_of(VllmConfig(), config(attention, state))

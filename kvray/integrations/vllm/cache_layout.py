@@ -33,7 +33,9 @@ class CacheConfig:
 
 
 def cache_config_of(vllm_config: Any, kv_cache_config: Any) -> CacheConfig:
-    """The KV cache vLLM configured for this engine (`kv_cache_config` may be None)."""
+    """The KV cache vLLM configured for this engine (`kv_cache_config` may be None); a model
+    whose cache keeps more than attention KV is refused (`check_attention_only`)."""
+    check_attention_only(kv_cache_config)
     return CacheConfig(
         block_size=block_size_of(kv_cache_config, int(vllm_config.cache_config.block_size)),
         num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
@@ -41,6 +43,36 @@ def cache_config_of(vllm_config: Any, kv_cache_config: Any) -> CacheConfig:
             tuple(group.layer_names) for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
         ),
     )
+
+
+def check_attention_only(kv_cache_config: Any) -> None:
+    """Refuse KV cache groups that keep something other than attention KV: a recurrent state
+    (vLLM's `MambaSpec`: Mamba, Mamba2, Gated DeltaNet, short convolutions) is one slot per
+    request, rewritten as tokens come, not blocks of tokens; kvray does not move it yet, and a
+    decode engine would generate from a state that never arrived. Attention of every kind
+    (full, sliding window, MLA, ...) derives from vLLM's `AttentionSpec`."""
+    refused = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = getattr(group, "kv_cache_spec", None)
+        if spec is None:
+            continue
+        specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one per layer
+        inner = list(specs.values()) if specs else [spec]
+        kinds = sorted({type(each).__name__ for each in inner if not _attention(each)})
+        if kinds:
+            layers = list(group.layer_names)
+            refused.append(f"group {index} ({', '.join(kinds)}: {layers[0]}, ... {len(layers)} layers)")
+    if refused:
+        raise ConfigError(
+            f"this model's KV cache keeps recurrent state kvray does not move yet, in KV cache "
+            f"{'; '.join(refused)}: a decode engine would generate from a state that never arrived. "
+            "Serve it without kvray's connector (a single engine)",
+            groups=refused,
+        )
+
+
+def _attention(spec: Any) -> bool:
+    return any(cls.__name__ == "AttentionSpec" for cls in type(spec).__mro__)
 
 
 def block_size_of(kv_cache_config: Any, configured: int) -> int:
