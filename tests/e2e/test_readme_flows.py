@@ -230,6 +230,9 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown": Skip(
         "needs a CUDA GPU"
     ),
+    "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 8 --lane both": Skip(
+        "needs a CUDA GPU"
+    ),
     "PYTHONPATH=.:tests/gpu python benchmarks/bench_gpu_connector.py --device cpu --lane both": Skip(
         BENCHMARK
     ),
