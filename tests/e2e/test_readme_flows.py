@@ -227,9 +227,6 @@ COMMANDS: dict[str, Run | Covered | Skip] = {
     "python3 benchmarks/bench_gpu.py --same-gpu --no-nccl --repeat 10 --kvray-only": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_launch.py": Skip("needs a CUDA GPU"),
     "python3 benchmarks/bench_gpu_rows.py --repeat 100": Skip("needs a CUDA GPU"),
-    "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 10 --breakdown": Skip(
-        "needs a CUDA GPU"
-    ),
     "PYTHONPATH=tests/gpu python3 benchmarks/bench_gpu_connector.py --repeat 8 --lane both": Skip(
         "needs a CUDA GPU"
     ),
