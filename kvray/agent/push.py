@@ -1299,16 +1299,13 @@ class Pusher:
         """The CUDA driver's calls and this engine's GPU context, for a lane of GPU caches;
         None where the cuda_ipc transport cannot run here."""
         try:
-            import torch
-
             from kvray.transport.cuda_ipc import CudaIpcTransport
             from kvray.transport.cuda_ipc.driver import lane_calls, primary_context
 
             if CudaIpcTransport.unavailable_reason(self.engine.settings) is not None:
                 return None
-            device = self.engine.backing.regions[0].tensor.device
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            context = primary_context(index)  # this thread may have run no CUDA work: none current
+            # This thread may have run no CUDA work: no context is current on it.
+            context = primary_context(self.engine.backing.regions[0].tensor.device)
             calls = lane_calls()
         except (OSError, KvrayError) as error:
             log.warning("kvray: no native lane for this GPU cache (%s: %s)", type(error).__name__, error)

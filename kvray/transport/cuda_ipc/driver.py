@@ -10,6 +10,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvray.errors import TransportError
 
 
@@ -73,13 +75,14 @@ def lane_calls() -> tuple[int, ...]:
     return tuple(int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0) for name in LANE_CALLS)
 
 
-def primary_context(device: int) -> int:
-    """Device `device`'s primary context (torch's), whichever context is current on this
+def primary_context(device: torch.device) -> int:
+    """CUDA device `device`'s primary context (torch's), whichever context is current on this
     thread, if any: a thread torch has not run CUDA work on has none current. torch keeps the
     context for the process's life; the reference taken here to read it goes at once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     lib = libcuda()
     handle = ctypes.c_int()
-    driver_check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)))
+    driver_check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(index)))
     context = ctypes.c_void_p()
     driver_check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle))
     driver_check("cuDevicePrimaryCtxRelease", lib.cuDevicePrimaryCtxRelease_v2(handle))

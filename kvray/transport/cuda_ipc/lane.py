@@ -85,7 +85,6 @@ class LaneCopies:
 def lane_copies(target: torch.Tensor, source: torch.Tensor, table: RowTable, keep: object) -> LaneCopies:
     """A pair's copies, none captured yet (`LaneCopies.grow`), on a stream of their own."""
     device = target.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    context = primary_context(index)  # the context torch captures the copies in
+    context = primary_context(device)  # the context torch captures the copies in
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     return LaneCopies(target, source, table, context, stream, keep)
